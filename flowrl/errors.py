@@ -1,0 +1,31 @@
+"""One error hierarchy. The CLI prints a FlowRLError as one paragraph and exits 2."""
+
+from __future__ import annotations
+
+
+class FlowRLError(Exception):
+    """Base of every error a user can cause and fix."""
+
+
+class GraphError(FlowRLError):
+    """A graph violates an invariant; the message names the node and key."""
+
+
+class ConfigError(FlowRLError):
+    """A config file or --set override is malformed; the message names the field path."""
+
+
+class PlanError(FlowRLError):
+    """A pass failed or a plan cannot run (e.g. does not fit in memory)."""
+
+
+class PluginError(FlowRLError):
+    """A plugin failed to load, or registered something invalid or twice."""
+
+
+class BackendError(FlowRLError):
+    """A backend cannot do what the plan asks (missing model dir, bad tokenizer, ...)."""
+
+
+class TaskError(FlowRLError):
+    """An unknown task or a malformed task option."""
