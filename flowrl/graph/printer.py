@@ -1,0 +1,127 @@
+"""Stable text form of a graph (golden-tested), DOT, and a PNG drawing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flowrl.graph.ir import Compute, Forward, Generate, Graph, Node, Reward, Train
+
+
+def _what(node: Node) -> str:
+    if isinstance(node, Train):
+        return f"{node.model}@v->v+1"
+    if node.model is not None:
+        return f"{node.model}@v"
+    if isinstance(node, (Reward, Compute)):
+        return f"fn={node.fn}"
+    return ""
+
+
+def _detail(node: Node) -> str:
+    parts: list[str] = []
+    if isinstance(node, Generate):
+        parts.append(f"n={node.n}")
+        if node.greedy:
+            parts.append("greedy")
+    elif isinstance(node, Forward):
+        parts.append(f"output={node.output}")
+    elif isinstance(node, Train):
+        parts.append(f"loss={node.loss}")
+    parts.extend(f"{k}={v}" for k, v in sorted(node.options.items()))
+    return " ".join(parts)
+
+
+def node_line(node: Node) -> str:
+    flow = f"{', '.join(node.reads)} -> {', '.join(node.writes) or '(weights)'}"
+    return f"{node.name:<16} {node.kind:<9} {_what(node):<18} {flow}" + (f"  [{_detail(node)}]" if _detail(node) else "")
+
+
+def to_text(graph: Graph) -> str:
+    """A stable, human-readable listing: models, nodes by parallel stage, edges."""
+    lines = [f"graph {graph.name}", f"  inputs: {', '.join(graph.inputs)}", "  models:"]
+    for m in graph.models.values():
+        state = "trainable" if m.trainable else "frozen"
+        lines.append(f"    {m.name:<12} {m.role:<10} {state:<10} init={m.init_from or 'base'}")
+    lines.append("  stages (nodes in one stage have no path between them and may run in parallel):")
+    for i, stage in enumerate(graph.stages(), 1):
+        for j, name in enumerate(stage):
+            label = f"{i}." if j == 0 else ""
+            lines.append(f"    {label:<3} {node_line(graph.nodes[name])}")
+    lines.append("  edges:")
+    dag = graph.dag()
+    for name in graph.order():
+        for _, dst, data in sorted(dag.out_edges(name, data=True), key=lambda e: e[1]):
+            labels = list(data.get("keys", []))
+            if "version" in data:
+                labels.append(f"{data['version']}@v before update")
+            lines.append(f"    {name} -> {dst}: {', '.join(labels)}")
+    for train, gen, model in graph.loop_edges():
+        lines.append(f"    {train} => {gen} (next iteration): {model}@v+1")
+    return "\n".join(lines) + "\n"
+
+
+def neighbourhood(graph: Graph, name: str) -> str:
+    """The node and its key-neighbours, for error messages (works on unverified graphs)."""
+    if name not in graph.nodes:
+        return ""
+    node = graph.nodes[name]
+    related = [node]
+    for other in graph.nodes.values():
+        if other is not node and (set(other.writes) & set(node.reads) or set(node.writes) & set(other.reads)):
+            related.append(other)
+    marks = ["  > " if n is node else "    " for n in related]
+    return "\n".join(m + node_line(n) for m, n in zip(marks, related))
+
+
+def to_dot(graph: Graph) -> str:
+    """Graphviz DOT: data edges solid (labelled with keys), version edges dashed, loop edges dotted."""
+    shapes = {"generate": "box", "forward": "box", "reward": "diamond", "compute": "ellipse", "train": "doubleoctagon"}
+    out = [f'digraph "{graph.name}" {{', "  rankdir=TB;", '  node [fontname="Helvetica"];']
+    for node in graph.nodes.values():
+        label = f"{node.name}\\n{node.kind} {_what(node)}"
+        out.append(f'  "{node.name}" [shape={shapes[node.kind]}, label="{label}"];')
+    for u, v, data in graph.dag().edges(data=True):
+        if data.get("keys"):
+            out.append(f'  "{u}" -> "{v}" [label="{", ".join(data["keys"])}"];')
+        else:
+            out.append(f'  "{u}" -> "{v}" [style=dashed, label="{data["version"]}@v"];')
+    for train, gen, model in graph.loop_edges():
+        out.append(f'  "{train}" -> "{gen}" [style=dotted, constraint=false, label="{model}@v+1"];')
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def draw_png(graph: Graph, path: str | Path) -> Path:
+    """Draw the graph with matplotlib, one row per parallel stage."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import networkx as nx
+
+    dag = graph.dag()
+    stages = graph.stages()
+    pos = {}
+    for row, stage in enumerate(stages):
+        for col, name in enumerate(stage):
+            pos[name] = (col - (len(stage) - 1) / 2, -row)
+    width = max(len(s) for s in stages)
+    fig, ax = plt.subplots(figsize=(max(6, 2.8 * width), 1.4 * len(stages) + 1))
+    colors = {"generate": "#8ecae6", "forward": "#bde0fe", "reward": "#ffb703", "compute": "#cdeac0", "train": "#fb8500"}
+    data_edges = [(u, v) for u, v, d in dag.edges(data=True) if d.get("keys")]
+    version_edges = [(u, v) for u, v, d in dag.edges(data=True) if not d.get("keys")]
+    nx.draw_networkx_edges(dag, pos, edgelist=data_edges, ax=ax, arrows=True, node_size=3000, edge_color="#444")
+    nx.draw_networkx_edges(dag, pos, edgelist=version_edges, ax=ax, arrows=True, node_size=3000, style="dashed", edge_color="#aaa")
+    nx.draw_networkx_edge_labels(dag, pos, edge_labels={(u, v): ", ".join(d["keys"]) for u, v, d in dag.edges(data=True) if d.get("keys")}, font_size=7, ax=ax)
+    labels = {n: f"{n}\n{graph.nodes[n].kind}\n{_what(graph.nodes[n])}" for n in dag.nodes}
+    nx.draw_networkx_nodes(dag, pos, ax=ax, node_size=3000, node_shape="s", node_color=[colors[graph.nodes[n].kind] for n in dag.nodes])
+    nx.draw_networkx_labels(dag, pos, labels=labels, font_size=7, ax=ax)
+    ax.set_title(f"{graph.name}: one row per stage; dashed = model version order", fontsize=9)
+    ax.axis("off")
+    ax.margins(0.15)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,69 @@
+"""flowrl's plugin hooks. Each hook receives a ``register(name, obj, **meta)`` callback.
+
+Built-ins implement these hooks exactly like third-party plugins (entry-point group ``flowrl``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("flowrl")
+hookimpl = pluggy.HookimplMarker("flowrl")
+
+Register = Callable[..., None]
+
+
+@hookspec
+def register_algorithms(register: Register) -> None:
+    """Register algorithm graphs: ``register(name, build)`` where ``build(cfg) -> Graph``."""
+
+
+@hookspec
+def register_advantage_estimators(register: Register) -> None:
+    """Register compute functions: ``register(name, fn, needs=(keys), gives=(keys))``."""
+
+
+@hookspec
+def register_losses(register: Register) -> None:
+    """Register train losses: ``register(name, fn, needs=(keys), output="logprobs"|"values")``."""
+
+
+@hookspec
+def register_reward_functions(register: Register) -> None:
+    """Register rule-based rewards: ``register(name, fn)`` with ``fn(prompts, responses, task, **options)``."""
+
+
+@hookspec
+def register_tasks(register: Register) -> None:
+    """Register verifiable tasks: ``register(name, task_class)``."""
+
+
+@hookspec
+def register_backends(register: Register) -> None:
+    """Register execution backends: ``register(name, factory)`` with ``factory(plan) -> Backend``."""
+
+
+@hookspec
+def register_passes(register: Register) -> None:
+    """Register planner passes: ``register(name, fn)`` with ``fn(ctx, plan) -> plan``."""
+
+
+@hookspec
+def register_cli_commands(register: Register) -> None:
+    """Register CLI sub-commands: ``register(name, add_arguments, run, help="...")``."""
+
+
+HOOKS: dict[str, str] = {
+    "register_algorithms": "algorithms",
+    "register_advantage_estimators": "advantage_estimators",
+    "register_losses": "losses",
+    "register_reward_functions": "reward_functions",
+    "register_tasks": "tasks",
+    "register_backends": "backends",
+    "register_passes": "passes",
+    "register_cli_commands": "cli_commands",
+}
+
+__all__ = ["hookimpl", "hookspec", "HOOKS", "Any"]

@@ -1,0 +1,187 @@
+"""Run configuration specs (msgspec) and the one function that loads them.
+
+Precedence, lowest first: struct defaults < the graph module's ``DEFAULTS`` < ``--config FILE``
+< ``--set key=value`` < dedicated CLI flags (``--steps``, ``--seed``, ``--model``, ``--out``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+from flowrl.errors import ConfigError
+
+
+class _Spec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class TinyModelConfig(_Spec):
+    """The Llama-style model built from scratch when no ``--model`` directory is given."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    vocab_size: int | None = None  # None: the tokenizer's size
+    max_position_embeddings: int = 128
+
+
+class RolloutConfig(_Spec):
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 8
+    max_new_tokens: int | None = None  # None: the task's budget
+    temperature: float = 1.0
+    top_p: float = 1.0
+    ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
+
+
+class TrainConfig(_Spec):
+    lr: float = 2e-3
+    critic_lr: float | None = None  # None: same as lr
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = 1.0
+    epochs: int = 1  # passes over each batch (PPO epochs)
+    mini_batches: int = 1  # optimizer steps per epoch
+    micro_batch_size: int | None = None  # None: the planner chooses
+
+
+class AlgoConfig(_Spec):
+    clip_low: float = 0.2
+    clip_high: float = 0.28  # > clip_low: DAPO's clip-higher
+    dual_clip: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    gamma: float = 1.0
+    lam: float = 0.95
+    vf_clip: float | None = 0.2
+    vf_coef: float = 1.0
+    whiten_advantages: bool = True
+    entropy_coef: float = 0.0
+
+
+class RunConfig(_Spec):
+    task: str = "add"
+    task_options: dict[str, Any] = {}
+    model: str | None = None  # an HF-format model directory; None: build TinyModelConfig
+    tiny_model: TinyModelConfig = TinyModelConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    train: TrainConfig = TrainConfig()
+    algo: AlgoConfig = AlgoConfig()
+    steps: int = 200
+    seed: int = 0
+    out: str = "runs"
+    name: str | None = None  # None: the graph's name
+    device: str = "cpu"
+    threads: int | None = None  # torch intra-op threads; None: torch's default
+    memory_limit_gib: float | None = None  # None: what the device reports
+    checkpoint: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.steps >= 0, "steps", "must be >= 0"),
+            (self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1"),
+            (self.rollout.samples_per_prompt >= 1, "rollout.samples_per_prompt", "must be >= 1"),
+            (self.rollout.temperature > 0, "rollout.temperature", "must be > 0"),
+            (0 < self.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]"),
+            (self.train.lr > 0, "train.lr", "must be > 0"),
+            (self.train.epochs >= 1, "train.epochs", "must be >= 1"),
+            (self.train.mini_batches >= 1, "train.mini_batches", "must be >= 1"),
+            (self.train.micro_batch_size is None or self.train.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1"),
+        ]
+        for ok, field, why in checks:
+            if not ok:
+                raise ConfigError(f"config field '{field}' {why}.")
+
+
+# ------------------------------------------------------------------ loading
+
+
+def read_document(path: str | Path) -> dict[str, Any]:
+    """Read a YAML, TOML or JSON file into a plain mapping (never executes anything)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist.")
+    raw = path.read_bytes()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(raw) or {}
+        elif path.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(raw.decode())
+        elif path.suffix == ".json":
+            data = msgspec.json.decode(raw)
+        else:
+            raise ConfigError(f"config file '{path}': unknown format '{path.suffix}' (use .yaml, .toml or .json).")
+    except ConfigError:
+        raise
+    except Exception as exc:  # each parser has its own error type
+        raise ConfigError(f"config file '{path}' is not valid {path.suffix[1:].upper()}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping at the top level, found {type(data).__name__}.")
+    return data
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (["a", "b"], value); the value is read as a YAML scalar/list."""
+    if "=" not in text:
+        raise ConfigError(f"--set '{text}' must look like key=value (e.g. --set train.lr=1e-3).")
+    key, _, value = text.partition("=")
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"--set '{text}' has an empty key.")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    if isinstance(parsed, str):
+        try:  # YAML 1.1 reads "1e-3" as a string; users mean a number
+            parsed = float(parsed) if any(c.isdigit() for c in parsed) and parsed.lower().lstrip("+-").replace(".", "", 1).replace("e", "", 1).replace("-", "", 1).replace("+", "", 1).isdigit() else parsed
+        except ValueError:
+            pass
+    return path, parsed
+
+
+def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge two mappings (update wins)."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def nested(path: list[str], value: Any) -> dict[str, Any]:
+    for key in reversed(path):
+        value = {key: value}
+    return value
+
+
+def build_config(*layers: dict[str, Any]) -> RunConfig:
+    """Merge layers (lowest precedence first) and validate into a RunConfig."""
+    data: dict[str, Any] = {}
+    for layer in layers:
+        data = merge(data, layer)
+    return convert(data, RunConfig, "config")
+
+
+def convert(data: Any, type_: type, what: str) -> Any:
+    """msgspec.convert with errors turned into ConfigError naming the field path."""
+    try:
+        return msgspec.convert(data, type_)
+    except msgspec.ValidationError as exc:
+        message = str(exc).replace("`$.", "`")
+        raise ConfigError(f"{what}: {message}. Check the field name and type (see `flowrl run --help` and README).") from None
+
+
+def to_builtins(spec: msgspec.Struct) -> dict[str, Any]:
+    return msgspec.to_builtins(spec)

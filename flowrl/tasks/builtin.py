@@ -1,0 +1,224 @@
+"""Verifiable toy tasks with rule-based rewards.
+
+A task is a frozen ``msgspec.Struct`` whose fields are its options. It draws prompts
+from a ``random.Random`` (deterministic given the rng state) and scores a response
+against the prompt's reference answer with :func:`char_score`, which gives partial
+credit per matching character and 1.0 only for an exact answer.
+
+Built-in tasks (every prompt and answer is made of :data:`flowrl.tasks.tokenizer.CHARS`):
+
+- ``add``: ``"7+8="`` -> ``"5"``, the sum of two digits modulo ``modulo``.
+- ``copy``: ``"cab>"`` -> ``"cab"``, copy a short string of letters.
+- ``repeat``: ``"b*7="`` -> ``"bbbbbbb"``, with a long-tailed count distribution.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import msgspec
+
+from flowrl.errors import TaskError
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+class Prompt(msgspec.Struct, frozen=True, kw_only=True):
+    """One task instance: what the model sees and the reference answer."""
+
+    text: str
+    answer: str
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What the rest of flowrl needs from a task."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+
+    def max_new_tokens(self) -> int: ...
+
+    def prompts(self, rng: random.Random, n: int) -> list[Prompt]: ...
+
+    def score(self, prompt: Prompt, response: str) -> float: ...
+
+
+def char_score(answer: str, response: str) -> float:
+    """Partial-credit reward in [0, 1].
+
+    1.0 for an exact match. Otherwise 0.9 times the fraction of positions where the
+    response agrees with the answer, over the longer of the two (so missing and extra
+    characters both cost); an empty response scores 0.
+    """
+    if response == answer:
+        return 1.0
+    if not response:
+        return 0.0
+    matches = sum(1 for a, r in zip(answer, response) if a == r)
+    return 0.9 * matches / max(len(answer), len(response))
+
+
+class TaskBase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Shared behaviour of the built-in tasks: scoring and the draw loop."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+
+    def max_new_tokens(self) -> int:
+        raise NotImplementedError
+
+    def sample(self, rng: random.Random) -> Prompt:
+        """Draw one prompt."""
+        raise NotImplementedError
+
+    def prompts(self, rng: random.Random, n: int) -> list[Prompt]:
+        """Draw ``n`` prompts; deterministic given the rng state."""
+        if n < 0:
+            raise TaskError(f"task {self.name!r}: cannot draw a negative number of prompts ({n})")
+        return [self.sample(rng) for _ in range(n)]
+
+    def score(self, prompt: Prompt, response: str) -> float:
+        """Rule-based reward in [0, 1]; 1.0 only for the exact answer."""
+        return char_score(prompt.answer, response)
+
+    def _check(self, option: str, ok: bool, requirement: str) -> None:
+        if not ok:
+            value = getattr(self, option)
+            raise TaskError(f"task {self.name!r}: option {option!r} must be {requirement}, got {value!r}")
+
+
+class Add(TaskBase, frozen=True, kw_only=True):
+    """``"a+b="`` -> ``str((a + b) % modulo)`` for digits a, b in 0..9."""
+
+    name: ClassVar[str] = "add"
+    description: ClassVar[str] = "add two digits modulo `modulo`: '7+8=' -> '5'"
+
+    modulo: int = 10
+
+    def __post_init__(self) -> None:
+        self._check("modulo", 2 <= self.modulo <= 10, "between 2 and 10")
+
+    def max_new_tokens(self) -> int:
+        return 1 + 2
+
+    def sample(self, rng: random.Random) -> Prompt:
+        a = rng.randrange(10)
+        b = rng.randrange(10)
+        return Prompt(text=f"{a}+{b}=", answer=str((a + b) % self.modulo))
+
+
+class Copy(TaskBase, frozen=True, kw_only=True):
+    """``s + ">"`` -> ``s`` for a string s over the first ``alphabet_size`` letters."""
+
+    name: ClassVar[str] = "copy"
+    description: ClassVar[str] = "copy a string of letters: 'cab>' -> 'cab'"
+
+    alphabet_size: int = 4
+    min_len: int = 1
+    max_len: int = 4
+
+    def __post_init__(self) -> None:
+        self._check("alphabet_size", 1 <= self.alphabet_size <= len(LETTERS), "between 1 and 26")
+        self._check("min_len", self.min_len >= 1, "at least 1")
+        self._check("max_len", self.max_len >= self.min_len, f"at least min_len ({self.min_len})")
+
+    def max_new_tokens(self) -> int:
+        return self.max_len + 2
+
+    def sample(self, rng: random.Random) -> Prompt:
+        letters = LETTERS[: self.alphabet_size]
+        length = rng.randint(self.min_len, self.max_len)
+        s = "".join(rng.choice(letters) for _ in range(length))
+        return Prompt(text=f"{s}>", answer=s)
+
+
+class Repeat(TaskBase, frozen=True, kw_only=True):
+    """``"b*7="`` -> ``"bbbbbbb"``; the count is long-tailed (log-normal, clamped).
+
+    ``count = clamp(round(lognormal(log(median), sigma)), 1, max_count)``: most answers
+    are short, a few are several times the median.
+    """
+
+    name: ClassVar[str] = "repeat"
+    description: ClassVar[str] = "write a letter n times, n long-tailed: 'b*7=' -> 'bbbbbbb'"
+
+    median: int = 3
+    sigma: float = 0.75
+    max_count: int = 24
+    alphabet_size: int = 4
+
+    def __post_init__(self) -> None:
+        self._check("median", self.median >= 1, "at least 1")
+        self._check("sigma", 0.0 <= self.sigma <= 5.0, "between 0 and 5")
+        self._check("max_count", self.max_count >= self.median, f"at least median ({self.median})")
+        self._check("alphabet_size", 1 <= self.alphabet_size <= len(LETTERS), "between 1 and 26")
+
+    def max_new_tokens(self) -> int:
+        return self.max_count + 2
+
+    def sample(self, rng: random.Random) -> Prompt:
+        raw = rng.lognormvariate(math.log(self.median), self.sigma)
+        count = min(max(round(raw), 1), self.max_count)
+        letter = rng.choice(LETTERS[: self.alphabet_size])
+        return Prompt(text=f"{letter}*{count}=", answer=letter * count)
+
+
+BUILTIN_TASKS: dict[str, type[TaskBase]] = {"add": Add, "copy": Copy, "repeat": Repeat}
+
+
+def make_task(
+    name: str,
+    options: Mapping[str, Any] | None = None,
+    registry: Mapping[str, type] | None = None,
+) -> Any:
+    """Build task ``name`` from ``options``; raise TaskError naming the task and option.
+
+    ``registry`` maps names to task classes (default :data:`BUILTIN_TASKS`).
+    """
+    tasks: Mapping[str, type] = BUILTIN_TASKS if registry is None else registry
+    cls = tasks.get(name)
+    if cls is None:
+        known = ", ".join(sorted(tasks))
+        raise TaskError(f"unknown task {name!r}; known tasks: {known}")
+    if options is None:
+        options = {}
+    if not isinstance(options, Mapping):
+        raise TaskError(f"task {name!r}: options must be a mapping, got {type(options).__name__}")
+    try:
+        return msgspec.convert(dict(options), cls)
+    except msgspec.ValidationError as e:
+        message = str(e).replace("`$.", "`")
+        fields = ", ".join(f.name for f in msgspec.structs.fields(cls)) if _is_struct(cls) else ""
+        hint = f" (options: {fields})" if fields else ""
+        raise TaskError(f"task {name!r}: bad option: {message}{hint}") from None
+
+
+def _is_struct(cls: type) -> bool:
+    return isinstance(cls, type) and issubclass(cls, msgspec.Struct)
+
+
+def length_stats(task: Task, rng: random.Random, n: int = 2000) -> dict[str, float]:
+    """Answer-length statistics over ``n`` drawn prompts.
+
+    Keys: ``p50``, ``p90``, ``max`` (nearest-rank, in characters = tokens), ``mean``,
+    and ``prompt_max`` (the longest prompt).
+    """
+    if n < 1:
+        raise TaskError(f"task {task.name!r}: length_stats needs n >= 1, got {n}")
+    drawn = task.prompts(rng, n)
+    lengths = sorted(len(p.answer) for p in drawn)
+
+    def rank(q: float) -> int:
+        return lengths[max(math.ceil(q * n) - 1, 0)]
+
+    return {
+        "p50": rank(0.5),
+        "p90": rank(0.9),
+        "max": lengths[-1],
+        "mean": sum(lengths) / n,
+        "prompt_max": max(len(p.text) for p in drawn),
+    }
