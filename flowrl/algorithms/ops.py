@@ -1,0 +1,121 @@
+"""Graph-facing wrappers around the tensor math: compute functions, losses, reward functions.
+
+Each wrapper reads the keys its node declares (by their conventional names), calls the plain
+tensor functions in `advantages` / `losses`, and returns the keys it produces. What each one
+needs and gives is registered with it, so the planner's `resolve` pass can check a graph's
+keys before anything runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flowrl.algorithms import advantages as adv
+from flowrl.algorithms import losses
+from flowrl.runtime.batch import Sequences, sequences_in
+from flowrl.specs import AlgoConfig
+from flowrl.tasks.builtin import Prompt
+
+Batch = dict[str, Any]
+
+
+def _token_rewards(inputs: Batch, seqs: Sequences, algo: AlgoConfig, kl_coef: float | None) -> Tensor:
+    """Sequence reward on the last token, minus a per-token KL penalty when both log-probs are read.
+
+    r_t = score * [t = last] - beta * (log pi_old(a_t) - log pi_ref(a_t))
+    """
+    mask = seqs.response_mask
+    rewards = adv.sequence_to_token_rewards(inputs["rewards"].float(), mask)
+    beta = algo.kl_coef if kl_coef is None else kl_coef
+    if beta and "old_logprobs" in inputs and "ref_logprobs" in inputs:
+        rewards = rewards - beta * losses.kl_penalty(inputs["old_logprobs"], inputs["ref_logprobs"], "k1") * mask
+    return rewards
+
+
+# ---------------------------------------------------------------- compute functions
+
+
+def gae_op(inputs: Batch, algo: AlgoConfig, *, kl_coef: float | None = None) -> dict[str, Tensor]:
+    """PPO: GAE(gamma, lambda) over token rewards with the KL penalty in the reward."""
+    seqs = sequences_in(inputs, "gae")
+    mask = seqs.response_mask
+    values = inputs["values"].float() * mask
+    advantages, returns = adv.gae(_token_rewards(inputs, seqs, algo, kl_coef), values, mask, gamma=algo.gamma, lam=algo.lam)
+    if algo.whiten_advantages:
+        advantages = adv.masked_whiten(advantages, mask)
+    return {"advantages": advantages, "returns": returns}
+
+
+def grpo_op(inputs: Batch, algo: AlgoConfig, *, eps: float = 1e-6, scale: bool = True) -> dict[str, Tensor]:
+    """GRPO: A_i = (r_i - mean(r_group)) / (std(r_group) + eps), the same for every token."""
+    seqs = sequences_in(inputs, "grpo")
+    a = adv.grpo(inputs["rewards"].float(), seqs.prompt_index, eps=eps, scale=scale)
+    return {"advantages": adv.broadcast_to_tokens(a, seqs.response_mask)}
+
+
+def rloo_op(inputs: Batch, algo: AlgoConfig) -> dict[str, Tensor]:
+    """RLOO: A_i = r_i - mean of the other samples of the same prompt."""
+    seqs = sequences_in(inputs, "rloo")
+    a = adv.rloo(inputs["rewards"].float(), seqs.prompt_index)
+    return {"advantages": adv.broadcast_to_tokens(a, seqs.response_mask)}
+
+
+def remax_op(inputs: Batch, algo: AlgoConfig) -> dict[str, Tensor]:
+    """ReMax: A_i = r_i - r(greedy response of the same prompt)."""
+    seqs = sequences_in(inputs, "remax")
+    baseline = inputs["baseline_rewards"].float()[seqs.prompt_index]
+    a = adv.remax(inputs["rewards"].float(), baseline)
+    return {"advantages": adv.broadcast_to_tokens(a, seqs.response_mask)}
+
+
+def reinforce_pp_op(inputs: Batch, algo: AlgoConfig, *, kl_coef: float | None = None) -> dict[str, Tensor]:
+    """REINFORCE++: discounted token returns (KL in the reward), whitened over the batch."""
+    seqs = sequences_in(inputs, "reinforce_pp")
+    return {"advantages": adv.reinforce_pp(_token_rewards(inputs, seqs, algo, kl_coef), seqs.response_mask, gamma=algo.gamma)}
+
+
+# ---------------------------------------------------------------- losses
+
+
+def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
+    """PPO-clip (clip-higher, dual-clip) + beta * KL(pi || ref) when the node reads ref_logprobs."""
+    mask = sequences_in(batch, "ppo").response_mask
+    loss, stats = losses.ppo_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip)
+    if "ref_logprobs" in batch:
+        kl = adv.masked_mean(losses.kl_penalty(logprobs, batch["ref_logprobs"], algo.kl_estimator), mask)
+        stats["kl_loss"] = float(kl.detach())
+        if algo.kl_coef:
+            loss = loss + algo.kl_coef * kl
+    return loss, stats
+
+
+def value_loss(values: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
+    """Clipped value loss, scaled by vf_coef."""
+    mask = sequences_in(batch, "value").response_mask
+    loss, stats = losses.value_loss(values, batch["values"], batch["returns"], mask, clip=algo.vf_clip)
+    return algo.vf_coef * loss, stats
+
+
+# ---------------------------------------------------------------- reward functions
+
+
+def task_reward(prompts: list[Prompt], responses: list[str], task: Any) -> Tensor:
+    """The task's own rule-based score of each response."""
+    return torch.tensor([task.score(p, r) for p, r in zip(prompts, responses)], dtype=torch.float32)
+
+
+COMPUTE_FUNCTIONS = {
+    "gae": (gae_op, {"needs": ("rewards", "values", "responses"), "gives": ("advantages", "returns")}),
+    "grpo": (grpo_op, {"needs": ("rewards", "responses"), "gives": ("advantages",)}),
+    "rloo": (rloo_op, {"needs": ("rewards", "responses"), "gives": ("advantages",)}),
+    "remax": (remax_op, {"needs": ("rewards", "baseline_rewards", "responses"), "gives": ("advantages",)}),
+    "reinforce_pp": (reinforce_pp_op, {"needs": ("rewards", "responses"), "gives": ("advantages",)}),
+}
+LOSSES = {
+    "ppo": (ppo_loss, {"needs": ("old_logprobs", "advantages"), "output": "logprobs"}),
+    "value": (value_loss, {"needs": ("values", "returns"), "output": "values"}),
+}
+REWARD_FUNCTIONS = {"task": task_reward}

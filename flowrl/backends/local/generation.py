@@ -1,0 +1,85 @@
+"""Batched sampling with a KV cache, returning per-token log-probs.
+
+The log-prob of each sampled token is taken under ``softmax(logits / temperature)`` before
+top-p truncation: the same distribution the training forward computes, so PPO's ratio is 1
+at the first step (tests bound the difference).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from flowrl.runtime.batch import position_ids
+
+
+def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
+    """Keep the smallest set of tokens whose probability mass reaches ``top_p``."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # mass before this token already enough
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _cache_names(model: nn.Module) -> tuple[str, str]:
+    """(forward kwarg, output field) of the KV cache: ``cache`` in transformers >= 5.2x, else ``past_key_values``."""
+    import inspect
+
+    if "cache" in inspect.signature(model.forward).parameters:
+        return "cache", "cache"
+    return "past_key_values", "past_key_values"
+
+
+@torch.no_grad()
+def sample(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    ignore_eos: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Sample up to ``max_new_tokens`` per row.
+
+    Returns (tokens [B,R], logprobs [B,R], mask [B,R]); R <= max_new_tokens (stops when every
+    row has emitted EOS). A row's mask covers its tokens up to and including EOS.
+    """
+    batch = prompt_ids.shape[0]
+    kwarg, field = _cache_names(model)
+    mask = prompt_mask.long()
+    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True)
+    cache = getattr(out, field)
+    logits = out.logits[:, -1, :]
+    next_pos = mask.sum(-1, keepdim=True)  # position of the first generated token
+    done = torch.zeros(batch, dtype=torch.bool)
+    tokens, logprobs, alive = [], [], []
+    for step in range(max_new_tokens):
+        scaled = logits.float() / temperature
+        logp = torch.log_softmax(scaled, dim=-1)
+        if greedy:
+            tok = scaled.argmax(-1)
+        else:
+            probs = torch.softmax(top_p_filter(scaled, top_p), dim=-1)
+            tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tok = tok.masked_fill(done, pad_id)
+        tokens.append(tok)
+        logprobs.append(logp.gather(-1, tok[:, None]).squeeze(-1).masked_fill(done, 0.0))
+        alive.append(~done)
+        if not ignore_eos:
+            done = done | (tok == eos_id)
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype)], dim=1)
+        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos + step, use_cache=True, **{kwarg: cache})
+        cache = getattr(out, field)
+        logits = out.logits[:, -1, :]
+    return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(alive, 1).float()

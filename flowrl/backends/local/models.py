@@ -1,0 +1,134 @@
+"""Load or build HF-format causal LMs and tokenizers; the value-head wrapper.
+
+Any HF causal LM directory works (transformers + safetensors). With no directory, flowrl
+builds a tiny Llama with random weights and its character tokenizer: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from flowrl.errors import BackendError
+from flowrl.specs import TinyModelConfig
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+def load_tokenizer(path: str | None) -> Any:
+    """The tokenizer in ``path``, or flowrl's character tokenizer when ``path`` is None."""
+    if path is None:
+        from flowrl.tasks.tokenizer import build_tokenizer
+
+        return build_tokenizer()
+    _check_dir(path)
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise BackendError(f"model directory '{path}' has no usable tokenizer ({type(exc).__name__}: {exc}). Save one with tokenizer.save_pretrained('{path}').") from None
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if tok.eos_token_id is None:
+        raise BackendError(f"the tokenizer in '{path}' has no EOS token; generation could never stop.")
+    return tok
+
+
+def tiny_llama_config(cfg: TinyModelConfig, tokenizer: Any) -> Any:
+    from transformers import LlamaConfig
+
+    vocab = cfg.vocab_size or len(tokenizer)
+    if vocab < len(tokenizer):
+        raise BackendError(f"tiny_model.vocab_size={vocab} is smaller than the tokenizer ({len(tokenizer)} tokens).")
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+
+
+def model_config(path: str | None, tiny: TinyModelConfig, tokenizer: Any) -> Any:
+    """The HF config of the base model (read from ``config.json``; nothing is loaded)."""
+    if path is None:
+        return tiny_llama_config(tiny, tokenizer)
+    _check_dir(path)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise BackendError(f"'{path}/config.json' is not a usable HF model config: {exc}") from None
+
+
+def count_parameters(config: Any) -> int:
+    """Parameter count of a causal LM from its config, built on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_causal_lm(path: str | None, config: Any, seed: int) -> nn.Module:
+    """Load weights from ``path``, or initialise ``config`` randomly (seeded)."""
+    from transformers import AutoModelForCausalLM
+
+    if path is None:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32, attn_implementation="eager")
+        except Exception as exc:
+            raise BackendError(f"could not load a causal LM from '{path}': {type(exc).__name__}: {exc}") from None
+    model.generation_config.pad_token_id = config.pad_token_id
+    return model
+
+
+class ValueModel(nn.Module):
+    """A causal LM backbone with a scalar head: per-token values (critic) or scores."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.backbone = lm.base_model
+        self.config = lm.config
+        hidden = lm.config.hidden_size
+        self.head = nn.Linear(hidden, 1)
+        nn.init.normal_(self.head.weight, std=1.0 / (hidden + 1) ** 0.5)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        return self.head(hidden).squeeze(-1)
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        self.backbone.save_pretrained(path)
+        save_file({k: v.contiguous() for k, v in self.head.state_dict().items()}, str(path / VALUE_HEAD_FILE))
+
+
+def _check_dir(path: str) -> None:
+    p = Path(path)
+    if not p.is_dir():
+        raise BackendError(f"model directory '{path}' does not exist. Pass --model with a directory holding an HF config.json, weights and a tokenizer (e.g. a runs/<name>/checkpoint from an earlier run).")
+    if not (p / "config.json").is_file():
+        raise BackendError(f"model directory '{path}' has no config.json; it is not an HF-format model.")
+
+
+def checkpoint_info(path: Path) -> dict[str, Any]:
+    return json.loads((path / "config.json").read_text())

@@ -1,0 +1,219 @@
+"""The ``flowrl`` command: run | plan | show | plugins (and commands plugins add).
+
+User errors (FlowRLError) print one paragraph and exit with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Sequence
+
+from flowrl.errors import ConfigError, FlowRLError
+
+EXIT_USER_ERROR = 2
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("graph", nargs="?", help="a graph file (graphs/grpo.py) or an algorithm name (grpo)")
+    p.add_argument("--config", metavar="FILE", help="YAML, TOML or JSON run config")
+    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides", help="override one config field, e.g. --set train.lr=1e-3 (repeatable)")
+    p.add_argument("--steps", type=int, help="training iterations")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--model", metavar="DIR", help="an HF-format model directory (default: a tiny random Llama)")
+    p.add_argument("--task", help="a registered task (see `flowrl plugins`)")
+    p.add_argument("--out", metavar="DIR", help="where runs/<name> goes (default: runs)")
+    p.add_argument("--name", help="run name (default: the graph's name)")
+
+
+def _flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {"steps": args.steps, "seed": args.seed, "model": args.model, "task": args.task, "out": args.out, "name": args.name}
+
+
+def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from flowrl.specs import read_document
+
+    return {"config_file": read_document(args.config) if args.config else None, "overrides": args.overrides, "flags": _flags(args)}
+
+
+def _need_graph(args: argparse.Namespace) -> str:
+    if not args.graph:
+        raise ConfigError("name a graph file or algorithm, e.g. `flowrl run graphs/grpo.py` (see `flowrl plugins` for algorithm names).")
+    return args.graph
+
+
+# ------------------------------------------------------------------ commands
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from flowrl import api
+    from flowrl.planner.plan import load_plan
+
+    if args.plan:
+        if args.config or args.overrides or any(v is not None for v in _flags(args).values()):
+            raise ConfigError("--plan runs a plan exactly as planned; put config changes into `flowrl plan` instead.")
+        plan = load_plan(args.plan)
+        if args.graph and args.graph != plan.graph.source:
+            raise ConfigError(f"--plan '{args.plan}' was made for graph '{plan.graph.source}', not '{args.graph}'.")
+        graph = api.graph_for_plan(plan)
+    else:
+        graph, plan = api.plan(_need_graph(args), emit=print, **_load_kwargs(args))
+    cfg = plan.config
+    print(f"flowrl: running {graph.name} ({plan.graph.source}) on task '{cfg.task}' for {cfg.steps} steps, plan {plan.id}")
+    bar = _progress(cfg.steps, enabled=cfg.progress and not args.quiet)
+    result = api.run(graph, plan, on_step=bar.update)
+    bar.close()
+    summary = _summary(result.metrics)
+    print(f"flowrl: done. {summary}")
+    print(f"  metrics:    {result.out_dir / 'metrics.jsonl'}")
+    if result.metrics:
+        print(f"  curve:      {result.out_dir / 'reward.png'}")
+    for model, path in result.checkpoints.items():
+        print(f"  checkpoint: {path}  (model '{model}'; load with --model {path})")
+    return 0
+
+
+def _summary(metrics: list[dict[str, Any]]) -> str:
+    if not metrics:
+        return "no steps ran."
+    k = max(1, min(10, len(metrics) // 5))
+    first = sum(m["reward"] or 0 for m in metrics[:k]) / k
+    last = sum(m["reward"] or 0 for m in metrics[-k:]) / k
+    secs = sorted(m["step_seconds"] for m in metrics)[len(metrics) // 2]
+    return f"reward {first:.3f} -> {last:.3f} (mean of first/last {k} steps), median step {secs:.3f}s"
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def update(self, record: dict[str, Any]) -> None:
+        if self.bar is None:
+            return
+        post = {"reward": f"{record['reward'] or 0:.3f}"}
+        if record.get("kl") is not None:
+            post["kl"] = f"{record['kl']:.3f}"
+        post["tok/s"] = f"{record['tokens_per_s']:.0f}"
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _progress(total: int, enabled: bool) -> _Progress:
+    return _Progress(total, enabled)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from flowrl import api
+    from flowrl.planner.plan import dump_plan, encode_plan
+
+    _, plan = api.plan(_need_graph(args), print_after=args.print_after, emit=print, **_load_kwargs(args))
+    if args.out:
+        path = dump_plan(plan, args.out)
+        print(f"flowrl: plan {plan.id} written to {path}; run it with `flowrl run --plan {path}`")
+    else:
+        print(encode_plan(plan, args.format), end="")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from flowrl import api
+    from flowrl.graph.printer import draw_png, to_dot, to_text
+
+    graph, _ = api.load(_need_graph(args), **_load_kwargs(args))
+    print(to_text(graph), end="")
+    if args.dot:
+        Path(args.dot).write_text(to_dot(graph))
+        print(f"flowrl: DOT written to {args.dot}")
+    if args.png:
+        print(f"flowrl: drawing written to {draw_png(graph, args.png)}")
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from flowrl.plugins.manager import registry
+
+    reg = registry()
+    print("plugins:")
+    for info in reg.plugins:
+        print(f"  {info.name:<28} {info.source}")
+    for kind in reg.kinds():
+        entries = reg.entries(kind)
+        if not entries:
+            continue
+        print(f"{kind.replace('_', ' ')}:")
+        for e in entries:
+            desc = e.meta.get("description", "")
+            print(f"  {e.name:<16} from {e.plugin}" + (f"  - {desc}" if desc else ""))
+    return 0
+
+
+# ------------------------------------------------------------------ entry point
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flowrl", description="Compile and run RL dataflow graphs for LLM post-training.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("run", help="plan and run a graph (trains a real model)")
+    _config_args(p)
+    p.add_argument("--plan", metavar="FILE", help="run a plan written by `flowrl plan --out`")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_run)
+    p = sub.add_parser("plan", help="compile a graph into an execution plan")
+    _config_args(p)
+    p.add_argument("--out", metavar="FILE", help="write the plan (.yaml or .json) instead of printing it")
+    p.add_argument("--format", choices=["yaml", "json"], default="yaml")
+    p.add_argument("--print-after", metavar="PASS", action="append", default=[], help="print the plan after this pass ('all' for every pass)")
+    p.set_defaults(func=cmd_plan)
+    p = sub.add_parser("show", help="print a graph (stages, edges); optionally DOT/PNG")
+    _config_args(p)
+    p.add_argument("--dot", metavar="FILE")
+    p.add_argument("--png", metavar="FILE")
+    p.set_defaults(func=cmd_show)
+    p = sub.add_parser("plugins", help="list plugins and what they register")
+    p.set_defaults(func=cmd_plugins)
+    return parser
+
+
+def _plugin_commands(parser: argparse.ArgumentParser) -> None:
+    from flowrl.plugins.manager import registry
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for entry in registry().entries("cli_commands"):
+        add_arguments = entry.obj
+        p = sub.add_parser(entry.name, help=entry.meta.get("help", f"(from plugin {entry.plugin})"))
+        add_arguments(p)
+        p.set_defaults(func=entry.meta["run"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        _plugin_commands(parser)
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return EXIT_USER_ERROR
+        return int(args.func(args) or 0)
+    except FlowRLError as exc:
+        first, _, rest = str(exc).partition("\n")
+        print("flowrl: error: " + textwrap.fill(first, width=100, subsequent_indent="  "), file=sys.stderr)
+        if rest:
+            print(rest, file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("flowrl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Find a graph by file path (``graphs/grpo.py``) or registered algorithm name (``grpo``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+from flowrl.errors import GraphError
+from flowrl.graph.ir import Graph
+from flowrl.plugins.manager import Registry
+
+
+@dataclass(frozen=True)
+class GraphSource:
+    source: str  # what the user passed (a path, or an algorithm name)
+    build: Callable[[Any], Graph]
+    defaults: dict[str, Any]
+
+
+def _import_file(path: Path) -> ModuleType:
+    name = f"flowrl_user_graph_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise GraphError(f"graph file '{path}' cannot be imported (is it a .py file?).")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        line = ""
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == str(path):
+                line = f" (line {tb.tb_lineno})"
+            tb = tb.tb_next
+        raise GraphError(f"graph file '{path}' failed to import{line}: {type(exc).__name__}: {exc}") from None
+    return module
+
+
+def find_graph(source: str, registry: Registry) -> GraphSource:
+    """A graph file defines ``build(cfg) -> Graph`` and may define ``DEFAULTS`` (config overrides)."""
+    path = Path(source)
+    if path.suffix == ".py" or path.exists() or "/" in source:
+        if not path.is_file():
+            raise GraphError(f"graph file '{source}' does not exist. Pass a graph file (e.g. graphs/grpo.py) or an algorithm name ({', '.join(registry.names('algorithms'))}).")
+        module = _import_file(path)
+        build = getattr(module, "build", None)
+        if not callable(build):
+            raise GraphError(f"graph file '{source}' has no build(cfg) function returning a Graph.")
+        defaults = getattr(module, "DEFAULTS", {})
+    else:
+        build = registry.get("algorithms", source)
+        defaults = getattr(sys.modules.get(getattr(build, "__module__", "")), "DEFAULTS", {})
+    if not isinstance(defaults, dict):
+        raise GraphError(f"graph '{source}': DEFAULTS must be a dict of config overrides.")
+    return GraphSource(source=source, build=build, defaults=defaults)
+
+
+def build_graph(src: GraphSource, cfg: Any) -> Graph:
+    try:
+        graph = src.build(cfg)
+    except GraphError:
+        raise
+    except Exception as exc:
+        raise GraphError(f"graph '{src.source}': build(cfg) raised {type(exc).__name__}: {exc}") from None
+    if not isinstance(graph, Graph):
+        raise GraphError(f"graph '{src.source}': build(cfg) returned {type(graph).__name__}, not a flowrl Graph.")
+    return graph.verify()

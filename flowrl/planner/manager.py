@@ -1,0 +1,55 @@
+"""The pass manager: runs named passes, verifies after each, can print the plan between them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import msgspec
+
+from flowrl.errors import FlowRLError, PlanError
+from flowrl.graph.ir import Graph
+from flowrl.planner.passes import DEFAULT_PIPELINE, PlanContext, verify_plan
+from flowrl.planner.plan import ExecutionPlan, GraphRef, encode_plan
+from flowrl.plugins.manager import Registry
+from flowrl.specs import RunConfig
+
+
+def initial_plan(graph: Graph, source: str, config: RunConfig, backend: str = "local") -> ExecutionPlan:
+    return ExecutionPlan(graph=GraphRef(name=graph.name, source=source, fingerprint=graph.fingerprint()), backend=backend, config=config)
+
+
+def run_passes(
+    graph: Graph,
+    plan: ExecutionPlan,
+    registry: Registry,
+    *,
+    passes: Iterable[str] = DEFAULT_PIPELINE,
+    print_after: Iterable[str] = (),
+    emit: Callable[[str], None] = print,
+) -> ExecutionPlan:
+    """Run ``passes`` in order; verify after each; return the sealed plan."""
+    graph.verify()
+    ctx = PlanContext(graph=graph, registry=registry)
+    passes = tuple(passes)
+    wanted = set(print_after)
+    unknown = wanted - set(passes) - {"all"}
+    if unknown:
+        raise PlanError(f"--print-after names unknown pass(es) {', '.join(sorted(unknown))}; this pipeline runs: {', '.join(passes)}.")
+    for name in passes:
+        fn = registry.get("passes", name)
+        try:
+            plan = fn(ctx, plan)
+        except FlowRLError as exc:
+            raise type(exc)(f"pass '{name}': {exc}") from None
+        except Exception as exc:  # a bug in a (plugin) pass: name it
+            raise PlanError(f"pass '{name}' crashed: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(plan, ExecutionPlan):
+            raise PlanError(f"pass '{name}' returned {type(plan).__name__}, not an ExecutionPlan.")
+        plan = msgspec.structs.replace(plan, passes=(*plan.passes, name))
+        try:
+            verify_plan(graph, plan)
+        except PlanError as exc:
+            raise PlanError(f"after pass '{name}': {exc}") from None
+        if name in wanted or "all" in wanted:
+            emit(f"# --- plan after pass '{name}' ---\n{encode_plan(plan)}")
+    return plan.sealed()

@@ -1,0 +1,71 @@
+"""flowrl's own components, registered through the same hooks as any plugin."""
+
+from __future__ import annotations
+
+from flowrl.plugins.hookspecs import Register, hookimpl
+
+BUILTIN_GRAPHS = ("ppo", "grpo", "remax", "rloo", "reinforce_pp")
+
+
+@hookimpl
+def register_algorithms(register: Register) -> None:
+    import importlib
+
+    for name in BUILTIN_GRAPHS:
+        module = importlib.import_module(f"flowrl.graphs.{name}")
+        register(name, module.build, description=(module.__doc__ or "").strip().splitlines()[0], source=module.__file__)
+
+
+@hookimpl
+def register_advantage_estimators(register: Register) -> None:
+    from flowrl.algorithms.ops import COMPUTE_FUNCTIONS
+
+    for name, (fn, meta) in COMPUTE_FUNCTIONS.items():
+        register(name, fn, **meta)
+
+
+@hookimpl
+def register_losses(register: Register) -> None:
+    from flowrl.algorithms.ops import LOSSES
+
+    for name, (fn, meta) in LOSSES.items():
+        register(name, fn, **meta)
+
+
+@hookimpl
+def register_reward_functions(register: Register) -> None:
+    from flowrl.algorithms.ops import REWARD_FUNCTIONS
+
+    for name, fn in REWARD_FUNCTIONS.items():
+        register(name, fn)
+
+
+@hookimpl
+def register_tasks(register: Register) -> None:
+    from flowrl.tasks.builtin import BUILTIN_TASKS
+
+    for name, cls in BUILTIN_TASKS.items():
+        register(name, cls, description=cls.description)
+
+
+@hookimpl
+def register_backends(register: Register) -> None:
+    def local(plan):  # imported lazily: torch/transformers load only when a backend is used
+        from flowrl.backends.local.engine import LocalBackend
+
+        return LocalBackend(plan)
+
+    register("local", local, description="every model in this process on one device (CPU or one GPU)")
+
+
+@hookimpl
+def register_passes(register: Register) -> None:
+    from flowrl.planner.passes import BUILTIN_PASSES
+
+    for name, fn in BUILTIN_PASSES.items():
+        register(name, fn, description=(fn.__doc__ or "").strip())
+
+
+@hookimpl
+def register_cli_commands(register: Register) -> None:
+    """The core commands live in flowrl.cli; plugins add theirs here."""

@@ -1,0 +1,99 @@
+"""Columnar data that flows along graph edges.
+
+A batch is a ``dict[key, value]``. Sequence-level values have one row per sampled response
+(B rows): tensors with B as their first dimension, lists of length B, or `Sequences`.
+Micro-batching slices all of them with the same row index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Sequences:
+    """Prompt + response token rows: prompts left-padded, responses right-padded."""
+
+    prompt_ids: Tensor  # [B, P] long
+    prompt_mask: Tensor  # [B, P] long, 1 for real prompt tokens
+    response_ids: Tensor  # [B, R] long
+    response_mask: Tensor  # [B, R] float, 1 for generated tokens (EOS included)
+    prompt_index: Tensor  # [B] long: which prompt of the step this row answers (the group)
+    texts: tuple[str, ...]  # decoded responses (special tokens removed)
+    version: int = 0  # weight version of the model that generated them
+
+    def __len__(self) -> int:
+        return int(self.prompt_ids.shape[0])
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.prompt_ids.shape[1])
+
+    @property
+    def input_ids(self) -> Tensor:
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask.long()], dim=1)
+
+    @property
+    def response_lengths(self) -> Tensor:
+        return self.response_mask.sum(-1).long()
+
+    def num_tokens(self) -> int:
+        return int(self.response_mask.sum().item())
+
+    def select(self, idx: Tensor | slice) -> Sequences:
+        rows = range(len(self))[idx] if isinstance(idx, slice) else idx.tolist()
+        return Sequences(
+            prompt_ids=self.prompt_ids[idx],
+            prompt_mask=self.prompt_mask[idx],
+            response_ids=self.response_ids[idx],
+            response_mask=self.response_mask[idx],
+            prompt_index=self.prompt_index[idx],
+            texts=tuple(self.texts[i] for i in rows),
+            version=self.version,
+        )
+
+
+def position_ids(attention_mask: Tensor) -> Tensor:
+    """Positions that skip left padding: 0 at each row's first real token."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def rows(batch: dict[str, Any]) -> int | None:
+    """The number of sequence rows in a batch (from its Sequences value), or None."""
+    for value in batch.values():
+        if isinstance(value, Sequences):
+            return len(value)
+    return None
+
+
+def select_rows(batch: dict[str, Any], idx: Tensor, n_rows: int) -> dict[str, Any]:
+    """Slice every sequence-level value of ``batch`` with row index ``idx``; keep the rest."""
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if isinstance(value, Sequences):
+            out[key] = value.select(idx)
+        elif isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == n_rows:
+            out[key] = value[idx]
+        elif isinstance(value, (list, tuple)) and len(value) == n_rows:
+            out[key] = [value[i] for i in idx.tolist()]
+        else:
+            out[key] = value
+    return out
+
+
+def sequences_in(batch: dict[str, Any], node: str) -> Sequences:
+    """The one Sequences value a forward/train node reads."""
+    found = [v for v in batch.values() if isinstance(v, Sequences)]
+    if len(found) != 1:
+        from flowrl.errors import GraphError
+
+        raise GraphError(f"node '{node}' must read exactly one key holding generated responses (found {len(found)}); add e.g. 'responses' to its reads.")
+    return found[0]

@@ -1,0 +1,1 @@
+"""flowrl's algorithm graphs (installed as the package ``flowrl.graphs``). Read them, copy them."""

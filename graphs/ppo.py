@@ -1,0 +1,23 @@
+"""PPO with a critic, a frozen reference (KL in the reward) and a rule-based reward (Ouyang et al., 2022)."""
+
+from flowrl.graph import Graph
+from flowrl.specs import RunConfig
+
+# PPO samples one response per prompt, so it takes more prompts per step.
+DEFAULTS = {"rollout": {"prompts_per_step": 64, "samples_per_prompt": 1}, "algo": {"kl_coef": 0.0}}
+
+
+def build(cfg: RunConfig) -> Graph:
+    g = Graph("ppo")
+    g.model("actor", "actor")
+    g.model("critic", "critic", init_from="actor")
+    g.model("ref", "reference", init_from="actor")
+    g.generate("rollout", model="actor", reads="prompts", writes="responses", n=cfg.rollout.samples_per_prompt)
+    g.forward("old_logprobs", model="actor", output="logprobs", reads="responses", writes="old_logprobs")
+    g.forward("ref_logprobs", model="ref", output="logprobs", reads="responses", writes="ref_logprobs")
+    g.forward("values", model="critic", output="values", reads="responses", writes="values")
+    g.reward("reward", fn="task", reads="prompts responses", writes="rewards")
+    g.compute("gae", fn="gae", reads="rewards values old_logprobs ref_logprobs responses", writes="advantages returns")
+    g.train("train_actor", model="actor", loss="ppo", reads="responses old_logprobs advantages")
+    g.train("train_critic", model="critic", loss="value", reads="responses values returns")
+    return g

@@ -1,0 +1,19 @@
+"""REINFORCE++: token-level KL penalty in the reward, returns whitened over the batch (Hu, 2025)."""
+
+from flowrl.graph import Graph
+from flowrl.specs import RunConfig
+
+DEFAULTS = {"algo": {"kl_coef": 0.001}}
+
+
+def build(cfg: RunConfig) -> Graph:
+    g = Graph("reinforce_pp")
+    g.model("actor", "actor")
+    g.model("ref", "reference", init_from="actor")
+    g.generate("rollout", model="actor", reads="prompts", writes="responses", n=cfg.rollout.samples_per_prompt)
+    g.forward("old_logprobs", model="actor", output="logprobs", reads="responses", writes="old_logprobs")
+    g.forward("ref_logprobs", model="ref", output="logprobs", reads="responses", writes="ref_logprobs")
+    g.reward("reward", fn="task", reads="prompts responses", writes="rewards")
+    g.compute("advantages", fn="reinforce_pp", reads="rewards old_logprobs ref_logprobs responses", writes="advantages")
+    g.train("train_actor", model="actor", loss="ppo", reads="responses old_logprobs advantages")
+    return g
