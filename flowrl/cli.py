@@ -16,7 +16,7 @@ from flowrl.errors import ConfigError, FlowRLError
 EXIT_USER_ERROR = 2
 
 
-def _config_args(p: argparse.ArgumentParser) -> None:
+def _config_args(p: argparse.ArgumentParser, run_out: bool = True) -> None:
     p.add_argument("graph", nargs="?", help="a graph file (graphs/grpo.py) or an algorithm name (grpo)")
     p.add_argument("--config", metavar="FILE", help="YAML, TOML or JSON run config")
     p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides", help="override one config field, e.g. --set train.lr=1e-3 (repeatable)")
@@ -24,12 +24,13 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--model", metavar="DIR", help="an HF-format model directory (default: a tiny random Llama)")
     p.add_argument("--task", help="a registered task (see `flowrl plugins`)")
-    p.add_argument("--out", metavar="DIR", help="where runs/<name> goes (default: runs)")
+    if run_out:
+        p.add_argument("--out", metavar="DIR", dest="run_out", help="where runs/<name> goes (default: runs)")
     p.add_argument("--name", help="run name (default: the graph's name)")
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
-    return {"steps": args.steps, "seed": args.seed, "model": args.model, "task": args.task, "out": args.out, "name": args.name}
+    return {"steps": args.steps, "seed": args.seed, "model": args.model, "task": args.task, "out": getattr(args, "run_out", None), "name": args.name}
 
 
 def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -169,13 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("plan", help="compile a graph into an execution plan")
-    _config_args(p)
+    _config_args(p, run_out=False)
     p.add_argument("--out", metavar="FILE", help="write the plan (.yaml or .json) instead of printing it")
     p.add_argument("--format", choices=["yaml", "json"], default="yaml")
     p.add_argument("--print-after", metavar="PASS", action="append", default=[], help="print the plan after this pass ('all' for every pass)")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("show", help="print a graph (stages, edges); optionally DOT/PNG")
-    _config_args(p)
+    _config_args(p, run_out=False)
     p.add_argument("--dot", metavar="FILE")
     p.add_argument("--png", metavar="FILE")
     p.set_defaults(func=cmd_show)

@@ -6,6 +6,8 @@ Precedence, lowest first: struct defaults < the graph module's ``DEFAULTS`` < ``
 
 from __future__ import annotations
 
+import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -123,10 +125,17 @@ def read_document(path: str | Path) -> dict[str, Any]:
     except ConfigError:
         raise
     except Exception as exc:  # each parser has its own error type
-        raise ConfigError(f"config file '{path}' is not valid {path.suffix[1:].upper()}: {exc}") from None
+        raise ConfigError(f"config file '{path}' is not valid {path.suffix[1:].upper()}: {_one_line(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping at the top level, found {type(data).__name__}.")
     return data
+
+
+def _one_line(exc: Exception) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    if mark is not None:  # YAML: "problem at line L, column C" without the source excerpt
+        return f"{getattr(exc, 'problem', None) or exc} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(exc).split())
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -175,12 +184,37 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
 
 
 def convert(data: Any, type_: type, what: str) -> Any:
-    """msgspec.convert with errors turned into ConfigError naming the field path."""
+    """msgspec.convert with errors turned into a ConfigError naming the field's dotted path."""
     try:
         return msgspec.convert(data, type_)
     except msgspec.ValidationError as exc:
-        message = str(exc).replace("`$.", "`")
-        raise ConfigError(f"{what}: {message}. Check the field name and type (see `flowrl run --help` and README).") from None
+        raise ConfigError(f"{what}: {_explain(str(exc), type_)}") from None
+
+
+def _explain(message: str, type_: type) -> str:
+    """Rewrite msgspec's "... - at `$.a.b`" into a sentence naming the dotted field path."""
+    at = re.search(r" - at `\$\.?([^`]*)`$", message)
+    where = at.group(1) if at else ""
+    text = message[: at.start()] if at else message
+    unknown = re.match(r"Object contains unknown field `([^`]+)`", text)
+    if unknown:
+        path = ".".join(p for p in (where, unknown.group(1)) if p)
+        known = _fields_at(type_, where)
+        hint = difflib.get_close_matches(unknown.group(1), known, n=1)
+        did = f" Did you mean '{'.'.join(p for p in (where, hint[0]) if p)}'?" if hint else ""
+        return f"unknown field '{path}'.{did} Valid fields there: {', '.join(known)}."
+    return f"field '{where}': {text}." if where else f"{text}."
+
+
+def _fields_at(type_: Any, path: str) -> list[str]:
+    import typing
+
+    for part in [p for p in path.split(".") if p]:
+        hints = typing.get_type_hints(type_) if isinstance(type_, type) and issubclass(type_, msgspec.Struct) else {}
+        type_ = hints.get(part)
+    if isinstance(type_, type) and issubclass(type_, msgspec.Struct):
+        return list(type_.__struct_fields__)
+    return []
 
 
 def to_builtins(spec: msgspec.Struct) -> dict[str, Any]:

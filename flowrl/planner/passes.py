@@ -45,6 +45,7 @@ def _replace(plan: ExecutionPlan, **changes: Any) -> ExecutionPlan:
 
 
 def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
+    """Check that every task, function and loss a node names exists and gets the keys it needs."""
     from flowrl.tasks.builtin import make_task
 
     reg = ctx.registry
@@ -85,6 +86,7 @@ def _check_keys(node: str, what: str, reads: tuple[str, ...], writes: tuple[str,
 
 
 def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
+    """Place every model on the local device (colocated) and size its state."""
     cfg = plan.config
     device = cfg.device
     if device == "auto":
@@ -130,6 +132,7 @@ def node_rows(graph: Graph, prompts: int) -> dict[str, int]:
 
 
 def micro_batch(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
+    """Choose each node's micro-batch size: configured, or the largest whose activations fit."""
     cfg = plan.config
     config = ctx.model_config(plan)
     seq_len = _seq_len(ctx, plan)
@@ -161,6 +164,7 @@ def _seq_len(ctx: PlanContext, plan: ExecutionPlan) -> int:
 
 
 def memory(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
+    """Estimate each device's peak memory; verification refuses a plan that does not fit."""
     config = ctx.model_config(plan)
     seq_len = _seq_len(ctx, plan)
     estimates = []

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from flowrl.plugins.hookspecs import Register, hookimpl
+
+
+def _doc(obj: Any) -> str:
+    return (obj.__doc__ or "").strip().splitlines()[0] if obj.__doc__ else ""
 
 BUILTIN_GRAPHS = ("ppo", "grpo", "remax", "rloo", "reinforce_pp")
 
@@ -13,7 +19,7 @@ def register_algorithms(register: Register) -> None:
 
     for name in BUILTIN_GRAPHS:
         module = importlib.import_module(f"flowrl.graphs.{name}")
-        register(name, module.build, description=(module.__doc__ or "").strip().splitlines()[0], source=module.__file__)
+        register(name, module.build, description=_doc(module), source=module.__file__)
 
 
 @hookimpl
@@ -21,7 +27,7 @@ def register_advantage_estimators(register: Register) -> None:
     from flowrl.algorithms.ops import COMPUTE_FUNCTIONS
 
     for name, (fn, meta) in COMPUTE_FUNCTIONS.items():
-        register(name, fn, **meta)
+        register(name, fn, description=_doc(fn), **meta)
 
 
 @hookimpl
@@ -29,7 +35,7 @@ def register_losses(register: Register) -> None:
     from flowrl.algorithms.ops import LOSSES
 
     for name, (fn, meta) in LOSSES.items():
-        register(name, fn, **meta)
+        register(name, fn, description=_doc(fn), **meta)
 
 
 @hookimpl
@@ -37,7 +43,7 @@ def register_reward_functions(register: Register) -> None:
     from flowrl.algorithms.ops import REWARD_FUNCTIONS
 
     for name, fn in REWARD_FUNCTIONS.items():
-        register(name, fn)
+        register(name, fn, description=_doc(fn))
 
 
 @hookimpl
@@ -63,7 +69,7 @@ def register_passes(register: Register) -> None:
     from flowrl.planner.passes import BUILTIN_PASSES
 
     for name, fn in BUILTIN_PASSES.items():
-        register(name, fn, description=(fn.__doc__ or "").strip())
+        register(name, fn, description=_doc(fn))
 
 
 @hookimpl

@@ -126,7 +126,7 @@ class LocalModel:
                     value, step_stats = loss.obj(out, view, algo)
                     weight = float(view[seqs_key].response_mask.sum()) / mb_tokens  # exact token-mean over the mini-batch
                     (value * weight).backward()
-                    for k, v in {"loss": float(value), **step_stats}.items():
+                    for k, v in {"loss": value.item(), **step_stats}.items():
                         stats.setdefault(k, []).append(v)
                 norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), tcfg.grad_clip)
                 if not math.isfinite(float(norm)):

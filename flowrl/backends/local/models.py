@@ -19,6 +19,17 @@ from flowrl.specs import TinyModelConfig
 VALUE_HEAD_FILE = "value_head.safetensors"
 
 
+def _quiet_transformers() -> None:
+    """flowrl draws its own progress bar; transformers' per-file bars would interleave with it."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
+_quiet_transformers()
+
+
 def load_tokenizer(path: str | None) -> Any:
     """The tokenizer in ``path``, or flowrl's character tokenizer when ``path`` is None."""
     if path is None:

@@ -1,0 +1,134 @@
+"""The local torch backend: HF loading, sampling with log-probs, forward, train steps."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from flowrl import api
+from flowrl.backends.local.engine import LocalBackend
+from flowrl.backends.local.generation import sample, top_p_filter
+from flowrl.backends.local.models import build_causal_lm, load_tokenizer, model_config
+from flowrl.errors import BackendError
+from flowrl.runtime.batch import select_rows
+from flowrl.specs import TinyModelConfig
+from flowrl.tasks.builtin import Prompt
+
+SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "task=copy"]
+
+
+def build(graph: str = "ppo", extra: list[str] = ()):
+    g, plan = api.plan(graph, overrides=[*SMALL, *extra], emit=lambda s: None)
+    return g, plan, LocalBackend(plan).build(g)
+
+
+@pytest.fixture(scope="module")
+def ppo():
+    return build("ppo")
+
+
+def test_hf_directory_round_trip(tmp_path):
+    tok = load_tokenizer(None)
+    cfg = model_config(None, TinyModelConfig(), tok)
+    model = build_causal_lm(None, cfg, seed=1)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded = build_causal_lm(str(tmp_path), model_config(str(tmp_path), TinyModelConfig(), load_tokenizer(str(tmp_path))), seed=99)
+    ids = torch.tensor([[1, 5, 6, 7]])
+    assert torch.allclose(model(input_ids=ids).logits, loaded(input_ids=ids).logits, atol=1e-6)
+
+
+def test_missing_model_dir_is_a_backend_error(tmp_path):
+    with pytest.raises(BackendError, match="does not exist"):
+        load_tokenizer(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BackendError, match="config.json"):
+        load_tokenizer(str(tmp_path / "empty"))
+
+
+def test_generation_logprobs_match_training_forward(ppo):
+    g, plan, engines = ppo
+    actor = engines["actor"]
+    prompts = [Prompt(text="ab>", answer="ab"), Prompt(text="dcba>", answer="dcba")]
+    seqs, gen_logprobs = actor.generate(prompts, n=3, greedy=False, generator=torch.Generator().manual_seed(0))
+    fwd = actor.forward(seqs, "logprobs", "old_logprobs")
+    mask = seqs.response_mask.bool()
+    diff = (gen_logprobs - fwd)[mask].abs().max().item()
+    print(f"max |generation logprob - training-forward logprob| = {diff:.2e}")
+    assert diff < 1e-4
+    assert seqs.prompt_index.tolist() == [0, 0, 0, 1, 1, 1]
+    assert len(seqs.texts) == 6
+
+
+def test_sampling_stops_at_eos_and_masks_after():
+    torch.manual_seed(0)
+    tok = load_tokenizer(None)
+    model = build_causal_lm(None, model_config(None, TinyModelConfig(), tok), seed=0)
+    with torch.no_grad():  # make EOS overwhelmingly likely after the first token
+        model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.config.vocab_size))
+        model.lm_head.bias[tok.eos_token_id] = 50.0
+    enc = tok(["ab>", "c>"], return_tensors="pt", padding=True)
+    tokens, logprobs, mask = sample(model, enc["input_ids"], enc["attention_mask"], max_new_tokens=5, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    assert tokens.shape[1] == 1  # every row stopped at once
+    assert (tokens[:, 0] == tok.eos_token_id).all() and mask.sum() == 2
+    tokens, _, mask = sample(model, enc["input_ids"], enc["attention_mask"], max_new_tokens=5, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, ignore_eos=True)
+    assert tokens.shape[1] == 5 and mask.sum() == 10
+
+
+def test_greedy_is_deterministic_and_top_p_keeps_the_head():
+    logits = torch.tensor([[3.0, 2.0, 0.0, -1.0]])
+    kept = top_p_filter(logits, 0.7)  # p = .66, .24, .03, .01 -> keep the first two
+    assert torch.isfinite(kept).tolist() == [[True, True, False, False]]
+    assert torch.equal(top_p_filter(logits, 1.0), logits)
+    tok = load_tokenizer(None)
+    model = build_causal_lm(None, model_config(None, TinyModelConfig(), tok), seed=0)
+    enc = tok(["ab>"] * 2, return_tensors="pt", padding=True)
+    a = sample(model, enc["input_ids"], enc["attention_mask"], max_new_tokens=4, eos_id=2, pad_id=0, greedy=True)[0]
+    b = sample(model, enc["input_ids"], enc["attention_mask"], max_new_tokens=4, eos_id=2, pad_id=0, greedy=True)[0]
+    assert torch.equal(a, b) and torch.equal(a[0], a[1])
+
+
+def test_critic_values_and_reference_copy(ppo):
+    g, plan, engines = ppo
+    seqs, _ = engines["actor"].generate([Prompt(text="ab>", answer="ab")], n=2, greedy=False, generator=torch.Generator().manual_seed(0))
+    values = engines["critic"].forward(seqs, "values", "values")
+    assert values.shape == seqs.response_mask.shape
+    ref = engines["ref"].forward(seqs, "logprobs", "ref_logprobs")
+    act = engines["actor"].forward(seqs, "logprobs", "old_logprobs")
+    assert torch.allclose(ref, act)  # the reference starts as a copy of the actor
+    assert not any(p.requires_grad for p in engines["ref"].module.parameters())
+
+
+def _grad_step(engine, batch, micro: int):
+    from flowrl.plugins.manager import registry
+
+    engine = copy.deepcopy(engine)
+    engine.micro_batch["train_actor"] = micro
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    engine.train(registry().entry("losses", "ppo"), batch, "responses", "train_actor", {}, engine.cfg.algo, torch.Generator().manual_seed(0))
+    return {k: engine.module.state_dict()[k] - before[k] for k in before}
+
+
+def test_micro_batch_accumulation_equals_the_full_batch(ppo):
+    g, plan, engines = ppo
+    actor = engines["actor"]
+    prompts = [Prompt(text=t, answer=t[:-1]) for t in ("ab>", "bcd>", "a>", "dd>")]
+    seqs, logprobs = actor.generate(prompts, n=2, greedy=False, generator=torch.Generator().manual_seed(3))
+    adv = torch.linspace(-1, 1, len(seqs))[:, None] * seqs.response_mask
+    batch = {"responses": seqs, "old_logprobs": logprobs, "advantages": adv}
+    full = _grad_step(actor, batch, micro=len(seqs))
+    micro = _grad_step(actor, batch, micro=3)
+    worst = max((full[k] - micro[k]).abs().max().item() for k in full)
+    assert worst < 1e-6
+    assert max(v.abs().max().item() for v in full.values()) > 0  # the step changed the weights
+
+
+def test_select_rows_slices_sequence_level_values_only(ppo):
+    g, plan, engines = ppo
+    seqs, logprobs = engines["actor"].generate([Prompt(text="ab>", answer="ab")], n=4, greedy=False, generator=torch.Generator().manual_seed(0))
+    out = select_rows({"responses": seqs, "lp": logprobs, "prompts": ["p"], "scalar": torch.tensor(1.0)}, torch.tensor([2, 0]), 4)
+    assert len(out["responses"]) == 2 and out["lp"].shape[0] == 2
+    assert out["prompts"] == ["p"] and out["scalar"].item() == 1.0
+    assert torch.equal(out["lp"][0], logprobs[2])
