@@ -96,6 +96,7 @@ class RunConfig(_Spec):
             (self.train.epochs >= 1, "train.epochs", "must be >= 1"),
             (self.train.mini_batches >= 1, "train.mini_batches", "must be >= 1"),
             (self.train.micro_batch_size is None or self.train.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1"),
+            (self.memory_limit_gib is None or self.memory_limit_gib > 0, "memory_limit_gib", "must be > 0"),
         ]
         for ok, field, why in checks:
             if not ok:
@@ -150,6 +151,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         parsed = yaml.safe_load(value) if value.strip() else ""
     except yaml.YAMLError:
         parsed = value
+    if not isinstance(parsed, (str, int, float, bool, list, dict, type(None))):
+        parsed = value  # e.g. YAML reads 2024-01-01 as a date; the user meant the text
     if isinstance(parsed, str):
         try:  # YAML 1.1 reads "1e-3" as a string; users mean a number
             parsed = float(parsed) if any(c.isdigit() for c in parsed) and parsed.lower().lstrip("+-").replace(".", "", 1).replace("e", "", 1).replace("-", "", 1).replace("+", "", 1).isdigit() else parsed

@@ -247,6 +247,8 @@ class Graph:
             if key in self.inputs:
                 raise self._fail(f"node '{nodes[0]}' writes '{key}', which is a graph input; inputs are read-only.", nodes[0])
         for node in self.nodes.values():
+            for key in set(node.reads) & set(node.writes):
+                raise self._fail(f"node '{node.name}' reads and writes key '{key}'; a key cannot depend on itself within an iteration. Write the new value under another key name.", node.name)
             for key in node.reads:
                 if key not in producers and key not in self.inputs:
                     hint = difflib.get_close_matches(key, [*producers, *self.inputs], n=1)

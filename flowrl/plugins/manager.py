@@ -40,6 +40,18 @@ class PluginInfo:
     source: str  # "built-in", or "dist-name version (entry point module:attr)"
 
 
+SINGULAR = {
+    "algorithms": "algorithm",
+    "advantage_estimators": "advantage estimator",
+    "losses": "loss",
+    "reward_functions": "reward function",
+    "tasks": "task",
+    "backends": "backend",
+    "passes": "pass",
+    "cli_commands": "CLI command",
+}
+
+
 class Registry:
     """kind -> name -> Entry, filled from the hooks."""
 
@@ -50,15 +62,15 @@ class Registry:
     def add(self, kind: str, plugin: str, name: str, obj: Any, **meta: Any) -> None:
         table = self._items[kind]
         if not isinstance(name, str) or not name:
-            raise PluginError(f"plugin '{plugin}' registered a {kind[:-1]} with an invalid name {name!r}.")
+            raise PluginError(f"plugin '{plugin}' registered a {SINGULAR[kind]} with an invalid name {name!r}.")
         if name in table:
-            raise PluginError(f"{kind[:-1].replace('_', ' ')} '{name}' is registered twice: by '{table[name].plugin}' and by '{plugin}'. Rename one of them.")
+            raise PluginError(f"{SINGULAR[kind]} '{name}' is registered twice: by '{table[name].plugin}' and by '{plugin}'. Rename one of them.")
         table[name] = Entry(name=name, obj=obj, plugin=plugin, meta=meta)
 
     def entry(self, kind: str, name: str) -> Entry:
         table = self._items[kind]
         if name not in table:
-            what = kind[:-1].replace("_", " ")
+            what = SINGULAR[kind]
             hint = difflib.get_close_matches(name, list(table), n=1)
             did = f" Did you mean '{hint[0]}'?" if hint else ""
             raise PluginError(f"unknown {what} '{name}'.{did} Known: {', '.join(sorted(table)) or 'none'}. Plugins add more (see `flowrl plugins`).")
@@ -118,10 +130,10 @@ def load_plugins(*, entry_points: bool = True, extra: Iterable[tuple[str, Any]] 
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        raise PluginError(f"plugin '{exc.plugin_name}' implements an unknown hook: {exc}. Known hooks: {', '.join(hookspecs.HOOKS)}.") from None
+        raise PluginError(f"plugin '{pm.get_name(exc.plugin)}' implements an unknown hook: {exc}. Known hooks: {', '.join(hookspecs.HOOKS)}.") from None
     for hook_name, kind in hookspecs.HOOKS.items():
         hook = getattr(pm.hook, hook_name)
-        for impl in reversed(hook.get_hookimpls()):  # registration order
+        for impl in hook.get_hookimpls():  # pluggy lists them in registration order
             def register(name: str, obj: Any, _kind: str = kind, _plugin: str = impl.plugin_name, **meta: Any) -> None:
                 registry.add(_kind, _plugin, name, obj, **meta)
 

@@ -356,11 +356,6 @@ def test_node_errors_show_the_neighbourhood() -> None:
     assert len(marked) == 1 and "whiten" in marked[0]
 
 
-@pytest.mark.xfail(
-    reason="BUG: Graph.dag() skips self-edges (ir.py 'if src == node.name: continue') and verify() has no other check, "
-    "so a node reading a key only it writes passes verify although the key can never exist when it runs",
-    strict=True,
-)
 def test_node_reading_its_own_output_is_a_cycle() -> None:
     g = minimal()
     g.compute("accumulate", fn="f", reads="rewards running", writes="running")

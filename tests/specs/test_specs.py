@@ -9,6 +9,7 @@ import pytest
 
 from flowrl import api
 from flowrl.errors import ConfigError
+from flowrl.plugins.manager import load_plugins
 from flowrl.specs import RunConfig, build_config, merge, nested, parse_override, read_document, to_builtins
 
 # ---------------------------------------------------------------------------- layering
@@ -46,10 +47,12 @@ def test_make_config_precedence_defaults_file_set_flags() -> None:
 
 def test_graph_defaults_are_the_lowest_layer() -> None:
     # graphs/ppo.py sets prompts_per_step=64, samples_per_prompt=1 in DEFAULTS
-    _, cfg = api.load("ppo")
+    registry = load_plugins(entry_points=False)[1]
+    _, cfg = api.load("ppo", registry=registry)
     assert (cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt) == (64, 1)
     _, cfg = api.load(
         "ppo",
+        registry=registry,
         config_file={"rollout": {"prompts_per_step": 16}, "seed": 1},
         overrides=["rollout.prompts_per_step=8", "seed=2"],
         flags={"seed": 3},
