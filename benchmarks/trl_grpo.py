@@ -11,12 +11,17 @@ Usage::
 
 Everything TRL / transformers print goes to stderr; stdout gets exactly one JSON line.
 
+Torch's default thread count is left alone unless ``--threads N`` is given. On a small,
+shared CPU box the default (one thread per core) can be far slower than 1 thread when
+another process competes for the cores (OpenMP workers spin-wait), so compare runs only
+with the same thread setting and load; ``torch_threads`` is reported in the JSON.
+
 Choices made to match the job (also summarised in the JSON ``notes`` field):
 
 - Ignoring EOS: ``generation_kwargs={"min_new_tokens": L}`` (GRPOConfig forwards it to
   ``transformers.GenerationConfig``), so the EOS logit is -inf for the first L tokens and
   every completion is exactly ``max_completion_length = L`` tokens long. The script checks
-  the logged ``completions/mean_length`` and ``min_length`` equal L.
+  the logged ``completions/min_length`` and ``max_length`` equal L.
 - Loss: ``loss_type="dapo"`` (TRL's default): token-level losses summed and divided by the
   number of completion tokens in the global accumulated batch. With one generation batch
   per optimizer step and no gradient accumulation this is a plain token mean over the
@@ -60,6 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step (P)")
     parser.add_argument("--completion-len", type=int, default=64, help="completion tokens per sample (L)")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: leave torch's default untouched)",
+    )
     return parser.parse_args(argv)
 
 
@@ -76,6 +87,8 @@ def run(args: argparse.Namespace) -> dict:
     transformers.logging.set_verbosity_error()
 
     P, L, steps = args.prompts, args.completion_len, args.steps
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     batch = P * SAMPLES
 
     tok = build_tokenizer()
@@ -221,7 +234,8 @@ def run(args: argparse.Namespace) -> dict:
         "loss_type=dapo (token mean over all completion tokens of the step, GA=1); "
         "lr_scheduler constant, AdamW (adamw_torch, wd 0), gradient_checkpointing off, "
         "prompts in order (shuffle_dataset=False), scale_rewards=group (TRL default), "
-        f"torch threads default ({torch.get_num_threads()}); "
+        f"torch threads {'set by --threads' if args.threads is not None else 'torch default'} "
+        f"({torch.get_num_threads()}); "
         "first/last reward = TRL logged 'reward' of step 1 / last step"
     )
 
@@ -236,6 +250,7 @@ def run(args: argparse.Namespace) -> dict:
         "gen_tokens_per_s": round(tokens_per_step / median_gen, 1),
         "median_gen_s": round(median_gen, 4),
         "peak_rss_mib": round(peak_rss_mib, 1),
+        "torch_threads": torch.get_num_threads(),
         "first_reward": log_records[0]["reward"],
         "last_reward": log_records[-1]["reward"],
         "notes": notes,
