@@ -34,8 +34,8 @@ class TinyModelConfig(_Spec):
 
 
 class RolloutConfig(_Spec):
-    prompts_per_step: int = 8
-    samples_per_prompt: int = 8
+    prompts_per_step: int = 32
+    samples_per_prompt: int = 16
     max_new_tokens: int | None = None  # None: the task's budget
     temperature: float = 1.0
     top_p: float = 1.0
@@ -43,13 +43,13 @@ class RolloutConfig(_Spec):
 
 
 class TrainConfig(_Spec):
-    lr: float = 2e-3
+    lr: float = 3e-3
     critic_lr: float | None = None  # None: same as lr
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float = 1.0
     epochs: int = 1  # passes over each batch (PPO epochs)
-    mini_batches: int = 1  # optimizer steps per epoch
+    mini_batches: int = 2  # optimizer steps per epoch
     micro_batch_size: int | None = None  # None: the planner chooses
 
 
@@ -57,7 +57,7 @@ class AlgoConfig(_Spec):
     clip_low: float = 0.2
     clip_high: float = 0.28  # > clip_low: DAPO's clip-higher
     dual_clip: float | None = None
-    kl_coef: float = 0.0
+    kl_coef: float = 0.05  # keeps exploring: without it a policy trained from scratch stops emitting EOS
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     gamma: float = 1.0
     lam: float = 0.95
@@ -68,14 +68,14 @@ class AlgoConfig(_Spec):
 
 
 class RunConfig(_Spec):
-    task: str = "add"
+    task: str = "copy"
     task_options: dict[str, Any] = {}
     model: str | None = None  # an HF-format model directory; None: build TinyModelConfig
     tiny_model: TinyModelConfig = TinyModelConfig()
     rollout: RolloutConfig = RolloutConfig()
     train: TrainConfig = TrainConfig()
     algo: AlgoConfig = AlgoConfig()
-    steps: int = 200
+    steps: int = 600
     seed: int = 0
     out: str = "runs"
     name: str | None = None  # None: the graph's name

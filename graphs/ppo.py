@@ -3,8 +3,8 @@
 from flowrl.graph import Graph
 from flowrl.specs import RunConfig
 
-# PPO samples one response per prompt, so it takes more prompts per step.
-DEFAULTS = {"rollout": {"prompts_per_step": 64, "samples_per_prompt": 1}, "algo": {"kl_coef": 0.0}}
+# GAE needs no groups: more prompts, fewer samples each.
+DEFAULTS = {"rollout": {"prompts_per_step": 128, "samples_per_prompt": 4}, "steps": 400}
 
 
 def build(cfg: RunConfig) -> Graph:

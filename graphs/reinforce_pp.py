@@ -3,8 +3,6 @@
 from flowrl.graph import Graph
 from flowrl.specs import RunConfig
 
-DEFAULTS = {"algo": {"kl_coef": 0.001}}
-
 
 def build(cfg: RunConfig) -> Graph:
     g = Graph("reinforce_pp")
