@@ -64,11 +64,17 @@ def rloo_op(inputs: Batch, algo: AlgoConfig) -> dict[str, Tensor]:
 
 
 def remax_op(inputs: Batch, algo: AlgoConfig) -> dict[str, Tensor]:
-    """ReMax: A_i = r_i - r(greedy response of the same prompt)."""
+    """ReMax: A_i = r_i - r(greedy response of the same prompt), scaled by the batch std.
+
+    Scaling only (no mean shift, which would undo the greedy baseline) keeps the step size
+    independent of the reward scale: early on every r_i - b_i is tiny.
+    """
     seqs = sequences_in(inputs, "remax")
     baseline = inputs["baseline_rewards"].float()[seqs.prompt_index]
-    a = adv.remax(inputs["rewards"].float(), baseline)
-    return {"advantages": adv.broadcast_to_tokens(a, seqs.response_mask)}
+    a = adv.broadcast_to_tokens(adv.remax(inputs["rewards"].float(), baseline), seqs.response_mask)
+    if algo.whiten_advantages:
+        a = adv.masked_whiten(a, seqs.response_mask, shift_mean=False)
+    return {"advantages": a}
 
 
 def reinforce_pp_op(inputs: Batch, algo: AlgoConfig, *, kl_coef: float | None = None) -> dict[str, Tensor]:
