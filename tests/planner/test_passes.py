@@ -103,8 +103,10 @@ def test_node_rows_without_generate_and_with_two_samplers() -> None:
 def test_ppo_defaults_apply(registry: Registry) -> None:
     out: list[str] = []
     _, p = api.plan("ppo", registry=registry, emit=out.append)
-    # graphs/ppo.py DEFAULTS: 64 prompts, one sample each
-    assert {n.rows for n in p.nodes} == {64}
+    from flowrl.graphs.ppo import DEFAULTS
+
+    rollout = DEFAULTS["rollout"]
+    assert {n.rows for n in p.nodes} == {rollout["prompts_per_step"] * rollout["samples_per_prompt"]}
 
 
 # ---------------------------------------------------------------------------- pass effects
@@ -113,7 +115,7 @@ def test_ppo_defaults_apply(registry: Registry) -> None:
 def test_resolve_fills_max_new_tokens_from_the_task(registry: Registry) -> None:
     _, p, _ = plan("grpo", registry)
     assert RunConfig().rollout.max_new_tokens is None
-    assert p.config.rollout.max_new_tokens == make_task("add").max_new_tokens()
+    assert p.config.rollout.max_new_tokens == make_task(RunConfig().task).max_new_tokens()
     _, p, _ = plan("grpo", registry, "rollout.max_new_tokens=2")
     assert p.config.rollout.max_new_tokens == 2
 

@@ -46,10 +46,12 @@ def test_make_config_precedence_defaults_file_set_flags() -> None:
 
 
 def test_graph_defaults_are_the_lowest_layer() -> None:
-    # graphs/ppo.py sets prompts_per_step=64, samples_per_prompt=1 in DEFAULTS
+    from flowrl.graphs.ppo import DEFAULTS
+
     registry = load_plugins(entry_points=False)[1]
     _, cfg = api.load("ppo", registry=registry)
-    assert (cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt) == (64, 1)
+    samples = DEFAULTS["rollout"]["samples_per_prompt"]
+    assert (cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt) == (DEFAULTS["rollout"]["prompts_per_step"], samples)
     _, cfg = api.load(
         "ppo",
         registry=registry,
@@ -57,7 +59,7 @@ def test_graph_defaults_are_the_lowest_layer() -> None:
         overrides=["rollout.prompts_per_step=8", "seed=2"],
         flags={"seed": 3},
     )
-    assert (cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt, cfg.seed) == (8, 1, 3)
+    assert (cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt, cfg.seed) == (8, samples, 3)
 
 
 def test_merge_and_nested_do_not_mutate() -> None:
