@@ -78,3 +78,11 @@ def test_other_graphs_run_and_improve(graph, tmp_path):
     result = train(graph, tmp_path, 60, "checkpoint=false")
     rewards = [m["reward"] for m in result.metrics]
     assert mean(rewards[-10:]) > mean(rewards[:10]) + 0.1, rewards
+
+
+def test_grpo_learns_the_long_tail_repeat_task(tmp_path):
+    result = train("grpo", tmp_path, 100, "task=repeat", "checkpoint=false")
+    rewards = [m["reward"] for m in result.metrics]
+    first, last = mean(rewards[:10]), mean(rewards[-10:])
+    print(f"GRPO repeat: reward {first:.3f} -> {last:.3f}")
+    assert first < 0.2 and last > 0.6
