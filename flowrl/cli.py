@@ -72,7 +72,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if result.metrics:
         print(f"  curve:      {result.out_dir / 'reward.png'}")
     for model, path in result.checkpoints.items():
-        print(f"  checkpoint: {path}  (model '{model}'; load with --model {path})")
+        hint = f"; continue from it with --model {path}" if path.name == "checkpoint" else ""
+        print(f"  checkpoint: {path}  (model '{model}'{hint})")
     return 0
 
 
