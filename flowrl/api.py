@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+
+import msgspec
 from typing import Any, Callable, Iterable
 
 from flowrl.graph.ir import Graph
 from flowrl.graph.loading import build_graph, find_graph
 from flowrl.planner.manager import initial_plan, run_passes
-from flowrl.planner.passes import DEFAULT_PIPELINE, verify_plan
-from flowrl.planner.plan import ExecutionPlan
+from flowrl.planner.passes import CLUSTER_PIPELINE, DEFAULT_PIPELINE, PlanContext, verify_plan
+from flowrl.planner.plan import ClusterTarget, ExecutionPlan
 from flowrl.plugins.manager import Registry, registry as default_registry
 from flowrl.specs import RunConfig, build_config, nested, parse_override
 
@@ -29,10 +31,28 @@ def load(source: str, *, config_file: dict[str, Any] | None = None, overrides: I
     return build_graph(src, cfg), cfg
 
 
-def plan(source: str, *, registry: Registry | None = None, passes: Iterable[str] = DEFAULT_PIPELINE, print_after: Iterable[str] = (), emit: Callable[[str], None] = print, **kwargs: Any) -> tuple[Graph, ExecutionPlan]:
+def plan(
+    source: str,
+    *,
+    registry: Registry | None = None,
+    passes: Iterable[str] | None = None,
+    print_after: Iterable[str] = (),
+    emit: Callable[[str], None] = print,
+    target: ClusterTarget | None = None,
+    options: dict[str, Any] | None = None,
+    cache: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> tuple[Graph, ExecutionPlan]:
+    """Compile a graph. With ``target`` (a cluster, model and workload) the auto-tuner plans for
+    that cluster; otherwise the plan is for this machine. ``cache`` receives pass by-products
+    (e.g. ``cache["tune"]``, the tuner's ranked candidates)."""
     reg = registry or default_registry()
     graph, cfg = load(source, registry=reg, **kwargs)
-    return graph, run_passes(graph, initial_plan(graph, source, cfg), reg, passes=passes, print_after=print_after, emit=emit)
+    initial = msgspec.structs.replace(initial_plan(graph, source, cfg), target=target)
+    if passes is None:
+        passes = CLUSTER_PIPELINE if target is not None else DEFAULT_PIPELINE
+    ctx = PlanContext(graph=graph, registry=reg, cache=cache if cache is not None else {}, options=options or {})
+    return graph, run_passes(graph, initial, reg, passes=passes, print_after=print_after, emit=emit, ctx=ctx)
 
 
 def graph_for_plan(p: ExecutionPlan, registry: Registry | None = None) -> Graph:
@@ -44,8 +64,14 @@ def graph_for_plan(p: ExecutionPlan, registry: Registry | None = None) -> Graph:
 
 
 def run(graph: Graph, p: ExecutionPlan, *, registry: Registry | None = None, out_dir: Path | None = None, on_step: Callable[[dict[str, Any]], None] | None = None) -> Any:
+    from flowrl.errors import PlanError
     from flowrl.runtime.executor import Executor, run_dir
 
+    if p.target is not None:
+        raise PlanError(
+            f"this plan targets {p.target.cluster.devices} x {p.target.cluster.hardware.name}; the local backend runs plans made without --cluster. "
+            "A multi-device backend (flowrl-ray) is not installed yet."
+        )
     executor = Executor(graph, p, registry or default_registry())
     out = out_dir or run_dir(p.config.out, p.config.name or graph.name)
     return executor.run(out, on_step=on_step)

@@ -22,7 +22,7 @@ def _config_args(p: argparse.ArgumentParser, run_out: bool = True) -> None:
     p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides", help="override one config field, e.g. --set train.lr=1e-3 (repeatable)")
     p.add_argument("--steps", type=int, help="training iterations")
     p.add_argument("--seed", type=int)
-    p.add_argument("--model", metavar="DIR", help="an HF-format model directory (default: a tiny random Llama)")
+    p.add_argument("--model", metavar="DIR", help="an HF-format model directory (default: a tiny random Llama); with plan --cluster: a preset or config.json")
     p.add_argument("--task", help="a registered task (see `flowrl plugins`)")
     if run_out:
         p.add_argument("--out", metavar="DIR", dest="run_out", help="where runs/<name> goes (default: runs)")
@@ -118,13 +118,61 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from flowrl import api
     from flowrl.planner.plan import dump_plan, encode_plan
 
-    _, plan = api.plan(_need_graph(args), print_after=args.print_after, emit=print, **_load_kwargs(args))
+    target, cache = None, {}
+    kwargs = _load_kwargs(args)
+    if args.cluster:
+        target = _cluster_target(args)
+        kwargs["flags"]["model"] = None  # --model names the planned model, not a local checkpoint
+    if not args.cluster and (args.explain or args.timeline or args.workload):
+        raise ConfigError("--explain, --timeline and --workload plan for a cluster; add --cluster (e.g. --cluster 16xA100-80G --model llama-7b).")
+    options = {"budget_s": args.budget, "seed": args.seed or 0, "cost_model": args.cost_model}
+    passes = None
+    if args.extra_passes:
+        from flowrl.planner.passes import CLUSTER_PIPELINE, DEFAULT_PIPELINE
+
+        passes = (*(CLUSTER_PIPELINE if target else DEFAULT_PIPELINE), *args.extra_passes)
+    graph, plan = api.plan(_need_graph(args), print_after=args.print_after, emit=print, target=target, options=options, cache=cache, passes=passes, **kwargs)
+    if args.explain and "tune" in cache:
+        from flowrl.planner.autotune import explain
+
+        print(explain(cache["tune"], target.model, target.cluster))
+    if args.timeline and "tune" in cache:
+        _timeline(args.timeline, cache["tune"], graph.name)
     if args.out:
         path = dump_plan(plan, args.out)
-        print(f"flowrl: plan {plan.id} written to {path}; run it with `flowrl run --plan {path}`")
-    else:
+        print(f"flowrl: plan {plan.id} written to {path}" + ("" if target else f"; run it with `flowrl run --plan {path}`"))
+    elif not args.explain:
         print(encode_plan(plan, args.format), end="")
     return 0
+
+
+def _cluster_target(args: argparse.Namespace) -> Any:
+    from flowrl.planner.hardware import parse_cluster
+    from flowrl.planner.modelspec import load_model_spec
+    from flowrl.planner.plan import ClusterTarget
+    from flowrl.planner.workload import WorkloadSpec, load_workload
+    from flowrl.plugins.manager import registry
+
+    presets = {e.name: e.obj for e in registry().entries("hardware")}
+    cluster = parse_cluster(args.cluster, extra_presets=presets)
+    if not args.model:
+        raise ConfigError("--cluster needs --model: a preset (llama-7b, llama-70b, qwen2.5-7b, ...) or an HF config.json / model directory.")
+    workload = load_workload(args.workload) if args.workload else WorkloadSpec()
+    return ClusterTarget(cluster=cluster, model=load_model_spec(args.model), workload=workload)
+
+
+def _timeline(path: str, tune: Any, name: str) -> None:
+    import json
+
+    from flowrl.planner.simulate import draw_timeline, timeline_json
+
+    best = tune.ranked[0]
+    png = Path(path)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    draw_timeline(best.result, best.plan, png, title=f"{name}: {best.result.iteration_s:.2f} s/iteration predicted  ({best.plan.summary()})")
+    data = png.with_suffix(".json")
+    data.write_text(json.dumps({"iteration_s": best.result.iteration_s, "spans": timeline_json(best.result)}, indent=1))
+    print(f"flowrl: timeline written to {png} and {data}")
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -175,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="FILE", help="write the plan (.yaml or .json) instead of printing it")
     p.add_argument("--format", choices=["yaml", "json"], default="yaml")
     p.add_argument("--print-after", metavar="PASS", action="append", default=[], help="print the plan after this pass ('all' for every pass)")
+    p.add_argument("--pass", metavar="PASS", dest="extra_passes", action="append", default=[], help="run this (plugin) pass after the built-in pipeline")
+    p.add_argument("--cluster", metavar="SPEC", help="plan for a cluster: 16xA100-80G, 2x8xH100-80G, a cluster file, or 'local' (after `flowrl profile`)")
+    p.add_argument("--workload", metavar="FILE", help="prompts per step, samples, lengths (YAML/TOML/JSON); default 1024 prompts, 1024+1024 tokens")
+    p.add_argument("--explain", action="store_true", help="print the winner, the runners-up and why they lose, and the roofline bound")
+    p.add_argument("--timeline", metavar="PNG", help="draw the winner's predicted timeline (and write the spans as JSON beside it)")
+    p.add_argument("--budget", type=float, default=8.0, help="search time budget in seconds (default 8)")
+    p.add_argument("--cost-model", default="analytic", help="a registered cost model")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("show", help="print a graph (stages, edges); optionally DOT/PNG")
     _config_args(p, run_out=False)

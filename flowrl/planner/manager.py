@@ -26,10 +26,11 @@ def run_passes(
     passes: Iterable[str] = DEFAULT_PIPELINE,
     print_after: Iterable[str] = (),
     emit: Callable[[str], None] = print,
+    ctx: PlanContext | None = None,
 ) -> ExecutionPlan:
     """Run ``passes`` in order; verify after each; return the sealed plan."""
     graph.verify()
-    ctx = PlanContext(graph=graph, registry=registry)
+    ctx = ctx or PlanContext(graph=graph, registry=registry)
     passes = tuple(passes)
     wanted = set(print_after)
     unknown = wanted - set(passes) - {"all"}

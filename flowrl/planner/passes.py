@@ -27,6 +27,7 @@ class PlanContext:
     graph: Graph
     registry: Registry
     cache: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)  # e.g. autotune budget_s, seed
 
     def model_config(self, plan: ExecutionPlan) -> Any:
         if "config" not in self.cache:
@@ -192,11 +193,58 @@ def memory(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     return _replace(plan, memory=tuple(estimates))
 
 
+# ------------------------------------------------------------------ autotune (cluster plans)
+
+
+def autotune(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
+    """Search placements, parallel sizes, rollout policy and weight sync for the target cluster."""
+    if plan.target is None:
+        return plan
+    from flowrl.planner.autotune import Tuner
+
+    t = plan.target
+    tuner = Tuner(ctx.graph, t.model, t.cluster, t.workload, seed=int(ctx.options.get("seed", 0)), cost_model=ctx.options.get("cost_model", "analytic"), registry=ctx.registry)
+    result = tuner.search(budget_s=float(ctx.options.get("budget_s", 8.0)))
+    ctx.cache["tune"] = result
+    return _replace(plan, cluster=result.best)
+
+
+def verify_cluster_plan(graph: Graph, plan: ExecutionPlan) -> None:
+    """Every model placed, parallel sizes fill their group and divide heads, layers and batch, memory fits."""
+    c, t = plan.cluster, plan.target
+    if c is None or t is None:
+        return
+    if sorted(m.model for m in c.models) != sorted(graph.models):
+        raise PlanError(f"cluster plan places {sorted(m.model for m in c.models)} but the graph declares {sorted(graph.models)}.")
+    if sum(g.devices for g in c.groups) > t.cluster.devices:
+        raise PlanError(f"cluster plan uses {sum(g.devices for g in c.groups)} devices; the cluster has {t.cluster.devices}.")
+    groups = {g.name: g for g in c.groups}
+    for m in c.models:
+        p, g = m.parallel, groups.get(m.group)
+        if g is None:
+            raise PlanError(f"model '{m.model}' is placed on unknown group '{m.group}'.")
+        if p.dp * p.tp * p.pp != g.devices:
+            raise PlanError(f"model '{m.model}': dp {p.dp} x tp {p.tp} x pp {p.pp} != {g.devices} devices of group '{g.name}'.")
+        if t.model.heads % p.tp or t.model.layers % p.pp:
+            raise PlanError(f"model '{m.model}': tp {p.tp} must divide {t.model.heads} heads and pp {p.pp} the {t.model.layers} layers.")
+        if (t.workload.sequences // t.workload.mini_batches) % (p.dp * m.micro_batch):
+            raise PlanError(f"model '{m.model}': dp {p.dp} x micro-batch {m.micro_batch} does not divide the mini-batch of {t.workload.sequences // t.workload.mini_batches} sequences.")
+    gen = c.generation
+    if gen.tp * gen.replicas != groups[gen.group].devices or t.model.heads % gen.tp:
+        raise PlanError(f"generation: tp {gen.tp} x {gen.replicas} replicas must fill group '{gen.group}' and tp must divide the heads.")
+    if c.predicted is not None:
+        cap = t.cluster.hardware.memory_bytes
+        for g, need in c.predicted.memory_bytes.items():
+            if need > cap:
+                raise PlanError(f"group '{g}' needs {mem.gib(need)} per device; a {t.cluster.hardware.name} has {mem.gib(cap)}.")
+
+
 # ------------------------------------------------------------------ verification
 
 
 def verify_plan(graph: Graph, plan: ExecutionPlan) -> None:
     """Invariants of whatever the plan holds so far; raises PlanError."""
+    verify_cluster_plan(graph, plan)
     devices = {d.name for d in plan.devices}
     if plan.models:
         placed = [m.model for m in plan.models]
@@ -223,4 +271,5 @@ def verify_plan(graph: Graph, plan: ExecutionPlan) -> None:
 
 
 DEFAULT_PIPELINE = ("resolve", "place", "micro_batch", "memory")
-BUILTIN_PASSES = {"resolve": resolve, "place": place, "micro_batch": micro_batch, "memory": memory}
+CLUSTER_PIPELINE = ("resolve", "autotune")
+BUILTIN_PASSES = {"resolve": resolve, "place": place, "micro_batch": micro_batch, "memory": memory, "autotune": autotune}

@@ -11,6 +11,10 @@ from pathlib import Path
 import msgspec
 
 from flowrl.errors import ConfigError
+from flowrl.planner.hardware import ClusterSpec
+from flowrl.planner.modelspec import ModelSpec
+from flowrl.planner.space import ClusterPlan
+from flowrl.planner.workload import WorkloadSpec
 from flowrl.specs import RunConfig, convert, read_document
 
 
@@ -56,6 +60,14 @@ class MemoryEstimate(_Plan):
     breakdown: dict[str, int]
 
 
+class ClusterTarget(_Plan):
+    """What a cluster plan is for: the cluster, the model every role uses, the workload."""
+
+    cluster: ClusterSpec
+    model: ModelSpec
+    workload: WorkloadSpec
+
+
 class ExecutionPlan(_Plan, kw_only=True):
     id: str = ""
     graph: GraphRef
@@ -66,6 +78,8 @@ class ExecutionPlan(_Plan, kw_only=True):
     nodes: tuple[NodePlan, ...] = ()
     memory: tuple[MemoryEstimate, ...] = ()
     passes: tuple[str, ...] = ()
+    target: ClusterTarget | None = None  # set: plan for a cluster (autotune) instead of this machine
+    cluster: ClusterPlan | None = None
 
     def content_id(self) -> str:
         body = msgspec.json.encode(msgspec.structs.replace(self, id=""), order="sorted")

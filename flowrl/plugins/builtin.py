@@ -73,5 +73,20 @@ def register_passes(register: Register) -> None:
 
 
 @hookimpl
+def register_hardware(register: Register) -> None:
+    from flowrl.planner.hardware import HARDWARE_PRESETS
+
+    for name, spec in HARDWARE_PRESETS.items():
+        register(name, spec, description=f"{spec.peak_flops_bf16 / 1e12:.0f} TFLOP/s bf16, {spec.memory_bytes / 1024**3:.0f} GiB, {spec.memory_bandwidth / 1e12:.2f} TB/s")
+
+
+@hookimpl
+def register_cost_models(register: Register) -> None:
+    from flowrl.planner.cost import CostModel
+
+    register("analytic", CostModel, description=_doc(CostModel))
+
+
+@hookimpl
 def register_cli_commands(register: Register) -> None:
     """The core commands live in flowrl.cli; plugins add theirs here."""

@@ -51,6 +51,16 @@ def register_passes(register: Register) -> None:
 
 
 @hookspec
+def register_hardware(register: Register) -> None:
+    """Register accelerator presets for ``--cluster NxNAME``: ``register(name, HardwareSpec)``."""
+
+
+@hookspec
+def register_cost_models(register: Register) -> None:
+    """Register planner cost models: ``register(name, factory)`` with ``factory(model, hardware) -> CostModel``."""
+
+
+@hookspec
 def register_cli_commands(register: Register) -> None:
     """Register CLI sub-commands: ``register(name, add_arguments, run, help="...")``."""
 
@@ -63,6 +73,8 @@ HOOKS: dict[str, str] = {
     "register_tasks": "tasks",
     "register_backends": "backends",
     "register_passes": "passes",
+    "register_hardware": "hardware",
+    "register_cost_models": "cost_models",
     "register_cli_commands": "cli_commands",
 }
 

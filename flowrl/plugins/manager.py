@@ -48,6 +48,8 @@ SINGULAR = {
     "tasks": "task",
     "backends": "backend",
     "passes": "pass",
+    "hardware": "hardware preset",
+    "cost_models": "cost model",
     "cli_commands": "CLI command",
 }
 

@@ -1,0 +1,313 @@
+"""The auto-tuner: search the plan space within a time budget, simulate, explain the winner.
+
+1. Enumerate skeletons (placement, group sizes, generation layout, rollout policy, weight
+   sync) from `space.skeletons`.
+2. For each skeleton choose every model's layout: its Pareto-optimal options (time vs
+   memory), then greedily trade time for memory until every group fits. Small spaces are
+   enumerated exhaustively instead.
+3. Simulate each fitting candidate (cheap settings), then re-simulate the best few with
+   more iterations and all replicas. Deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from flowrl.errors import PlanError
+from flowrl.graph.ir import Forward, Graph, Train
+from flowrl.planner.cost import BF16, CostModel
+from flowrl.planner.hardware import ClusterSpec
+from flowrl.planner.memory import gib
+from flowrl.planner.modelspec import ModelSpec
+from flowrl.planner.simulate import SimResult, simulate
+from flowrl.planner.space import ClusterPlan, ModelLayout, Prediction, Roles, Skeleton, layouts, skeletons
+from flowrl.planner.workload import WorkloadSpec, mean_length
+
+
+@dataclass
+class Candidate:
+    plan: ClusterPlan
+    result: SimResult
+    memory: dict[str, int]
+
+
+@dataclass
+class Infeasible:
+    skeleton: Skeleton
+    group: str
+    need: int
+    breakdown: dict[str, int]
+
+
+@dataclass
+class TuneResult:
+    ranked: list[Candidate]
+    considered: int
+    infeasible: list[Infeasible] = field(default_factory=list)
+    seconds: float = 0.0
+    roofline: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def best(self) -> ClusterPlan:
+        return self.ranked[0].plan
+
+
+def roles_of(graph: Graph) -> Roles:
+    gens = [n for n in graph.nodes.values() if n.kind == "generate"]
+    if not gens:
+        raise PlanError(f"graph '{graph.name}' has no generate node; the cluster planner needs a rollout.")
+    return Roles(
+        models=tuple(graph.models),
+        actor=gens[0].model,
+        trainable=frozenset(m for m, d in graph.models.items() if d.trainable),
+        role=tuple((m, d.role) for m, d in graph.models.items()),
+    )
+
+
+class Tuner:
+    def __init__(self, graph: Graph, model: ModelSpec, cluster: ClusterSpec, workload: WorkloadSpec, *, seed: int = 0, cost_model: str = "analytic", registry: Any = None) -> None:
+        self.graph, self.model, self.cluster, self.w, self.seed = graph, model, cluster, workload, seed
+        factory = registry.get("cost_models", cost_model) if registry is not None else CostModel
+        self.cost = factory(model, cluster.hardware)
+        self.roles = roles_of(graph)
+        self.seq_len = workload.prompt_length + int(mean_length(workload.response_length))
+        self.max_len = workload.prompt_length + workload.max_response()
+        self.forwards = {m: sum(1 for n in graph.nodes.values() if isinstance(n, Forward) and n.model == m) for m in graph.models}
+        self._layout_cache: dict[tuple[str, int], list[tuple[ModelLayout, float, int, int]]] = {}
+
+    # ------------------------------------------------------------ per model
+    def options(self, model: str, group) -> list[tuple[ModelLayout, float, int, int]]:
+        """(layout, seconds per iteration, static bytes, activation bytes), Pareto-pruned."""
+        key = (model, group.devices)
+        if key not in self._layout_cache:
+            trainable = model in self.roles.trainable
+            batch = self.w.sequences // self.w.mini_batches
+            scored = []
+            for lay in layouts(model, group, trainable=trainable, per_node=self.cluster.devices_per_node, heads=self.model.heads, kv_heads=self.model.kv_heads, layers=self.model.layers, batch=batch):
+                seconds = self.forwards[model] * self.cost.forward(lay, self.w.sequences, self.seq_len, backward=False)
+                if trainable:
+                    seconds += self.w.ppo_epochs * (self.cost.forward(lay, self.w.sequences, self.seq_len, backward=True) + self.w.mini_batches * self.cost.optimizer_step(lay))
+                static = self.cost.static_bytes(lay, trainable)
+                act = self.cost.activation_bytes(lay, self.max_len, training=trainable)
+                scored.append((lay, seconds, static, act))
+            scored.sort(key=lambda x: (x[1], x[2] + x[3]))
+            front, best_mem = [], None
+            for item in scored:  # keep only options that need less memory than every faster one
+                mem = item[2] + item[3]
+                if best_mem is None or mem < best_mem:
+                    front.append(item)
+                    best_mem = mem
+            self._layout_cache[key] = [(msgspec.structs.replace(lay, group=group.name), *rest) for lay, *rest in front]
+        return [(msgspec.structs.replace(lay, group=group.name), *rest) for lay, *rest in self._layout_cache[key]]
+
+    def group_memory(self, sk: Skeleton, choice: dict[str, tuple[ModelLayout, float, int, int]], group: str) -> tuple[int, dict[str, int]]:
+        members = [m for m, g in sk.assignment if g == group]
+        breakdown = {f"{m} states": choice[m][2] for m in members}
+        peaks = {f"{m} activations": choice[m][3] for m in members}
+        if sk.generation.group == group:
+            gen_weights = self.cost.param_bytes // sk.generation.tp
+            one_wave = max(1, -(-self.w.sequences // sk.generation.replicas))
+            kv = min(one_wave, 64) * self.max_len * self.model.kv_bytes_per_token(BF16) // sk.generation.tp
+            peaks["generation weights + KV cache"] = gen_weights + kv
+        if peaks:
+            name, value = max(peaks.items(), key=lambda kv: kv[1])
+            breakdown[f"peak: {name}"] = value
+        return sum(breakdown.values()), breakdown
+
+    def fit(self, sk: Skeleton) -> dict[str, tuple[ModelLayout, float, int, int]] | Infeasible:
+        """Greedy: fastest layouts, then trade the least time per byte until each group fits."""
+        groups = {g.name: g for g in sk.groups}
+        opts = {m: self.options(m, groups[g]) for m, g in sk.assignment}
+        for m, o in opts.items():
+            if not o:
+                return Infeasible(sk, dict(sk.assignment)[m], 0, {f"{m}: no layout divides the group and batch": 0})
+        idx = {m: 0 for m in opts}
+        cap = self.cost.capacity
+        while True:
+            choice = {m: opts[m][i] for m, i in idx.items()}
+            worst = None
+            for g in groups:
+                need, breakdown = self.group_memory(sk, choice, g)
+                if need > cap and (worst is None or need - cap > worst[1] - cap):
+                    worst = (g, need, breakdown)
+            if worst is None:
+                return choice
+            g, need, breakdown = worst
+            moves = []
+            for m, gm in sk.assignment:
+                if gm == g and idx[m] + 1 < len(opts[m]):
+                    cur, nxt = opts[m][idx[m]], opts[m][idx[m] + 1]
+                    saved = (cur[2] + cur[3]) - (nxt[2] + nxt[3])
+                    if saved > 0:
+                        moves.append(((nxt[1] - cur[1]) / saved, m))
+            if not moves:
+                return Infeasible(sk, g, need, breakdown)
+            idx[min(moves)[1]] += 1
+
+    # ------------------------------------------------------------ plans
+    def plan_of(self, sk: Skeleton, choice: dict[str, tuple[ModelLayout, float, int, int]]) -> ClusterPlan:
+        return ClusterPlan(placement=sk.placement, groups=sk.groups, models=tuple(choice[m][0] for m in self.roles.models), generation=sk.generation, rollout=sk.rollout, weight_sync=sk.weight_sync)
+
+    def evaluate(self, plan: ClusterPlan, *, iterations: int, max_replicas: int | None) -> Candidate:
+        gen_group = plan.generation.group
+        members = [m for m in plan.models if m.group == gen_group]
+        static = sum(self.cost.static_bytes(m, m.model in self.roles.trainable) for m in members)
+        sim_plan = plan
+        if max_replicas is not None and plan.generation.replicas > max_replicas:  # replicas are i.i.d.: sample a few
+            sim_plan = msgspec.structs.replace(plan, generation=msgspec.structs.replace(plan.generation, replicas=max_replicas))
+        result = simulate(self.graph, sim_plan, self.cost, self._workload_for(sim_plan, plan), self.roles, static_gen_bytes=static, iterations=iterations, seed=self.seed)
+        memory = {}
+        choice = {m.model: next(o for o in self.options(m.model, plan.group(m.group)) if o[0] == m) for m in plan.models}
+        sk = Skeleton(plan.placement, plan.groups, tuple((m.model, m.group) for m in plan.models), plan.generation, plan.rollout, plan.weight_sync)
+        for g in plan.groups:
+            memory[g.name] = self.group_memory(sk, choice, g.name)[0]
+        return Candidate(plan=plan, result=result, memory=memory)
+
+    def _workload_for(self, sim_plan: ClusterPlan, plan: ClusterPlan) -> WorkloadSpec:
+        """With fewer simulated replicas, give each the share of sequences it has in the real plan."""
+        if sim_plan is plan:
+            return self.w
+        per_replica = -(-self.w.sequences // plan.generation.replicas)
+        prompts = max(per_replica * sim_plan.generation.replicas // max(self.w.samples_per_prompt, 1), 1)
+        return msgspec.structs.replace(self.w, prompts_per_step=prompts)
+
+    # ------------------------------------------------------------ search
+    def search(self, *, budget_s: float = 8.0, exhaustive_limit: int = 4000, keep: int = 8) -> TuneResult:
+        t0 = time.perf_counter()
+        sks = skeletons(self.roles, self.cluster.devices, self.cluster.devices_per_node, self.model.heads, self.model.kv_heads)
+        candidates: list[ClusterPlan] = []
+        infeasible: list[Infeasible] = []
+        combos = self._combinations(sks, exhaustive_limit)
+        if combos is not None:
+            candidates = combos
+        else:
+            for sk in sks:
+                fit = self.fit(sk)
+                if isinstance(fit, Infeasible):
+                    infeasible.append(fit)
+                else:
+                    candidates.append(self.plan_of(sk, fit))
+        if not candidates:
+            raise PlanError(self._nothing_fits(infeasible))
+        quick: list[Candidate] = []
+        for plan in candidates:
+            if quick and time.perf_counter() - t0 > budget_s * 0.7:
+                break
+            quick.append(self.evaluate(plan, iterations=3, max_replicas=8))
+        quick.sort(key=lambda c: (c.result.iteration_s, c.plan.summary()))
+        finals = [self.evaluate(c.plan, iterations=5, max_replicas=32) for c in quick[:keep]]
+        finals.sort(key=lambda c: (c.result.iteration_s, c.plan.summary()))
+        ranked = [self._sealed(c) for c in finals] + quick[keep:]
+        result = TuneResult(ranked=ranked, considered=len(quick), infeasible=infeasible, seconds=time.perf_counter() - t0)
+        result.roofline = self.roofline(ranked[0])
+        ranked[0] = self._sealed(ranked[0], result.roofline)
+        return result
+
+    def _combinations(self, sks: list[Skeleton], limit: int) -> list[ClusterPlan] | None:
+        """All fitting layout combinations, when there are at most ``limit`` of them."""
+        total, per_sk = 0, []
+        for sk in sks:
+            groups = {g.name: g for g in sk.groups}
+            opts = [[o for o in self.options(m, groups[g])] for m, g in sk.assignment]
+            n = 1
+            for o in opts:
+                n *= len(o)
+            total += n
+            if total > limit:
+                return None
+            per_sk.append((sk, opts))
+        out = []
+        for sk, opts in per_sk:
+            for combo in itertools.product(*opts):
+                choice = {m: c for (m, _), c in zip(sk.assignment, combo)}
+                if all(self.group_memory(sk, choice, g.name)[0] <= self.cost.capacity for g in sk.groups):
+                    out.append(self.plan_of(sk, choice))
+        return out
+
+    def _sealed(self, c: Candidate, roofline: dict[str, float] | None = None) -> Candidate:
+        roof = roofline or self.roofline(c)
+        pred = Prediction(
+            iteration_s=round(c.result.iteration_s, 6),
+            breakdown={k: round(v, 6) for k, v in c.result.breakdown.items()},
+            utilization=c.result.utilization,
+            memory_bytes=c.memory,
+            roofline_s=round(roof["bound_s"], 6),
+            efficiency=round(roof["bound_s"] / c.result.iteration_s, 4) if c.result.iteration_s else 0.0,
+        )
+        return Candidate(plan=msgspec.structs.replace(c.plan, predicted=pred), result=c.result, memory=c.memory)
+
+    def roofline(self, c: Candidate) -> dict[str, float]:
+        """Lower bounds: all FLOPs at cluster peak; every decode step streams the weights once."""
+        hw, n = self.cluster.hardware, self.cluster.devices
+        compute = c.result.flops / (n * hw.peak_flops_bf16)
+        decode = self.w.max_response() * self.cost.param_bytes / (n * hw.memory_bandwidth)
+        return {"flops": c.result.flops, "compute_bound_s": compute, "decode_bound_s": decode, "bound_s": max(compute, decode)}
+
+    def _nothing_fits(self, infeasible: list[Infeasible]) -> str:
+        hw = self.cluster.hardware
+        lean = min(infeasible, key=lambda i: i.need - self.cost.capacity) if infeasible else None
+        where = ""
+        if lean is not None:
+            parts = ", ".join(f"{k} {gib(v)}" for k, v in sorted(lean.breakdown.items(), key=lambda kv: -kv[1]))
+            where = (
+                f" The leanest candidate ({lean.skeleton.placement}) needs {gib(lean.need)} per device on group '{lean.group}' "
+                f"but each {hw.name} offers {gib(self.cost.capacity)} usable, short by {gib(lean.need - self.cost.capacity)} ({parts})."
+            )
+        states = sum((16 if m in self.roles.trainable else BF16) for m in self.roles.models) * self.model.parameters()
+        need_devices = -(-states // self.cost.capacity)
+        suggestion = self.cluster.devices_per_node
+        while suggestion < need_devices:
+            suggestion *= 2
+        return (
+            f"no plan fits {self.graph.name} with {self.model.name} ({self.model.parameters() / 1e9:.1f}B parameters, {len(self.roles.models)} models) "
+            f"on {self.cluster.devices} x {hw.name}.{where} The model states alone need {gib(states)} "
+            f"(16 bytes/parameter per trainable model, 2 per frozen one), so at least {need_devices} of these devices without optimizer offload; "
+            f"try --cluster {suggestion}x{hw.name} or a smaller --model."
+        )
+
+
+def explain(result: TuneResult, model: ModelSpec, cluster: ClusterSpec, top: int = 5) -> str:
+    best = result.ranked[0]
+    pred = best.plan.predicted
+    lines = [
+        f"searched {result.considered} feasible plans in {result.seconds:.2f}s ({len(result.infeasible)} skeletons rejected for memory)",
+        f"winner: {pred.iteration_s:.2f} s/iteration  {best.plan.summary()}",
+        "  per node (mean seconds per iteration):",
+    ]
+    for k, v in sorted(pred.breakdown.items(), key=lambda kv: -kv[1]):
+        lines.append(f"    {k:<18} {v:9.3f}")
+    lines.append("  device groups: " + ", ".join(f"{g}: {u:.0%} busy, {gib(pred.memory_bytes.get(g, 0))}/device" for g, u in pred.utilization.items()))
+    roof = result.roofline
+    lines.append(
+        f"  roofline: {roof['flops'] / 1e15:.1f} PFLOP/iteration -> {roof['compute_bound_s']:.2f}s at {cluster.devices} x {cluster.hardware.peak_flops_bf16 / 1e12:.0f} TFLOP/s; "
+        f"decode bound {roof['decode_bound_s']:.2f}s; the plan reaches {pred.efficiency:.0%} of the bound"
+    )
+    lines.append("runners-up:")
+    seen = {best.plan.summary()}
+    shown = 0
+    for c in result.ranked[1:]:
+        if c.plan.summary() in seen or shown >= top:
+            continue
+        seen.add(c.plan.summary())
+        shown += 1
+        lines.append(f"  {c.result.iteration_s:8.2f}s (+{c.result.iteration_s / pred.iteration_s - 1:.0%})  {c.plan.summary()}")
+        lines.append(f"           loses on: {why_slower(c, best)}")
+    return "\n".join(lines)
+
+
+def why_slower(c: Candidate, best: Candidate) -> str:
+    """The components that cost the runner-up the most time against the winner."""
+    deltas = {k: c.result.breakdown.get(k, 0.0) - best.result.breakdown.get(k, 0.0) for k in set(c.result.breakdown) | set(best.result.breakdown)}
+    busy_c = sum(c.result.breakdown.values())
+    busy_b = sum(best.result.breakdown.values())
+    overlap = (busy_c - c.result.iteration_s) - (busy_b - best.result.iteration_s)
+    reasons = [(v, f"{k} +{v:.2f}s") for k, v in deltas.items() if v > 0.01 * best.result.iteration_s]
+    if overlap < -0.01 * best.result.iteration_s:
+        reasons.append((-overlap, f"less overlap/idle bubbles +{-overlap:.2f}s"))
+    reasons.sort(reverse=True)
+    return ", ".join(r for _, r in reasons[:3]) or "within noise of the winner"

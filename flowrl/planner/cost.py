@@ -1,0 +1,136 @@
+"""Cost model: time of each op from FLOPs and bytes with efficiency factors; memory per device.
+
+All models train in bf16 with fp32 AdamW states (mixed precision), activations recomputed per
+layer (the usual RLHF setting), flash attention (no seq x seq buffers).
+
+    matmul time   = FLOPs / (devices * peak_bf16 * matmul_efficiency)
+    stream time   = bytes / (memory_bandwidth * bandwidth_efficiency)
+    ring collective of V bytes over n ranks = 2 (n-1)/n * V / (link_bw * comm_efficiency) + n * latency
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flowrl.planner.hardware import HardwareSpec
+from flowrl.planner.modelspec import ModelSpec
+from flowrl.planner.space import ModelLayout
+
+BF16 = 2
+ADAM_STATE_BYTES = 12  # fp32 master weights + two moments per parameter
+RESERVE = 0.08  # fraction of device memory kept for the allocator, NCCL and the framework
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Roofline-style op costs (FLOPs and bytes with efficiency factors) and per-device memory."""
+
+    model: ModelSpec
+    hw: HardwareSpec
+
+    # ------------------------------------------------------------ helpers
+    @property
+    def params(self) -> int:
+        return self.model.parameters()
+
+    @property
+    def param_bytes(self) -> int:
+        return self.params * BF16
+
+    @property
+    def capacity(self) -> int:
+        return int(self.hw.memory_bytes * (1 - RESERVE))
+
+    def link(self, devices: int) -> tuple[float, float]:
+        """(bandwidth, latency) of the slowest link a group of ``devices`` spans."""
+        if devices <= self.hw.devices_per_node:
+            return self.hw.intra_node_bandwidth * self.hw.comm_efficiency, self.hw.intra_node_latency
+        return self.hw.inter_node_bandwidth * self.hw.comm_efficiency, self.hw.inter_node_latency
+
+    def allreduce(self, nbytes: float, ranks: int, span: int | None = None) -> float:
+        if ranks <= 1:
+            return 0.0
+        bw, lat = self.link(span or ranks)
+        return 2 * (ranks - 1) / ranks * nbytes / bw + ranks * lat
+
+    def matmul(self, flops: float, devices: int) -> float:
+        return flops / (devices * self.hw.peak_flops_bf16 * self.hw.matmul_efficiency)
+
+    def stream(self, nbytes: float) -> float:
+        return nbytes / (self.hw.memory_bandwidth * self.hw.bandwidth_efficiency)
+
+    # ------------------------------------------------------------ generation
+    def prefill(self, sequences: int, prompt: int, tp: int) -> float:
+        """Prompt forward of one replica: compute-bound."""
+        tokens = sequences * prompt
+        flops = tokens * self.model.flops_per_token(prompt // 2)
+        comm = self.model.layers * 2 * self.allreduce(tokens * self.model.hidden * BF16, tp)
+        return self.matmul(flops, tp) + comm + self.model.layers * self.hw.kernel_overhead
+
+    def decode_step(self, batch: float, context: float, tp: int) -> float:
+        """One decode step of one replica: max(compute, weights + KV streamed) + TP all-reduces."""
+        flops = batch * self.model.flops_per_token(int(context))
+        nbytes = (self.param_bytes + batch * context * self.model.kv_bytes_per_token(BF16)) / tp
+        comm = self.model.layers * 2 * self.allreduce(batch * self.model.hidden * BF16, tp)
+        return max(self.matmul(flops, tp), self.stream(nbytes)) + comm + self.model.layers * self.hw.kernel_overhead
+
+    def kv_capacity(self, tp: int, static_bytes: int, context: int) -> int:
+        """How many sequences of ``context`` tokens fit in one replica's KV cache."""
+        free = self.capacity - static_bytes - self.param_bytes / tp
+        per_seq = context * self.model.kv_bytes_per_token(BF16) / tp
+        return max(int(free // per_seq), 0)
+
+    # ------------------------------------------------------------ training / inference
+    def forward(self, layout: ModelLayout, sequences: int, seq_len: int, *, backward: bool) -> float:
+        """Forward (x3 with backward) of ``sequences`` on one model in its layout.
+
+        Pipeline bubble: (pp - 1) / (micro-batches + pp - 1) of the step is idle.
+        """
+        p = layout.parallel
+        per_rank = max(sequences // p.dp, 1)
+        micro = max(per_rank // layout.micro_batch, 1)
+        flops = per_rank * seq_len * self.model.flops_per_token(seq_len // 2) * (3 if backward else 1)
+        compute = self.matmul(flops, p.tp * p.pp)  # one dp rank's work spread over its tp x pp devices
+        bubble = (p.pp - 1) / (micro + p.pp - 1) if p.pp > 1 else 0.0
+        compute = compute / (1 - bubble)
+        tokens_mb = layout.micro_batch * seq_len
+        comm = micro * (self.model.layers // p.pp) * (4 if backward else 2) * self.allreduce(tokens_mb * self.model.hidden * BF16, p.tp)
+        if p.pp > 1:  # activations (and their gradients) cross pp - 1 stage boundaries per micro-batch
+            bw, lat = self.link(p.tp * p.pp)
+            comm += micro * (p.pp - 1) * (2 if backward else 1) * (tokens_mb * self.model.hidden * BF16 / p.tp / bw + lat)
+        overhead = micro * (self.model.layers // p.pp) * self.hw.kernel_overhead * (2 if backward else 1)
+        return compute + comm + overhead
+
+    def optimizer_step(self, layout: ModelLayout) -> float:
+        """Gradient all-reduce over dp (ZeRO-1 reduce-scatter + all-gather) and the AdamW update."""
+        p = layout.parallel
+        shard = self.params / (p.tp * p.pp)
+        grads = self.allreduce(shard * BF16, p.dp, span=p.size)
+        update = self.stream(shard / p.dp * (ADAM_STATE_BYTES * 2 + BF16 * 2))
+        offload = 2 * shard / p.dp * ADAM_STATE_BYTES / self.hw.host_bandwidth if layout.offload_optimizer else 0.0
+        return grads + update + offload
+
+    # ------------------------------------------------------------ memory (bytes on one device)
+    def static_bytes(self, layout: ModelLayout, trainable: bool) -> int:
+        p = layout.parallel
+        shard = self.params / (p.tp * p.pp)
+        total = shard * BF16
+        if trainable:
+            total += shard * BF16  # gradients
+            if not layout.offload_optimizer:
+                total += shard / p.dp * ADAM_STATE_BYTES
+        return int(total)
+
+    def activation_bytes(self, layout: ModelLayout, seq_len: int, *, training: bool) -> int:
+        """Per-layer checkpoints + one layer's working set + fp32 logits of a micro-batch."""
+        p = layout.parallel
+        tokens = layout.micro_batch * seq_len
+        layers = self.model.layers // p.pp
+        hidden = self.model.hidden
+        kept = tokens * hidden * BF16 * layers if training else 0
+        working = tokens * (16 * hidden + 2 * self.model.intermediate) * BF16 / p.tp
+        logits = tokens * self.model.vocab * 4 * (2 if training else 1) / p.tp
+        return int(kept + working + logits)
+
+    def sync_volume(self) -> int:
+        return self.param_bytes

@@ -1,0 +1,378 @@
+"""Hardware and cluster specs for the planner: accelerator presets, cluster strings, profiles.
+
+A cluster is named on the command line as one of
+
+* ``16xA100-80G`` (or ``16x A100-80G``): 16 devices of a preset, packed into whole nodes;
+* ``2x8xH100-80G``: 2 nodes x 8 devices;
+* a YAML/TOML/JSON cluster file (``nodes``, ``devices_per_node``, ``hardware``);
+* ``local``: the spec ``flowrl profile`` measured and saved for this machine (1 node x 1 device).
+
+Preset numbers are public datasheet values (dense, i.e. without structured sparsity).
+``memory_bytes`` is the advertised capacity read as GiB (``80 GB`` -> ``80 * 2**30``), which is
+what ``nvidia-smi`` reports to within ~1% for every preset here; headroom for the CUDA context
+and fragmentation is the memory model's business, not the preset's. Bandwidths are bytes/s in
+one direction per device (NVLink: half the bidirectional aggregate; inter-node: the device's
+share of the node's NICs).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from functools import cache
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from flowrl.errors import ConfigError
+from flowrl.specs import convert, read_document
+
+GiB = 1024**3
+
+Positive = Annotated[float, Meta(gt=0)]
+NonNegative = Annotated[float, Meta(ge=0)]
+Fraction = Annotated[float, Meta(gt=0, le=1)]
+Count = Annotated[int, Meta(ge=1)]
+
+
+# ------------------------------------------------------------------ checked specs
+
+
+class SpecFieldError(ConfigError, ValueError):
+    """A field is out of range. A ConfigError for callers; a ValueError so that msgspec, when it
+    raises this from ``__post_init__`` while converting a document, reports the field's path."""
+
+
+class CheckedSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Base of the planner specs: ``msgspec.Meta`` bounds are enforced on direct construction too.
+
+    msgspec checks ``Annotated[..., Meta(ge=...)]`` bounds only when decoding/converting; this
+    ``__post_init__`` applies the same bounds (also to list items) when code builds a spec.
+    Subclasses with cross-field rules override ``__post_init__`` and call ``super()``.
+    """
+
+    def __post_init__(self) -> None:
+        kind = type(self).__name__
+        for name, bounds, item_bounds in _bounds(type(self)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if bounds:
+                _check_bounds(value, bounds, f"{kind} field '{name}'")
+            if item_bounds and isinstance(value, (list, tuple)):
+                for i, item in enumerate(value):
+                    _check_bounds(item, item_bounds, f"{kind} field '{name}[{i}]'")
+
+
+def _check_bounds(value: Any, bounds: dict[str, float], where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return  # a type error; msgspec reports those when converting
+    ops = {"gt": (lambda v, b: v > b, ">"), "ge": (lambda v, b: v >= b, ">="), "lt": (lambda v, b: v < b, "<"), "le": (lambda v, b: v <= b, "<=")}
+    for key, bound in bounds.items():
+        ok, sign = ops[key]
+        if not ok(value, bound) or (isinstance(value, float) and math.isnan(value)):
+            raise SpecFieldError(f"{where} must be {sign} {bound:g}, got {value!r}")
+
+
+def _meta_bounds(tp: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if typing.get_origin(tp) is Annotated:
+        for meta in tp.__metadata__:
+            if isinstance(meta, Meta):
+                out.update({k: getattr(meta, k) for k in ("gt", "ge", "lt", "le") if getattr(meta, k) is not None})
+    return out
+
+
+def _strip_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+@cache
+def _bounds(cls: type) -> list[tuple[str, dict[str, float], dict[str, float]]]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    out = []
+    for name in cls.__struct_fields__:
+        tp = _strip_optional(hints[name])
+        item = None
+        base = typing.get_args(tp)[0] if typing.get_origin(tp) is Annotated else tp
+        if typing.get_origin(base) in (list, tuple) and typing.get_args(base):
+            item = typing.get_args(base)[0]
+        bounds, item_bounds = _meta_bounds(tp), _meta_bounds(item) if item is not None else {}
+        if bounds or item_bounds:
+            out.append((name, bounds, item_bounds))
+    return out
+
+
+def coerce_numbers(data: Any, tp: Any) -> Any:
+    """Read number-like strings in a document as the numbers a spec field wants.
+
+    YAML 1.1 reads ``312e12`` (no dot) as a string and users write ``memory_bytes: 80e9``; both
+    are meant as numbers. Only values whose target field is an int/float are touched; integral
+    floats become ints for int fields. Recurses into struct fields and tagged unions.
+    """
+    base = typing.get_args(tp)[0] if typing.get_origin(tp) is Annotated else tp
+    base = _strip_optional(base)
+    if base in (int, float) and not isinstance(data, bool):
+        number = data
+        if isinstance(data, str):
+            try:
+                number = float(data.strip().replace("_", ""))
+            except ValueError:
+                return data
+        if base is int and isinstance(number, float):
+            return int(number) if number.is_integer() else data
+        return number if isinstance(number, (int, float)) else data
+    if isinstance(data, list) and typing.get_origin(base) is list and typing.get_args(base):
+        return [coerce_numbers(v, typing.get_args(base)[0]) for v in data]
+    if isinstance(data, dict):
+        if typing.get_origin(base) in (typing.Union, types.UnionType):
+            for member in typing.get_args(base):
+                info = _struct_info(member)
+                if info and info.tag_field and data.get(info.tag_field) == info.tag:
+                    return coerce_numbers(data, member)
+            return data
+        if isinstance(base, type) and issubclass(base, msgspec.Struct):
+            hints = typing.get_type_hints(base, include_extras=True)
+            return {k: coerce_numbers(v, hints[k]) if k in hints else v for k, v in data.items()}
+    return data
+
+
+def _struct_info(tp: Any) -> Any:
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        return tp.__struct_config__
+    return None
+
+
+def did_you_mean(name: str, known: list[str]) -> str:
+    """`` Did you mean 'X'?`` (case-insensitive) or an empty string."""
+    lowered = {k.lower(): k for k in known}
+    hit = difflib.get_close_matches(name.lower(), list(lowered), n=1)
+    return f" Did you mean '{lowered[hit[0]]}'?" if hit else ""
+
+
+# ------------------------------------------------------------------ specs
+
+
+class HardwareSpec(CheckedSpec, kw_only=True):
+    """One accelerator (or a CPU socket) and the links around it."""
+
+    name: str
+    peak_flops_bf16: Positive  # dense FLOP/s
+    peak_flops_fp32: Positive
+    memory_bytes: Count  # usable device memory
+    memory_bandwidth: Positive  # HBM bytes/s
+    intra_node_bandwidth: Positive  # bytes/s per device, one direction (NVLink)
+    intra_node_latency: NonNegative = 5e-6  # s
+    inter_node_bandwidth: Positive  # bytes/s per device (its share of the IB/RoCE NICs)
+    inter_node_latency: NonNegative = 1e-5  # s
+    devices_per_node: Count = 8
+    host_bandwidth: Positive = 25e9  # device<->host (PCIe) bytes/s, for offload
+    # efficiency factors the cost model multiplies peaks by; `flowrl profile` fits them
+    matmul_efficiency: Fraction = 0.55
+    bandwidth_efficiency: Fraction = 0.75
+    comm_efficiency: Fraction = 0.8
+    kernel_overhead: NonNegative = 2e-5  # s per layer per forward step (launch/sync overhead)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.name.strip():
+            raise SpecFieldError("HardwareSpec field 'name' must not be empty")
+
+
+class ClusterSpec(CheckedSpec, kw_only=True):
+    """``nodes`` x ``devices_per_node`` identical devices."""
+
+    nodes: Count
+    devices_per_node: Count
+    hardware: HardwareSpec
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def label(self) -> str:
+        """``2x8xA100-80G``: the cluster string that names this cluster's shape."""
+        return f"{self.nodes}x{self.devices_per_node}x{self.hardware.name}"
+
+
+def _preset(name: str, **fields: Any) -> HardwareSpec:
+    return HardwareSpec(name=name, **fields)
+
+
+_A100 = dict(peak_flops_bf16=312e12, peak_flops_fp32=19.5e12, intra_node_bandwidth=300e9, inter_node_bandwidth=25e9)
+_HOPPER_LINKS = dict(intra_node_bandwidth=450e9, inter_node_bandwidth=50e9, host_bandwidth=50e9)  # PCIe Gen5 x16 (A100: Gen4, the 25e9 default)
+
+HARDWARE_PRESETS: dict[str, HardwareSpec] = {
+    "A100-40G": _preset("A100-40G", **_A100, memory_bytes=40 * GiB, memory_bandwidth=1.555e12),
+    "A100-80G": _preset("A100-80G", **_A100, memory_bytes=80 * GiB, memory_bandwidth=2.039e12),
+    "H100-80G": _preset("H100-80G", peak_flops_bf16=989e12, peak_flops_fp32=67e12, memory_bytes=80 * GiB, memory_bandwidth=3.35e12, **_HOPPER_LINKS),
+    "H200-141G": _preset("H200-141G", peak_flops_bf16=989e12, peak_flops_fp32=67e12, memory_bytes=141 * GiB, memory_bandwidth=4.8e12, **_HOPPER_LINKS),
+    "H20": _preset("H20", peak_flops_bf16=148e12, peak_flops_fp32=44e12, memory_bytes=96 * GiB, memory_bandwidth=4.0e12, **_HOPPER_LINKS),
+}
+
+
+# ------------------------------------------------------------------ files
+
+
+def default_profile_path() -> Path:
+    """Where ``flowrl profile`` saves this machine's spec: ``$FLOWRL_HOME/hardware/local.yaml``."""
+    return Path(os.environ.get("FLOWRL_HOME", Path.home() / ".flowrl")) / "hardware" / "local.yaml"
+
+
+def save_hardware(spec: HardwareSpec, path: str | Path) -> Path:
+    """Write ``spec`` as YAML (creating parent folders); returns the path."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(msgspec.yaml.encode(spec))
+    except OSError as exc:
+        raise ConfigError(f"cannot write hardware file '{path}': {exc.strerror or exc}.") from None
+    return path
+
+
+def load_hardware(path: str | Path) -> HardwareSpec:
+    """Read a HardwareSpec from a YAML/TOML/JSON file; errors name the file and field."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"hardware file '{path}' does not exist.")
+    data = read_document(path)
+    return convert(coerce_numbers(data, HardwareSpec), HardwareSpec, f"hardware file '{path}'")
+
+
+# ------------------------------------------------------------------ cluster strings
+
+
+_NODES_X_DEVICES = re.compile(r"^(\d+)\s*[x×]\s*(\d+)\s*[x×]\s*(\S.*)$", re.IGNORECASE)
+_DEVICES = re.compile(r"^(\d+)\s*[x×]\s*(\S.*)$", re.IGNORECASE)
+_FILE_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
+
+
+def parse_cluster(
+    text: str,
+    *,
+    extra_presets: Mapping[str, HardwareSpec] | None = None,
+    local_path: Path | None = None,
+) -> ClusterSpec:
+    """Turn a cluster string (see the module docstring) into a ClusterSpec.
+
+    ``extra_presets`` (e.g. from plugins) are looked up alongside, and take precedence over,
+    ``HARDWARE_PRESETS``. ``local_path`` overrides where ``local`` reads its profile.
+    """
+    presets = {**HARDWARE_PRESETS, **(extra_presets or {})}
+    spec = text.strip()
+    if not spec:
+        raise ConfigError("cluster: empty; give e.g. '8xA100-80G', '2x8xH100-80G', 'local' or a cluster file.")
+    if spec.lower() == "local":
+        path = Path(local_path) if local_path is not None else default_profile_path()
+        if not path.is_file():
+            raise ConfigError(
+                f"cluster 'local': no hardware profile at '{path}'. Run `flowrl profile` first to measure this machine, "
+                "or name a preset such as '1xA100-80G'."
+            )
+        return ClusterSpec(nodes=1, devices_per_node=1, hardware=load_hardware(path))
+    path = Path(spec).expanduser()
+    if path.suffix.lower() in _FILE_SUFFIXES or path.is_file():
+        return _load_cluster_file(path, presets)
+    if m := _NODES_X_DEVICES.match(spec):
+        nodes, per_node, name = int(m.group(1)), int(m.group(2)), m.group(3).strip()
+        hardware = _lookup(name, presets, f"cluster '{spec}'")
+        if nodes < 1 or per_node < 1:
+            raise ConfigError(f"cluster '{spec}': node and device counts must be >= 1.")
+        if per_node > hardware.devices_per_node:
+            raise ConfigError(
+                f"cluster '{spec}': a {hardware.name} node holds at most {hardware.devices_per_node} devices, not {per_node}; "
+                "use a cluster file with an inline hardware mapping for a different node size."
+            )
+        return ClusterSpec(nodes=nodes, devices_per_node=per_node, hardware=hardware)
+    if m := _DEVICES.match(spec):
+        count, name = int(m.group(1)), m.group(2).strip()
+        hardware = _lookup(name, presets, f"cluster '{spec}'")
+        return _pack(count, hardware, spec)
+    if _find(spec, presets) is not None:
+        raise ConfigError(f"cluster '{spec}': give a device count, e.g. '8x{_find(spec, presets).name}' or '2x8x{_find(spec, presets).name}'.")
+    if path.suffix or os.sep in spec or "/" in spec:
+        raise ConfigError(f"cluster file '{path}' does not exist.")
+    raise ConfigError(
+        f"cluster '{spec}' is not understood.{did_you_mean(spec, list(presets))} Use '<devices>x<preset>' (e.g. '16xA100-80G'), "
+        f"'<nodes>x<devices>x<preset>', 'local' or a YAML/TOML/JSON cluster file. Presets: {', '.join(presets)}."
+    )
+
+
+def _pack(count: int, hardware: HardwareSpec, spec: str) -> ClusterSpec:
+    if count < 1:
+        raise ConfigError(f"cluster '{spec}': the device count must be >= 1.")
+    per_node = hardware.devices_per_node
+    if count <= per_node:
+        return ClusterSpec(nodes=1, devices_per_node=count, hardware=hardware)
+    if count % per_node:
+        multiples = ", ".join(str(per_node * k) for k in (1, 2, 3))
+        raise ConfigError(
+            f"cluster '{spec}': {count} devices do not fill whole {per_node}-device nodes; use {multiples} ... "
+            f"(or fewer than {per_node} on one node), '<nodes>x<devices>x{hardware.name}', or a cluster file."
+        )
+    return ClusterSpec(nodes=count // per_node, devices_per_node=per_node, hardware=hardware)
+
+
+def _find(name: str, presets: Mapping[str, HardwareSpec]) -> HardwareSpec | None:
+    lowered = {k.lower(): v for k, v in presets.items()}
+    return lowered.get(name.strip().lower())
+
+
+def _lookup(name: str, presets: Mapping[str, HardwareSpec], what: str) -> HardwareSpec:
+    found = _find(name, presets)
+    if found is None:
+        raise ConfigError(f"{what}: unknown hardware preset '{name}'.{did_you_mean(name, list(presets))} Presets: {', '.join(presets)}.")
+    return found
+
+
+class _ClusterFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    nodes: Count = 1
+    devices_per_node: Count | None = None  # None: the hardware's
+    hardware: str | dict[str, Any]
+
+
+def _load_cluster_file(path: Path, presets: Mapping[str, HardwareSpec]) -> ClusterSpec:
+    """``{nodes, devices_per_node, hardware}``; hardware is a preset name, a full HardwareSpec
+    mapping, or ``{preset: NAME, <field>: <override>, ...}``."""
+    what = f"cluster file '{path}'"
+    if not path.is_file():
+        raise ConfigError(f"{what} does not exist.")
+    raw = read_document(path)
+    head = convert(coerce_numbers(raw, _ClusterFile), _ClusterFile, what)
+    hardware: dict[str, Any]
+    if isinstance(head.hardware, str):
+        hardware = msgspec.to_builtins(_lookup(head.hardware, presets, f"{what}, field 'hardware'"))
+    else:
+        hardware = dict(head.hardware)
+        preset = hardware.pop("preset", None)
+        if preset is not None:
+            if not isinstance(preset, str):
+                raise ConfigError(f"{what}: field 'hardware.preset' must be a preset name, got {type(preset).__name__}.")
+            hardware = {**msgspec.to_builtins(_lookup(preset, presets, f"{what}, field 'hardware.preset'")), **hardware}
+    hardware = coerce_numbers(hardware, HardwareSpec)
+    data = {"nodes": head.nodes, "devices_per_node": head.devices_per_node, "hardware": hardware}
+    if data["devices_per_node"] is None:
+        data["devices_per_node"] = hardware.get("devices_per_node", _default("devices_per_node"))
+    cluster = convert(data, ClusterSpec, what)
+    if cluster.devices_per_node > cluster.hardware.devices_per_node:
+        raise ConfigError(
+            f"{what}: field 'devices_per_node' is {cluster.devices_per_node} but a {cluster.hardware.name} node holds at most "
+            f"{cluster.hardware.devices_per_node}; set 'hardware.devices_per_node' too if the node really is larger."
+        )
+    return cluster
+
+
+def _default(name: str) -> Any:
+    return next(f.default for f in msgspec.structs.fields(HardwareSpec) if f.name == name)

@@ -1,0 +1,169 @@
+"""Model shapes for the planner's cost model: presets and HF ``config.json`` files.
+
+Only the shape matters here (no weights are read): a Llama/Qwen2-style dense decoder with
+grouped-query attention, a SwiGLU MLP (gate, up, down) and RMSNorm.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flowrl.errors import ConfigError
+from flowrl.planner.hardware import CheckedSpec, Count, SpecFieldError, did_you_mean
+from flowrl.specs import convert, read_document
+
+
+class ModelSpec(CheckedSpec, kw_only=True):
+    name: str
+    layers: Count
+    hidden: Count
+    heads: Count
+    kv_heads: Count
+    intermediate: Count
+    vocab: Count
+    tied_embeddings: bool = False
+    head_dim: Count | None = None  # None: hidden // heads
+    qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.heads % self.kv_heads:
+            raise SpecFieldError(f"ModelSpec field 'kv_heads' ({self.kv_heads}) must divide 'heads' ({self.heads})")
+        if self.head_dim is None and self.hidden % self.heads:
+            raise SpecFieldError(f"ModelSpec field 'heads' ({self.heads}) must divide 'hidden' ({self.hidden}) unless 'head_dim' is given")
+
+    @property
+    def dim_per_head(self) -> int:
+        """``head_dim``, or ``hidden // heads`` when unset."""
+        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
+
+    def layer_parameters(self) -> int:
+        """One decoder layer: q, k, v, o projections (+ q/k/v biases), gate/up/down, 2 RMSNorms."""
+        h, hd = self.hidden, self.dim_per_head
+        q, kv = self.heads * hd, self.kv_heads * hd
+        attention = h * q + 2 * h * kv + q * h
+        bias = q + 2 * kv if self.qkv_bias else 0
+        return attention + bias + 3 * h * self.intermediate + 2 * h
+
+    def parameters(self) -> int:
+        """Exact count: embeddings V*H (+ lm_head V*H unless tied) + layers + final norm H."""
+        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return embeddings + self.layers * self.layer_parameters() + self.hidden
+
+    def flops_per_token(self, context: int) -> float:
+        """Forward FLOPs for one token attending to ``context`` tokens.
+
+        ``2 * N + 4 * layers * context * heads * head_dim`` where N = ``parameters()`` less the
+        input embedding (a lookup, no FLOPs) but with the lm_head counted once even when tied
+        (its matmul still runs): every weight costs a multiply-add per token. The second term is
+        QK^T and attention-times-V (2 FLOPs per multiply-add each). ``context`` is the number of
+        keys a token sees: for a causal pass over a sequence of length L, pass the average
+        (about L / 2); for decoding, the current length. Backward is about 2x forward.
+        """
+        if context < 0:
+            raise ConfigError(f"flops_per_token: context must be >= 0, got {context}.")
+        matmul_params = self.parameters() - self.vocab * self.hidden * (0 if self.tied_embeddings else 1)
+        attention = 4 * self.layers * context * self.heads * self.dim_per_head
+        return float(2 * matmul_params + attention)
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """KV-cache bytes per token: ``2 (K and V) * layers * kv_heads * head_dim * dtype_bytes``."""
+        return 2 * self.layers * self.kv_heads * self.dim_per_head * dtype_bytes
+
+
+def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int) -> ModelSpec:
+    return ModelSpec(name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv, intermediate=inter, vocab=vocab)
+
+
+def _qwen(name: str, layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int, tied: bool = False) -> ModelSpec:
+    return ModelSpec(
+        name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv, intermediate=inter, vocab=vocab, tied_embeddings=tied, qkv_bias=True
+    )
+
+
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in (
+        _llama("llama-7b", 32, 4096, 32, 32, 11008, 32000),
+        _llama("llama-13b", 40, 5120, 40, 40, 13824, 32000),
+        _llama("llama-34b", 48, 8192, 64, 8, 22016, 32000),
+        _llama("llama-70b", 80, 8192, 64, 8, 28672, 32000),
+        _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256),
+        _qwen("qwen2.5-0.5b", 24, 896, 14, 2, 4864, 151936, tied=True),
+        _qwen("qwen2.5-1.5b", 28, 1536, 12, 2, 8960, 151936, tied=True),
+        _qwen("qwen2.5-3b", 36, 2048, 16, 2, 11008, 151936, tied=True),
+        _qwen("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064),
+        _qwen("qwen2.5-14b", 48, 5120, 40, 8, 13824, 152064),
+        _qwen("qwen2.5-32b", 64, 5120, 40, 8, 27648, 152064),
+        _qwen("qwen2.5-72b", 80, 8192, 64, 8, 29568, 152064),
+    )
+}
+
+# HF config.json key -> ModelSpec field; all required
+_HF_REQUIRED = {
+    "num_hidden_layers": "layers",
+    "hidden_size": "hidden",
+    "num_attention_heads": "heads",
+    "intermediate_size": "intermediate",
+    "vocab_size": "vocab",
+}
+
+
+def load_model_spec(text: str) -> ModelSpec:
+    """A preset name (case-insensitive); an HF ``config.json`` or a directory holding one; or a
+    YAML/TOML file of ModelSpec fields."""
+    name = text.strip()
+    preset = {k.lower(): v for k, v in MODEL_PRESETS.items()}.get(name.lower())
+    if preset is not None:
+        return preset
+    path = Path(name).expanduser()
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file():
+            raise ConfigError(f"model directory '{path}' has no config.json.")
+        return _from_hf_config(config)
+    if path.is_file():
+        if path.suffix.lower() in (".yaml", ".yml", ".toml"):
+            return convert(read_document(path), ModelSpec, f"model spec file '{path}'")
+        return _from_hf_config(path)
+    looks_like_path = "/" in name or path.suffix.lower() in (".json", ".yaml", ".yml", ".toml")
+    where = f" (no such file or directory '{path}')" if looks_like_path else ""
+    raise ConfigError(
+        f"model '{name}' is neither a preset nor a model directory or config.json{where}.{did_you_mean(name, list(MODEL_PRESETS))} "
+        f"Presets: {', '.join(MODEL_PRESETS)}."
+    )
+
+
+def _from_hf_config(path: Path) -> ModelSpec:
+    if path.suffix.lower() != ".json":
+        raise ConfigError(f"model config '{path}' must be a JSON file (an HF config.json).")
+    data = read_document(path)
+    what = f"model config '{path}'"
+    if "num_hidden_layers" not in data and isinstance(data.get("text_config"), dict):
+        data = {**data["text_config"], "model_type": data["text_config"].get("model_type", data.get("model_type"))}
+    fields: dict[str, Any] = {}
+    for key, field in _HF_REQUIRED.items():
+        if data.get(key) is None:
+            raise ConfigError(f"{what}: missing required field '{key}' (needed for the model's {field}).")
+        fields[field] = _int(data[key], key, what)
+    kv = data.get("num_key_value_heads")
+    fields["kv_heads"] = fields["heads"] if kv is None else _int(kv, "num_key_value_heads", what)
+    head_dim = data.get("head_dim")
+    fields["head_dim"] = None if head_dim is None else _int(head_dim, "head_dim", what)
+    tied = data.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        raise ConfigError(f"{what}: field 'tie_word_embeddings' must be true or false, got {tied!r}.")
+    model_type = str(data.get("model_type") or "")
+    fields.update(tied_embeddings=tied, qkv_bias=model_type.lower().startswith("qwen2"))
+    fields["name"] = path.parent.name or model_type or path.stem
+    try:
+        return ModelSpec(**fields)
+    except ConfigError as exc:
+        raise ConfigError(f"{what}: {exc}") from None
+
+
+def _int(value: Any, key: str, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{what}: field '{key}' must be an integer, got {value!r}.")
+    return value

@@ -1,0 +1,257 @@
+"""Discrete-event simulator: several iterations of a graph under a ClusterPlan.
+
+Each graph node becomes a task on the device group(s) it needs; a group runs one task at a
+time (colocated models time-share), different groups run concurrently. Response lengths are
+sampled from the workload every iteration, so a long tail costs what it costs: a replica
+decodes until its longest response ends, with its live batch shrinking as responses finish.
+Rollout policies change the dependencies: generation of step k needs the weights of step
+k-1-staleness, and partial rollouts stop once the batch is full and resume the rest later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flowrl.graph.ir import Forward, Generate, Graph, Train
+from flowrl.planner.cost import BF16, CostModel
+from flowrl.planner.space import ClusterPlan, Roles
+from flowrl.planner.workload import WorkloadSpec, mean_length, sample_lengths
+
+DRIVER_SECONDS_PER_SEQ = 2e-5  # rule-based rewards and advantage math on the controller
+
+
+@dataclass
+class Span:
+    iteration: int
+    task: str
+    groups: tuple[str, ...]
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    iteration_s: float
+    breakdown: dict[str, float]
+    utilization: dict[str, float]
+    spans: list[Span] = field(default_factory=list)
+    flops: float = 0.0
+    gen_steps: float = 0.0
+
+
+# ------------------------------------------------------------------ generation
+
+
+def decode_seconds(cost: CostModel, lengths: np.ndarray, prompt: int, tp: int, cap: int) -> float:
+    """One replica decodes ``lengths`` (remaining tokens per sequence), at most ``cap`` at a time."""
+    if lengths.size == 0:
+        return 0.0
+    waves = max(1, int(np.ceil(lengths.size / max(cap, 1))))
+    total = 0.0
+    ordered = np.sort(lengths)
+    for w in range(waves):
+        part = ordered[w::waves]
+        steps = int(part.max())
+        t = np.arange(1, steps + 1)
+        live = part.size - np.searchsorted(part, t, side="left")  # sequences still decoding at step t
+        total += float(np.sum(decode_vec(cost, live.astype(float), prompt + t.astype(float), tp)))
+        total += cost.prefill(part.size, prompt, tp)
+    return total
+
+
+def decode_vec(cost: CostModel, batch: np.ndarray, context: np.ndarray, tp: int) -> np.ndarray:
+    m, hw = cost.model, cost.hw
+    base = m.flops_per_token(0)
+    per_context = m.flops_per_token(1) - base  # flops_per_token is linear in the context
+    flops = batch * (base + per_context * context)
+    compute = flops / (tp * hw.peak_flops_bf16 * hw.matmul_efficiency)
+    nbytes = (cost.param_bytes + batch * context * m.kv_bytes_per_token(BF16)) / tp
+    stream = nbytes / (hw.memory_bandwidth * hw.bandwidth_efficiency)
+    comm = 0.0
+    if tp > 1:
+        bw, lat = cost.link(tp)
+        comm = m.layers * 2 * (2 * (tp - 1) / tp * batch * m.hidden * BF16 / bw + tp * lat)
+    return np.maximum(compute, stream) + comm + m.layers * hw.kernel_overhead
+
+
+class Generator:
+    """Per-iteration generation time across replicas, with partial-rollout carry-over."""
+
+    def __init__(self, plan: ClusterPlan, cost: CostModel, workload: WorkloadSpec, static_bytes: int, rng: np.random.Generator) -> None:
+        self.plan, self.cost, self.w, self.rng = plan, cost, workload, rng
+        gen = plan.generation
+        context = workload.prompt_length + workload.max_response()
+        self.cap = cost.kv_capacity(gen.tp, static_bytes, context)
+        self.carry: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(gen.replicas)]
+
+    def iteration(self, sequences: int) -> tuple[float, float]:
+        """(seconds, generated tokens) for one batch of ``sequences`` responses."""
+        gen, pol = self.plan.generation, self.plan.rollout
+        per_replica = int(np.ceil(sequences / gen.replicas))
+        launch = int(np.ceil(per_replica * (1 + pol.overprovision))) if pol.partial else per_replica
+        slowest, tokens = 0.0, 0.0
+        for r in range(gen.replicas):
+            fresh = sample_lengths(self.w.response_length, max(launch - self.carry[r].size, 0), self.rng)
+            active = np.concatenate([self.carry[r], fresh])
+            if pol.partial and active.size > per_replica:
+                stop = int(np.sort(active)[per_replica - 1])  # decode until the batch is full
+                done = np.minimum(active, stop)
+                self.carry[r] = (active - stop)[active > stop]
+            else:
+                done, self.carry[r] = active, np.zeros(0, dtype=np.int64)
+            seconds = decode_seconds(self.cost, done, self.w.prompt_length, gen.tp, self.cap)
+            slowest = max(slowest, seconds)
+            tokens += float(done.sum())
+        return slowest, tokens
+
+
+# ------------------------------------------------------------------ the schedule
+
+
+def node_group(plan: ClusterPlan, graph: Graph, name: str) -> tuple[str, ...]:
+    node = graph.nodes[name]
+    if isinstance(node, Generate):
+        return (plan.generation.group,)
+    if node.model is not None:
+        return (plan.layout(node.model).group,)
+    return ()  # controller work
+
+
+def sync_seconds(plan: ClusterPlan, cost: CostModel, roles: Roles) -> float:
+    """Move the actor's new weights into the generation layout."""
+    actor = plan.layout(roles.actor)
+    volume = cost.sync_volume()
+    ws = plan.weight_sync
+    if ws.strategy == "reshard":  # 3D-HybridEngine: all-gather within the group, no cross-group copy
+        tp_train, tp_gen = actor.parallel.tp * actor.parallel.pp, plan.generation.tp
+        bw, lat = cost.link(max(tp_train, tp_gen))
+        gathered = volume / tp_gen * (1 - min(tp_gen, tp_train) / max(tp_gen, tp_train))
+        return gathered / bw + cost.model.layers * lat + cost.stream(volume / tp_gen)
+    src = plan.group(actor.group)
+    dst = plan.group(plan.generation.group)
+    bw, lat = cost.link(src.devices + dst.devices)
+    links = min(src.devices, dst.devices)  # parallel streams between the groups
+    if ws.strategy == "full":  # gather on the trainer, then broadcast to every replica
+        return 2 * volume / (bw * links) + plan.generation.replicas * lat
+    if ws.strategy == "bucketed":  # pipelined buckets: one pass over the links
+        return volume / (bw * links) + 64 * lat
+    # sparse delta: only changed weights, values + indices, plus encode/decode passes
+    return ws.density * volume * 1.5 / (bw * links) + 2 * cost.stream(volume / src.devices) + 16 * lat
+
+
+def simulate(graph: Graph, plan: ClusterPlan, cost: CostModel, workload: WorkloadSpec, roles: Roles, *, static_gen_bytes: int, iterations: int = 4, seed: int = 0) -> SimResult:
+    rng = np.random.default_rng(seed)
+    order = graph.order()
+    gen = Generator(plan, cost, workload, static_gen_bytes, rng)
+    free: dict[str, float] = {g.name: 0.0 for g in plan.groups}
+    busy: dict[str, float] = {g.name: 0.0 for g in plan.groups}
+    finish: dict[tuple[int, str], float] = {}
+    spans: list[Span] = []
+    durations: dict[str, list[float]] = {}
+    dag = graph.dag()
+    train_actor = next((n for n in order if isinstance(graph.nodes[n], Train) and graph.nodes[n].model == roles.actor), None)
+    sync_s = sync_seconds(plan, cost, roles)
+    stale = plan.rollout.staleness
+    epochs, minis = workload.ppo_epochs, workload.mini_batches
+    flops_total = 0.0
+    gen_tokens = 0.0
+    lengths_mean = mean_length(workload.response_length)
+    seq_len = workload.prompt_length + int(lengths_mean)
+    sequences = workload.sequences
+
+    def run(it: int, task: str, groups: tuple[str, ...], deps: list[float], seconds: float) -> float:
+        start = max([0.0, *deps, *(free[g] for g in groups)])
+        end = start + seconds
+        for g in groups:
+            free[g] = end
+            busy[g] += seconds
+        finish[(it, task)] = end
+        spans.append(Span(it, task, groups, start, end))
+        durations.setdefault(task, []).append(seconds)
+        return end
+
+    def generation(it: int) -> None:
+        nonlocal flops_total, gen_tokens
+        for name in order:
+            node = graph.nodes[name]
+            if not isinstance(node, Generate):
+                continue
+            count = sequences if not node.greedy else max(sequences // max(workload.samples_per_prompt, 1), 1)
+            seconds, tokens = gen.iteration(count)
+            gen_tokens += tokens
+            flops_total += count * workload.prompt_length * cost.model.flops_per_token(workload.prompt_length // 2) + tokens * cost.model.flops_per_token(seq_len)
+            need = it - 1 - stale
+            deps = [finish[(need, "weight_sync")]] if need >= 0 and (need, "weight_sync") in finish else []
+            run(it, name, node_group(plan, graph, name), deps, seconds)
+
+    launched = 0
+    for it in range(iterations):
+        while launched <= min(it + stale, iterations - 1):
+            generation(launched)
+            launched += 1
+        for name in order:
+            node = graph.nodes[name]
+            if isinstance(node, Generate):
+                continue
+            deps = [finish[(it, p)] for p in dag.predecessors(name)]
+            if isinstance(node, Forward):
+                seconds = cost.forward(plan.layout(node.model), sequences, seq_len, backward=False)
+                flops_total += sequences * seq_len * cost.model.flops_per_token(seq_len // 2)
+            elif isinstance(node, Train):
+                layout = plan.layout(node.model)
+                seconds = epochs * cost.forward(layout, sequences, seq_len, backward=True) + epochs * minis * cost.optimizer_step(layout)
+                flops_total += 3 * epochs * sequences * seq_len * cost.model.flops_per_token(seq_len // 2)
+            else:
+                seconds = DRIVER_SECONDS_PER_SEQ * sequences
+            run(it, name, node_group(plan, graph, name), deps, seconds)
+        if train_actor is not None:
+            groups = tuple(dict.fromkeys([plan.layout(roles.actor).group, plan.generation.group]))
+            run(it, "weight_sync", groups, [finish[(it, train_actor)]], sync_s)
+    ends = [max(s.end for s in spans if s.iteration == it) for it in range(iterations)]
+    warm = 1 if iterations > 1 else 0
+    iteration_s = (ends[-1] - ends[warm - 1]) / (iterations - warm) if warm else ends[0]
+    window = (ends[warm - 1] if warm else 0.0, ends[-1])
+    length = max(window[1] - window[0], 1e-12)
+    utilization = {}
+    for g in plan.groups:
+        inside = sum(max(0.0, min(s.end, window[1]) - max(s.start, window[0])) for s in spans if g.name in s.groups)
+        utilization[g.name] = round(min(inside / length, 1.0), 4)
+    breakdown = {k: float(np.mean(v[warm:] or v)) for k, v in durations.items()}
+    return SimResult(iteration_s=iteration_s, breakdown=breakdown, utilization=utilization, spans=spans, flops=flops_total / iterations, gen_steps=gen_tokens / iterations)
+
+
+# ------------------------------------------------------------------ pictures
+
+
+def timeline_json(result: SimResult) -> list[dict]:
+    return [{"iteration": s.iteration, "task": s.task, "groups": list(s.groups), "start": round(s.start, 6), "end": round(s.end, 6)} for s in result.spans]
+
+
+def draw_timeline(result: SimResult, plan: ClusterPlan, path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [g.name for g in plan.groups] + ["controller"]
+    tasks = sorted({s.task for s in result.spans})
+    cmap = plt.get_cmap("tab20")
+    colors = {t: cmap(i % 20) for i, t in enumerate(tasks)}
+    fig, ax = plt.subplots(figsize=(12, 0.7 * len(rows) + 1.6))
+    for s in result.spans:
+        for g in s.groups or ("controller",):
+            y = rows.index(g)
+            ax.barh(y, s.end - s.start, left=s.start, color=colors[s.task], edgecolor="white", linewidth=0.4)
+            if s.end - s.start > 0.04 * (result.spans[-1].end or 1):
+                ax.text(s.start + (s.end - s.start) / 2, y, f"{s.task}\n#{s.iteration}", ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(len(rows)), [f"{r} ({plan.group(r).devices} dev)" if r != "controller" else r for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    ax.set_title(title or f"predicted timeline: {result.iteration_s:.2f} s/iteration", fontsize=9)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[t]) for t in tasks]
+    ax.legend(handles, tasks, fontsize=6, ncol=min(6, len(tasks)), loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,214 @@
+"""The plan space for a cluster: where models live, how each is parallelised, how rollouts flow.
+
+A `ClusterPlan` is one point of the space. `skeletons()` enumerates placements, device-group
+sizes, generation layouts, rollout policies and weight-sync strategies; `layouts()`
+enumerates one model's (dp, tp, pp, micro-batch, offload) options on a group. Every
+candidate already satisfies divisibility (tp divides heads and fits in a node, pp divides
+layers, dp divides the batch); memory is checked by the cost model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+
+Placement = Literal["colocate", "split", "standalone", "disaggregated"]
+RolloutMode = Literal["sync", "one_step_off", "async"]
+SyncStrategy = Literal["reshard", "full", "bucketed", "sparse"]
+
+
+class _S(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class Parallel(_S):
+    dp: int
+    tp: int
+    pp: int
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+class ModelLayout(_S):
+    model: str
+    group: str
+    parallel: Parallel  # training layout for trainable models, inference layout otherwise
+    micro_batch: int  # sequences per micro-batch on each dp rank
+    offload_optimizer: bool = False
+
+
+class DeviceGroup(_S):
+    name: str
+    devices: int
+    first: int  # index of its first device in the cluster
+
+
+class GenerationLayout(_S):
+    group: str
+    tp: int
+    replicas: int
+
+
+class RolloutPolicy(_S):
+    mode: RolloutMode = "sync"
+    staleness: int = 0  # generation may use weights this many versions old (0 = on-policy)
+    partial: bool = False  # stop once the batch is full; unfinished responses resume next step
+    overprovision: float = 0.0  # extra prompts launched when partial (APRIL)
+
+
+class WeightSync(_S):
+    strategy: SyncStrategy
+    density: float = 1.0  # fraction of weights sent (sparse delta)
+
+
+class Prediction(_S):
+    iteration_s: float
+    breakdown: dict[str, float]  # per graph node (+ "weight_sync"), mean seconds per iteration
+    utilization: dict[str, float]  # per device group: busy fraction
+    memory_bytes: dict[str, int]  # per device group: peak bytes on one device
+    roofline_s: float
+    efficiency: float  # roofline_s / iteration_s
+
+
+class ClusterPlan(_S):
+    placement: Placement
+    groups: tuple[DeviceGroup, ...]
+    models: tuple[ModelLayout, ...]
+    generation: GenerationLayout
+    rollout: RolloutPolicy
+    weight_sync: WeightSync
+    predicted: Prediction | None = None
+
+    def layout(self, model: str) -> ModelLayout:
+        return next(m for m in self.models if m.model == model)
+
+    def group(self, name: str) -> DeviceGroup:
+        return next(g for g in self.groups if g.name == name)
+
+    def summary(self) -> str:
+        parts = [f"{self.placement}"]
+        for g in self.groups:
+            members = [m for m in self.models if m.group == g.name]
+            descr = ", ".join(f"{m.model}(dp{m.parallel.dp} tp{m.parallel.tp} pp{m.parallel.pp} mb{m.micro_batch}{' off' if m.offload_optimizer else ''})" for m in members)
+            gen = f" gen tp{self.generation.tp}x{self.generation.replicas}" if self.generation.group == g.name else ""
+            parts.append(f"[{g.name}:{g.devices}] {descr}{gen}".rstrip())
+        roll = self.rollout.mode + (f" eta={self.rollout.staleness}" if self.rollout.staleness else "") + (f" partial+{self.rollout.overprovision:.0%}" if self.rollout.partial else "")
+        sync = self.weight_sync.strategy + (f"({self.weight_sync.density:.0%})" if self.weight_sync.strategy == "sparse" else "")
+        return " ".join(parts) + f" | rollout {roll} | sync {sync}"
+
+
+# ------------------------------------------------------------------ enumeration
+
+
+@dataclass(frozen=True)
+class Roles:
+    """What the graph asks of each model."""
+
+    models: tuple[str, ...]
+    actor: str  # the model that generates
+    trainable: frozenset[str]
+    role: tuple[tuple[str, str], ...]  # (model, role): actor, critic, reference, reward, cost
+
+    def role_of(self, model: str) -> str:
+        return dict(self.role)[model]
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    placement: Placement
+    groups: tuple[DeviceGroup, ...]
+    assignment: tuple[tuple[str, str], ...]  # (model, group)
+    generation: GenerationLayout
+    rollout: RolloutPolicy
+    weight_sync: WeightSync
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, k = [], 1
+    while k <= n:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def tp_options(heads: int, kv_heads: int, per_node: int, limit: int) -> list[int]:
+    return [t for t in _pow2_upto(min(per_node, limit)) if heads % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0)]
+
+
+def group_sizes(total: int, per_node: int) -> list[int]:
+    """Sizes a device group may take: within a node any power of two, beyond it whole nodes."""
+    return sorted({s for s in _pow2_upto(total) if s <= per_node or s % per_node == 0})
+
+
+def _groups(names_sizes: list[tuple[str, int]]) -> tuple[DeviceGroup, ...]:
+    out, first = [], 0
+    for name, size in names_sizes:
+        out.append(DeviceGroup(name=name, devices=size, first=first))
+        first += size
+    return tuple(out)
+
+
+def skeletons(roles: Roles, devices: int, per_node: int, heads: int, kv_heads: int, *, sync_density: float = 0.1) -> list[Skeleton]:
+    """Every placement x group split x generation layout x rollout policy x weight sync."""
+    out: list[Skeleton] = []
+    sizes = group_sizes(devices, per_node)
+    others = [m for m in roles.models if m != roles.actor]
+
+    def add(placement: Placement, groups: tuple[DeviceGroup, ...], assignment: dict[str, str], gen_group: str, overlap: bool) -> None:
+        g = next(x for x in groups if x.name == gen_group)
+        for tp in tp_options(heads, kv_heads, per_node, g.devices):
+            gen = GenerationLayout(group=gen_group, tp=tp, replicas=g.devices // tp)
+            policies = [RolloutPolicy()]
+            policies.append(RolloutPolicy(partial=True, overprovision=0.25))
+            if overlap:
+                policies += [RolloutPolicy(mode="one_step_off", staleness=1), RolloutPolicy(mode="async", staleness=2, partial=True, overprovision=0.25)]
+            syncs = [WeightSync(strategy="reshard")] if gen_group == assignment[roles.actor] else [WeightSync(strategy="full"), WeightSync(strategy="bucketed"), WeightSync(strategy="sparse", density=sync_density)]
+            for pol in policies:
+                for sync in syncs:
+                    out.append(Skeleton(placement, groups, tuple(sorted(assignment.items())), gen, pol, sync))
+
+    # verl's hybrid engine: everything on every device, generation time-shares with training
+    add("colocate", _groups([("all", devices)]), {m: "all" for m in roles.models}, "all", overlap=False)
+    # OpenRLHF: actor (+ reference) on one group, critic/reward on the other
+    if others:
+        for a in sizes:
+            b = devices - a
+            if b in sizes and b > 0:
+                assignment = {m: ("actor" if roles.role_of(m) in ("actor", "reference") else "critic") for m in roles.models}
+                if "critic" not in assignment.values():
+                    continue
+                add("split", _groups([("actor", a), ("critic", b)]), assignment, "actor", overlap=False)
+    # one group per model
+    n = len(roles.models)
+    if n > 1 and devices % n == 0 and devices // n in sizes:
+        size = devices // n
+        add("standalone", _groups([(m, size) for m in roles.models]), {m: m for m in roles.models}, roles.actor, overlap=False)
+    # AReaL: generation on its own devices, all training models colocated on the rest
+    for g in sizes:
+        t = devices - g
+        if t in sizes and t > 0:
+            add("disaggregated", _groups([("gen", g), ("train", t)]), {m: "train" for m in roles.models}, "gen", overlap=True)
+    return out
+
+
+def layouts(model: str, group: DeviceGroup, *, trainable: bool, per_node: int, heads: int, kv_heads: int, layers: int, batch: int) -> list[ModelLayout]:
+    """One model's options on a group: dp x tp x pp = group size; micro-batches; offload."""
+    out = []
+    for tp in tp_options(heads, kv_heads, per_node, group.devices):
+        for pp in _pow2_upto(group.devices // tp):
+            if layers % pp:
+                continue
+            dp = group.devices // (tp * pp)
+            if dp * tp * pp != group.devices or batch % dp:
+                continue
+            per_rank = batch // dp
+            for mb in (1, 2, 4, 8):
+                if mb > per_rank or per_rank % mb:
+                    continue
+                for off in (False, True) if trainable else (False,):
+                    out.append(ModelLayout(model=model, group=group.name, parallel=Parallel(dp=dp, tp=tp, pp=pp), micro_batch=mb, offload_optimizer=off))
+    return out

@@ -1,0 +1,196 @@
+"""What one RL step processes: prompts, samples, and the prompt/response length distributions.
+
+A workload file (YAML/TOML/JSON) holds WorkloadSpec fields, e.g.::
+
+    prompts_per_step: 512
+    samples_per_prompt: 8
+    prompt_length: 1024
+    response_length: {kind: lognormal, median: 512, sigma: 1.0, max: 8192}
+
+``response_length`` may also be a plain integer (a fixed length) or
+``{kind: histogram, lengths: [...], weights: [...]}`` (an empirical distribution).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+import numpy as np
+from msgspec import Meta
+
+from flowrl.errors import ConfigError
+from flowrl.planner.hardware import CheckedSpec, Count, SpecFieldError, coerce_numbers
+from flowrl.specs import convert, read_document
+
+PositiveFloat = Annotated[float, Meta(gt=0)]
+NonNegativeFloat = Annotated[float, Meta(ge=0)]
+
+
+class LengthDistribution(CheckedSpec, tag_field="kind"):
+    """Base of the length distributions (a tagged union on ``kind``)."""
+
+
+class Fixed(LengthDistribution, kw_only=True, tag="fixed"):
+    value: Count
+
+
+class LogNormal(LengthDistribution, kw_only=True, tag="lognormal"):
+    """``clamp(round(exp(N(log(median), sigma))), 1, max)``: RL response lengths have a long tail."""
+
+    median: PositiveFloat
+    sigma: NonNegativeFloat
+    max: Count
+
+
+class Histogram(LengthDistribution, kw_only=True, tag="histogram"):
+    """An empirical distribution: ``lengths[i]`` with probability ``weights[i] / sum(weights)``."""
+
+    lengths: list[Count]
+    weights: list[PositiveFloat]
+
+    def __post_init__(self) -> None:
+        if not self.lengths:
+            raise SpecFieldError("Histogram field 'lengths' must not be empty")
+        if len(self.lengths) != len(self.weights):
+            raise SpecFieldError(
+                f"Histogram fields 'lengths' and 'weights' must have the same length, got {len(self.lengths)} and {len(self.weights)}"
+            )
+        super().__post_init__()
+        if not all(math.isfinite(w) for w in self.weights):
+            raise SpecFieldError("Histogram field 'weights' must be finite")
+
+
+Lengths = Fixed | LogNormal | Histogram
+_KINDS = ("fixed", "lognormal", "histogram")
+
+
+def sample_lengths(dist: Lengths, n: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` lengths as an int64 array; the same ``rng`` state gives the same lengths."""
+    if n < 0:
+        raise ConfigError(f"sample_lengths: n must be >= 0, got {n}.")
+    if isinstance(dist, Fixed):
+        return np.full(n, dist.value, dtype=np.int64)
+    if isinstance(dist, LogNormal):
+        raw = rng.lognormal(mean=math.log(dist.median), sigma=dist.sigma, size=n)
+        return np.clip(np.rint(raw), 1, dist.max).astype(np.int64)
+    if isinstance(dist, Histogram):
+        weights = np.asarray(dist.weights, dtype=np.float64)
+        index = rng.choice(len(dist.lengths), size=n, p=weights / weights.sum())
+        return np.asarray(dist.lengths, dtype=np.int64)[index]
+    raise TypeError(f"not a length distribution: {dist!r}")
+
+
+def mean_length(dist: Lengths) -> float:
+    """The expected length.
+
+    Exact for ``fixed`` and ``histogram``. For ``lognormal`` it is the closed-form mean of the
+    *clamped* continuous distribution, ``E[clamp(X, 1, max)]`` with ``X ~ LogNormal(log(median),
+    sigma)``; only the rounding to integers is ignored (it moves the mean by well under one token).
+    """
+    if isinstance(dist, Fixed):
+        return float(dist.value)
+    if isinstance(dist, Histogram):
+        weights = np.asarray(dist.weights, dtype=np.float64)
+        return float(np.dot(weights, np.asarray(dist.lengths, dtype=np.float64)) / weights.sum())
+    if isinstance(dist, LogNormal):
+        lo, hi = 1.0, float(dist.max)
+        mu, s = math.log(dist.median), dist.sigma
+        if s == 0:
+            return min(max(dist.median, lo), hi)
+        if hi <= lo:
+            return lo
+
+        def cdf(z: float) -> float:
+            return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+
+        a, b = (math.log(lo) - mu) / s, (math.log(hi) - mu) / s
+        # E[X; lo < X < hi] = exp(mu + s^2/2) * (Phi(b - s) - Phi(a - s))
+        middle = math.exp(mu + s * s / 2) * (cdf(b - s) - cdf(a - s))
+        return lo * cdf(a) + middle + hi * (1.0 - cdf(b))
+    raise TypeError(f"not a length distribution: {dist!r}")
+
+
+def max_length(dist: Lengths) -> int:
+    """The longest length the distribution can produce."""
+    if isinstance(dist, Fixed):
+        return dist.value
+    if isinstance(dist, LogNormal):
+        return dist.max
+    if isinstance(dist, Histogram):
+        return max(dist.lengths)
+    raise TypeError(f"not a length distribution: {dist!r}")
+
+
+class WorkloadSpec(CheckedSpec, kw_only=True):
+    prompts_per_step: Count = 1024
+    samples_per_prompt: Count = 1
+    prompt_length: Count = 1024
+    response_length: Lengths = Fixed(value=1024)
+    ppo_epochs: Count = 1
+    mini_batches: Count = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mini_batches > self.sequences:
+            raise SpecFieldError(
+                f"WorkloadSpec field 'mini_batches' ({self.mini_batches}) must not exceed the sequences per step "
+                f"({self.sequences} = prompts_per_step x samples_per_prompt)"
+            )
+
+    @property
+    def sequences(self) -> int:
+        """Sequences generated (and trained on) per step: prompts x samples."""
+        return self.prompts_per_step * self.samples_per_prompt
+
+    def max_response(self) -> int:
+        return max_length(self.response_length)
+
+    def mean_response(self) -> float:
+        return mean_length(self.response_length)
+
+    def max_sequence(self) -> int:
+        """Longest prompt + response."""
+        return self.prompt_length + self.max_response()
+
+
+def load_workload(path: str | Path) -> WorkloadSpec:
+    """Read a workload file; errors name the file and the dotted field (``response_length.sigma``)."""
+    path = Path(path)
+    what = f"workload file '{path}'"
+    data = read_document(path)
+    length = data.get("response_length")
+    if isinstance(length, (int, str)) and not isinstance(length, bool):
+        data = {**data, "response_length": {"kind": "fixed", "value": length}}
+    elif isinstance(length, dict) and length.get("kind") not in _KINDS:
+        got = f"'kind: {length['kind']}'" if "kind" in length else "no 'kind'"
+        raise ConfigError(f"{what}: field 'response_length.kind': has {got}; use one of {', '.join(_KINDS)} (or a plain integer for a fixed length).")
+    data = coerce_numbers(data, WorkloadSpec)
+    return convert(data, WorkloadSpec, what)
+
+
+def workload_from_flags(
+    prompts: int | None = None,
+    samples: int | None = None,
+    prompt_len: int | None = None,
+    response_len: int | None = None,
+    base: WorkloadSpec | None = None,
+) -> WorkloadSpec:
+    """``base`` (default: WorkloadSpec()) with the given flags replaced; ``response_len`` makes the
+    response length fixed."""
+    base = base if base is not None else WorkloadSpec()
+    changes: dict[str, Any] = {}
+    for flag, field, value in (
+        ("prompts", "prompts_per_step", prompts),
+        ("samples", "samples_per_prompt", samples),
+        ("prompt_len", "prompt_length", prompt_len),
+        ("response_len", "response_length", response_len),
+    ):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"workload flag '{flag}' (field '{field}') must be an integer >= 1, got {value!r}.")
+        changes[field] = Fixed(value=value) if field == "response_length" else value
+    return msgspec.structs.replace(base, **changes) if changes else base
