@@ -10,7 +10,7 @@ from flowrl.plugins.hookspecs import Register, hookimpl
 def _doc(obj: Any) -> str:
     return (obj.__doc__ or "").strip().splitlines()[0] if obj.__doc__ else ""
 
-BUILTIN_GRAPHS = ("ppo", "grpo", "remax", "rloo", "reinforce_pp")
+BUILTIN_GRAPHS = ("ppo", "ppo_rm", "grpo", "remax", "rloo", "reinforce_pp")
 
 
 @hookimpl

@@ -29,12 +29,14 @@ def builtin() -> Registry:
 
 
 def test_builtin_registrations(builtin: Registry) -> None:
-    assert builtin.names("algorithms") == ["grpo", "ppo", "reinforce_pp", "remax", "rloo"]
+    assert builtin.names("algorithms") == ["grpo", "ppo", "ppo_rm", "reinforce_pp", "remax", "rloo"]
     assert builtin.names("losses") == ["ppo", "value"]
     assert builtin.names("advantage_estimators") == ["gae", "grpo", "reinforce_pp", "remax", "rloo"]
     assert builtin.names("tasks") == ["add", "copy", "repeat"]
     assert builtin.names("backends") == ["local"]
-    assert builtin.names("passes") == ["memory", "micro_batch", "place", "resolve"]
+    assert builtin.names("passes") == ["autotune", "memory", "micro_batch", "place", "resolve"]
+    assert builtin.names("hardware") == ["A100-40G", "A100-80G", "H100-80G", "H20", "H200-141G"]
+    assert builtin.names("cost_models") == ["analytic"]
     assert builtin.names("reward_functions") == ["task"]
     assert builtin.names("cli_commands") == []
     assert builtin.kinds() == list(HOOKS.values())
@@ -163,7 +165,7 @@ def test_unknown_name_gets_a_hint(builtin: Registry) -> None:
         builtin.get("algorithms", "grop")
     message = str(info.value)
     assert "unknown algorithm 'grop'" in message and "Did you mean 'grpo'?" in message
-    assert "Known: grpo, ppo, reinforce_pp, remax, rloo" in message
+    assert "Known: grpo, ppo, ppo_rm, reinforce_pp, remax, rloo" in message
     with pytest.raises(PluginError) as info:
         builtin.get("tasks", "zzzzzz")
     assert "Did you mean" not in str(info.value) and "unknown task 'zzzzzz'" in str(info.value)
@@ -193,7 +195,7 @@ def test_empty_flowrl_plugins_loads_no_entry_points(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("FLOWRL_PLUGINS", "")
     _, reg = load_plugins()
     assert [p.name for p in reg.plugins] == [BUILTIN]
-    assert reg.names("algorithms") == ["grpo", "ppo", "reinforce_pp", "remax", "rloo"]
+    assert reg.names("algorithms") == ["grpo", "ppo", "ppo_rm", "reinforce_pp", "remax", "rloo"]
     assert reg.names("cli_commands") == []
 
 
