@@ -155,10 +155,16 @@ def _cluster_target(args: argparse.Namespace) -> Any:
 
     presets = {e.name: e.obj for e in registry().entries("hardware")}
     cluster = parse_cluster(args.cluster, extra_presets=presets)
-    if not args.model:
-        raise ConfigError("--cluster needs --model: a preset (llama-7b, llama-70b, qwen2.5-7b, ...) or an HF config.json / model directory.")
     workload = load_workload(args.workload) if args.workload else WorkloadSpec()
-    return ClusterTarget(cluster=cluster, model=load_model_spec(args.model), workload=workload)
+    if args.model:
+        return ClusterTarget(cluster=cluster, model=load_model_spec(args.model), workload=workload)
+    if args.cluster != "local":
+        raise ConfigError("--cluster needs --model: a preset (llama-7b, llama-70b, qwen2.5-7b, ...) or an HF config.json / model directory.")
+    from flowrl.backends.local.models import load_tokenizer, model_config
+    from flowrl.planner.profile import tiny_model_spec
+    from flowrl.specs import TinyModelConfig
+
+    return ClusterTarget(cluster=cluster, model=tiny_model_spec(model_config(None, TinyModelConfig(), load_tokenizer(None))), workload=workload)
 
 
 def _timeline(path: str, tune: Any, name: str) -> None:
@@ -186,6 +192,20 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"flowrl: DOT written to {args.dot}")
     if args.png:
         print(f"flowrl: drawing written to {draw_png(graph, args.png)}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from flowrl.planner.hardware import default_profile_path
+    from flowrl.planner.profile import profile
+
+    out = Path(args.out) if args.out else default_profile_path()
+    hw = profile(out, progress=lambda s: print(f"  {s}", flush=True))
+    if args.out and Path(args.out).resolve() != default_profile_path().resolve():
+        from flowrl.planner.hardware import save_hardware
+
+        save_hardware(hw, default_profile_path())
+    print(f"flowrl: hardware profile written to {out} (and used by `flowrl plan --cluster local`)")
     return 0
 
 
@@ -236,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dot", metavar="FILE")
     p.add_argument("--png", metavar="FILE")
     p.set_defaults(func=cmd_show)
+    p = sub.add_parser("profile", help="measure this machine and fit the planner's cost model to it")
+    p.add_argument("--out", metavar="FILE", help="where to write the HardwareSpec YAML (also saved for --cluster local)")
+    p.set_defaults(func=cmd_profile)
     p = sub.add_parser("plugins", help="list plugins and what they register")
     p.set_defaults(func=cmd_plugins)
     return parser

@@ -311,3 +311,33 @@ def why_slower(c: Candidate, best: Candidate) -> str:
         reasons.append((-overlap, f"less overlap/idle bubbles +{-overlap:.2f}s"))
     reasons.sort(reverse=True)
     return ", ".join(r for _, r in reasons[:3]) or "within noise of the winner"
+
+
+def predict_local(graph: Graph, plan: Any, hardware: Any, *, prompt_length: int, response_length: Any, iterations: int = 5, seed: int = 0) -> SimResult:
+    """Predict one iteration of a *local* ExecutionPlan (one device, everything colocated) on a
+    profiled machine: the simulator's view of exactly what `flowrl run --plan` executes."""
+    from flowrl.backends.local.models import load_tokenizer, model_config
+    from flowrl.planner.hardware import ClusterSpec
+    from flowrl.planner.profile import tiny_model_spec
+    from flowrl.planner.space import DeviceGroup, GenerationLayout, Parallel, RolloutPolicy, WeightSync
+
+    cfg = plan.config
+    spec = tiny_model_spec(model_config(cfg.model, cfg.tiny_model, load_tokenizer(cfg.model)))
+    cluster = ClusterSpec(nodes=1, devices_per_node=1, hardware=hardware)
+    workload = WorkloadSpec(prompts_per_step=cfg.rollout.prompts_per_step, samples_per_prompt=cfg.rollout.samples_per_prompt, prompt_length=prompt_length, response_length=response_length, ppo_epochs=cfg.train.epochs, mini_batches=cfg.train.mini_batches)
+    micro = {}
+    for n in plan.nodes:
+        node = graph.nodes[n.node]
+        if node.model is not None and n.kind in ("forward", "train"):
+            micro[node.model] = min(micro.get(node.model, n.micro_batch_size), n.micro_batch_size)
+    layouts_ = tuple(ModelLayout(model=m, group="all", parallel=Parallel(dp=1, tp=1, pp=1), micro_batch=micro.get(m, workload.sequences)) for m in graph.models)
+    cplan = ClusterPlan(
+        placement="colocate",
+        groups=(DeviceGroup(name="all", devices=1, first=0),),
+        models=layouts_,
+        generation=GenerationLayout(group="all", tp=1, replicas=1),
+        rollout=RolloutPolicy(),
+        weight_sync=WeightSync(strategy="reshard"),
+    )
+    tuner = Tuner(graph, spec, cluster, workload, seed=seed)
+    return simulate(graph, cplan, tuner.cost, workload, tuner.roles, static_gen_bytes=0, iterations=iterations, seed=seed)

@@ -1,0 +1,147 @@
+"""`flowrl profile`: measure this machine with the local backend and fit the cost model to it.
+
+Measures peak matmul throughput and memory bandwidth, then times real ops of the tiny model
+(decode steps at several batch sizes, forward and train passes at several sizes) and fits the
+cost model's efficiency factors by least squares:
+
+    decode step  = layers * kernel_overhead + batch * flops_per_token / (peak * matmul_eff)
+    forward      = layers * kernel_overhead * calls + tokens * flops_per_token / (peak * matmul_eff)
+
+The local backend computes in fp32, so the profile stores fp32 rates in the bf16 fields and
+halves the bandwidth (the cost model counts 2 bytes per parameter).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from flowrl.planner.hardware import HardwareSpec, save_hardware
+from flowrl.planner.memory import device_capacity
+from flowrl.planner.modelspec import ModelSpec
+
+
+def _best(fn: Callable[[], Any], repeat: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def peak_flops(n: int = 1024) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / _best(lambda: torch.mm(a, b))
+
+
+def bandwidth(mib: int = 256) -> float:
+    src = torch.empty(mib * 1024 * 1024 // 4)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / _best(lambda: dst.copy_(src))
+
+
+def tiny_model_spec(config: Any) -> ModelSpec:
+    """The ModelSpec of an HF Llama-style config (the local tiny model)."""
+    return ModelSpec(
+        name="local",
+        layers=config.num_hidden_layers,
+        hidden=config.hidden_size,
+        heads=config.num_attention_heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        intermediate=config.intermediate_size,
+        vocab=config.vocab_size,
+        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+    )
+
+
+def measure_ops(model: Any, spec: ModelSpec, progress: Callable[[str], None] = lambda s: None) -> dict[str, list[tuple[float, float, float]]]:
+    """(batch or tokens, context, seconds) samples of decode steps, forwards and train steps."""
+    from flowrl.backends.local.generation import sample
+
+    out: dict[str, list[tuple[float, float, float]]] = {"decode": [], "forward": [], "train": []}
+    prompt = 8
+    for batch in (8, 64, 256, 512):
+        ids = torch.randint(4, spec.vocab, (batch, prompt))
+        mask = torch.ones_like(ids)
+        for steps in (4, 20):
+            seconds = _best(lambda: sample(model, ids, mask, max_new_tokens=steps, eos_id=2, pad_id=0, ignore_eos=True), repeat=3)
+            out["decode"].append((batch, prompt + steps, seconds))
+        progress(f"decode batch {batch}")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for batch in (64, 256, 512):
+        for seq in (12, 40):
+            ids = torch.randint(4, spec.vocab, (batch, seq))
+            mask = torch.ones_like(ids)
+
+            def fwd() -> None:
+                with torch.no_grad():
+                    model(input_ids=ids, attention_mask=mask).logits.log_softmax(-1)
+
+            def train() -> None:
+                opt.zero_grad()
+                model(input_ids=ids, attention_mask=mask).logits.log_softmax(-1).mean().backward()
+                opt.step()
+
+            out["forward"].append((batch * seq, seq, _best(fwd, repeat=3)))
+            out["train"].append((batch * seq, seq, _best(train, repeat=3)))
+        progress(f"forward/train batch {batch}")
+    return out
+
+
+def fit(samples: dict[str, list[tuple[float, float, float]]], spec: ModelSpec, peak: float) -> tuple[float, float]:
+    """Least squares for (kernel_overhead, matmul_efficiency) over decode and forward samples."""
+    rows, ys = [], []
+    for batch, context, seconds in samples["decode"]:
+        steps = context - 8
+        # prefill + steps decode calls: per call layers*ko, per token flops
+        calls = steps + 1
+        flops = batch * 8 * spec.flops_per_token(4) + sum(batch * spec.flops_per_token(8 + t) for t in range(steps))
+        rows.append([calls * spec.layers, flops / peak])
+        ys.append(seconds)
+    for tokens, seq, seconds in samples["forward"]:
+        rows.append([spec.layers, tokens * spec.flops_per_token(seq // 2) / peak])
+        ys.append(seconds)
+    a, b = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)[0]
+    kernel_overhead = max(float(a), 1e-7)
+    matmul_efficiency = float(np.clip(1.0 / b if b > 0 else 1.0, 1e-3, 1.0))
+    return kernel_overhead, matmul_efficiency
+
+
+def profile(out: Path, *, progress: Callable[[str], None] = lambda s: None) -> HardwareSpec:
+    from flowrl.backends.local.models import build_causal_lm, load_tokenizer, model_config
+    from flowrl.specs import TinyModelConfig
+
+    peak = peak_flops()
+    progress(f"matmul: {peak / 1e9:.1f} GFLOP/s")
+    bw = bandwidth()
+    progress(f"memory bandwidth: {bw / 1e9:.1f} GB/s")
+    tok = load_tokenizer(None)
+    config = model_config(None, TinyModelConfig(), tok)
+    model = build_causal_lm(None, config, seed=0)
+    spec = tiny_model_spec(config)
+    samples = measure_ops(model, spec, progress)
+    overhead, eff = fit(samples, spec, peak)
+    progress(f"fitted: kernel overhead {overhead * 1e6:.0f} us/layer-call, matmul efficiency {eff:.2f}")
+    hw = HardwareSpec(
+        name="local-cpu",
+        peak_flops_bf16=peak,
+        peak_flops_fp32=peak,
+        memory_bytes=device_capacity("cpu"),
+        memory_bandwidth=bw / 2,
+        intra_node_bandwidth=bw,
+        inter_node_bandwidth=bw,
+        devices_per_node=1,
+        host_bandwidth=bw,
+        matmul_efficiency=eff,
+        bandwidth_efficiency=1.0,
+        comm_efficiency=1.0,
+        kernel_overhead=overhead,
+    )
+    save_hardware(hw, out)
+    return hw
