@@ -95,21 +95,27 @@ def measure_ops(model: Any, spec: ModelSpec, progress: Callable[[str], None] = l
 
 
 def fit(samples: dict[str, list[tuple[float, float, float]]], spec: ModelSpec, peak: float) -> tuple[float, float]:
-    """Least squares for (kernel_overhead, matmul_efficiency) over decode and forward samples."""
+    """Least squares for (kernel_overhead, matmul_efficiency) over decode, forward and train samples,
+    with the cost model's own accounting: one layer-call per layer per forward (two with backward),
+    3x the forward FLOPs with backward."""
     rows, ys = [], []
     for batch, context, seconds in samples["decode"]:
-        steps = context - 8
-        # prefill + steps decode calls: per call layers*ko, per token flops
-        calls = steps + 1
-        flops = batch * 8 * spec.flops_per_token(4) + sum(batch * spec.flops_per_token(8 + t) for t in range(steps))
-        rows.append([calls * spec.layers, flops / peak])
+        steps = int(context) - 8  # the prefill produces the first token, then steps - 1 decode calls
+        flops = batch * 8 * spec.flops_per_token(4) + sum(batch * spec.flops_per_token(8 + t) for t in range(steps - 1))
+        rows.append([steps * spec.layers, flops / peak])
         ys.append(seconds)
     for tokens, seq, seconds in samples["forward"]:
-        rows.append([spec.layers, tokens * spec.flops_per_token(seq // 2) / peak])
+        rows.append([spec.layers, tokens * spec.flops_per_token(int(seq) // 2) / peak])
         ys.append(seconds)
-    a, b = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)[0]
-    kernel_overhead = max(float(a), 1e-7)
-    matmul_efficiency = float(np.clip(1.0 / b if b > 0 else 1.0, 1e-3, 1.0))
+    for tokens, seq, seconds in samples["train"]:
+        rows.append([2 * spec.layers, 3 * tokens * spec.flops_per_token(int(seq) // 2) / peak])
+        ys.append(seconds)
+    a = np.array(rows)
+    y = np.array(ys)
+    weights = 1.0 / y  # relative error matters: small and large ops count alike
+    overhead, inv_eff = np.linalg.lstsq(a * weights[:, None], y * weights, rcond=None)[0]
+    kernel_overhead = max(float(overhead), 1e-7)
+    matmul_efficiency = float(np.clip(1.0 / inv_eff if inv_eff > 0 else 1.0, 1e-3, 1.0))
     return kernel_overhead, matmul_efficiency
 
 
