@@ -38,12 +38,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--graph", default="graphs/grpo.py")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for the profile and the runs (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="flowrl-fidelity-"))
     hw = profile(tmp / "cpu.yaml")
     rows = []
     for name, overrides in VARIANTS:
         common = [f"steps={args.steps}", "seed=0", "checkpoint=false", "progress=false", "rollout.ignore_eos=true", f"out={tmp / 'runs'}"]
+        if args.threads:
+            common.append(f"threads={args.threads}")
         graph, plan = api.plan(args.graph, overrides=[*common, *overrides], emit=lambda s: None)
         result = api.run(graph, plan)
         measured = statistics.median(m["step_seconds"] for m in result.metrics[2:])
@@ -54,7 +61,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     errors = [abs(r["error"]) for r in rows]
-    print(json.dumps({"benchmark": "plan_fidelity", "variants": len(rows), "median_abs_error": round(statistics.median(errors), 3), "max_abs_error": round(max(errors), 3), "hardware": {"peak_gflops": round(hw.peak_flops_fp32 / 1e9, 1), "matmul_efficiency": round(hw.matmul_efficiency, 3), "kernel_overhead_us": round(hw.kernel_overhead * 1e6, 1)}, "rows": rows}))
+    print(json.dumps({"benchmark": "plan_fidelity", "variants": len(rows), "median_abs_error": round(statistics.median(errors), 3), "max_abs_error": round(max(errors), 3), "threads": args.threads, "hardware": {"peak_gflops": round(hw.peak_flops_fp32 / 1e9, 1), "matmul_efficiency": round(hw.matmul_efficiency, 3), "kernel_overhead_us": round(hw.kernel_overhead * 1e6, 1)}, "rows": rows}))
 
 
 if __name__ == "__main__":

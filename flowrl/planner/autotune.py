@@ -29,6 +29,10 @@ from flowrl.planner.space import ClusterPlan, ModelLayout, Prediction, Roles, Sk
 from flowrl.planner.workload import WorkloadSpec, mean_length
 
 
+QUICK = {"iterations": 3, "max_replicas": 8}  # first pass over every candidate
+FINAL = {"iterations": 5, "max_replicas": 32}  # the ranking that is reported
+
+
 @dataclass
 class Candidate:
     plan: ClusterPlan
@@ -96,12 +100,10 @@ class Tuner:
                 act = self.cost.activation_bytes(lay, self.max_len, training=trainable)
                 scored.append((lay, seconds, static, act))
             scored.sort(key=lambda x: (x[1], x[2] + x[3]))
-            front, best_mem = [], None
-            for item in scored:  # keep only options that need less memory than every faster one
-                mem = item[2] + item[3]
-                if best_mem is None or mem < best_mem:
+            front: list[tuple[ModelLayout, float, int, int]] = []
+            for item in scored:  # Pareto front over (time, static bytes, activation bytes)
+                if not any(f[1] <= item[1] and f[2] <= item[2] and f[3] <= item[3] for f in front):
                     front.append(item)
-                    best_mem = mem
             self._layout_cache[key] = [(msgspec.structs.replace(lay, group=group.name), *rest) for lay, *rest in front]
         return [(msgspec.structs.replace(lay, group=group.name), *rest) for lay, *rest in self._layout_cache[key]]
 
@@ -140,14 +142,18 @@ class Tuner:
             g, need, breakdown = worst
             moves = []
             for m, gm in sk.assignment:
-                if gm == g and idx[m] + 1 < len(opts[m]):
-                    cur, nxt = opts[m][idx[m]], opts[m][idx[m] + 1]
+                if gm != g:
+                    continue
+                cur = opts[m][idx[m]]
+                for j in range(idx[m] + 1, len(opts[m])):  # any slower option that needs less memory
+                    nxt = opts[m][j]
                     saved = (cur[2] + cur[3]) - (nxt[2] + nxt[3])
                     if saved > 0:
-                        moves.append(((nxt[1] - cur[1]) / saved, m))
+                        moves.append(((nxt[1] - cur[1]) / saved, m, j))
             if not moves:
                 return Infeasible(sk, g, need, breakdown)
-            idx[min(moves)[1]] += 1
+            _, m, j = min(moves)
+            idx[m] = j
 
     # ------------------------------------------------------------ plans
     def plan_of(self, sk: Skeleton, choice: dict[str, tuple[ModelLayout, float, int, int]]) -> ClusterPlan:
@@ -195,12 +201,15 @@ class Tuner:
         if not candidates:
             raise PlanError(self._nothing_fits(infeasible))
         quick: list[Candidate] = []
-        for plan in candidates:
-            if quick and time.perf_counter() - t0 > budget_s * 0.7:
-                break
-            quick.append(self.evaluate(plan, iterations=3, max_replicas=8))
+        if combos is not None:  # small space: every candidate with the final settings, so the optimum is exact
+            quick = [self.evaluate(plan, **FINAL) for plan in candidates]
+        else:
+            for plan in candidates:
+                if quick and time.perf_counter() - t0 > budget_s * 0.7:
+                    break
+                quick.append(self.evaluate(plan, **QUICK))
         quick.sort(key=lambda c: (c.result.iteration_s, c.plan.summary()))
-        finals = [self.evaluate(c.plan, iterations=5, max_replicas=32) for c in quick[:keep]]
+        finals = quick[:keep] if combos is not None else [self.evaluate(c.plan, **FINAL) for c in quick[:keep]]
         finals.sort(key=lambda c: (c.result.iteration_s, c.plan.summary()))
         ranked = [self._sealed(c) for c in finals] + quick[keep:]
         result = TuneResult(ranked=ranked, considered=len(quick), infeasible=infeasible, seconds=time.perf_counter() - t0)
