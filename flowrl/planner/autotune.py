@@ -91,14 +91,7 @@ class Tuner:
         if key not in self._layout_cache:
             trainable = model in self.roles.trainable
             batch = self.w.sequences // self.w.mini_batches
-            scored = []
-            for lay in layouts(model, group, trainable=trainable, per_node=self.cluster.devices_per_node, heads=self.model.heads, kv_heads=self.model.kv_heads, layers=self.model.layers, batch=batch):
-                seconds = self.forwards[model] * self.cost.forward(lay, self.w.sequences, self.seq_len, backward=False)
-                if trainable:
-                    seconds += self.w.ppo_epochs * (self.cost.forward(lay, self.w.sequences, self.seq_len, backward=True) + self.w.mini_batches * self.cost.optimizer_step(lay))
-                static = self.cost.static_bytes(lay, trainable)
-                act = self.cost.activation_bytes(lay, self.max_len, training=trainable)
-                scored.append((lay, seconds, static, act))
+            scored = [self.score(lay) for lay in layouts(model, group, trainable=trainable, per_node=self.cluster.devices_per_node, heads=self.model.heads, kv_heads=self.model.kv_heads, layers=self.model.layers, batch=batch)]
             scored.sort(key=lambda x: (x[1], x[2] + x[3]))
             front: list[tuple[ModelLayout, float, int, int]] = []
             for item in scored:  # Pareto front over (time, static bytes, activation bytes)
@@ -106,6 +99,14 @@ class Tuner:
                     front.append(item)
             self._layout_cache[key] = [(msgspec.structs.replace(lay, group=group.name), *rest) for lay, *rest in front]
         return [(msgspec.structs.replace(lay, group=group.name), *rest) for lay, *rest in self._layout_cache[key]]
+
+    def score(self, lay: ModelLayout) -> tuple[ModelLayout, float, int, int]:
+        """(layout, seconds per iteration of its forward and train nodes, static bytes, activation bytes)."""
+        trainable = lay.model in self.roles.trainable
+        seconds = self.forwards[lay.model] * self.cost.forward(lay, self.w.sequences, self.seq_len, backward=False)
+        if trainable:
+            seconds += self.w.ppo_epochs * (self.cost.forward(lay, self.w.sequences, self.seq_len, backward=True) + self.w.mini_batches * self.cost.optimizer_step(lay))
+        return (lay, seconds, self.cost.static_bytes(lay, trainable), self.cost.activation_bytes(lay, self.max_len, training=trainable))
 
     def group_memory(self, sk: Skeleton, choice: dict[str, tuple[ModelLayout, float, int, int]], group: str) -> tuple[int, dict[str, int]]:
         members = [m for m, g in sk.assignment if g == group]
@@ -168,7 +169,7 @@ class Tuner:
             sim_plan = msgspec.structs.replace(plan, generation=msgspec.structs.replace(plan.generation, replicas=max_replicas))
         result = simulate(self.graph, sim_plan, self.cost, self._workload_for(sim_plan, plan), self.roles, static_gen_bytes=static, iterations=iterations, seed=self.seed)
         memory = {}
-        choice = {m.model: next(o for o in self.options(m.model, plan.group(m.group)) if o[0] == m) for m in plan.models}
+        choice = {m.model: self.score(m) for m in plan.models}
         sk = Skeleton(plan.placement, plan.groups, tuple((m.model, m.group) for m in plan.models), plan.generation, plan.rollout, plan.weight_sync)
         for g in plan.groups:
             memory[g.name] = self.group_memory(sk, choice, g.name)[0]
