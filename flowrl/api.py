@@ -63,15 +63,20 @@ def graph_for_plan(p: ExecutionPlan, registry: Registry | None = None) -> Graph:
     return graph
 
 
-def run(graph: Graph, p: ExecutionPlan, *, registry: Registry | None = None, out_dir: Path | None = None, on_step: Callable[[dict[str, Any]], None] | None = None) -> Any:
+def refuse_cluster_plan(p: ExecutionPlan) -> None:
     from flowrl.errors import PlanError
+
+    raise PlanError(
+        f"this plan targets {p.target.cluster.devices} x {p.target.cluster.hardware.name}; the local backend runs plans made without --cluster. "
+        "A multi-device backend (flowrl-ray) is not installed yet."
+    )
+
+
+def run(graph: Graph, p: ExecutionPlan, *, registry: Registry | None = None, out_dir: Path | None = None, on_step: Callable[[dict[str, Any]], None] | None = None) -> Any:
     from flowrl.runtime.executor import Executor, run_dir
 
     if p.target is not None:
-        raise PlanError(
-            f"this plan targets {p.target.cluster.devices} x {p.target.cluster.hardware.name}; the local backend runs plans made without --cluster. "
-            "A multi-device backend (flowrl-ray) is not installed yet."
-        )
+        refuse_cluster_plan(p)
     executor = Executor(graph, p, registry or default_registry())
     out = out_dir or run_dir(p.config.out, p.config.name or graph.name)
     return executor.run(out, on_step=on_step)

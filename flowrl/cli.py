@@ -61,6 +61,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         graph = api.graph_for_plan(plan)
     else:
         graph, plan = api.plan(_need_graph(args), emit=print, **_load_kwargs(args))
+    if plan.target is not None:
+        api.refuse_cluster_plan(plan)
     cfg = plan.config
     print(f"flowrl: running {graph.name} ({plan.graph.source}) on task '{cfg.task}' for {cfg.steps} steps, plan {plan.id}")
     bar = _progress(cfg.steps, enabled=cfg.progress and not args.quiet)

@@ -94,8 +94,11 @@ class Tuner:
             scored = [self.score(lay) for lay in layouts(model, group, trainable=trainable, per_node=self.cluster.devices_per_node, heads=self.model.heads, kv_heads=self.model.kv_heads, layers=self.model.layers, batch=batch)]
             scored.sort(key=lambda x: (x[1], x[2] + x[3]))
             front: list[tuple[ModelLayout, float, int, int]] = []
-            for item in scored:  # Pareto front over (time, static bytes, activation bytes)
-                if not any(f[1] <= item[1] and f[2] <= item[2] and f[3] <= item[3] for f in front):
+            # Pareto front over (time, static bytes, activation bytes); the actor's tp x pp also
+            # sets the reshard time into the generation layout, so each gets its own front
+            for item in scored:
+                same = (lambda f: True) if model != self.roles.actor else (lambda f, p=item[0].parallel: f[0].parallel.tp * f[0].parallel.pp == p.tp * p.pp)
+                if not any(same(f) and f[1] <= item[1] and f[2] <= item[2] and f[3] <= item[3] for f in front):
                     front.append(item)
             self._layout_cache[key] = [(msgspec.structs.replace(lay, group=group.name), *rest) for lay, *rest in front]
         return [(msgspec.structs.replace(lay, group=group.name), *rest) for lay, *rest in self._layout_cache[key]]
@@ -164,24 +167,13 @@ class Tuner:
         gen_group = plan.generation.group
         members = [m for m in plan.models if m.group == gen_group]
         static = sum(self.cost.static_bytes(m, m.model in self.roles.trainable) for m in members)
-        sim_plan = plan
-        if max_replicas is not None and plan.generation.replicas > max_replicas:  # replicas are i.i.d.: sample a few
-            sim_plan = msgspec.structs.replace(plan, generation=msgspec.structs.replace(plan.generation, replicas=max_replicas))
-        result = simulate(self.graph, sim_plan, self.cost, self._workload_for(sim_plan, plan), self.roles, static_gen_bytes=static, iterations=iterations, seed=self.seed)
+        result = simulate(self.graph, plan, self.cost, self.w, self.roles, static_gen_bytes=static, iterations=iterations, seed=self.seed, sampled_replicas=max_replicas)
         memory = {}
         choice = {m.model: self.score(m) for m in plan.models}
         sk = Skeleton(plan.placement, plan.groups, tuple((m.model, m.group) for m in plan.models), plan.generation, plan.rollout, plan.weight_sync)
         for g in plan.groups:
             memory[g.name] = self.group_memory(sk, choice, g.name)[0]
         return Candidate(plan=plan, result=result, memory=memory)
-
-    def _workload_for(self, sim_plan: ClusterPlan, plan: ClusterPlan) -> WorkloadSpec:
-        """With fewer simulated replicas, give each the share of sequences it has in the real plan."""
-        if sim_plan is plan:
-            return self.w
-        per_replica = -(-self.w.sequences // plan.generation.replicas)
-        prompts = max(per_replica * sim_plan.generation.replicas // max(self.w.samples_per_prompt, 1), 1)
-        return msgspec.structs.replace(self.w, prompts_per_step=prompts)
 
     # ------------------------------------------------------------ search
     def search(self, *, budget_s: float = 8.0, exhaustive_limit: int = 4000, keep: int = 8) -> TuneResult:
@@ -255,7 +247,7 @@ class Tuner:
         """Lower bounds: all FLOPs at cluster peak; every decode step streams the weights once."""
         hw, n = self.cluster.hardware, self.cluster.devices
         compute = c.result.flops / (n * hw.peak_flops_bf16)
-        decode = self.w.max_response() * self.cost.param_bytes / (n * hw.memory_bandwidth)
+        decode = c.result.longest_decode * self.cost.param_bytes / (n * hw.memory_bandwidth)
         return {"flops": c.result.flops, "compute_bound_s": compute, "decode_bound_s": decode, "bound_s": max(compute, decode)}
 
     def _nothing_fits(self, infeasible: list[Infeasible]) -> str:

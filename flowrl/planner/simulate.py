@@ -39,6 +39,7 @@ class SimResult:
     spans: list[Span] = field(default_factory=list)
     flops: float = 0.0
     gen_steps: float = 0.0
+    longest_decode: int = 0  # the longest response actually decoded (for the roofline)
 
 
 # ------------------------------------------------------------------ generation
@@ -79,20 +80,23 @@ def decode_vec(cost: CostModel, batch: np.ndarray, context: np.ndarray, tp: int)
 class Generator:
     """Per-iteration generation time across replicas, with partial-rollout carry-over."""
 
-    def __init__(self, plan: ClusterPlan, cost: CostModel, workload: WorkloadSpec, static_bytes: int, rng: np.random.Generator) -> None:
+    def __init__(self, plan: ClusterPlan, cost: CostModel, workload: WorkloadSpec, static_bytes: int, rng: np.random.Generator, sampled_replicas: int | None = None) -> None:
         self.plan, self.cost, self.w, self.rng = plan, cost, workload, rng
         gen = plan.generation
         context = workload.prompt_length + workload.max_response()
         self.cap = cost.kv_capacity(gen.tp, static_bytes, context)
-        self.carry: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(gen.replicas)]
+        # Replicas are i.i.d.: simulate a sample of them (each with its real share of the batch).
+        self.simulated = min(gen.replicas, sampled_replicas or gen.replicas)
+        self.carry: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(self.simulated)]
+        self.longest = 0
 
     def iteration(self, sequences: int) -> tuple[float, float]:
-        """(seconds, generated tokens) for one batch of ``sequences`` responses."""
+        """(seconds, generated tokens over all replicas) for one batch of ``sequences`` responses."""
         gen, pol = self.plan.generation, self.plan.rollout
         per_replica = int(np.ceil(sequences / gen.replicas))
         launch = int(np.ceil(per_replica * (1 + pol.overprovision))) if pol.partial else per_replica
         slowest, tokens = 0.0, 0.0
-        for r in range(gen.replicas):
+        for r in range(self.simulated):
             fresh = sample_lengths(self.w.response_length, max(launch - self.carry[r].size, 0), self.rng)
             active = np.concatenate([self.carry[r], fresh])
             if pol.partial and active.size > per_replica:
@@ -104,7 +108,8 @@ class Generator:
             seconds = decode_seconds(self.cost, done, self.w.prompt_length, gen.tp, self.cap)
             slowest = max(slowest, seconds)
             tokens += float(done.sum())
-        return slowest, tokens
+            self.longest = max(self.longest, int(done.max()) if done.size else 0)
+        return slowest, tokens * gen.replicas / self.simulated
 
 
 # ------------------------------------------------------------------ the schedule
@@ -141,10 +146,13 @@ def sync_seconds(plan: ClusterPlan, cost: CostModel, roles: Roles) -> float:
     return ws.density * volume * 1.5 / (bw * links) + 2 * cost.stream(volume / src.devices) + 16 * lat
 
 
-def simulate(graph: Graph, plan: ClusterPlan, cost: CostModel, workload: WorkloadSpec, roles: Roles, *, static_gen_bytes: int, iterations: int = 4, seed: int = 0) -> SimResult:
+def simulate(graph: Graph, plan: ClusterPlan, cost: CostModel, workload: WorkloadSpec, roles: Roles, *, static_gen_bytes: int, iterations: int = 4, seed: int = 0, sampled_replicas: int | None = None) -> SimResult:
     rng = np.random.default_rng(seed)
     order = graph.order()
-    gen = Generator(plan, cost, workload, static_gen_bytes, rng)
+    gen = Generator(plan, cost, workload, static_gen_bytes, rng, sampled_replicas)
+    stale = plan.rollout.staleness
+    warm = 1 + stale  # iterations before the pipeline of rollouts is full
+    iterations = max(iterations, warm + 2)
     free: dict[str, float] = {g.name: 0.0 for g in plan.groups}
     busy: dict[str, float] = {g.name: 0.0 for g in plan.groups}
     finish: dict[tuple[int, str], float] = {}
@@ -153,9 +161,9 @@ def simulate(graph: Graph, plan: ClusterPlan, cost: CostModel, workload: Workloa
     dag = graph.dag()
     train_actor = next((n for n in order if isinstance(graph.nodes[n], Train) and graph.nodes[n].model == roles.actor), None)
     sync_s = sync_seconds(plan, cost, roles)
-    stale = plan.rollout.staleness
     epochs, minis = workload.ppo_epochs, workload.mini_batches
-    flops_total = 0.0
+    flops_total = 0.0  # forward and train nodes, over all iterations
+    gen_flops = 0.0  # generation, over all launched rollouts
     gen_tokens = 0.0
     lengths_mean = mean_length(workload.response_length)
     seq_len = workload.prompt_length + int(lengths_mean)
@@ -173,7 +181,7 @@ def simulate(graph: Graph, plan: ClusterPlan, cost: CostModel, workload: Workloa
         return end
 
     def generation(it: int) -> None:
-        nonlocal flops_total, gen_tokens
+        nonlocal gen_flops, gen_tokens
         for name in order:
             node = graph.nodes[name]
             if not isinstance(node, Generate):
@@ -181,14 +189,14 @@ def simulate(graph: Graph, plan: ClusterPlan, cost: CostModel, workload: Workloa
             count = sequences if not node.greedy else max(sequences // max(workload.samples_per_prompt, 1), 1)
             seconds, tokens = gen.iteration(count)
             gen_tokens += tokens
-            flops_total += count * workload.prompt_length * cost.model.flops_per_token(workload.prompt_length // 2) + tokens * cost.model.flops_per_token(seq_len)
+            gen_flops += count * workload.prompt_length * cost.model.flops_per_token(workload.prompt_length // 2) + tokens * cost.model.flops_per_token(seq_len)
             need = it - 1 - stale
             deps = [finish[(need, "weight_sync")]] if need >= 0 and (need, "weight_sync") in finish else []
             run(it, name, node_group(plan, graph, name), deps, seconds)
 
     launched = 0
     for it in range(iterations):
-        while launched <= min(it + stale, iterations - 1):
+        while launched <= it + stale:  # rollouts run ahead by the staleness bound
             generation(launched)
             launched += 1
         for name in order:
@@ -209,17 +217,17 @@ def simulate(graph: Graph, plan: ClusterPlan, cost: CostModel, workload: Workloa
         if train_actor is not None:
             groups = tuple(dict.fromkeys([plan.layout(roles.actor).group, plan.generation.group]))
             run(it, "weight_sync", groups, [finish[(it, train_actor)]], sync_s)
-    ends = [max(s.end for s in spans if s.iteration == it) for it in range(iterations)]
-    warm = 1 if iterations > 1 else 0
-    iteration_s = (ends[-1] - ends[warm - 1]) / (iterations - warm) if warm else ends[0]
-    window = (ends[warm - 1] if warm else 0.0, ends[-1])
+    # an iteration ends when its last training-side task does (rollouts of later steps may run on)
+    ends = [max(s.end for s in spans if s.iteration == it and not isinstance(graph.nodes.get(s.task), Generate)) for it in range(iterations)]
+    iteration_s = (ends[-1] - ends[warm - 1]) / (iterations - warm)
+    window = (ends[warm - 1], ends[-1])
     length = max(window[1] - window[0], 1e-12)
     utilization = {}
     for g in plan.groups:
         inside = sum(max(0.0, min(s.end, window[1]) - max(s.start, window[0])) for s in spans if g.name in s.groups)
         utilization[g.name] = round(min(inside / length, 1.0), 4)
     breakdown = {k: float(np.mean(v[warm:] or v)) for k, v in durations.items()}
-    return SimResult(iteration_s=iteration_s, breakdown=breakdown, utilization=utilization, spans=spans, flops=flops_total / iterations, gen_steps=gen_tokens / iterations)
+    return SimResult(iteration_s=iteration_s, breakdown=breakdown, utilization=utilization, spans=spans, flops=flops_total / iterations + gen_flops / launched, gen_steps=gen_tokens / launched, longest_decode=gen.longest)
 
 
 # ------------------------------------------------------------------ pictures

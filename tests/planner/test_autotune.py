@@ -111,14 +111,6 @@ def test_search_returns_the_simulators_optimum(graph, model, cluster, workload, 
         assert raw_best >= found / 1.01, (result.best.summary(), raw_plan.summary())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG autotune.py Tuner.options: layouts are Pareto-pruned on (own node seconds, static, activation bytes), but "
-        "the actor's layout also sets the reshard weight-sync time (simulate.sync_seconds uses the actor's tp*pp); "
-        "the pruned actor(dp2 tp2 pp1) layout gives a plan 1.4% faster than the tuner's best"
-    ),
-)
 def test_pareto_pruning_is_safe_when_the_actor_layout_drives_the_weight_sync():
     cluster, workload = mini(4, 2.0), load(2)
     found = make_tuner("grpo", TINY, cluster, workload).search(budget_s=60).ranked[0].result.iteration_s
@@ -191,15 +183,6 @@ def llama7b_on_128():
     return t, t.search(budget_s=8)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG autotune.py Tuner._workload_for/evaluate: to simulate max_replicas of many generation replicas it shrinks "
-        "prompts_per_step for the whole simulate() call, so forward and train nodes (and the roofline FLOPs) are "
-        "simulated on a fraction of the batch (64-replica colocate plan: train_actor 0.86 s at QUICK, 2.4 s at FINAL, "
-        "4.5 s with every replica); only generation should be sampled"
-    ),
-)
 def test_sampling_generation_replicas_leaves_training_alone(llama7b_on_128):
     t, result = llama7b_on_128
     many = next(c.plan for c in result.ranked if c.plan.generation.replicas > FINAL["max_replicas"])
@@ -211,14 +194,6 @@ def test_sampling_generation_replicas_leaves_training_alone(llama7b_on_128):
         assert sampled.flops == pytest.approx(full.flops, rel=0.05)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG (consequence of the two simulator-settings bugs above and in test_simulate.py): llama-7b PPO+RM on "
-        "128xA100-80G, the winner (disaggregated async) is predicted at 18.5 s/iteration but a full simulation (every "
-        "replica, 30 iterations) gives 28.1 s, and a colocated sync plan the tuner ranked lower simulates at 24.0 s"
-    ),
-)
 def test_the_winners_prediction_survives_a_full_simulation(llama7b_on_128):
     t, result = llama7b_on_128
     winner = msgspec.structs.replace(result.best, predicted=None)
@@ -269,14 +244,6 @@ class FakeClock:
         return self.now
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG autotune.py Tuner.search: the time budget truncates the candidate list, so the plan (and the plan id) depends "
-        "on how fast the machine is, contradicting 'Deterministic for a seed' (128xA100-80G ppo_rm llama-7b: "
-        "disaggregated async on a fast machine, a colocated plan on a slow one)"
-    ),
-)
 def test_the_plan_does_not_depend_on_the_machines_speed(monkeypatch):
     args = ("ppo_rm", MODEL_PRESETS["llama-7b"], "128xA100-80G", WorkloadSpec())
     fast = make_tuner(*args).search(budget_s=8).best
@@ -377,13 +344,6 @@ def test_random_targets_plan_or_fail_cleanly(graph, model, devices, hardware, pr
         assert pred.roofline_s <= pred.iteration_s * (1 + 1e-6) and pred.efficiency <= 1, (pred.roofline_s, pred.iteration_s)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG autotune.py Tuner.roofline: the decode bound is w.max_response() (the lognormal clamp, 4096) decode steps, "
-        "but the longest sampled response is far shorter, so the 'lower bound' exceeds the prediction (efficiency 17)"
-    ),
-)
 def test_roofline_is_a_lower_bound_under_a_long_tail():
     workload = WorkloadSpec(prompts_per_step=8, samples_per_prompt=1, prompt_length=16, response_length=LogNormal(median=16, sigma=2.0, max=4096))
     target = ClusterTarget(cluster=parse_cluster("1xA100-80G"), model=QWEN, workload=workload)

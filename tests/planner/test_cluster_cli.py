@@ -234,13 +234,6 @@ def test_run_refuses_a_cluster_plan(planned, capsys):
     assert "targets 16 x A100-80G" in err and "without --cluster" in err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG flowrl/cli.py cmd_run: it announces 'flowrl: running ... for 600 steps' and opens the tqdm bar before "
-        "api.run refuses a cluster plan, so the error comes after a stray 0/600 progress bar; check plan.target first"
-    ),
-)
 def test_run_refuses_a_cluster_plan_before_announcing_a_run(planned, capsys):
     out, _ = planned
     code = main(["run", "--plan", str(out)])
