@@ -12,7 +12,6 @@ import importlib.metadata as md
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 import pluggy
@@ -165,7 +164,3 @@ def set_registry(reg: Registry | None) -> None:
     """Replace (or with None, reset) the process-wide registry; for tests and embedding."""
     global _CACHE
     _CACHE = reg
-
-
-def module_plugin(module: ModuleType) -> tuple[str, ModuleType]:
-    return module.__name__, module

@@ -6,7 +6,6 @@ builds a tiny Llama with random weights and its character tokenizer: nothing is 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +138,3 @@ def _check_dir(path: str) -> None:
         raise BackendError(f"model directory '{path}' does not exist. Pass --model with a directory holding an HF config.json, weights and a tokenizer (e.g. a runs/<name>/checkpoint from an earlier run).")
     if not (p / "config.json").is_file():
         raise BackendError(f"model directory '{path}' has no config.json; it is not an HF-format model.")
-
-
-def checkpoint_info(path: Path) -> dict[str, Any]:
-    return json.loads((path / "config.json").read_text())
