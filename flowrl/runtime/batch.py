@@ -48,6 +48,10 @@ class Sequences:
     def num_tokens(self) -> int:
         return int(self.response_mask.sum().item())
 
+    def to(self, device: torch.device | str) -> Sequences:
+        move = lambda t: t.to(device)  # noqa: E731
+        return Sequences(prompt_ids=move(self.prompt_ids), prompt_mask=move(self.prompt_mask), response_ids=move(self.response_ids), response_mask=move(self.response_mask), prompt_index=move(self.prompt_index), texts=self.texts, version=self.version)
+
     def select(self, idx: Tensor | slice) -> Sequences:
         rows = range(len(self))[idx] if isinstance(idx, slice) else idx.tolist()
         return Sequences(
@@ -87,6 +91,11 @@ def select_rows(batch: dict[str, Any], idx: Tensor, n_rows: int) -> dict[str, An
         else:
             out[key] = value
     return out
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Tensors and Sequences of a batch on ``device`` (other values unchanged)."""
+    return {k: v.to(device) if isinstance(v, (Tensor, Sequences)) else v for k, v in batch.items()}
 
 
 def sequences_in(batch: dict[str, Any], node: str) -> Sequences:

@@ -21,7 +21,7 @@ from flowrl.errors import BackendError
 from flowrl.graph.ir import Graph, ModelDecl
 from flowrl.planner.plan import ExecutionPlan
 from flowrl.plugins.manager import Entry
-from flowrl.runtime.batch import Sequences, position_ids, select_rows
+from flowrl.runtime.batch import Sequences, position_ids, select_rows, to_device
 from flowrl.specs import AlgoConfig
 from flowrl.tasks.builtin import Prompt
 
@@ -37,6 +37,8 @@ class LocalModel:
         self.device = device
         self.version = 0
         self.micro_batch = {n.node: n.micro_batch_size for n in plan.nodes}
+        # sampling draws on the model's device; a CPU generator cannot drive CUDA sampling
+        self.sampler = torch.Generator(device=device).manual_seed(self.cfg.seed) if device.type != "cpu" else None
         self.optimizer: torch.optim.Optimizer | None = None
         if decl.trainable:
             lr = self.cfg.train.critic_lr if decl.scalar_head and self.cfg.train.critic_lr else self.cfg.train.lr
@@ -58,8 +60,10 @@ class LocalModel:
         tokens, logprobs, mask = sample(
             self.module, prompt_ids, prompt_mask,
             max_new_tokens=max_new, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
-            temperature=roll.temperature, top_p=roll.top_p, greedy=greedy, ignore_eos=roll.ignore_eos, generator=generator,
+            temperature=roll.temperature, top_p=roll.top_p, greedy=greedy, ignore_eos=roll.ignore_eos, generator=self.sampler or generator,
         )
+        tokens, logprobs, mask = tokens.cpu(), logprobs.cpu(), mask.cpu()  # batches live on the host between nodes
+        prompt_ids, prompt_mask = prompt_ids.cpu(), prompt_mask.cpu()
         decoded = self._decode(tokens, mask)
         seqs = Sequences(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=tokens, response_mask=mask,
@@ -118,10 +122,10 @@ class LocalModel:
         for _ in range(epochs):
             order = torch.randperm(n_rows, generator=generator)
             for mb in order.chunk(mini_batches):
-                mb_tokens = max(float(seqs.response_mask[mb].sum()), 1.0)
+                mb_tokens = max(float(seqs.response_mask[mb].sum()), 1.0)  # seqs live on the host
                 self.optimizer.zero_grad(set_to_none=True)
                 for part in mb.split(micro):
-                    view = select_rows(batch, part, n_rows)
+                    view = to_device(select_rows(batch, part, n_rows), self.device)
                     out = self._outputs(view[seqs_key], output)
                     value, step_stats = loss.obj(out, view, algo)
                     weight = float(view[seqs_key].response_mask.sum()) / mb_tokens  # exact token-mean over the mini-batch

@@ -60,7 +60,7 @@ def sample(
     cache = getattr(out, field)
     logits = out.logits[:, -1, :]
     next_pos = mask.sum(-1, keepdim=True)  # position of the first generated token
-    done = torch.zeros(batch, dtype=torch.bool)
+    done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
     tokens, logprobs, alive = [], [], []
     for step in range(max_new_tokens):
         scaled = logits.float() / temperature
@@ -78,7 +78,7 @@ def sample(
             done = done | (tok == eos_id)
         if bool(done.all()) or step == max_new_tokens - 1:
             break
-        mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype)], dim=1)
+        mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=mask.device)], dim=1)
         out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos + step, use_cache=True, **{kwarg: cache})
         cache = getattr(out, field)
         logits = out.logits[:, -1, :]
