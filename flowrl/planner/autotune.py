@@ -100,7 +100,7 @@ class Tuner:
                 same = (lambda f: True) if model != self.roles.actor else (lambda f, p=item[0].parallel: f[0].parallel.tp * f[0].parallel.pp == p.tp * p.pp)
                 if not any(same(f) and f[1] <= item[1] and f[2] <= item[2] and f[3] <= item[3] for f in front):
                     front.append(item)
-            self._layout_cache[key] = [(msgspec.structs.replace(lay, group=group.name), *rest) for lay, *rest in front]
+            self._layout_cache[key] = front
         return [(msgspec.structs.replace(lay, group=group.name), *rest) for lay, *rest in self._layout_cache[key]]
 
     def score(self, lay: ModelLayout) -> tuple[ModelLayout, float, int, int]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from flowrl.planner.hardware import HardwareSpec
 from flowrl.planner.modelspec import ModelSpec
 from flowrl.planner.space import ModelLayout
@@ -67,12 +69,14 @@ class CostModel:
         comm = self.model.layers * 2 * self.allreduce(tokens * self.model.hidden * BF16, tp)
         return self.matmul(flops, tp) + comm + self.model.layers * self.hw.kernel_overhead
 
-    def decode_step(self, batch: float, context: float, tp: int) -> float:
-        """One decode step of one replica: max(compute, weights + KV streamed) + TP all-reduces."""
-        flops = batch * self.model.flops_per_token(int(context))
+    def decode_step(self, batch: np.ndarray, context: np.ndarray, tp: int) -> np.ndarray:
+        """Decode steps of one replica (elementwise over arrays of live batch and context):
+        max(compute, weights + KV streamed) + TP all-reduces + per-layer overhead."""
+        base = self.model.flops_per_token(0)
+        flops = batch * (base + (self.model.flops_per_token(1) - base) * context)  # linear in the context
         nbytes = (self.param_bytes + batch * context * self.model.kv_bytes_per_token(BF16)) / tp
         comm = self.model.layers * 2 * self.allreduce(batch * self.model.hidden * BF16, tp)
-        return max(self.matmul(flops, tp), self.stream(nbytes)) + comm + self.model.layers * self.hw.kernel_overhead
+        return np.maximum(self.matmul(flops, tp), self.stream(nbytes)) + comm + self.model.layers * self.hw.kernel_overhead
 
     def kv_capacity(self, tp: int, static_bytes: int, context: int) -> int:
         """How many sequences of ``context`` tokens fit in one replica's KV cache."""

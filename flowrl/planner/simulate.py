@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flowrl.graph.ir import Forward, Generate, Graph, Train
-from flowrl.planner.cost import BF16, CostModel
+from flowrl.planner.cost import CostModel
 from flowrl.planner.space import ClusterPlan, Roles
 from flowrl.planner.workload import WorkloadSpec, mean_length, sample_lengths
 
@@ -57,24 +57,9 @@ def decode_seconds(cost: CostModel, lengths: np.ndarray, prompt: int, tp: int, c
         steps = int(part.max())
         t = np.arange(1, steps + 1)
         live = part.size - np.searchsorted(part, t, side="left")  # sequences still decoding at step t
-        total += float(np.sum(decode_vec(cost, live.astype(float), prompt + t.astype(float), tp)))
+        total += float(np.sum(cost.decode_step(live.astype(float), prompt + t.astype(float), tp)))
         total += cost.prefill(part.size, prompt, tp)
     return total
-
-
-def decode_vec(cost: CostModel, batch: np.ndarray, context: np.ndarray, tp: int) -> np.ndarray:
-    m, hw = cost.model, cost.hw
-    base = m.flops_per_token(0)
-    per_context = m.flops_per_token(1) - base  # flops_per_token is linear in the context
-    flops = batch * (base + per_context * context)
-    compute = flops / (tp * hw.peak_flops_bf16 * hw.matmul_efficiency)
-    nbytes = (cost.param_bytes + batch * context * m.kv_bytes_per_token(BF16)) / tp
-    stream = nbytes / (hw.memory_bandwidth * hw.bandwidth_efficiency)
-    comm = 0.0
-    if tp > 1:
-        bw, lat = cost.link(tp)
-        comm = m.layers * 2 * (2 * (tp - 1) / tp * batch * m.hidden * BF16 / bw + tp * lat)
-    return np.maximum(compute, stream) + comm + m.layers * hw.kernel_overhead
 
 
 class Generator:
