@@ -18,9 +18,10 @@ import tempfile
 from pathlib import Path
 
 from flowrl import api
-from flowrl.planner.autotune import predict_local
-from flowrl.planner.profile import profile
-from flowrl.planner.workload import Fixed
+from flowrl.backends.local.profile import profile
+from flowrl.planner.hardware import ClusterSpec
+from flowrl.planner.plan import ClusterTarget
+from flowrl.planner.workload import Fixed, WorkloadSpec
 
 # (name, overrides)
 VARIANTS = [
@@ -54,10 +55,15 @@ def main() -> None:
         graph, plan = api.plan(args.graph, overrides=[*common, *overrides], emit=lambda s: None)
         result = api.run(graph, plan)
         measured = statistics.median(m["step_seconds"] for m in result.metrics[2:])
-        prompt_len = 6  # <s> + the copy prompt (at most 4 letters and '>'), left-padded to the longest
-        pred = predict_local(graph, plan, hw, prompt_length=prompt_len, response_length=Fixed(value=plan.config.rollout.max_new_tokens))
-        error = pred.iteration_s / measured - 1
-        row = {"variant": name, "measured_s": round(measured, 4), "predicted_s": round(pred.iteration_s, 4), "error": round(error, 3)}
+        # the same plan on the profiled device, with the copy task's real prompt length:
+        # <s> + at most 4 letters and '>', left-padded to the longest
+        cfg, w = plan.config, plan.workload
+        workload = WorkloadSpec(prompts_per_step=w.prompts_per_step, samples_per_prompt=w.samples_per_prompt, prompt_length=6, response_length=Fixed(value=cfg.rollout.max_new_tokens), ppo_epochs=w.ppo_epochs, mini_batches=w.mini_batches)
+        target = ClusterTarget(cluster=ClusterSpec(nodes=1, devices_per_node=1, hardware=hw), model=plan.target.model, workload=workload)
+        _, predicted = api.plan(args.graph, overrides=[*common, *overrides], target=target, for_backend=True, emit=lambda s: None)
+        pred_s = predicted.layout.predicted.iteration_s
+        error = pred_s / measured - 1
+        row = {"variant": name, "measured_s": round(measured, 4), "predicted_s": round(pred_s, 4), "error": round(error, 3)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     errors = [abs(r["error"]) for r in rows]

@@ -1,18 +1,29 @@
-"""The Python entry points the CLI uses: plan a graph, run a plan."""
+"""The Python entry points the CLI uses: load a graph, plan it for a cluster, run a plan.
+
+Every plan is for a cluster; without one it is this machine as the run's executor describes
+it (``local``: one device). Executors and engines come from the plugin registry by the names
+the run config gives (``backend``, ``generation.engine``, ``train.engine``).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import msgspec
-from typing import Any, Callable, Iterable
 
+from flowrl.errors import ConfigError, PlanError, PluginError
 from flowrl.graph.ir import Graph
 from flowrl.graph.loading import build_graph, find_graph
+from flowrl.planner.capabilities import Capabilities
+from flowrl.planner.hardware import ClusterSpec
 from flowrl.planner.manager import initial_plan, run_passes
-from flowrl.planner.passes import CLUSTER_PIPELINE, DEFAULT_PIPELINE, PlanContext, verify_plan
+from flowrl.planner.modelspec import ModelSpec, from_model_dir, from_tiny
+from flowrl.planner.passes import PIPELINE, PlanContext, verify_plan
 from flowrl.planner.plan import ClusterTarget, ExecutionPlan
-from flowrl.plugins.manager import Registry, registry as default_registry
+from flowrl.plugins.manager import Entry, Registry, registry as default_registry
+from flowrl.runtime.protocols import Executor, RunResult
 from flowrl.specs import RunConfig, build_config, nested, parse_override
 
 
@@ -24,11 +35,42 @@ def make_config(defaults: dict[str, Any], config_file: dict[str, Any] | None = N
     return build_config(*layers)
 
 
+def _algorithms(reg: Registry) -> dict[str, Any]:
+    return {e.name: e.obj for e in reg.entries("algorithms")}
+
+
 def load(source: str, *, config_file: dict[str, Any] | None = None, overrides: Iterable[str] = (), flags: dict[str, Any] | None = None, registry: Registry | None = None) -> tuple[Graph, RunConfig]:
     reg = registry or default_registry()
-    src = find_graph(source, reg)
+    src = find_graph(source, _algorithms(reg))
     cfg = make_config(src.defaults, config_file, overrides, flags)
     return build_graph(src, cfg), cfg
+
+
+def executor_entry(cfg: RunConfig, reg: Registry) -> Entry:
+    try:
+        return reg.entry("executors", cfg.backend)
+    except PluginError as exc:
+        raise ConfigError(f"config field 'backend': {exc}") from None
+
+
+def model_spec(cfg: RunConfig) -> ModelSpec:
+    """The base model's shape: the HF config of ``cfg.model``, or the tiny model built from scratch."""
+    if cfg.model is not None:
+        return from_model_dir(cfg.model)
+    from flowrl.tasks.tokenizer import vocab
+
+    return from_tiny(cfg.tiny_model, len(vocab()))
+
+
+def local_target(cfg: RunConfig, reg: Registry) -> ClusterTarget:
+    """This machine as the run's executor sees it: one device, its memory and speed."""
+    entry = executor_entry(cfg, reg)
+    machine = entry.meta.get("machine")
+    if machine is None:
+        raise PlanError(f"executor '{cfg.backend}' does not describe this machine; plan with --cluster.")
+    caps: Capabilities = entry.obj.capabilities
+    cluster = ClusterSpec(nodes=1, devices_per_node=1, hardware=machine(cfg))
+    return ClusterTarget(cluster=cluster, model=model_spec(cfg), numerics=caps.numerics)
 
 
 def plan(
@@ -41,42 +83,52 @@ def plan(
     target: ClusterTarget | None = None,
     options: dict[str, Any] | None = None,
     cache: dict[str, Any] | None = None,
+    for_backend: bool | None = None,
     **kwargs: Any,
 ) -> tuple[Graph, ExecutionPlan]:
-    """Compile a graph. With ``target`` (a cluster, model and workload) the auto-tuner plans for
-    that cluster; otherwise the plan is for this machine. ``cache`` receives pass by-products
-    (e.g. ``cache["tune"]``, the tuner's ranked candidates)."""
+    """Compile a graph for ``target`` (a cluster, model and workload), by default this machine.
+
+    ``for_backend`` (default: True without a target) limits the search to what the config's
+    executor can run, with its memory numerics; a cluster forecast without it assumes any
+    backend. ``cache`` receives pass by-products (``cache["tune"]``: the ranked candidates)."""
     reg = registry or default_registry()
     graph, cfg = load(source, registry=reg, **kwargs)
-    initial = msgspec.structs.replace(initial_plan(graph, source, cfg), target=target)
-    if passes is None:
-        passes = CLUSTER_PIPELINE if target is not None else DEFAULT_PIPELINE
-    ctx = PlanContext(graph=graph, registry=reg, cache=cache if cache is not None else {}, options=options or {})
-    return graph, run_passes(graph, initial, reg, passes=passes, print_after=print_after, emit=emit, ctx=ctx)
+    options = dict(options or {})
+    if target is None:
+        target = local_target(cfg, reg)
+        for_backend = True if for_backend is None else for_backend
+    elif for_backend:
+        target = msgspec.structs.replace(target, numerics=executor_entry(cfg, reg).obj.capabilities.numerics)
+    if for_backend:
+        options.setdefault("capabilities", executor_entry(cfg, reg).obj.capabilities)
+    ctx = PlanContext(graph=graph, registry=reg, cache=cache if cache is not None else {}, options=options)
+    initial = initial_plan(graph, source, cfg, target)
+    return graph, run_passes(graph, initial, reg, passes=PIPELINE if passes is None else passes, print_after=print_after, emit=emit, ctx=ctx)
 
 
 def graph_for_plan(p: ExecutionPlan, registry: Registry | None = None) -> Graph:
     """Rebuild the graph a plan names, with the plan's config, and re-check the plan on it."""
     reg = registry or default_registry()
-    graph = build_graph(find_graph(p.graph.source, reg), p.config)
+    graph = build_graph(find_graph(p.graph.source, _algorithms(reg)), p.config)
     verify_plan(graph, p)
     return graph
 
 
-def refuse_cluster_plan(p: ExecutionPlan) -> None:
-    from flowrl.errors import PlanError
-
-    raise PlanError(
-        f"this plan targets {p.target.cluster.devices} x {p.target.cluster.hardware.name}; the local backend runs plans made without --cluster. "
-        "A multi-device backend (flowrl-ray) is not installed yet."
-    )
+def executor(p: ExecutionPlan, registry: Registry | None = None) -> Executor:
+    reg = registry or default_registry()
+    return executor_entry(p.config, reg).obj(reg)
 
 
-def run(graph: Graph, p: ExecutionPlan, *, registry: Registry | None = None, out_dir: Path | None = None, on_step: Callable[[dict[str, Any]], None] | None = None) -> Any:
-    from flowrl.runtime.executor import Executor, run_dir
+def check(graph: Graph, p: ExecutionPlan, registry: Registry | None = None) -> Executor:
+    """The plan's executor, after it has checked that it can run the plan (nothing is built)."""
+    ex = executor(p, registry)
+    ex.check(graph, p)
+    return ex
 
-    if p.target is not None:
-        refuse_cluster_plan(p)
-    executor = Executor(graph, p, registry or default_registry())
+
+def run(graph: Graph, p: ExecutionPlan, *, registry: Registry | None = None, out_dir: Path | None = None, on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
+    from flowrl.runtime.executor import run_dir
+
+    ex = check(graph, p, registry)
     out = out_dir or run_dir(p.config.out, p.config.name or graph.name)
-    return executor.run(out, on_step=on_step)
+    return ex.run(graph, p, out, on_step=on_step)

@@ -27,10 +27,11 @@ def _config_args(p: argparse.ArgumentParser, run_out: bool = True) -> None:
     if run_out:
         p.add_argument("--out", metavar="DIR", dest="run_out", help="where runs/<name> goes (default: runs)")
     p.add_argument("--name", help="run name (default: the graph's name)")
+    p.add_argument("--backend", help="the executor that runs the plan (default: local; see `flowrl plugins`)")
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
-    return {"steps": args.steps, "seed": args.seed, "model": args.model, "task": args.task, "out": getattr(args, "run_out", None), "name": args.name}
+    return {"steps": args.steps, "seed": args.seed, "model": args.model, "task": args.task, "out": getattr(args, "run_out", None), "name": args.name, "backend": args.backend}
 
 
 def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -61,8 +62,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         graph = api.graph_for_plan(plan)
     else:
         graph, plan = api.plan(_need_graph(args), emit=print, **_load_kwargs(args))
-    if plan.target is not None:
-        api.refuse_cluster_plan(plan)
+    api.check(graph, plan)
     cfg = plan.config
     print(f"flowrl: running {graph.name} ({plan.graph.source}) on task '{cfg.task}' for {cfg.steps} steps, plan {plan.id}")
     bar = _progress(cfg.steps, enabled=cfg.progress and not args.quiet)
@@ -125,24 +125,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.cluster:
         target = _cluster_target(args)
         kwargs["flags"]["model"] = None  # --model names the planned model, not a local checkpoint
-    if not args.cluster and (args.explain or args.timeline or args.workload):
-        raise ConfigError("--explain, --timeline and --workload plan for a cluster; add --cluster (e.g. --cluster 16xA100-80G --model llama-7b).")
+    if not args.cluster and args.workload:
+        raise ConfigError("--workload plans for a cluster; add --cluster (e.g. --cluster 16xA100-80G --model llama-7b).")
     options = {"budget_s": args.budget, "seed": args.seed or 0, "cost_model": args.cost_model}
     passes = None
     if args.extra_passes:
-        from flowrl.planner.passes import CLUSTER_PIPELINE, DEFAULT_PIPELINE
+        from flowrl.planner.passes import PIPELINE
 
-        passes = (*(CLUSTER_PIPELINE if target else DEFAULT_PIPELINE), *args.extra_passes)
-    graph, plan = api.plan(_need_graph(args), print_after=args.print_after, emit=print, target=target, options=options, cache=cache, passes=passes, **kwargs)
+        passes = (*PIPELINE, *args.extra_passes)
+    graph, plan = api.plan(
+        _need_graph(args), print_after=args.print_after, emit=print, target=target, options=options, cache=cache, passes=passes,
+        for_backend=args.backend is not None or None, **kwargs,
+    )
     if args.explain and "tune" in cache:
         from flowrl.planner.autotune import explain
 
-        print(explain(cache["tune"], target.model, target.cluster))
+        print(explain(cache["tune"], plan.target.model, plan.target.cluster))
     if args.timeline and "tune" in cache:
         _timeline(args.timeline, cache["tune"], graph.name)
     if args.out:
         path = dump_plan(plan, args.out)
-        print(f"flowrl: plan {plan.id} written to {path}" + ("" if target else f"; run it with `flowrl run --plan {path}`"))
+        print(f"flowrl: plan {plan.id} written to {path}; run it with `flowrl run --plan {path}`")
     elif not args.explain:
         print(encode_plan(plan, args.format), end="")
     return 0
@@ -162,11 +165,10 @@ def _cluster_target(args: argparse.Namespace) -> Any:
         return ClusterTarget(cluster=cluster, model=load_model_spec(args.model), workload=workload)
     if args.cluster != "local":
         raise ConfigError("--cluster needs --model: a preset (llama-7b, llama-70b, qwen2.5-7b, ...) or an HF config.json / model directory.")
-    from flowrl.backends.local.models import load_tokenizer, model_config
-    from flowrl.planner.profile import tiny_model_spec
-    from flowrl.specs import TinyModelConfig
+    from flowrl.api import model_spec
+    from flowrl.specs import RunConfig
 
-    return ClusterTarget(cluster=cluster, model=tiny_model_spec(model_config(None, TinyModelConfig(), load_tokenizer(None))), workload=workload)
+    return ClusterTarget(cluster=cluster, model=model_spec(RunConfig()), workload=workload)
 
 
 def _timeline(path: str, tune: Any, name: str) -> None:
@@ -194,20 +196,6 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"flowrl: DOT written to {args.dot}")
     if args.png:
         print(f"flowrl: drawing written to {draw_png(graph, args.png)}")
-    return 0
-
-
-def cmd_profile(args: argparse.Namespace) -> int:
-    from flowrl.planner.hardware import default_profile_path
-    from flowrl.planner.profile import profile
-
-    out = Path(args.out) if args.out else default_profile_path()
-    hw = profile(out, progress=lambda s: print(f"  {s}", flush=True))
-    if args.out and Path(args.out).resolve() != default_profile_path().resolve():
-        from flowrl.planner.hardware import save_hardware
-
-        save_hardware(hw, default_profile_path())
-    print(f"flowrl: hardware profile written to {out} (and used by `flowrl plan --cluster local`)")
     return 0
 
 
@@ -258,9 +246,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dot", metavar="FILE")
     p.add_argument("--png", metavar="FILE")
     p.set_defaults(func=cmd_show)
-    p = sub.add_parser("profile", help="measure this machine and fit the planner's cost model to it")
-    p.add_argument("--out", metavar="FILE", help="where to write the HardwareSpec YAML (also saved for --cluster local)")
-    p.set_defaults(func=cmd_profile)
     p = sub.add_parser("plugins", help="list plugins and what they register")
     p.set_defaults(func=cmd_plugins)
     return parser

@@ -29,3 +29,12 @@ class BackendError(FlowRLError):
 
 class TaskError(FlowRLError):
     """An unknown task or a malformed task option."""
+
+
+def did_you_mean(name: str, known: "list[str]") -> str:
+    """`` Did you mean 'x'?`` for the closest of ``known`` (case-insensitive), or ``""``."""
+    import difflib
+
+    lowered = {k.lower(): k for k in known}
+    hit = difflib.get_close_matches(str(name).lower(), list(lowered), n=1)
+    return f" Did you mean '{lowered[hit[0]]}'?" if hit else ""

@@ -6,7 +6,6 @@ Precedence, lowest first: struct defaults < the graph module's ``DEFAULTS`` < ``
 
 from __future__ import annotations
 
-import difflib
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -14,14 +13,14 @@ from typing import Any, Literal
 import msgspec
 import yaml
 
-from flowrl.errors import ConfigError
+from flowrl.errors import ConfigError, did_you_mean
 
 
-class _Spec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    pass
+class Spec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The base of every spec and plan struct: frozen, keyword-only, unknown fields refused."""
 
 
-class TinyModelConfig(_Spec):
+class TinyModelConfig(Spec):
     """The Llama-style model built from scratch when no ``--model`` directory is given."""
 
     hidden_size: int = 64
@@ -33,7 +32,7 @@ class TinyModelConfig(_Spec):
     max_position_embeddings: int = 128
 
 
-class RolloutConfig(_Spec):
+class RolloutConfig(Spec):
     prompts_per_step: int = 32
     samples_per_prompt: int = 16
     max_new_tokens: int | None = None  # None: the task's budget
@@ -42,7 +41,7 @@ class RolloutConfig(_Spec):
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
 
 
-class TrainConfig(_Spec):
+class TrainConfig(Spec):
     lr: float = 3e-3
     critic_lr: float | None = None  # None: same as lr
     weight_decay: float = 0.0
@@ -51,9 +50,14 @@ class TrainConfig(_Spec):
     epochs: int = 1  # passes over each batch (PPO epochs)
     mini_batches: int = 2  # optimizer steps per epoch
     micro_batch_size: int | None = None  # None: the planner chooses
+    engine: str = "local"  # the training engine (a registered plugin) for every model
 
 
-class AlgoConfig(_Spec):
+class GenerationConfig(Spec):
+    engine: str = "local"  # the generation engine (a registered plugin); the training engine's own when equal
+
+
+class AlgoConfig(Spec):
     clip_low: float = 0.2
     clip_high: float = 0.28  # > clip_low: DAPO's clip-higher
     dual_clip: float | None = None
@@ -64,21 +68,22 @@ class AlgoConfig(_Spec):
     vf_clip: float | None = 0.2
     vf_coef: float = 1.0
     whiten_advantages: bool = True
-    entropy_coef: float = 0.0
 
 
-class RunConfig(_Spec):
+class RunConfig(Spec):
     task: str = "copy"
     task_options: dict[str, Any] = {}
     model: str | None = None  # an HF-format model directory; None: build TinyModelConfig
     tiny_model: TinyModelConfig = TinyModelConfig()
     rollout: RolloutConfig = RolloutConfig()
     train: TrainConfig = TrainConfig()
+    generation: GenerationConfig = GenerationConfig()
     algo: AlgoConfig = AlgoConfig()
     steps: int = 600
     seed: int = 0
     out: str = "runs"
     name: str | None = None  # None: the graph's name
+    backend: str = "local"  # the executor (a registered plugin) that runs the plan
     device: str = "cpu"
     threads: int | None = None  # torch intra-op threads; None: torch's default
     memory_limit_gib: float | None = None  # None: what the device reports
@@ -203,8 +208,7 @@ def _explain(message: str, type_: type) -> str:
     if unknown:
         path = ".".join(p for p in (where, unknown.group(1)) if p)
         known = _fields_at(type_, where)
-        hint = difflib.get_close_matches(unknown.group(1), known, n=1)
-        did = f" Did you mean '{'.'.join(p for p in (where, hint[0]) if p)}'?" if hint else ""
+        did = did_you_mean(".".join(p for p in (where, unknown.group(1)) if p), [".".join(p for p in (where, k) if p) for k in known])
         return f"unknown field '{path}'.{did} Valid fields there: {', '.join(known)}."
     return f"field '{where}': {text}." if where else f"{text}."
 

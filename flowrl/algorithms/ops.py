@@ -1,9 +1,10 @@
 """Graph-facing wrappers around the tensor math: compute functions, losses, reward functions.
 
 Each wrapper reads the keys its node declares (by their conventional names), calls the plain
-tensor functions in `advantages` / `losses`, and returns the keys it produces. What each one
-needs and gives is registered with it, so the planner's `resolve` pass can check a graph's
-keys before anything runs.
+tensor functions in `advantages` / `losses`, and returns the keys it produces, with the
+metrics it owns (``kl`` where it sees the reference, ``exact`` for task rewards). What each
+one needs and gives is registered with it, so the planner's `resolve` pass can check a
+graph's keys before anything runs.
 """
 
 from __future__ import annotations
@@ -22,31 +23,38 @@ from flowrl.tasks.builtin import Prompt
 Batch = dict[str, Any]
 
 
-def _token_rewards(inputs: Batch, seqs: Sequences, algo: AlgoConfig, kl_coef: float | None) -> Tensor:
+def _token_rewards(inputs: Batch, seqs: Sequences, algo: AlgoConfig, kl_coef: float | None) -> tuple[Tensor, dict[str, float]]:
     """Sequence reward on the last token, minus a per-token KL penalty when both log-probs are read.
 
     r_t = score * [t = last] - beta * (log pi_old(a_t) - log pi_ref(a_t))
+
+    Metric ``kl``: the masked mean of the k3 estimate of KL(pi_old || ref) when both are read.
     """
     mask = seqs.response_mask
     rewards = adv.sequence_to_token_rewards(inputs["rewards"].float(), mask)
-    beta = algo.kl_coef if kl_coef is None else kl_coef
-    if beta and "old_logprobs" in inputs and "ref_logprobs" in inputs:
-        rewards = rewards - beta * losses.kl_penalty(inputs["old_logprobs"], inputs["ref_logprobs"], "k1") * mask
-    return rewards
+    metrics: dict[str, float] = {}
+    if "old_logprobs" in inputs and "ref_logprobs" in inputs:
+        old, ref = inputs["old_logprobs"], inputs["ref_logprobs"]
+        metrics["kl"] = round(float(adv.masked_mean(losses.kl_penalty(old, ref, "k3"), mask)), 6)
+        beta = algo.kl_coef if kl_coef is None else kl_coef
+        if beta:
+            rewards = rewards - beta * losses.kl_penalty(old, ref, "k1") * mask
+    return rewards, metrics
 
 
 # ---------------------------------------------------------------- compute functions
 
 
-def gae_op(inputs: Batch, algo: AlgoConfig, *, kl_coef: float | None = None) -> dict[str, Tensor]:
+def gae_op(inputs: Batch, algo: AlgoConfig, *, kl_coef: float | None = None) -> tuple[dict[str, Tensor], dict[str, float]]:
     """PPO: GAE(gamma, lambda) over token rewards with the KL penalty in the reward."""
     seqs = sequences_in(inputs, "gae")
     mask = seqs.response_mask
     values = inputs["values"].float() * mask
-    advantages, returns = adv.gae(_token_rewards(inputs, seqs, algo, kl_coef), values, mask, gamma=algo.gamma, lam=algo.lam)
+    rewards, metrics = _token_rewards(inputs, seqs, algo, kl_coef)
+    advantages, returns = adv.gae(rewards, values, mask, gamma=algo.gamma, lam=algo.lam)
     if algo.whiten_advantages:
         advantages = adv.masked_whiten(advantages, mask)
-    return {"advantages": advantages, "returns": returns}
+    return {"advantages": advantages, "returns": returns}, metrics
 
 
 def grpo_op(inputs: Batch, algo: AlgoConfig, *, eps: float = 1e-6, scale: bool = True) -> dict[str, Tensor]:
@@ -77,22 +85,23 @@ def remax_op(inputs: Batch, algo: AlgoConfig) -> dict[str, Tensor]:
     return {"advantages": a}
 
 
-def reinforce_pp_op(inputs: Batch, algo: AlgoConfig, *, kl_coef: float | None = None) -> dict[str, Tensor]:
+def reinforce_pp_op(inputs: Batch, algo: AlgoConfig, *, kl_coef: float | None = None) -> tuple[dict[str, Tensor], dict[str, float]]:
     """REINFORCE++: discounted token returns (KL in the reward), whitened over the batch."""
     seqs = sequences_in(inputs, "reinforce_pp")
-    return {"advantages": adv.reinforce_pp(_token_rewards(inputs, seqs, algo, kl_coef), seqs.response_mask, gamma=algo.gamma)}
+    rewards, metrics = _token_rewards(inputs, seqs, algo, kl_coef)
+    return {"advantages": adv.reinforce_pp(rewards, seqs.response_mask, gamma=algo.gamma)}, metrics
 
 
 # ---------------------------------------------------------------- losses
 
 
 def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
-    """PPO-clip (clip-higher, dual-clip) + beta * KL(pi || ref) when the node reads ref_logprobs."""
+    """PPO-clip (clip-higher, dual-clip) + beta * KL(pi || ref) when the node reads ref_logprobs (metric ``kl``)."""
     mask = sequences_in(batch, "ppo").response_mask
     loss, stats = losses.ppo_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip)
     if "ref_logprobs" in batch:
         kl = adv.masked_mean(losses.kl_penalty(logprobs, batch["ref_logprobs"], algo.kl_estimator), mask)
-        stats["kl_loss"] = float(kl.detach())
+        stats["kl"] = float(kl.detach())
         if algo.kl_coef:
             loss = loss + algo.kl_coef * kl
     return loss, stats
@@ -108,9 +117,10 @@ def value_loss(values: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, 
 # ---------------------------------------------------------------- reward functions
 
 
-def task_reward(prompts: list[Prompt], responses: list[str], task: Any) -> Tensor:
-    """The task's own rule-based score of each response."""
-    return torch.tensor([task.score(p, r) for p, r in zip(prompts, responses)], dtype=torch.float32)
+def task_reward(prompts: list[Prompt], responses: list[str], task: Any) -> tuple[Tensor, dict[str, float]]:
+    """The task's own rule-based score of each response (metric ``exact``: the fraction scoring 1)."""
+    scores = torch.tensor([task.score(p, r) for p, r in zip(prompts, responses)], dtype=torch.float32)
+    return scores, {"exact": round(float((scores == 1.0).float().mean()), 4) if len(scores) else 0.0}
 
 
 COMPUTE_FUNCTIONS = {

@@ -16,7 +16,6 @@ Edges are never written by hand:
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -24,7 +23,8 @@ from typing import Any, Literal
 import msgspec
 import networkx as nx
 
-from flowrl.errors import GraphError
+from flowrl.errors import GraphError, did_you_mean
+from flowrl.specs import Spec
 
 Role = Literal["actor", "critic", "reference", "reward", "cost"]
 ForwardOutput = Literal["logprobs", "values", "scores"]
@@ -33,7 +33,7 @@ ForwardOutput = Literal["logprobs", "values", "scores"]
 SCALAR_ROLES = frozenset({"critic", "reward", "cost"})
 
 
-class ModelDecl(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class ModelDecl(Spec):
     """A model the graph uses. `init_from=None` means the base checkpoint (`--model`)."""
 
     name: str
@@ -46,7 +46,7 @@ class ModelDecl(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         return self.role in SCALAR_ROLES
 
 
-class _Node(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="kind"):
+class _Node(Spec, frozen=True, kw_only=True, tag_field="kind"):
     name: str
     reads: tuple[str, ...]
     writes: tuple[str, ...]
@@ -97,7 +97,7 @@ Node = Generate | Forward | Reward | Compute | Train
 NODE_KINDS = ("generate", "forward", "reward", "compute", "train")
 
 
-class GraphSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class GraphSpec(Spec):
     """The serialisable form of a graph; its JSON encoding gives the fingerprint."""
 
     name: str
@@ -251,11 +251,11 @@ class Graph:
                 raise self._fail(f"node '{node.name}' reads and writes key '{key}'; a key cannot depend on itself within an iteration. Write the new value under another key name.", node.name)
             for key in node.reads:
                 if key not in producers and key not in self.inputs:
-                    hint = difflib.get_close_matches(key, [*producers, *self.inputs], n=1)
-                    did = f" Did you mean '{hint[0]}'?" if hint else ""
+                    did = did_you_mean(key, [*producers, *self.inputs])
                     raise self._fail(f"node '{node.name}' reads key '{key}', which no node writes and is not a graph input ({', '.join(self.inputs)}).{did}", node.name)
             if not node.writes and not isinstance(node, Train):
                 raise self._fail(f"node '{node.name}' writes no keys, so nothing can use its result.", node.name)
+        self._check_arity()
         for decl in self.models.values():
             trains = self.train_nodes(decl.name)
             if decl.trainable and not trains:
@@ -268,6 +268,34 @@ class Graph:
         except nx.NetworkXNoCycle:
             return self
         raise self._fail(_describe_cycle(dag, cycle), cycle[0][0])
+
+    def sequence_keys(self) -> set[str]:
+        """Keys holding generated responses: the first key each generate node writes."""
+        return {n.writes[0] for n in self.nodes.values() if isinstance(n, Generate) and n.writes}
+
+    def _check_arity(self) -> None:
+        """How many keys each node kind reads and writes, and which of them hold responses."""
+        seqs = self.sequence_keys()
+        for node in self.nodes.values():
+            read_seqs = [k for k in node.reads if k in seqs]
+            problem = None
+            if isinstance(node, Generate):
+                if len(node.reads) != 1 or read_seqs:
+                    problem = f"reads {list(node.reads)}; a generate node reads exactly one key of prompts"
+                elif len(node.writes) > 2:
+                    problem = f"writes {list(node.writes)}; a generate node writes responses and, optionally, their log-probs"
+            elif isinstance(node, Forward) and len(node.writes) != 1:
+                problem = f"writes {list(node.writes)}; a forward node writes exactly one key (its {node.output})"
+            elif isinstance(node, Reward) and len(node.writes) != 1:
+                problem = f"writes {list(node.writes)}; a reward node writes exactly one key (the scores)"
+            elif isinstance(node, Train) and len(node.writes) > 1:
+                problem = f"writes {list(node.writes)}; a train node writes at most one key (its stats)"
+            if problem is None and isinstance(node, (Forward, Reward, Train)) and len(read_seqs) != 1:
+                problem = f"reads {len(read_seqs)} keys of generated responses ({', '.join(read_seqs) or 'none'}); it needs exactly one, e.g. 'responses'"
+            if problem is None and isinstance(node, Reward) and len(node.reads) == len(read_seqs):
+                problem = "reads no prompts; a reward node scores responses against their prompts (add 'prompts' to its reads)"
+            if problem is not None:
+                raise self._fail(f"node '{node.name}' {problem}.", node.name)
 
     def _check_init_cycles(self) -> None:
         for decl in self.models.values():

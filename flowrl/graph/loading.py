@@ -7,11 +7,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from collections.abc import Mapping
 from typing import Any, Callable
 
-from flowrl.errors import GraphError
+from flowrl.errors import GraphError, did_you_mean
 from flowrl.graph.ir import Graph
-from flowrl.plugins.manager import Registry
 
 
 @dataclass(frozen=True)
@@ -41,19 +41,22 @@ def _import_file(path: Path) -> ModuleType:
     return module
 
 
-def find_graph(source: str, registry: Registry) -> GraphSource:
-    """A graph file defines ``build(cfg) -> Graph`` and may define ``DEFAULTS`` (config overrides)."""
+def find_graph(source: str, algorithms: Mapping[str, Callable[[Any], Graph]]) -> GraphSource:
+    """A graph file defines ``build(cfg) -> Graph`` and may define ``DEFAULTS`` (config overrides);
+    a name is looked up in ``algorithms`` (the registered algorithm builders)."""
     path = Path(source)
     if path.suffix == ".py" or path.exists() or "/" in source:
         if not path.is_file():
-            raise GraphError(f"graph file '{source}' does not exist. Pass a graph file (e.g. graphs/grpo.py) or an algorithm name ({', '.join(registry.names('algorithms'))}).")
+            raise GraphError(f"graph file '{source}' does not exist. Pass a graph file (e.g. graphs/grpo.py) or an algorithm name ({', '.join(sorted(algorithms))}).")
         module = _import_file(path)
         build = getattr(module, "build", None)
         if not callable(build):
             raise GraphError(f"graph file '{source}' has no build(cfg) function returning a Graph.")
         defaults = getattr(module, "DEFAULTS", {})
     else:
-        build = registry.get("algorithms", source)
+        if source not in algorithms:
+            raise GraphError(f"unknown algorithm '{source}'.{did_you_mean(source, list(algorithms))} Known: {', '.join(sorted(algorithms))}; or pass a graph file (e.g. graphs/grpo.py).")
+        build = algorithms[source]
         defaults = getattr(sys.modules.get(getattr(build, "__module__", "")), "DEFAULTS", {})
     if not isinstance(defaults, dict):
         raise GraphError(f"graph '{source}': DEFAULTS must be a dict of config overrides.")

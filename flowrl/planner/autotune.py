@@ -20,9 +20,10 @@ import msgspec
 
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Forward, Graph, Train
-from flowrl.planner.cost import BF16, CostModel
+from flowrl.planner import memory as mem
+from flowrl.planner.capabilities import Capabilities, supports
+from flowrl.planner.cost import CostModel
 from flowrl.planner.hardware import ClusterSpec
-from flowrl.planner.memory import gib
 from flowrl.planner.modelspec import ModelSpec
 from flowrl.planner.simulate import SimResult, simulate
 from flowrl.planner.space import ClusterPlan, ModelLayout, Prediction, Roles, Skeleton, layouts, skeletons
@@ -74,8 +75,23 @@ def roles_of(graph: Graph) -> Roles:
 
 
 class Tuner:
-    def __init__(self, graph: Graph, model: ModelSpec, cluster: ClusterSpec, workload: WorkloadSpec, *, seed: int = 0, cost_model: str = "analytic", registry: Any = None) -> None:
+    def __init__(
+        self,
+        graph: Graph,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        workload: WorkloadSpec,
+        *,
+        seed: int = 0,
+        cost_model: str = "analytic",
+        registry: Any = None,
+        numerics: mem.Numerics | None = None,
+        capabilities: Capabilities | None = None,
+    ) -> None:
         self.graph, self.model, self.cluster, self.w, self.seed = graph, model, cluster, workload, seed
+        self.numerics = numerics or mem.Numerics()
+        self.capacity = mem.usable_bytes(cluster.hardware, self.numerics)
+        self.capabilities = capabilities
         factory = registry.get("cost_models", cost_model) if registry is not None else CostModel
         self.cost = factory(model, cluster.hardware)
         self.roles = roles_of(graph)
@@ -109,21 +125,16 @@ class Tuner:
         seconds = self.forwards[lay.model] * self.cost.forward(lay, self.w.sequences, self.seq_len, backward=False)
         if trainable:
             seconds += self.w.ppo_epochs * (self.cost.forward(lay, self.w.sequences, self.seq_len, backward=True) + self.w.mini_batches * self.cost.optimizer_step(lay))
-        return (lay, seconds, self.cost.static_bytes(lay, trainable), self.cost.activation_bytes(lay, self.max_len, training=trainable))
+        states = mem.state_bytes(self.model, self.numerics, lay, trainable)
+        return (lay, seconds, states, mem.activation_bytes(self.model, self.numerics, lay, self.max_len, training=trainable))
 
     def group_memory(self, sk: Skeleton, choice: dict[str, tuple[ModelLayout, float, int, int]], group: str) -> tuple[int, dict[str, int]]:
         members = [m for m, g in sk.assignment if g == group]
-        breakdown = {f"{m} states": choice[m][2] for m in members}
         peaks = {f"{m} activations": choice[m][3] for m in members}
         if sk.generation.group == group:
-            gen_weights = self.cost.param_bytes // sk.generation.tp
-            one_wave = max(1, -(-self.w.sequences // sk.generation.replicas))
-            kv = min(one_wave, 64) * self.max_len * self.model.kv_bytes_per_token(BF16) // sk.generation.tp
-            peaks["generation weights + KV cache"] = gen_weights + kv
-        if peaks:
-            name, value = max(peaks.items(), key=lambda kv: kv[1])
-            breakdown[f"peak: {name}"] = value
-        return sum(breakdown.values()), breakdown
+            gen = mem.generation_bytes(self.model, self.numerics, sk.generation, self.w.sequences, self.max_len)
+            peaks["generation weights + KV cache"] = gen
+        return mem.group_need({f"{m} states": choice[m][2] for m in members}, peaks)
 
     def fit(self, sk: Skeleton) -> dict[str, tuple[ModelLayout, float, int, int]] | Infeasible:
         """Greedy: fastest layouts, then trade the least time per byte until each group fits."""
@@ -133,7 +144,7 @@ class Tuner:
             if not o:
                 return Infeasible(sk, dict(sk.assignment)[m], 0, {f"{m}: no layout divides the group and batch": 0})
         idx = {m: 0 for m in opts}
-        cap = self.cost.capacity
+        cap = self.capacity
         while True:
             choice = {m: opts[m][i] for m, i in idx.items()}
             worst = None
@@ -166,7 +177,7 @@ class Tuner:
     def evaluate(self, plan: ClusterPlan, *, iterations: int, max_replicas: int | None) -> Candidate:
         gen_group = plan.generation.group
         members = [m for m in plan.models if m.group == gen_group]
-        static = sum(self.cost.static_bytes(m, m.model in self.roles.trainable) for m in members)
+        static = sum(mem.state_bytes(self.model, self.numerics, m, m.model in self.roles.trainable) for m in members)
         result = simulate(self.graph, plan, self.cost, self.w, self.roles, static_gen_bytes=static, iterations=iterations, seed=self.seed, sampled_replicas=max_replicas)
         memory = {}
         choice = {m.model: self.score(m) for m in plan.models}
@@ -179,6 +190,8 @@ class Tuner:
     def search(self, *, budget_s: float = 8.0, exhaustive_limit: int = 4000, keep: int = 8) -> TuneResult:
         t0 = time.perf_counter()
         sks = skeletons(self.roles, self.cluster.devices, self.cluster.devices_per_node, self.model.heads, self.model.kv_heads)
+        if self.capabilities is not None:
+            sks = [sk for sk in sks if supports(self.capabilities, sk.placement, sk.rollout, sk.weight_sync)]
         candidates: list[ClusterPlan] = []
         infeasible: list[Infeasible] = []
         combos = self._combinations(sks, exhaustive_limit)
@@ -210,6 +223,16 @@ class Tuner:
         ranked[0] = self._sealed(ranked[0], result.roofline)
         return result
 
+    def single(self, plan: ClusterPlan) -> TuneResult:
+        """The prediction of the one plan a cluster allows (one device), ranked alone."""
+        t0 = time.perf_counter()
+        candidate = self.evaluate(plan, **FINAL)
+        result = TuneResult(ranked=[candidate], considered=1)
+        result.roofline = self.roofline(candidate)
+        result.ranked[0] = self._sealed(candidate, result.roofline)
+        result.seconds = time.perf_counter() - t0
+        return result
+
     def _combinations(self, sks: list[Skeleton], limit: int) -> list[ClusterPlan] | None:
         """All fitting layout combinations, when there are at most ``limit`` of them."""
         total, per_sk = 0, []
@@ -227,7 +250,7 @@ class Tuner:
         for sk, opts in per_sk:
             for combo in itertools.product(*opts):
                 choice = {m: c for (m, _), c in zip(sk.assignment, combo)}
-                if all(self.group_memory(sk, choice, g.name)[0] <= self.cost.capacity for g in sk.groups):
+                if all(self.group_memory(sk, choice, g.name)[0] <= self.capacity for g in sk.groups):
                     out.append(self.plan_of(sk, choice))
         return out
 
@@ -252,23 +275,25 @@ class Tuner:
 
     def _nothing_fits(self, infeasible: list[Infeasible]) -> str:
         hw = self.cluster.hardware
-        lean = min(infeasible, key=lambda i: i.need - self.cost.capacity) if infeasible else None
+        lean = min(infeasible, key=lambda i: i.need - self.capacity) if infeasible else None
         where = ""
         if lean is not None:
-            parts = ", ".join(f"{k} {gib(v)}" for k, v in sorted(lean.breakdown.items(), key=lambda kv: -kv[1]))
+            parts = ", ".join(f"{k} {mem.gib(v)}" for k, v in sorted(lean.breakdown.items(), key=lambda kv: -kv[1]))
             where = (
-                f" The leanest candidate ({lean.skeleton.placement}) needs {gib(lean.need)} per device on group '{lean.group}' "
-                f"but each {hw.name} offers {gib(self.cost.capacity)} usable, short by {gib(lean.need - self.cost.capacity)} ({parts})."
+                f" The leanest candidate ({lean.skeleton.placement}) needs {mem.gib(lean.need)} per device on group '{lean.group}' "
+                f"but each {hw.name} offers {mem.gib(self.capacity)} usable, short by {mem.gib(lean.need - self.capacity)} ({parts})."
             )
-        states = sum((16 if m in self.roles.trainable else BF16) for m in self.roles.models) * self.model.parameters()
-        need_devices = -(-states // self.cost.capacity)
+        n = self.numerics
+        per_trainable = n.weight_bytes + n.grad_bytes + n.optimizer_bytes
+        states = sum((per_trainable if m in self.roles.trainable else n.weight_bytes) for m in self.roles.models) * self.model.parameters()
+        need_devices = -(-states // self.capacity)
         suggestion = self.cluster.devices_per_node
         while suggestion < need_devices:
             suggestion *= 2
         return (
             f"no plan fits {self.graph.name} with {self.model.name} ({self.model.parameters() / 1e9:.1f}B parameters, {len(self.roles.models)} models) "
-            f"on {self.cluster.devices} x {hw.name}.{where} The model states alone need {gib(states)} "
-            f"(16 bytes/parameter per trainable model, 2 per frozen one), so at least {need_devices} of these devices without optimizer offload; "
+            f"on {self.cluster.devices} x {hw.name}.{where} The model states alone need {mem.gib(states)} "
+            f"({per_trainable} bytes/parameter per trainable model, {n.weight_bytes} per frozen one), so at least {need_devices} of these devices without optimizer offload; "
             f"try --cluster {suggestion}x{hw.name} or a smaller --model."
         )
 
@@ -283,7 +308,7 @@ def explain(result: TuneResult, model: ModelSpec, cluster: ClusterSpec, top: int
     ]
     for k, v in sorted(pred.breakdown.items(), key=lambda kv: -kv[1]):
         lines.append(f"    {k:<18} {v:9.3f}")
-    lines.append("  device groups: " + ", ".join(f"{g}: {u:.0%} busy, {gib(pred.memory_bytes.get(g, 0))}/device" for g, u in pred.utilization.items()))
+    lines.append("  device groups: " + ", ".join(f"{g}: {u:.0%} busy, {mem.gib(pred.memory_bytes.get(g, 0))}/device" for g, u in pred.utilization.items()))
     roof = result.roofline
     lines.append(
         f"  roofline: {roof['flops'] / 1e15:.1f} PFLOP/iteration -> {roof['compute_bound_s']:.2f}s at {cluster.devices} x {cluster.hardware.peak_flops_bf16 / 1e12:.0f} TFLOP/s; "
@@ -313,33 +338,3 @@ def why_slower(c: Candidate, best: Candidate) -> str:
         reasons.append((-overlap, f"less overlap/idle bubbles +{-overlap:.2f}s"))
     reasons.sort(reverse=True)
     return ", ".join(r for _, r in reasons[:3]) or "within noise of the winner"
-
-
-def predict_local(graph: Graph, plan: Any, hardware: Any, *, prompt_length: int, response_length: Any, iterations: int = 5, seed: int = 0) -> SimResult:
-    """Predict one iteration of a *local* ExecutionPlan (one device, everything colocated) on a
-    profiled machine: the simulator's view of exactly what `flowrl run --plan` executes."""
-    from flowrl.backends.local.models import load_tokenizer, model_config
-    from flowrl.planner.hardware import ClusterSpec
-    from flowrl.planner.profile import tiny_model_spec
-    from flowrl.planner.space import DeviceGroup, GenerationLayout, Parallel, RolloutPolicy, WeightSync
-
-    cfg = plan.config
-    spec = tiny_model_spec(model_config(cfg.model, cfg.tiny_model, load_tokenizer(cfg.model)))
-    cluster = ClusterSpec(nodes=1, devices_per_node=1, hardware=hardware)
-    workload = WorkloadSpec(prompts_per_step=cfg.rollout.prompts_per_step, samples_per_prompt=cfg.rollout.samples_per_prompt, prompt_length=prompt_length, response_length=response_length, ppo_epochs=cfg.train.epochs, mini_batches=cfg.train.mini_batches)
-    micro = {}
-    for n in plan.nodes:
-        node = graph.nodes[n.node]
-        if node.model is not None and n.kind in ("forward", "train"):
-            micro[node.model] = min(micro.get(node.model, n.micro_batch_size), n.micro_batch_size)
-    layouts_ = tuple(ModelLayout(model=m, group="all", parallel=Parallel(dp=1, tp=1, pp=1), micro_batch=micro.get(m, workload.sequences)) for m in graph.models)
-    cplan = ClusterPlan(
-        placement="colocate",
-        groups=(DeviceGroup(name="all", devices=1, first=0),),
-        models=layouts_,
-        generation=GenerationLayout(group="all", tp=1, replicas=1),
-        rollout=RolloutPolicy(),
-        weight_sync=WeightSync(strategy="reshard"),
-    )
-    tuner = Tuner(graph, spec, cluster, workload, seed=seed)
-    return simulate(graph, cplan, tuner.cost, workload, tuner.roles, static_gen_bytes=0, iterations=iterations, seed=seed)

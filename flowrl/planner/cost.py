@@ -1,4 +1,4 @@
-"""Cost model: time of each op from FLOPs and bytes with efficiency factors; memory per device.
+"""Cost model: time of each op from FLOPs and bytes with efficiency factors (memory: `memory.py`).
 
 All models train in bf16 with fp32 AdamW states (mixed precision), activations recomputed per
 layer (the usual RLHF setting), flash attention (no seq x seq buffers).
@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowrl.planner.hardware import HardwareSpec
+from flowrl.planner.memory import usable_bytes
 from flowrl.planner.modelspec import ModelSpec
 from flowrl.planner.space import ModelLayout
 
 BF16 = 2
 ADAM_STATE_BYTES = 12  # fp32 master weights + two moments per parameter
-RESERVE = 0.08  # fraction of device memory kept for the allocator, NCCL and the framework
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class CostModel:
 
     @property
     def capacity(self) -> int:
-        return int(self.hw.memory_bytes * (1 - RESERVE))
+        return usable_bytes(self.hw)
 
     def link(self, devices: int) -> tuple[float, float]:
         """(bandwidth, latency) of the slowest link a group of ``devices`` spans."""
@@ -113,28 +113,6 @@ class CostModel:
         update = self.stream(shard / p.dp * (ADAM_STATE_BYTES * 2 + BF16 * 2))
         offload = 2 * shard / p.dp * ADAM_STATE_BYTES / self.hw.host_bandwidth if layout.offload_optimizer else 0.0
         return grads + update + offload
-
-    # ------------------------------------------------------------ memory (bytes on one device)
-    def static_bytes(self, layout: ModelLayout, trainable: bool) -> int:
-        p = layout.parallel
-        shard = self.params / (p.tp * p.pp)
-        total = shard * BF16
-        if trainable:
-            total += shard * BF16  # gradients
-            if not layout.offload_optimizer:
-                total += shard / p.dp * ADAM_STATE_BYTES
-        return int(total)
-
-    def activation_bytes(self, layout: ModelLayout, seq_len: int, *, training: bool) -> int:
-        """Per-layer checkpoints + one layer's working set + fp32 logits of a micro-batch."""
-        p = layout.parallel
-        tokens = layout.micro_batch * seq_len
-        layers = self.model.layers // p.pp
-        hidden = self.model.hidden
-        kept = tokens * hidden * BF16 * layers if training else 0
-        working = tokens * (16 * hidden + 2 * self.model.intermediate) * BF16 / p.tp
-        logits = tokens * self.model.vocab * 4 * (2 if training else 1) / p.tp
-        return int(kept + working + logits)
 
     def sync_volume(self) -> int:
         return self.param_bytes

@@ -17,7 +17,6 @@ share of the node's NICs).
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
 import re
@@ -31,8 +30,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from flowrl.errors import ConfigError
-from flowrl.specs import convert, read_document
+from flowrl.errors import ConfigError, did_you_mean
+from flowrl.specs import Spec, convert, read_document
 
 GiB = 1024**3
 
@@ -50,7 +49,7 @@ class SpecFieldError(ConfigError, ValueError):
     raises this from ``__post_init__`` while converting a document, reports the field's path."""
 
 
-class CheckedSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class CheckedSpec(Spec):
     """Base of the planner specs: ``msgspec.Meta`` bounds are enforced on direct construction too.
 
     msgspec checks ``Annotated[..., Meta(ge=...)]`` bounds only when decoding/converting; this
@@ -152,13 +151,6 @@ def _struct_info(tp: Any) -> Any:
     if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
         return tp.__struct_config__
     return None
-
-
-def did_you_mean(name: str, known: list[str]) -> str:
-    """`` Did you mean 'X'?`` (case-insensitive) or an empty string."""
-    lowered = {k.lower(): k for k in known}
-    hit = difflib.get_close_matches(name.lower(), list(lowered), n=1)
-    return f" Did you mean '{lowered[hit[0]]}'?" if hit else ""
 
 
 # ------------------------------------------------------------------ specs

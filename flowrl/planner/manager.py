@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from flowrl.errors import FlowRLError, PlanError
 from flowrl.graph.ir import Graph
-from flowrl.planner.passes import DEFAULT_PIPELINE, PlanContext, verify_plan
-from flowrl.planner.plan import ExecutionPlan, GraphRef, encode_plan
-from flowrl.plugins.manager import Registry
+from flowrl.planner.passes import PIPELINE, PlanContext, verify_plan
+from flowrl.planner.plan import ClusterTarget, ExecutionPlan, GraphRef, encode_plan
 from flowrl.specs import RunConfig
 
+if TYPE_CHECKING:
+    from flowrl.plugins.manager import Registry
 
-def initial_plan(graph: Graph, source: str, config: RunConfig, backend: str = "local") -> ExecutionPlan:
-    return ExecutionPlan(graph=GraphRef(name=graph.name, source=source, fingerprint=graph.fingerprint()), backend=backend, config=config)
+
+def initial_plan(graph: Graph, source: str, config: RunConfig, target: ClusterTarget) -> ExecutionPlan:
+    return ExecutionPlan(graph=GraphRef(name=graph.name, source=source, fingerprint=graph.fingerprint()), config=config, target=target)
 
 
 def run_passes(
@@ -23,7 +26,7 @@ def run_passes(
     plan: ExecutionPlan,
     registry: Registry,
     *,
-    passes: Iterable[str] = DEFAULT_PIPELINE,
+    passes: Iterable[str] = PIPELINE,
     print_after: Iterable[str] = (),
     emit: Callable[[str], None] = print,
     ctx: PlanContext | None = None,

@@ -1,58 +1,94 @@
-"""Memory arithmetic for one device: model states, activations, KV cache, logits."""
+"""The one memory model: bytes a model, its activations and generation need on one device.
+
+Every plan, from this laptop's one device to a 512-GPU cluster, is checked with these
+functions; how a backend holds a model (dtypes, activation recomputation, eager attention,
+how many sequences a generation replica decodes at once) comes in as `Numerics`, which the
+backend declares.
+
+    states       = P/(tp*pp) * weight_bytes  (+ grad_bytes + optimizer_bytes/dp when trainable)
+    activations  = tokens of one micro-batch * (kept across layers + one layer's working set) + logits
+    generation   = weights/tp + KV cache of the sequences one replica decodes at once
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from collections.abc import Mapping
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from flowrl.planner.hardware import HardwareSpec
+from flowrl.planner.modelspec import ModelSpec
+from flowrl.planner.space import GenerationLayout, ModelLayout
+from flowrl.specs import Spec
+
 GiB = 1024**3
 
 
-def state_bytes(parameters: int, dtype: str, trainable: bool) -> int:
-    """Weights; trainable adds fp32 grads and AdamW's two moments (4 + 4 + 4 bytes/param)."""
-    weights = parameters * DTYPE_BYTES[dtype]
-    return weights + (parameters * 12 if trainable else 0)
+class Numerics(Spec):
+    """How a backend holds a model, as far as memory goes. Defaults: bf16 mixed precision with
+    fp32 AdamW states, per-layer activation recomputation, flash attention, 64 sequences
+    decoded at once per generation replica (continuous batching)."""
+
+    weight_bytes: int = 2
+    grad_bytes: int = 2
+    optimizer_bytes: int = 12  # per parameter: fp32 master weights and two moments
+    activation_bytes: int = 2
+    recompute: bool = True
+    eager_attention: bool = False  # keeps heads x seq attention scores per token
+    decode_batch: int | None = 64  # None: a replica decodes all its sequences at once
+    reserve: float = 0.08  # fraction of device memory kept for the allocator, NCCL and the framework
 
 
-def activation_bytes(config: Any, rows: int, seq_len: int, *, training: bool, dtype: str = "float32") -> int:
-    """Peak activations of one forward (kept for backward when training) plus fp32 logits.
-
-    Per layer and token a decoder keeps roughly: attention inputs/outputs (~6 h), the MLP
-    (~3 i), and attention scores (heads x seq for eager attention).
-    """
-    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    heads, vocab = config.num_attention_heads, config.vocab_size
-    b = DTYPE_BYTES[dtype]
-    per_token_layer = (6 * h + 3 * i + heads * seq_len) * b
-    kept = per_token_layer * layers if training else per_token_layer * 2
-    logits = vocab * 4 * (3 if training else 2)  # logits, log-softmax (and its grad)
-    return rows * seq_len * (kept + logits)
+def usable_bytes(hw: HardwareSpec, numerics: Numerics | None = None) -> int:
+    return int(hw.memory_bytes * (1 - (numerics or Numerics()).reserve))
 
 
-def kv_cache_bytes(config: Any, rows: int, seq_len: int, dtype: str = "float32") -> int:
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * rows * seq_len * DTYPE_BYTES[dtype]
+def state_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout, trainable: bool) -> int:
+    p = layout.parallel
+    shard = model.parameters() / (p.tp * p.pp)
+    total = shard * numerics.weight_bytes
+    if trainable:
+        total += shard * numerics.grad_bytes
+        if not layout.offload_optimizer:
+            total += shard / p.dp * numerics.optimizer_bytes
+    return int(total)
 
 
-def device_capacity(device: str) -> int:
-    """Bytes this process may use on ``device`` (CPU: MemAvailable; CUDA: free memory)."""
-    if device.startswith("cuda"):
-        import torch
+def activation_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout, seq_len: int, *, training: bool) -> int:
+    """Peak activations of one micro-batch: what is kept across layers for backward (the layer
+    inputs with recomputation, every layer's working set without), one layer's working set,
+    and fp32 logits (and their gradient when training)."""
+    p = layout.parallel
+    b = numerics.activation_bytes
+    tokens = layout.micro_batch * seq_len
+    layers = model.layers // p.pp
+    scores = model.heads * seq_len if numerics.eager_attention else 0
+    working = (16 * model.hidden + 2 * model.intermediate + scores) * b / p.tp
+    if not training:
+        kept = 0.0
+    elif numerics.recompute:
+        kept = model.hidden * b * layers
+    else:
+        kept = working * layers
+    logits = model.vocab * 4 * (2 if training else 1) / p.tp
+    return int(tokens * (kept + working + logits))
 
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return int(free)
-    meminfo = Path("/proc/meminfo")
-    if meminfo.exists():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    import os
 
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+def generation_bytes(model: ModelSpec, numerics: Numerics, gen: GenerationLayout, sequences: int, max_len: int) -> int:
+    """Weights of one generation replica plus the KV cache of the sequences it decodes at once."""
+    per_replica = max(1, -(-sequences // gen.replicas))
+    live = per_replica if numerics.decode_batch is None else min(per_replica, numerics.decode_batch)
+    weights = model.parameters() * numerics.weight_bytes // gen.tp
+    return weights + live * max_len * model.kv_bytes_per_token(numerics.activation_bytes) // gen.tp
 
 
-def gib(n: int) -> str:
+def group_need(states: Mapping[str, int], peaks: Mapping[str, int]) -> tuple[int, dict[str, int]]:
+    """Bytes one device of a group needs: every resident model state plus the largest transient
+    peak (one model's activations, or generation), with the breakdown that explains it."""
+    breakdown = dict(states)
+    if peaks:
+        name, value = max(peaks.items(), key=lambda kv: kv[1])
+        breakdown[f"peak: {name}"] = value
+    return sum(breakdown.values()), breakdown
+
+
+def gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB / 100 else f"{n / 1024**2:.1f} MiB"

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from flowrl.errors import ConfigError
-from flowrl.planner.hardware import CheckedSpec, Count, SpecFieldError, did_you_mean
-from flowrl.specs import convert, read_document
+from flowrl.errors import did_you_mean
+from flowrl.planner.hardware import CheckedSpec, Count, SpecFieldError
+from flowrl.specs import TinyModelConfig, convert, read_document
 
 
 class ModelSpec(CheckedSpec, kw_only=True):
@@ -133,6 +134,33 @@ def load_model_spec(text: str) -> ModelSpec:
         f"model '{name}' is neither a preset nor a model directory or config.json{where}.{did_you_mean(name, list(MODEL_PRESETS))} "
         f"Presets: {', '.join(MODEL_PRESETS)}."
     )
+
+
+def from_model_dir(path: str) -> ModelSpec:
+    """The shape of the HF model in directory ``path`` (its ``config.json``; no weights are read)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(
+            f"model directory '{path}' does not exist. Pass --model with a directory holding an HF config.json, weights and a tokenizer "
+            "(e.g. a runs/<name>/checkpoint from an earlier run)."
+        )
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"model directory '{path}' has no config.json; it is not an HF-format model.")
+    return _from_hf_config(p / "config.json")
+
+
+def from_tiny(cfg: TinyModelConfig, tokenizer_vocab: int) -> ModelSpec:
+    """The shape of the tiny Llama built from scratch when no model directory is given."""
+    vocab = cfg.vocab_size or tokenizer_vocab
+    if vocab < tokenizer_vocab:
+        raise ConfigError(f"config field 'tiny_model.vocab_size' ({vocab}) is smaller than the tokenizer ({tokenizer_vocab} tokens).")
+    try:
+        return ModelSpec(
+            name="tiny-llama", layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads, intermediate=cfg.intermediate_size, vocab=vocab,
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"config field 'tiny_model': {exc}") from None
 
 
 def _from_hf_config(path: Path) -> ModelSpec:

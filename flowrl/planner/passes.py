@@ -1,41 +1,48 @@
-"""The passes a single-machine plan needs. Each is a plain function ``(ctx, plan) -> plan``.
+"""The passes every plan goes through. Each is a plain function ``(ctx, plan) -> plan``.
 
-resolve     -> every function/loss/task a node names exists, with the keys it needs
-place       -> every model on the local device (colocated, like verl's hybrid engine)
-micro_batch -> micro-batch size per node (configured, or the largest that fits)
-memory      -> per-device memory estimate; refuses a plan that cannot fit, with numbers
+resolve     -> every function, loss, task, engine and node option a plan names exists and fits;
+               the workload follows from the run config unless one was given
+place       -> models on device groups: the one colocated layout of a one-device cluster,
+               or the auto-tuner's best plan for a larger one (placement, parallel sizes,
+               rollout policy, weight sync)
+micro_batch -> per node: its rows per step and micro-batch (configured, or the layout's,
+               halved until its activations fit)
+memory      -> per device group: the bytes one device needs; verification refuses a plan
+               that does not fit, with the breakdown
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from flowrl.errors import PlanError
+from flowrl.errors import ConfigError, GraphError, PlanError
 from flowrl.graph.ir import Compute, Forward, Generate, Graph, Reward, Train
 from flowrl.planner import memory as mem
-from flowrl.planner.plan import Device, ExecutionPlan, MemoryEstimate, ModelPlacement, NodePlan
-from flowrl.plugins.manager import Registry
+from flowrl.planner.plan import ExecutionPlan, MemoryEstimate, NodePlan
+from flowrl.planner.space import ClusterPlan, DeviceGroup, GenerationLayout, ModelLayout, Parallel, RolloutPolicy, WeightSync
+from flowrl.planner.workload import Fixed, WorkloadSpec
+from flowrl.specs import AlgoConfig
+
+if TYPE_CHECKING:
+    from flowrl.plugins.manager import Registry
+
+PROMPT_LENGTH = 16  # tokens a toy-task prompt is planned with
+TRAIN_OPTIONS = ("epochs", "mini_batches")
+ALGO_FIELDS = frozenset(AlgoConfig.__struct_fields__)
 
 
 @dataclass
 class PlanContext:
-    """What passes may consult besides the plan: the graph, plugins, the base model's config."""
+    """What passes may consult besides the plan: the graph, plugins, by-products, options."""
 
     graph: Graph
     registry: Registry
     cache: dict[str, Any] = field(default_factory=dict)
-    options: dict[str, Any] = field(default_factory=dict)  # e.g. autotune budget_s, seed
-
-    def model_config(self, plan: ExecutionPlan) -> Any:
-        if "config" not in self.cache:
-            from flowrl.backends.local.models import load_tokenizer, model_config
-
-            cfg = plan.config
-            self.cache["config"] = model_config(cfg.model, cfg.tiny_model, load_tokenizer(cfg.model))
-        return self.cache["config"]
+    options: dict[str, Any] = field(default_factory=dict)  # budget_s, seed, cost_model, capabilities
 
 
 def _replace(plan: ExecutionPlan, **changes: Any) -> ExecutionPlan:
@@ -45,14 +52,50 @@ def _replace(plan: ExecutionPlan, **changes: Any) -> ExecutionPlan:
 # ------------------------------------------------------------------ resolve
 
 
+def node_options(graph: Graph, name: str, algo: AlgoConfig, registry: Registry) -> tuple[AlgoConfig, dict[str, Any]]:
+    """A node's options: those naming AlgoConfig fields override ``algo``; the rest must be
+    keyword arguments of its function (train nodes: epochs, mini_batches)."""
+    node = graph.nodes[name]
+    overrides = {k: v for k, v in node.options.items() if k in ALGO_FIELDS}
+    rest = {k: v for k, v in node.options.items() if k not in ALGO_FIELDS}
+    allowed = TRAIN_OPTIONS if isinstance(node, Train) else _keyword_arguments(registry, node)
+    bad = [k for k in rest if k not in allowed]
+    if bad:
+        known = ", ".join(sorted([*allowed, *ALGO_FIELDS]))
+        raise GraphError(f"node '{name}': unknown option(s) {', '.join(bad)}; allowed: {known}.")
+    try:
+        algo = msgspec.convert({**msgspec.to_builtins(algo), **overrides}, AlgoConfig)
+    except msgspec.ValidationError as exc:
+        raise GraphError(f"node '{name}': bad option: {exc}") from None
+    for key in TRAIN_OPTIONS:
+        if key in rest and (isinstance(rest[key], bool) or not isinstance(rest[key], int) or rest[key] < 1):
+            raise GraphError(f"node '{name}': option '{key}' must be an integer >= 1, got {rest[key]!r}.")
+    return algo, rest
+
+
+def _keyword_arguments(registry: Registry, node: Any) -> tuple[str, ...]:
+    if isinstance(node, Compute):
+        fn = registry.get("advantage_estimators", node.fn)
+    elif isinstance(node, Reward):
+        fn = registry.get("reward_functions", node.fn)
+    else:
+        return ()
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    keyword = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in params if p.kind in keyword and (p.kind == p.KEYWORD_ONLY or p.default is not p.empty))
+
+
 def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
-    """Check that every task, function and loss a node names exists and gets the keys it needs."""
+    """Check every task, function, loss, engine and node option the plan names; fill the
+    response budget from the task and the workload from the config."""
     from flowrl.tasks.builtin import make_task
 
-    reg = ctx.registry
-    cfg = plan.config
+    reg, graph, cfg = ctx.registry, ctx.graph, plan.config
     task = make_task(cfg.task, cfg.task_options, registry={e.name: e.obj for e in reg.entries("tasks")})
-    for node in ctx.graph.nodes.values():
+    for node in graph.nodes.values():
         if isinstance(node, Reward):
             reg.entry("reward_functions", node.fn)
         elif isinstance(node, Compute):
@@ -61,15 +104,32 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
         elif isinstance(node, Train):
             entry = reg.entry("losses", node.loss)
             _check_keys(node.name, f"loss '{node.loss}'", node.reads, (), entry.meta)
-            decl = ctx.graph.models[node.model]
+            decl = graph.models[node.model]
             want = "values" if decl.scalar_head else "logprobs"
             if entry.meta.get("output", "logprobs") != want:
                 raise PlanError(f"node '{node.name}': loss '{node.loss}' trains on {entry.meta.get('output')}, but model '{decl.name}' (role {decl.role}) produces {want}.")
-    reg.entry("backends", plan.backend)
+        node_options(graph, node.name, cfg.algo, reg)
+    for kind, name, field_ in (("executors", cfg.backend, "backend"), ("generation_engines", cfg.generation.engine, "generation.engine"), ("training_engines", cfg.train.engine, "train.engine")):
+        try:
+            reg.entry(kind, name)
+        except Exception as exc:
+            raise ConfigError(f"config field '{field_}': {exc}") from None
     rollout = cfg.rollout
     if rollout.max_new_tokens is None:
         rollout = msgspec.structs.replace(rollout, max_new_tokens=task.max_new_tokens())
-    return _replace(plan, config=msgspec.structs.replace(cfg, rollout=rollout))
+    cfg = msgspec.structs.replace(cfg, rollout=rollout)
+    target = plan.target
+    if target.workload is None:
+        workload = WorkloadSpec(
+            prompts_per_step=cfg.rollout.prompts_per_step,
+            samples_per_prompt=cfg.rollout.samples_per_prompt,
+            prompt_length=PROMPT_LENGTH,
+            response_length=Fixed(value=cfg.rollout.max_new_tokens),
+            ppo_epochs=cfg.train.epochs,
+            mini_batches=min(cfg.train.mini_batches, cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt),
+        )
+        target = msgspec.structs.replace(target, workload=workload)
+    return _replace(plan, config=cfg, target=target)
 
 
 def _check_keys(node: str, what: str, reads: tuple[str, ...], writes: tuple[str, ...], meta: dict[str, Any]) -> None:
@@ -84,37 +144,6 @@ def _check_keys(node: str, what: str, reads: tuple[str, ...], writes: tuple[str,
 
 
 # ------------------------------------------------------------------ place
-
-
-def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
-    """Place every model on the local device (colocated) and size its state."""
-    cfg = plan.config
-    device = cfg.device
-    if device == "auto":
-        import torch
-
-        device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    elif device == "cuda":
-        device = "cuda:0"
-    if device != "cpu" and not device.startswith("cuda:"):
-        raise PlanError(f"config field 'device' is {cfg.device!r}; the local backend runs on 'cpu', 'cuda', 'cuda:N' or 'auto'.")
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise PlanError(f"config field 'device' is {cfg.device!r} but torch sees no CUDA device here. Use --set device=cpu.")
-    capacity = int(cfg.memory_limit_gib * mem.GiB) if cfg.memory_limit_gib else mem.device_capacity(device)
-    from flowrl.backends.local.models import count_parameters
-
-    parameters = count_parameters(ctx.model_config(plan))
-    models = []
-    for decl in ctx.graph.models.values():
-        params = parameters + (ctx.model_config(plan).hidden_size + 1 if decl.scalar_head else 0)
-        models.append(ModelPlacement(model=decl.name, device=device, dtype="float32", parameters=params, trainable=decl.trainable, state_bytes=mem.state_bytes(params, "float32", decl.trainable)))
-    return _replace(plan, devices=(Device(name=device, memory_bytes=capacity, threads=cfg.threads),), models=tuple(models))
-
-
-# ------------------------------------------------------------------ micro_batch
 
 
 def node_rows(graph: Graph, prompts: int) -> dict[str, int]:
@@ -132,111 +161,125 @@ def node_rows(graph: Graph, prompts: int) -> dict[str, int]:
     return out
 
 
+def colocated(graph: Graph, workload: WorkloadSpec, micro_batch: int | None = None) -> ClusterPlan:
+    """The one layout of a one-device cluster: every model on it, generation in place."""
+    mini_batch = max(workload.sequences // workload.mini_batches, 1)
+    mini_batch = min(micro_batch or mini_batch, mini_batch)
+    return ClusterPlan(
+        placement="colocate",
+        groups=(DeviceGroup(name="all", devices=1, first=0),),
+        models=tuple(ModelLayout(model=m, group="all", parallel=Parallel(dp=1, tp=1, pp=1), micro_batch=mini_batch) for m in graph.models),
+        generation=GenerationLayout(group="all", tp=1, replicas=1),
+        rollout=RolloutPolicy(),
+        weight_sync=WeightSync(strategy="reshard"),
+    )
+
+
+def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
+    """Place models on device groups: one device has one layout (predicted, for --explain);
+    a larger cluster is searched by the auto-tuner within the executor's capabilities."""
+    from flowrl.planner.autotune import Tuner
+
+    t, opts = plan.target, ctx.options
+    if not any(isinstance(n, Generate) for n in ctx.graph.nodes.values()):
+        if t.cluster.devices > 1:
+            raise PlanError(f"graph '{ctx.graph.name}' has no generate node; the cluster planner needs a rollout.")
+        return _replace(plan, layout=colocated(ctx.graph, plan.workload, plan.config.train.micro_batch_size))
+    tuner = Tuner(
+        ctx.graph, t.model, t.cluster, plan.workload,
+        seed=int(opts.get("seed", 0)), cost_model=opts.get("cost_model", "analytic"), registry=ctx.registry,
+        numerics=t.numerics, capabilities=opts.get("capabilities"),
+    )
+    if t.cluster.devices == 1:
+        result = tuner.single(colocated(ctx.graph, plan.workload, plan.config.train.micro_batch_size))
+    else:
+        result = tuner.search(budget_s=float(opts.get("budget_s", 8.0)))
+    ctx.cache["tune"] = result
+    return _replace(plan, layout=result.best)
+
+
+# ------------------------------------------------------------------ micro_batch
+
+
+def _seq_len(plan: ExecutionPlan) -> int:
+    return plan.workload.max_sequence()
+
+
 def micro_batch(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
-    """Choose each node's micro-batch size: configured, or the largest whose activations fit."""
-    cfg = plan.config
-    config = ctx.model_config(plan)
-    seq_len = _seq_len(ctx, plan)
-    placement = {m.model: m for m in plan.models}
-    states = sum(m.state_bytes for m in plan.models)
-    budget = max(plan.devices[0].memory_bytes - states, 0) // 2  # keep half the headroom for the rest
+    """Each node's micro-batch: configured, or its model's layout's, halved until it fits in
+    half the headroom its device has left after the resident model states."""
+    cfg, t, layout = plan.config, plan.target, _layout(plan)
+    seq_len = _seq_len(plan)
+    trainable = _trainable(ctx.graph)
+    budget = {g.name: max(mem.usable_bytes(t.cluster.hardware, t.numerics) - _states(plan, g.name, trainable), 0) // 2 for g in layout.groups}
     nodes = []
-    for name, rows in node_rows(ctx.graph, cfg.rollout.prompts_per_step).items():
+    for name, rows in node_rows(ctx.graph, plan.workload.prompts_per_step).items():
         node = ctx.graph.nodes[name]
-        device = placement[node.model].device if node.model else None
+        group = None
         size = rows
-        if isinstance(node, (Forward, Train)):
-            if cfg.train.micro_batch_size is not None:
-                size = min(cfg.train.micro_batch_size, rows)
-            else:
-                training = isinstance(node, Train)
-                while size > 1 and mem.activation_bytes(config, size, seq_len, training=training) > budget:
-                    size = (size + 1) // 2
-        nodes.append(NodePlan(node=name, kind=node.kind, device=device, rows=rows, micro_batch_size=size))
+        if isinstance(node, Generate):
+            group = layout.generation.group
+        elif node.model is not None:
+            lay = layout.layout(node.model)
+            group = lay.group
+            if isinstance(node, (Forward, Train)):
+                size = min(cfg.train.micro_batch_size or lay.micro_batch, rows)
+                if cfg.train.micro_batch_size is None:
+                    training = isinstance(node, Train)
+                    room = budget[group]
+                    while size > 1 and _activations(plan, lay, size, seq_len, training) > room:
+                        size = (size + 1) // 2
+        nodes.append(NodePlan(node=name, kind=node.kind, group=group, rows=rows, micro_batch_size=max(size, 1)))
     return _replace(plan, nodes=tuple(nodes))
 
 
-def _seq_len(ctx: PlanContext, plan: ExecutionPlan) -> int:
-    prompt = int(ctx.cache.get("prompt_len", 16))
-    return prompt + int(plan.config.rollout.max_new_tokens or 16)
+def _layout(plan: ExecutionPlan) -> ClusterPlan:
+    if plan.layout is None:
+        raise PlanError("the plan has no placement yet; run the 'place' pass first.")
+    return plan.layout
+
+
+def _trainable(graph: Graph) -> set[str]:
+    return {m for m, d in graph.models.items() if d.trainable}
+
+
+def _states(plan: ExecutionPlan, group: str, trainable: set[str]) -> int:
+    t = plan.target
+    return sum(mem.state_bytes(t.model, t.numerics, m, m.model in trainable) for m in _layout(plan).models if m.group == group)
+
+
+def _activations(plan: ExecutionPlan, lay: ModelLayout, size: int, seq_len: int, training: bool) -> int:
+    t = plan.target
+    return mem.activation_bytes(t.model, t.numerics, msgspec.structs.replace(lay, micro_batch=size), seq_len, training=training)
 
 
 # ------------------------------------------------------------------ memory
 
 
 def memory(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
-    """Estimate each device's peak memory; verification refuses a plan that does not fit."""
-    config = ctx.model_config(plan)
-    seq_len = _seq_len(ctx, plan)
+    """The bytes one device of each group needs: resident states plus the largest transient."""
+    t, layout = plan.target, _layout(plan)
+    trainable = _trainable(ctx.graph)
+    seq_len = _seq_len(plan)
     estimates = []
-    for device in plan.devices:
-        breakdown: dict[str, int] = {}
-        for m in plan.models:
-            if m.device == device.name:
-                breakdown[f"model {m.model} ({'weights+grads+adam' if m.trainable else 'weights'})"] = m.state_bytes
-        peak_act, peak_node = 0, ""
+    for g in layout.groups:
+        states = {
+            f"model {m.model} ({'weights+grads+optimizer' if m.model in trainable else 'weights'})": mem.state_bytes(t.model, t.numerics, m, m.model in trainable)
+            for m in layout.models
+            if m.group == g.name
+        }
+        peaks: dict[str, int] = {}
         for n in plan.nodes:
-            if n.device != device.name:
+            if n.group != g.name:
                 continue
             if n.kind == "generate":
-                need = mem.kv_cache_bytes(config, n.rows, seq_len) + mem.activation_bytes(config, n.rows, 1, training=False)
+                peaks[f"node {n.node} (generation weights + KV cache)"] = mem.generation_bytes(t.model, t.numerics, layout.generation, n.rows, seq_len)
             elif n.kind in ("forward", "train"):
-                need = mem.activation_bytes(config, n.micro_batch_size, seq_len, training=n.kind == "train")
-            else:
-                continue
-            if need > peak_act:
-                peak_act, peak_node = need, n.node
-        if peak_node:
-            breakdown[f"activations (peak: node {peak_node})"] = peak_act
-        required = sum(breakdown.values())
-        estimates.append(MemoryEstimate(device=device.name, capacity_bytes=device.memory_bytes, required_bytes=required, breakdown=breakdown))
+                lay = layout.layout(ctx.graph.nodes[n.node].model)
+                peaks[f"node {n.node} activations"] = _activations(plan, lay, n.micro_batch_size, seq_len, n.kind == "train")
+        need, breakdown = mem.group_need(states, peaks)
+        estimates.append(MemoryEstimate(group=g.name, capacity_bytes=mem.usable_bytes(t.cluster.hardware, t.numerics), required_bytes=need, breakdown=breakdown))
     return _replace(plan, memory=tuple(estimates))
-
-
-# ------------------------------------------------------------------ autotune (cluster plans)
-
-
-def autotune(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
-    """Search placements, parallel sizes, rollout policy and weight sync for the target cluster."""
-    if plan.target is None:
-        return plan
-    from flowrl.planner.autotune import Tuner
-
-    t = plan.target
-    tuner = Tuner(ctx.graph, t.model, t.cluster, t.workload, seed=int(ctx.options.get("seed", 0)), cost_model=ctx.options.get("cost_model", "analytic"), registry=ctx.registry)
-    result = tuner.search(budget_s=float(ctx.options.get("budget_s", 8.0)))
-    ctx.cache["tune"] = result
-    return _replace(plan, cluster=result.best)
-
-
-def verify_cluster_plan(graph: Graph, plan: ExecutionPlan) -> None:
-    """Every model placed, parallel sizes fill their group and divide heads, layers and batch, memory fits."""
-    c, t = plan.cluster, plan.target
-    if c is None or t is None:
-        return
-    if sorted(m.model for m in c.models) != sorted(graph.models):
-        raise PlanError(f"cluster plan places {sorted(m.model for m in c.models)} but the graph declares {sorted(graph.models)}.")
-    if sum(g.devices for g in c.groups) > t.cluster.devices:
-        raise PlanError(f"cluster plan uses {sum(g.devices for g in c.groups)} devices; the cluster has {t.cluster.devices}.")
-    groups = {g.name: g for g in c.groups}
-    for m in c.models:
-        p, g = m.parallel, groups.get(m.group)
-        if g is None:
-            raise PlanError(f"model '{m.model}' is placed on unknown group '{m.group}'.")
-        if p.dp * p.tp * p.pp != g.devices:
-            raise PlanError(f"model '{m.model}': dp {p.dp} x tp {p.tp} x pp {p.pp} != {g.devices} devices of group '{g.name}'.")
-        if t.model.heads % p.tp or t.model.layers % p.pp:
-            raise PlanError(f"model '{m.model}': tp {p.tp} must divide {t.model.heads} heads and pp {p.pp} the {t.model.layers} layers.")
-        if (t.workload.sequences // t.workload.mini_batches) % (p.dp * m.micro_batch):
-            raise PlanError(f"model '{m.model}': dp {p.dp} x micro-batch {m.micro_batch} does not divide the mini-batch of {t.workload.sequences // t.workload.mini_batches} sequences.")
-    gen = c.generation
-    if gen.tp * gen.replicas != groups[gen.group].devices or t.model.heads % gen.tp:
-        raise PlanError(f"generation: tp {gen.tp} x {gen.replicas} replicas must fill group '{gen.group}' and tp must divide the heads.")
-    if c.predicted is not None:
-        cap = t.cluster.hardware.memory_bytes
-        for g, need in c.predicted.memory_bytes.items():
-            if need > cap:
-                raise PlanError(f"group '{g}' needs {mem.gib(need)} per device; a {t.cluster.hardware.name} has {mem.gib(cap)}.")
 
 
 # ------------------------------------------------------------------ verification
@@ -244,32 +287,52 @@ def verify_cluster_plan(graph: Graph, plan: ExecutionPlan) -> None:
 
 def verify_plan(graph: Graph, plan: ExecutionPlan) -> None:
     """Invariants of whatever the plan holds so far; raises PlanError."""
-    verify_cluster_plan(graph, plan)
-    devices = {d.name for d in plan.devices}
-    if plan.models:
-        placed = [m.model for m in plan.models]
-        if sorted(placed) != sorted(graph.models):
-            raise PlanError(f"plan places models {sorted(placed)} but the graph declares {sorted(graph.models)}.")
-        for m in plan.models:
-            if m.device not in devices:
-                raise PlanError(f"model '{m.model}' is placed on unknown device '{m.device}' (devices: {', '.join(sorted(devices))}).")
+    if plan.layout is not None:
+        _verify_layout(graph, plan)
     if plan.nodes:
         planned = [n.node for n in plan.nodes]
         if sorted(planned) != sorted(graph.nodes):
             raise PlanError(f"plan covers nodes {sorted(planned)} but the graph has {sorted(graph.nodes)}.")
+        groups = {g.name for g in plan.layout.groups} if plan.layout else set()
         for n in plan.nodes:
             if not 1 <= n.micro_batch_size <= max(n.rows, 1):
                 raise PlanError(f"node '{n.node}': micro-batch size {n.micro_batch_size} is outside 1..{n.rows} (its rows per step).")
+            if n.group is not None and n.group not in groups:
+                raise PlanError(f"node '{n.node}' runs on unknown device group '{n.group}' (groups: {', '.join(sorted(groups))}).")
     for est in plan.memory:
         if est.required_bytes > est.capacity_bytes:
             parts = "; ".join(f"{k}: {mem.gib(v)}" for k, v in sorted(est.breakdown.items(), key=lambda kv: -kv[1]))
+            hw = plan.target.cluster.hardware.name
             raise PlanError(
-                f"the plan needs {mem.gib(est.required_bytes)} on device '{est.device}' but only {mem.gib(est.capacity_bytes)} is available "
+                f"the plan needs {mem.gib(est.required_bytes)} per device of group '{est.group}' but a {hw} device offers {mem.gib(est.capacity_bytes)} "
                 f"(short by {mem.gib(est.required_bytes - est.capacity_bytes)}). Breakdown: {parts}. "
-                "Use a smaller model, fewer prompts_per_step/samples_per_prompt, a smaller train.micro_batch_size, or a multi-device backend."
+                "Use a smaller model, fewer prompts_per_step/samples_per_prompt, a smaller train.micro_batch_size, or a larger cluster."
             )
 
 
-DEFAULT_PIPELINE = ("resolve", "place", "micro_batch", "memory")
-CLUSTER_PIPELINE = ("resolve", "autotune")
-BUILTIN_PASSES = {"resolve": resolve, "place": place, "micro_batch": micro_batch, "memory": memory, "autotune": autotune}
+def _verify_layout(graph: Graph, plan: ExecutionPlan) -> None:
+    """Every model placed once; parallel sizes fill their group and divide heads, layers and batch."""
+    c, t = plan.layout, plan.target
+    if sorted(m.model for m in c.models) != sorted(graph.models):
+        raise PlanError(f"the plan places models {sorted(m.model for m in c.models)} but the graph declares {sorted(graph.models)}.")
+    if sum(g.devices for g in c.groups) > t.cluster.devices:
+        raise PlanError(f"the plan uses {sum(g.devices for g in c.groups)} devices; the cluster has {t.cluster.devices}.")
+    groups = {g.name: g for g in c.groups}
+    mini_batch = t.workload.sequences // t.workload.mini_batches if t.workload else None
+    for m in c.models:
+        p, g = m.parallel, groups.get(m.group)
+        if g is None:
+            raise PlanError(f"model '{m.model}' is placed on unknown device group '{m.group}' (groups: {', '.join(groups)}).")
+        if p.dp * p.tp * p.pp != g.devices:
+            raise PlanError(f"model '{m.model}': dp {p.dp} x tp {p.tp} x pp {p.pp} != {g.devices} devices of group '{g.name}'.")
+        if t.model.heads % p.tp or t.model.layers % p.pp:
+            raise PlanError(f"model '{m.model}': tp {p.tp} must divide {t.model.heads} heads and pp {p.pp} the {t.model.layers} layers.")
+        if mini_batch is not None and (mini_batch % p.dp or not 1 <= m.micro_batch <= mini_batch // p.dp):
+            raise PlanError(f"model '{m.model}': dp {p.dp} must divide the mini-batch of {mini_batch} sequences and micro-batch {m.micro_batch} fit in a rank's share.")
+    gen = c.generation
+    if gen.group not in groups or gen.tp * gen.replicas != groups[gen.group].devices or t.model.heads % gen.tp:
+        raise PlanError(f"generation: tp {gen.tp} x {gen.replicas} replicas must fill group '{gen.group}' and tp must divide the heads.")
+
+
+PIPELINE = ("resolve", "place", "micro_batch", "memory")
+BUILTIN_PASSES = {"resolve": resolve, "place": place, "micro_batch": micro_batch, "memory": memory}

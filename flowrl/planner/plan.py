@@ -12,17 +12,14 @@ import msgspec
 
 from flowrl.errors import ConfigError
 from flowrl.planner.hardware import ClusterSpec
+from flowrl.planner.memory import Numerics
 from flowrl.planner.modelspec import ModelSpec
 from flowrl.planner.space import ClusterPlan
 from flowrl.planner.workload import WorkloadSpec
-from flowrl.specs import RunConfig, convert, read_document
+from flowrl.specs import RunConfig, Spec, convert, read_document
 
 
-class _Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    pass
-
-
-class GraphRef(_Plan):
+class GraphRef(Spec):
     """Which graph this plan is for: a file path or a registered algorithm name."""
 
     name: str
@@ -30,56 +27,43 @@ class GraphRef(_Plan):
     fingerprint: str
 
 
-class Device(_Plan):
-    name: str  # "cpu", "cuda:0"
-    memory_bytes: int  # what the plan may use
-    threads: int | None = None
+class ClusterTarget(Spec):
+    """What a plan is for: the cluster (``local`` is one device of this machine), the base model
+    every role uses, the workload (None: derived from the run config by ``resolve``), and how
+    the backend holds models in memory."""
+
+    cluster: ClusterSpec
+    model: ModelSpec
+    workload: WorkloadSpec | None = None
+    numerics: Numerics = Numerics()
 
 
-class ModelPlacement(_Plan):
-    model: str
-    device: str
-    dtype: str
-    parameters: int
-    trainable: bool
-    state_bytes: int  # weights (+ grads + AdamW moments when trainable)
-
-
-class NodePlan(_Plan):
+class NodePlan(Spec):
     node: str
     kind: str
-    device: str | None  # None: runs on the driver (reward / compute)
+    group: str | None  # None: runs on the driver (reward / compute)
     rows: int  # sequences per step this node sees
     micro_batch_size: int
 
 
-class MemoryEstimate(_Plan):
-    device: str
-    capacity_bytes: int
+class MemoryEstimate(Spec):
+    group: str
+    capacity_bytes: int  # usable bytes of one device of the group
     required_bytes: int
     breakdown: dict[str, int]
 
 
-class ClusterTarget(_Plan):
-    """What a cluster plan is for: the cluster, the model every role uses, the workload."""
+class ExecutionPlan(Spec, kw_only=True):
+    """Every plan places models on device groups of a cluster; this machine is a cluster too."""
 
-    cluster: ClusterSpec
-    model: ModelSpec
-    workload: WorkloadSpec
-
-
-class ExecutionPlan(_Plan, kw_only=True):
     id: str = ""
     graph: GraphRef
-    backend: str = "local"
     config: RunConfig
-    devices: tuple[Device, ...] = ()
-    models: tuple[ModelPlacement, ...] = ()
-    nodes: tuple[NodePlan, ...] = ()
-    memory: tuple[MemoryEstimate, ...] = ()
+    target: ClusterTarget
+    layout: ClusterPlan | None = None  # set by `place`
+    nodes: tuple[NodePlan, ...] = ()  # set by `micro_batch`
+    memory: tuple[MemoryEstimate, ...] = ()  # set by `memory`
     passes: tuple[str, ...] = ()
-    target: ClusterTarget | None = None  # set: plan for a cluster (autotune) instead of this machine
-    cluster: ClusterPlan | None = None
 
     def content_id(self) -> str:
         body = msgspec.json.encode(msgspec.structs.replace(self, id=""), order="sorted")
@@ -88,6 +72,12 @@ class ExecutionPlan(_Plan, kw_only=True):
     def sealed(self) -> ExecutionPlan:
         """This plan with ``id`` set to its content hash."""
         return msgspec.structs.replace(self, id=self.content_id())
+
+    @property
+    def workload(self) -> WorkloadSpec:
+        if self.target.workload is None:
+            raise ConfigError("the plan has no workload yet; the 'resolve' pass derives it from the config.")
+        return self.target.workload
 
     def node(self, name: str) -> NodePlan:
         for n in self.nodes:

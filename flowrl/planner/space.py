@@ -14,16 +14,17 @@ from typing import Literal
 
 import msgspec
 
+from flowrl.specs import Spec
+
 Placement = Literal["colocate", "split", "standalone", "disaggregated"]
 RolloutMode = Literal["sync", "one_step_off", "async"]
 SyncStrategy = Literal["reshard", "full", "bucketed", "sparse"]
 
 
-class _S(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    pass
 
 
-class Parallel(_S):
+
+class Parallel(Spec):
     dp: int
     tp: int
     pp: int
@@ -33,7 +34,7 @@ class Parallel(_S):
         return self.dp * self.tp * self.pp
 
 
-class ModelLayout(_S):
+class ModelLayout(Spec):
     model: str
     group: str
     parallel: Parallel  # training layout for trainable models, inference layout otherwise
@@ -41,31 +42,31 @@ class ModelLayout(_S):
     offload_optimizer: bool = False
 
 
-class DeviceGroup(_S):
+class DeviceGroup(Spec):
     name: str
     devices: int
     first: int  # index of its first device in the cluster
 
 
-class GenerationLayout(_S):
+class GenerationLayout(Spec):
     group: str
     tp: int
     replicas: int
 
 
-class RolloutPolicy(_S):
+class RolloutPolicy(Spec):
     mode: RolloutMode = "sync"
     staleness: int = 0  # generation may use weights this many versions old (0 = on-policy)
     partial: bool = False  # stop once the batch is full; unfinished responses resume next step
     overprovision: float = 0.0  # extra prompts launched when partial (APRIL)
 
 
-class WeightSync(_S):
+class WeightSync(Spec):
     strategy: SyncStrategy
     density: float = 1.0  # fraction of weights sent (sparse delta)
 
 
-class Prediction(_S):
+class Prediction(Spec):
     iteration_s: float
     breakdown: dict[str, float]  # per graph node (+ "weight_sync"), mean seconds per iteration
     utilization: dict[str, float]  # per device group: busy fraction
@@ -74,7 +75,7 @@ class Prediction(_S):
     efficiency: float  # roofline_s / iteration_s
 
 
-class ClusterPlan(_S):
+class ClusterPlan(Spec):
     placement: Placement
     groups: tuple[DeviceGroup, ...]
     models: tuple[ModelLayout, ...]

@@ -10,6 +10,7 @@ from flowrl.plugins.hookspecs import Register, hookimpl
 def _doc(obj: Any) -> str:
     return (obj.__doc__ or "").strip().splitlines()[0] if obj.__doc__ else ""
 
+
 BUILTIN_GRAPHS = ("ppo", "ppo_rm", "grpo", "remax", "rloo", "reinforce_pp")
 
 
@@ -55,13 +56,32 @@ def register_tasks(register: Register) -> None:
 
 
 @hookimpl
-def register_backends(register: Register) -> None:
-    def local(plan):  # imported lazily: torch/transformers load only when a backend is used
-        from flowrl.backends.local.engine import LocalBackend
+def register_executors(register: Register) -> None:
+    from flowrl.backends.local.executor import LocalExecutor, machine
 
-        return LocalBackend(plan)
+    register("local", LocalExecutor, machine=machine, description="every model in this process on one device (CPU or one GPU)")
 
-    register("local", local, description="every model in this process on one device (CPU or one GPU)")
+
+def _local_generation_engine(ctx: Any) -> Any:  # torch loads only when an engine is built
+    from flowrl.backends.local.engine import generation_engine
+
+    return generation_engine(ctx)
+
+
+def _local_training_engine(ctx: Any) -> Any:
+    from flowrl.backends.local.engine import training_engine
+
+    return training_engine(ctx)
+
+
+@hookimpl
+def register_generation_engines(register: Register) -> None:
+    register("local", _local_generation_engine, description="torch sampling with a KV cache, in this process")
+
+
+@hookimpl
+def register_training_engines(register: Register) -> None:
+    register("local", _local_training_engine, description="HF models in this process: forward, AdamW train steps")
 
 
 @hookimpl
@@ -87,6 +107,19 @@ def register_cost_models(register: Register) -> None:
     register("analytic", CostModel, description=_doc(CostModel))
 
 
+def _profile_arguments(p: Any) -> None:
+    from flowrl.backends.local.profile import add_arguments
+
+    add_arguments(p)
+
+
+def _profile(args: Any) -> int:
+    from flowrl.backends.local.profile import run
+
+    return run(args)
+
+
 @hookimpl
 def register_cli_commands(register: Register) -> None:
-    """The core commands live in flowrl.cli; plugins add theirs here."""
+    """The core commands live in flowrl.cli; the local backend adds `flowrl profile`."""
+    register("profile", _profile_arguments, run=_profile, help="measure this machine and fit the planner's cost model to it")

@@ -41,8 +41,18 @@ def register_tasks(register: Register) -> None:
 
 
 @hookspec
-def register_backends(register: Register) -> None:
-    """Register execution backends: ``register(name, factory)`` with ``factory(plan) -> Backend``."""
+def register_executors(register: Register) -> None:
+    """Register executors: ``register(name, factory, machine=fn)``; ``factory() -> Executor``, ``machine(cfg) -> HardwareSpec``."""
+
+
+@hookspec
+def register_generation_engines(register: Register) -> None:
+    """Register generation engines: ``register(name, factory)`` with ``factory(ctx: EngineContext) -> GenerationEngine``."""
+
+
+@hookspec
+def register_training_engines(register: Register) -> None:
+    """Register training engines: ``register(name, factory)`` with ``factory(ctx: EngineContext) -> TrainingEngine``."""
 
 
 @hookspec
@@ -71,7 +81,9 @@ HOOKS: dict[str, str] = {
     "register_losses": "losses",
     "register_reward_functions": "reward_functions",
     "register_tasks": "tasks",
-    "register_backends": "backends",
+    "register_executors": "executors",
+    "register_generation_engines": "generation_engines",
+    "register_training_engines": "training_engines",
     "register_passes": "passes",
     "register_hardware": "hardware",
     "register_cost_models": "cost_models",

@@ -3,12 +3,16 @@
 Built-in modules are registered through the same ``pm.register`` as entry-point plugins.
 ``FLOWRL_PLUGINS`` (comma-separated entry-point names) restricts which external plugins load;
 set it to an empty string to load none.
+
+Everything registered is checked on the spot (callable, signature, metadata), and an exception
+in a plugin's hook becomes a :class:`PluginError` naming the plugin and the hook.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib.metadata as md
+import inspect
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -45,12 +49,39 @@ SINGULAR = {
     "losses": "loss",
     "reward_functions": "reward function",
     "tasks": "task",
-    "backends": "backend",
+    "executors": "executor",
+    "generation_engines": "generation engine",
+    "training_engines": "training engine",
     "passes": "pass",
     "hardware": "hardware preset",
     "cost_models": "cost model",
     "cli_commands": "CLI command",
 }
+
+#: flowrl's own sub-commands (flowrl.cli); a plugin command may not reuse one of these names.
+CORE_COMMANDS = ("run", "plan", "show", "plugins")
+
+#: How flowrl calls what each kind registers; the positional arguments are bound against its signature.
+CALLS: dict[str, str] = {
+    "algorithms": "build(cfg)",
+    "advantage_estimators": "fn(inputs, algo, **options)",
+    "losses": "fn(outputs, batch, algo)",
+    "reward_functions": "fn(prompts, responses, task, **options)",
+    "executors": "factory(registry)",
+    "generation_engines": "factory(ctx)",
+    "training_engines": "factory(ctx)",
+    "passes": "fn(ctx, plan)",
+    "cost_models": "factory(model, hardware)",
+    "cli_commands": "add_arguments(parser)",
+}
+
+#: Callables passed as metadata: kind -> key -> (how flowrl calls it, whether it is required).
+META_CALLS: dict[str, dict[str, tuple[str, bool]]] = {
+    "executors": {"machine": ("machine(cfg)", False)},
+    "cli_commands": {"run": ("run(args)", True)},
+}
+
+LOSS_OUTPUTS = ("logprobs", "values")
 
 
 class Registry:
@@ -62,10 +93,16 @@ class Registry:
 
     def add(self, kind: str, plugin: str, name: str, obj: Any, **meta: Any) -> None:
         table = self._items[kind]
+        what = SINGULAR[kind]
         if not isinstance(name, str) or not name:
-            raise PluginError(f"plugin '{plugin}' registered a {SINGULAR[kind]} with an invalid name {name!r}.")
+            raise PluginError(f"plugin '{plugin}' registered a {what} with an invalid name {name!r}.")
         if name in table:
-            raise PluginError(f"{SINGULAR[kind]} '{name}' is registered twice: by '{table[name].plugin}' and by '{plugin}'. Rename one of them.")
+            raise PluginError(
+                f"{what} '{name}' is registered twice: by '{table[name].plugin}' and by '{plugin}'. Rename one of them."
+            )
+        problem = _problem(kind, name, obj, meta)
+        if problem:
+            raise PluginError(f"plugin '{plugin}' registered {what} '{name}', but {problem}.")
         table[name] = Entry(name=name, obj=obj, plugin=plugin, meta=meta)
 
     def entry(self, kind: str, name: str) -> Entry:
@@ -74,7 +111,8 @@ class Registry:
             what = SINGULAR[kind]
             hint = difflib.get_close_matches(name, list(table), n=1)
             did = f" Did you mean '{hint[0]}'?" if hint else ""
-            raise PluginError(f"unknown {what} '{name}'.{did} Known: {', '.join(sorted(table)) or 'none'}. Plugins add more (see `flowrl plugins`).")
+            known = ", ".join(sorted(table)) or "none"
+            raise PluginError(f"unknown {what} '{name}'.{did} Known: {known}. Plugins add more (see `flowrl plugins`).")
         return table[name]
 
     def get(self, kind: str, name: str) -> Any:
@@ -90,6 +128,54 @@ class Registry:
         return list(self._items)
 
 
+def _problem(kind: str, name: str, obj: Any, meta: dict[str, Any]) -> str | None:
+    """Why ``obj`` (with ``meta``) cannot be registered as a ``kind`` named ``name``; None if it can."""
+    if kind == "tasks":
+        return None if isinstance(obj, type) else f"{obj!r} is not a class"
+    if kind == "hardware":
+        from flowrl.planner.hardware import HardwareSpec  # lazy: the planner is not needed to load plugins
+
+        return None if isinstance(obj, HardwareSpec) else f"{obj!r} is not a flowrl.planner.hardware.HardwareSpec"
+    if kind == "cli_commands" and name in CORE_COMMANDS:
+        return f"'{name}' is a core flowrl command: rename the plugin's command"
+    if kind == "losses" and "output" in meta and meta["output"] not in LOSS_OUTPUTS:
+        return f"meta 'output' is {meta['output']!r}; it must be one of {', '.join(map(repr, LOSS_OUTPUTS))}"
+    for key in ("needs", "gives"):
+        keys = meta.get(key, ())
+        if not isinstance(keys, (tuple, list)) or not all(isinstance(k, str) for k in keys):
+            return f"meta '{key}' is {keys!r}; it must be a tuple or list of strings"
+    for key, (call, required) in META_CALLS.get(kind, {}).items():
+        if key not in meta:
+            if required:
+                return f"meta '{key}' is missing: flowrl calls {call}"
+            continue
+        problem = _call_problem(meta[key], call)
+        if problem:
+            return f"meta '{key}' {problem}"
+    return _call_problem(obj, CALLS[kind])
+
+
+def _call_problem(obj: Any, call: str) -> str | None:
+    """Why ``obj`` cannot be called as ``call`` (e.g. ``"fn(inputs, algo, **options)"``); None if it can.
+
+    The positional names of ``call`` are bound as dummy arguments; ``**options`` are optional and not bound.
+    A signature that cannot be inspected (some builtins) is accepted.
+    """
+    if not callable(obj):
+        return f"{obj!r} is not callable: flowrl calls {call}"
+    inside = call[call.index("(") + 1 : -1]
+    args = [a.strip() for a in inside.split(",") if a.strip() and not a.strip().startswith("*")]
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*args)
+    except TypeError as exc:
+        return f"{obj!r} cannot be called as {call} ({exc})"
+    return None
+
+
 def _allowed() -> set[str] | None:
     raw = os.environ.get("FLOWRL_PLUGINS")
     if raw is None:
@@ -97,7 +183,9 @@ def _allowed() -> set[str] | None:
     return {p.strip() for p in raw.split(",") if p.strip()}
 
 
-def load_plugins(*, entry_points: bool = True, extra: Iterable[tuple[str, Any]] = (), allow: set[str] | None = None) -> tuple[pluggy.PluginManager, Registry]:
+def load_plugins(
+    *, entry_points: bool = True, extra: Iterable[tuple[str, Any]] = (), allow: set[str] | None = None
+) -> tuple[pluggy.PluginManager, Registry]:
     """Build a plugin manager and a filled registry.
 
     ``extra`` are (name, plugin object) pairs registered after the built-ins (tests use this to
@@ -121,7 +209,9 @@ def load_plugins(*, entry_points: bool = True, extra: Iterable[tuple[str, Any]] 
             try:
                 plugin = ep.load()
             except Exception as exc:  # a broken plugin must not hide which one it is
-                raise PluginError(f"plugin '{ep.name}' (entry point {ep.value}) failed to import: {type(exc).__name__}: {exc}") from exc
+                raise PluginError(
+                    f"plugin '{ep.name}' (entry point {ep.value}) failed to import: {type(exc).__name__}: {exc}"
+                ) from exc
             _register(pm, ep.name, plugin)
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
             registry.plugins.append(PluginInfo(ep.name, f"{dist} (entry point {ep.value})"))
@@ -131,15 +221,35 @@ def load_plugins(*, entry_points: bool = True, extra: Iterable[tuple[str, Any]] 
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        raise PluginError(f"plugin '{pm.get_name(exc.plugin)}' implements an unknown hook: {exc}. Known hooks: {', '.join(hookspecs.HOOKS)}.") from None
+        known = ", ".join(hookspecs.HOOKS)
+        raise PluginError(
+            f"plugin '{pm.get_name(exc.plugin)}' implements an unknown hook: {exc}. Known hooks: {known}."
+        ) from None
     for hook_name, kind in hookspecs.HOOKS.items():
-        hook = getattr(pm.hook, hook_name)
-        for impl in hook.get_hookimpls():  # pluggy lists them in registration order
-            def register(name: str, obj: Any, _kind: str = kind, _plugin: str = impl.plugin_name, **meta: Any) -> None:
-                registry.add(_kind, _plugin, name, obj, **meta)
-
-            impl.function(register=register)
+        for impl in getattr(pm.hook, hook_name).get_hookimpls():  # pluggy lists them in registration order
+            _call_hook(registry, hook_name, kind, impl)
     return pm, registry
+
+
+def _call_hook(registry: Registry, hook_name: str, kind: str, impl: pluggy.HookImpl) -> None:
+    """Run one plugin's ``register_*`` hook into ``registry``; any error it raises names the plugin and hook."""
+    refused: list[PluginError] = []  # our own refusals already name the plugin: passed on as they are
+
+    def register(name: str, obj: Any, **meta: Any) -> None:
+        try:
+            registry.add(kind, impl.plugin_name, name, obj, **meta)
+        except PluginError as exc:
+            refused.append(exc)
+            raise
+
+    try:
+        impl.function(register=register)
+    except Exception as exc:
+        if any(exc is r for r in refused):
+            raise
+        raise PluginError(
+            f"plugin '{impl.plugin_name}' failed in hook {hook_name}: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _register(pm: pluggy.PluginManager, name: str, plugin: Any) -> None:

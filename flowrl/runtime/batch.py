@@ -70,12 +70,11 @@ def position_ids(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def rows(batch: dict[str, Any]) -> int | None:
-    """The number of sequence rows in a batch (from its Sequences value), or None."""
-    for value in batch.values():
-        if isinstance(value, Sequences):
-            return len(value)
-    return None
+def pack_left(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows of ``ids`` with their real tokens (``mask`` 1) moved to the right end, in order,
+    padding on the left: prompt + partial response become one left-padded prompt."""
+    order = torch.argsort(mask.long(), dim=1, stable=True)
+    return ids.gather(1, order), mask.long().gather(1, order)
 
 
 def select_rows(batch: dict[str, Any], idx: Tensor, n_rows: int) -> dict[str, Any]:

@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from flowrl import api
-from flowrl.backends.local.engine import LocalBackend
 from flowrl.backends.local.generation import sample, top_p_filter
 from flowrl.backends.local.models import build_causal_lm, load_tokenizer, model_config
 from flowrl.errors import BackendError
-from flowrl.runtime.batch import select_rows
+from flowrl.plugins.manager import registry
+from flowrl.runtime.batch import pack_left, select_rows
+from flowrl.runtime.executor import InProcessExecutor
+from flowrl.runtime.protocols import GenerationEngine, Rollout, TrainingEngine, TrainStep
 from flowrl.specs import TinyModelConfig
 from flowrl.tasks.builtin import Prompt
 
@@ -21,7 +23,13 @@ SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "task=cop
 
 def build(graph: str = "ppo", extra: list[str] = ()):
     g, plan = api.plan(graph, overrides=[*SMALL, *extra], emit=lambda s: None)
-    return g, plan, LocalBackend(plan).build(g)
+    trainers, _ = InProcessExecutor(registry())._engines(g, plan, "cpu")
+    return g, plan, trainers
+
+
+def gen(engine, prompts, n, seed=0, **kw):
+    r = engine.generate(prompts, n=n, greedy=kw.pop("greedy", False), generator=torch.Generator().manual_seed(seed), **kw)
+    return r.sequences, r.logprobs
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +60,8 @@ def test_generation_logprobs_match_training_forward(ppo):
     g, plan, engines = ppo
     actor = engines["actor"]
     prompts = [Prompt(text="ab>", answer="ab"), Prompt(text="dcba>", answer="dcba")]
-    seqs, gen_logprobs = actor.generate(prompts, n=3, greedy=False, generator=torch.Generator().manual_seed(0))
-    fwd = actor.forward(seqs, "logprobs", "old_logprobs")
+    seqs, gen_logprobs = gen(actor, prompts, n=3)
+    fwd = actor.forward(seqs, "logprobs", 0)
     mask = seqs.response_mask.bool()
     diff = (gen_logprobs - fwd)[mask].abs().max().item()
     print(f"max |generation logprob - training-forward logprob| = {diff:.2e}")
@@ -92,22 +100,23 @@ def test_greedy_is_deterministic_and_top_p_keeps_the_head():
 
 def test_critic_values_and_reference_copy(ppo):
     g, plan, engines = ppo
-    seqs, _ = engines["actor"].generate([Prompt(text="ab>", answer="ab")], n=2, greedy=False, generator=torch.Generator().manual_seed(0))
-    values = engines["critic"].forward(seqs, "values", "values")
+    seqs, _ = gen(engines["actor"], [Prompt(text="ab>", answer="ab")], n=2)
+    values = engines["critic"].forward(seqs, "values", 0)
     assert values.shape == seqs.response_mask.shape
-    ref = engines["ref"].forward(seqs, "logprobs", "ref_logprobs")
-    act = engines["actor"].forward(seqs, "logprobs", "old_logprobs")
+    ref = engines["ref"].forward(seqs, "logprobs", 0)
+    act = engines["actor"].forward(seqs, "logprobs", 1)
     assert torch.allclose(ref, act)  # the reference starts as a copy of the actor
     assert not any(p.requires_grad for p in engines["ref"].module.parameters())
 
 
-def _grad_step(engine, batch, micro: int):
-    from flowrl.plugins.manager import registry
+def _step(engine, micro: int) -> TrainStep:
+    return TrainStep(node="train_actor", sequences_key="responses", output="logprobs", micro_batch=micro, epochs=1, mini_batches=1, algo=engine.cfg.algo, generator=torch.Generator().manual_seed(0))
 
+
+def _grad_step(engine, batch, micro: int):
     engine = copy.deepcopy(engine)
-    engine.micro_batch["train_actor"] = micro
     before = {k: v.clone() for k, v in engine.module.state_dict().items()}
-    engine.train(registry().entry("losses", "ppo"), batch, "responses", "train_actor", {}, engine.cfg.algo, torch.Generator().manual_seed(0))
+    engine.train(registry().get("losses", "ppo"), batch, _step(engine, micro))
     return {k: engine.module.state_dict()[k] - before[k] for k in before}
 
 
@@ -115,7 +124,7 @@ def test_micro_batch_accumulation_equals_the_full_batch(ppo):
     g, plan, engines = ppo
     actor = engines["actor"]
     prompts = [Prompt(text=t, answer=t[:-1]) for t in ("ab>", "bcd>", "a>", "dd>")]
-    seqs, logprobs = actor.generate(prompts, n=2, greedy=False, generator=torch.Generator().manual_seed(3))
+    seqs, logprobs = gen(actor, prompts, n=2, seed=3)
     adv = torch.linspace(-1, 1, len(seqs))[:, None] * seqs.response_mask
     batch = {"responses": seqs, "old_logprobs": logprobs, "advantages": adv}
     full = _grad_step(actor, batch, micro=len(seqs))
@@ -127,8 +136,71 @@ def test_micro_batch_accumulation_equals_the_full_batch(ppo):
 
 def test_select_rows_slices_sequence_level_values_only(ppo):
     g, plan, engines = ppo
-    seqs, logprobs = engines["actor"].generate([Prompt(text="ab>", answer="ab")], n=4, greedy=False, generator=torch.Generator().manual_seed(0))
+    seqs, logprobs = gen(engines["actor"], [Prompt(text="ab>", answer="ab")], n=4)
     out = select_rows({"responses": seqs, "lp": logprobs, "prompts": ["p"], "scalar": torch.tensor(1.0)}, torch.tensor([2, 0]), 4)
     assert len(out["responses"]) == 2 and out["lp"].shape[0] == 2
     assert out["prompts"] == ["p"] and out["scalar"].item() == 1.0
     assert torch.equal(out["lp"][0], logprobs[2])
+
+
+# ---------------------------------------------------------------------------- the engine protocol
+
+
+def test_local_engines_implement_the_runtime_protocols(ppo):
+    g, plan, engines = ppo
+    for engine in engines.values():
+        assert isinstance(engine, TrainingEngine)
+    assert isinstance(engines["actor"], GenerationEngine) and engines["actor"].resumable
+
+
+def test_pack_left_moves_real_tokens_right_in_order():
+    ids = torch.tensor([[0, 7, 8, 9, 0], [5, 6, 7, 8, 9]])
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    packed, m = pack_left(ids, mask)
+    assert packed.tolist()[0][-3:] == [7, 8, 9] and m.tolist()[0] == [0, 0, 1, 1, 1]
+    assert packed.tolist()[1] == [5, 6, 7, 8, 9]
+
+
+def test_greedy_resume_continues_exactly_where_generation_stopped(ppo):
+    """Stopping after 2 tokens and resuming gives the tokens (and log-probs) of one long call."""
+    g, plan, engines = ppo
+    actor = engines["actor"]
+    prompts = [Prompt(text=t, answer=t[:-1]) for t in ("abc>", "d>", "bb>")]
+    full = actor.generate(prompts, n=1, greedy=True, generator=torch.Generator())
+    part = actor.generate(prompts, n=1, greedy=True, generator=torch.Generator(), max_new_tokens=2)
+    assert part.sequences.response_ids.shape[1] <= 2
+    long_rows = full.sequences.response_lengths > 2
+    assert (~part.finished[long_rows]).all()  # cut short: they may resume
+    done = actor.resume(part, generator=torch.Generator())
+    assert done.finished.all()
+    assert done.sequences.texts == full.sequences.texts
+    assert torch.equal(done.sequences.response_mask, full.sequences.response_mask)
+    assert torch.allclose(done.logprobs, full.logprobs, atol=1e-5)
+    assert torch.equal(done.sequences.prompt_ids, full.sequences.prompt_ids)
+
+
+def test_resume_leaves_finished_rows_alone_and_keeps_grouping(ppo):
+    g, plan, engines = ppo
+    actor = engines["actor"]
+    part = actor.generate([Prompt(text="ab>", answer="ab"), Prompt(text="c>", answer="c")], n=2, greedy=False, generator=torch.Generator().manual_seed(1), max_new_tokens=1)
+    assert isinstance(part, Rollout) and part.sequences.prompt_index.tolist() == [0, 0, 1, 1]
+    before = part.sequences.response_ids[part.finished].clone()
+    done = actor.resume(part, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(done.sequences.response_ids[part.finished][:, : before.shape[1]], before)
+    assert done.sequences.prompt_index.tolist() == [0, 0, 1, 1]
+    assert (done.sequences.response_lengths >= part.sequences.response_lengths).all()
+
+
+def test_weights_export_import_round_trip_and_state_dict(ppo):
+    g, plan, engines = ppo
+    actor, ref = engines["actor"], engines["ref"]
+    seqs, _ = gen(actor, [Prompt(text="ab>", answer="ab")], n=2)
+    saved = copy.deepcopy(actor.state_dict())
+    with torch.no_grad():
+        for p in actor.module.parameters():
+            p.add_(0.01)
+    assert not torch.allclose(actor.forward(seqs, "logprobs", 0), ref.forward(seqs, "logprobs", 0))
+    actor.load_state_dict(saved)
+    assert torch.allclose(actor.forward(seqs, "logprobs", 0), ref.forward(seqs, "logprobs", 0))
+    ref.import_weights(actor.export_weights())
+    assert torch.equal(ref.forward(seqs, "logprobs", 0), actor.forward(seqs, "logprobs", 0))

@@ -60,7 +60,9 @@ def test_id_changes_when_any_field_changes(plan: ExecutionPlan) -> None:
     ids = {plan.id}
     changes = [
         {"config": msgspec.structs.replace(plan.config, seed=plan.config.seed + 1)},
-        {"backend": "other"},
+        {"config": msgspec.structs.replace(plan.config, backend="other")},
+        {"target": msgspec.structs.replace(plan.target, numerics=msgspec.structs.replace(plan.target.numerics, weight_bytes=2))},
+        {"layout": msgspec.structs.replace(plan.layout, placement="split")},
         {"passes": plan.passes[:-1]},
         {"nodes": (msgspec.structs.replace(plan.nodes[0], micro_batch_size=1), *plan.nodes[1:])},
         {"graph": msgspec.structs.replace(plan.graph, fingerprint="0" * 16)},

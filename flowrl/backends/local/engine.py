@@ -1,75 +1,114 @@
-"""The local torch backend: every model in this process, on one device (CPU or one GPU).
+"""The local torch engines: a graph model in this process, on one device (CPU or one GPU).
 
-`LocalModel` is both the generation engine (batched sampling with log-probs) and the
-training engine (forward log-probs / values / scores, train steps with micro-batch gradient
-accumulation, grad clipping, AdamW) for one graph model.
+`LocalModel` is a training engine (forward log-probs / values / scores, train steps with
+micro-batch gradient accumulation, grad clipping, AdamW) and, for models that generate, the
+generation engine too: sampling then uses the trained weights in place.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from torch import Tensor, nn
 
 from flowrl.backends.local.generation import sample
 from flowrl.backends.local.models import ValueModel, build_causal_lm, load_tokenizer, model_config
 from flowrl.errors import BackendError
-from flowrl.graph.ir import Graph, ModelDecl
+from flowrl.graph.ir import ModelDecl
 from flowrl.planner.plan import ExecutionPlan
-from flowrl.plugins.manager import Entry
-from flowrl.runtime.batch import Sequences, position_ids, select_rows, to_device
-from flowrl.specs import AlgoConfig
+from flowrl.runtime.batch import Sequences, pack_left, position_ids, select_rows, to_device
+from flowrl.runtime.protocols import Batch, EngineContext, LossFn, Rollout, TrainStep
 from flowrl.tasks.builtin import Prompt
 
 
 class LocalModel:
     """One graph model (actor, critic, reference, ...) held in this process."""
 
-    def __init__(self, decl: ModelDecl, module: nn.Module, tokenizer: Any, plan: ExecutionPlan, device: torch.device) -> None:
+    resumable = True
+
+    def __init__(self, decl: ModelDecl, module: nn.Module, tokenizer: Any, hf_config: Any, plan: ExecutionPlan, device: torch.device) -> None:
         self.decl = decl
         self.module = module.to(device)
         self.tokenizer = tokenizer
+        self.hf_config = hf_config
         self.cfg = plan.config
         self.device = device
         self.version = 0
-        self.micro_batch = {n.node: n.micro_batch_size for n in plan.nodes}
         # sampling draws on the model's device; a CPU generator cannot drive CUDA sampling
         self.sampler = torch.Generator(device=device).manual_seed(self.cfg.seed) if device.type != "cpu" else None
         self.optimizer: torch.optim.Optimizer | None = None
         if decl.trainable:
             lr = self.cfg.train.critic_lr if decl.scalar_head and self.cfg.train.critic_lr else self.cfg.train.lr
+            self.module.requires_grad_(True)  # a copy of a frozen model is trainable here
             self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, betas=self.cfg.train.betas, weight_decay=self.cfg.train.weight_decay)
         else:
             self.module.requires_grad_(False)
         self.module.eval()
 
     # ------------------------------------------------------------ generation
-    def generate(self, prompts: list[Prompt], *, n: int, greedy: bool, generator: torch.Generator) -> tuple[Sequences, Tensor]:
-        """``n`` samples for each prompt (rows grouped by prompt); returns sequences and log-probs."""
+    def generate(self, prompts: Sequence[Prompt], *, n: int, greedy: bool, generator: torch.Generator, max_new_tokens: int | None = None) -> Rollout:
+        """``n`` samples for each prompt (rows grouped by prompt), with their log-probs."""
+        texts = [p.text for p in prompts for _ in range(n)]
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=True)
+        index = torch.arange(len(prompts)).repeat_interleave(n)
+        empty = torch.zeros(len(texts), 0, dtype=torch.long)
+        start = Sequences(
+            prompt_ids=enc["input_ids"], prompt_mask=enc["attention_mask"], response_ids=empty, response_mask=empty.float(),
+            prompt_index=index, texts=("",) * len(texts), version=self.version,
+        )
+        return self._continue(start, torch.zeros(len(texts), 0), torch.arange(len(texts)), greedy, generator, max_new_tokens)
+
+    def resume(self, rollout: Rollout, *, generator: torch.Generator, max_new_tokens: int | None = None) -> Rollout:
+        """Continue the unfinished rows from their prompt and the tokens generated so far."""
+        rows = (~rollout.finished).nonzero().flatten()
+        return self._continue(rollout.sequences, rollout.logprobs, rows, rollout.greedy, generator, max_new_tokens, rollout.finished)
+
+    def _continue(self, seqs: Sequences, logprobs: Tensor, rows: Tensor, greedy: bool, generator: torch.Generator, max_new_tokens: int | None, finished: Tensor | None = None) -> Rollout:
         if self.decl.scalar_head:
             raise BackendError(f"model '{self.decl.name}' has a scalar head and cannot generate.")
         roll = self.cfg.rollout
-        texts = [p.text for p in prompts for _ in range(n)]
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=True)
-        prompt_ids, prompt_mask = enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
-        max_new = roll.max_new_tokens or 16
-        tokens, logprobs, mask = sample(
-            self.module, prompt_ids, prompt_mask,
-            max_new_tokens=max_new, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
+        limit = roll.max_new_tokens or 16
+        done_len = seqs.response_ids.shape[1]
+        budget = min(max_new_tokens or limit, limit - done_len)
+        finished = torch.zeros(len(seqs), dtype=torch.bool) if finished is None else finished.clone()
+        if budget <= 0 or len(rows) == 0:
+            return Rollout(sequences=seqs, logprobs=logprobs, finished=finished | (budget <= 0), greedy=greedy)
+        part = seqs.select(rows)
+        ids, mask = pack_left(part.input_ids, part.attention_mask)
+        tokens, new_logprobs, alive = sample(
+            self.module, ids.to(self.device), mask.to(self.device),
+            max_new_tokens=budget, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
             temperature=roll.temperature, top_p=roll.top_p, greedy=greedy, ignore_eos=roll.ignore_eos, generator=self.sampler or generator,
         )
-        tokens, logprobs, mask = tokens.cpu(), logprobs.cpu(), mask.cpu()  # batches live on the host between nodes
-        prompt_ids, prompt_mask = prompt_ids.cpu(), prompt_mask.cpu()
-        decoded = self._decode(tokens, mask)
-        seqs = Sequences(
-            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=tokens, response_mask=mask,
-            prompt_index=torch.arange(len(prompts)).repeat_interleave(n), texts=tuple(decoded), version=self.version,
+        tokens, new_logprobs, alive = tokens.cpu(), new_logprobs.cpu(), alive.cpu()  # batches live on the host between nodes
+        eos = ((tokens == self.tokenizer.eos_token_id) & alive.bool()).any(-1) & (not roll.ignore_eos)
+        if done_len == 0 and len(rows) == len(seqs):  # a fresh batch: the samples are the responses
+            response_ids, response_mask, all_logprobs = tokens, alive, new_logprobs
+        else:
+            width = done_len + tokens.shape[1]
+            response_ids = _widen(seqs.response_ids, width, self.tokenizer.pad_token_id)
+            response_mask = _widen(seqs.response_mask, width, 0.0)
+            all_logprobs = _widen(logprobs, width, 0.0)
+            for j, r in enumerate(rows.tolist()):  # append each row's new tokens after its own last token
+                at = int(seqs.response_mask[r].sum())
+                k = int(alive[j].sum())
+                response_ids[r, at : at + k] = tokens[j, :k]
+                response_mask[r, at : at + k] = 1.0
+                all_logprobs[r, at : at + k] = new_logprobs[j, :k]
+            used = int(response_mask.sum(-1).max())
+            response_ids, response_mask, all_logprobs = response_ids[:, :used], response_mask[:, :used], all_logprobs[:, :used]
+        finished[rows] = eos | (response_mask[rows].sum(-1) >= limit)
+        out = Sequences(
+            prompt_ids=seqs.prompt_ids, prompt_mask=seqs.prompt_mask, response_ids=response_ids, response_mask=response_mask,
+            prompt_index=seqs.prompt_index, texts=tuple(self._decode(response_ids, response_mask)), version=self.version,
         )
-        return seqs, logprobs
+        return Rollout(sequences=out, logprobs=all_logprobs, finished=finished, greedy=greedy)
 
     def _decode(self, tokens: Tensor, mask: Tensor) -> list[str]:
         """Response text up to EOS. Other special tokens stay visible, so a reward cannot be
@@ -80,6 +119,10 @@ class LocalModel:
             ids = ids[:n]
             rows.append(ids[:-1] if ids and ids[-1] == eos else ids)
         return self.tokenizer.batch_decode(rows, skip_special_tokens=False)
+
+    def load_weights(self, weights: Mapping[str, Tensor], version: int) -> None:
+        self.import_weights(weights)
+        self.version = version
 
     # ------------------------------------------------------------ forward
     def _outputs(self, seqs: Sequences, output: str) -> Tensor:
@@ -98,50 +141,59 @@ class LocalModel:
         return logp.gather(-1, seqs.response_ids.to(self.device)[..., None]).squeeze(-1)
 
     @torch.no_grad()
-    def forward(self, seqs: Sequences, output: str, node: str) -> Tensor:
-        micro = self.micro_batch.get(node) or len(seqs)
+    def forward(self, seqs: Sequences, output: str, micro_batch: int) -> Tensor:
+        micro = micro_batch or len(seqs)
         parts = [self._outputs(seqs.select(slice(i, i + micro)), output) for i in range(0, len(seqs), micro)]
         return torch.cat(parts, 0).cpu()
 
     # ------------------------------------------------------------ training
-    def train(self, loss: Entry, batch: dict[str, Any], seqs_key: str, node: str, options: dict[str, Any], algo: AlgoConfig, generator: torch.Generator) -> dict[str, float]:
+    def train(self, loss: LossFn, batch: Batch, step: TrainStep) -> dict[str, float]:
         """PPO-style epochs x mini-batches; each mini-batch is one optimizer step accumulated over micro-batches."""
         if self.optimizer is None:
-            raise BackendError(f"node '{node}' trains model '{self.decl.name}', which is frozen.")
-        tcfg = self.cfg.train
-        seqs: Sequences = batch[seqs_key]
+            raise BackendError(f"node '{step.node}' trains model '{self.decl.name}', which is frozen.")
+        seqs: Sequences = batch[step.sequences_key]
         n_rows = len(seqs)
-        micro = self.micro_batch.get(node) or n_rows
-        epochs = int(options.pop("epochs", tcfg.epochs))
-        mini_batches = int(options.pop("mini_batches", tcfg.mini_batches))
-        if mini_batches > n_rows:
-            raise BackendError(f"node '{node}': {mini_batches} mini-batches but only {n_rows} rows.")
-        output = loss.meta.get("output", "logprobs")
+        micro = step.micro_batch or n_rows
         stats: dict[str, list[float]] = {}
         self.module.train()
-        for _ in range(epochs):
-            order = torch.randperm(n_rows, generator=generator)
-            for mb in order.chunk(mini_batches):
+        for _ in range(step.epochs):
+            order = torch.randperm(n_rows, generator=step.generator)
+            for mb in order.chunk(step.mini_batches):
                 mb_tokens = max(float(seqs.response_mask[mb].sum()), 1.0)  # seqs live on the host
                 self.optimizer.zero_grad(set_to_none=True)
                 for part in mb.split(micro):
                     view = to_device(select_rows(batch, part, n_rows), self.device)
-                    out = self._outputs(view[seqs_key], output)
-                    value, step_stats = loss.obj(out, view, algo)
-                    weight = float(view[seqs_key].response_mask.sum()) / mb_tokens  # exact token-mean over the mini-batch
+                    out = self._outputs(view[step.sequences_key], step.output)
+                    value, step_stats = loss(out, view, step.algo)
+                    weight = float(view[step.sequences_key].response_mask.sum()) / mb_tokens  # exact token-mean over the mini-batch
                     (value * weight).backward()
                     for k, v in {"loss": value.item(), **step_stats}.items():
                         stats.setdefault(k, []).append(v)
-                norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), tcfg.grad_clip)
+                norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.train.grad_clip)
                 if not math.isfinite(float(norm)):
-                    raise BackendError(f"node '{node}': gradient norm is {float(norm)} (diverged); lower train.lr or check the rewards.")
+                    raise BackendError(f"node '{step.node}': gradient norm is {float(norm)} (diverged); lower train.lr or check the rewards.")
                 stats.setdefault("grad_norm", []).append(float(norm))
                 self.optimizer.step()
         self.module.eval()
         self.version += 1
         return {k: sum(v) / len(v) for k, v in stats.items()}
 
-    # ------------------------------------------------------------ weights
+    # ------------------------------------------------------------ weights and state
+    def export_weights(self) -> dict[str, Tensor]:
+        return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+
+    def import_weights(self, weights: Mapping[str, Tensor]) -> None:
+        self.module.load_state_dict(dict(weights))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weights": self.export_weights(), "optimizer": self.optimizer.state_dict() if self.optimizer else None, "version": self.version}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.import_weights(state["weights"])
+        if self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+
     def save(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
         if isinstance(self.module, ValueModel):
@@ -151,43 +203,45 @@ class LocalModel:
         self.tokenizer.save_pretrained(path)
 
 
-class LocalBackend:
-    """Builds every model of a graph in this process following the plan's placement."""
+def _widen(t: Tensor, width: int, fill: float) -> Tensor:
+    """``t`` [B, R] right-padded with ``fill`` to [B, width]."""
+    out = torch.full((t.shape[0], width), fill, dtype=t.dtype)
+    out[:, : t.shape[1]] = t
+    return out
 
-    name = "local"
 
-    def __init__(self, plan: ExecutionPlan) -> None:
-        self.plan = plan
+# ------------------------------------------------------------ factories (registered as engine "local")
 
-    def build(self, graph: Graph) -> dict[str, LocalModel]:
-        cfg = self.plan.config
-        placement = {p.model: p for p in self.plan.models}
+
+def training_engine(ctx: EngineContext) -> LocalModel:
+    """A graph model in this process: the base checkpoint (or a fresh tiny model), or a copy of
+    the model it initialises from, with a scalar head for critic/reward/cost roles."""
+    cfg, source = ctx.plan.config, ctx.source
+    if source is None:
         tokenizer = load_tokenizer(cfg.model)
-        config = model_config(cfg.model, cfg.tiny_model, tokenizer)
-        base = build_causal_lm(cfg.model, config, cfg.seed)
-        built: dict[str, nn.Module] = {}
-        for name in _init_order(graph):
-            decl = graph.models[name]
-            source = base if decl.init_from is None else _as_lm(built[decl.init_from])
-            lm = copy.deepcopy(source)
-            built[name] = ValueModel(lm) if decl.scalar_head else lm
-        return {name: LocalModel(graph.models[name], built[name], tokenizer, self.plan, torch.device(placement[name].device)) for name in graph.models}
+        hf_config = model_config(cfg.model, cfg.tiny_model, tokenizer)
+        lm = build_causal_lm(cfg.model, hf_config, cfg.seed)
+    else:
+        tokenizer, hf_config = source.tokenizer, source.hf_config
+        lm = copy.deepcopy(_as_lm(source))
+    module = ValueModel(lm) if ctx.decl.scalar_head else lm
+    return LocalModel(ctx.decl, module, tokenizer, hf_config, ctx.plan, torch.device(ctx.device))
 
 
-def _as_lm(module: nn.Module) -> nn.Module:
+def generation_engine(ctx: EngineContext) -> LocalModel:
+    """Generation on a separate local copy of the training engine's model (when another
+    training engine trains it); weights arrive through `load_weights` after each step."""
+    source = ctx.source
+    module = build_causal_lm(None, source.hf_config, ctx.plan.config.seed)
+    engine = LocalModel(msgspec.structs.replace(ctx.decl, trainable=False), module, source.tokenizer, source.hf_config, ctx.plan, torch.device(ctx.device))
+    engine.load_weights(source.export_weights(), source.version)
+    return engine
+
+
+def _as_lm(source: Any) -> nn.Module:
+    module = getattr(source, "module", None)
+    if not isinstance(module, nn.Module):
+        raise BackendError(f"model '{source.decl.name}' is held by another engine; the local training engine copies only local models.")
     if isinstance(module, ValueModel):
         raise BackendError("a model cannot initialise from a critic/reward model (it has no LM head).")
     return module
-
-
-def _init_order(graph: Graph) -> list[str]:
-    done: list[str] = []
-    pending = list(graph.models)
-    while pending:
-        for name in pending:
-            src = graph.models[name].init_from
-            if src is None or src in done:
-                done.append(name)
-                pending.remove(name)
-                break
-    return done

@@ -1,4 +1,4 @@
-"""`flowrl profile`: measure this machine with the local backend and fit the cost model to it.
+"""`flowrl profile`: measure this machine with the local engines and fit the cost model to it.
 
 Measures peak matmul throughput and memory bandwidth, then times real ops of the tiny model
 (decode steps at several batch sizes, forward and train passes at several sizes) and fits the
@@ -13,6 +13,7 @@ halves the bandwidth (the cost model counts 2 bytes per parameter).
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -20,9 +21,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from flowrl.backends.local.device import device_capacity
 from flowrl.planner.hardware import HardwareSpec, save_hardware
-from flowrl.planner.memory import device_capacity
-from flowrl.planner.modelspec import ModelSpec
+from flowrl.planner.modelspec import ModelSpec, from_tiny
 
 
 def _best(fn: Callable[[], Any], repeat: int = 5) -> float:
@@ -44,20 +45,6 @@ def bandwidth(mib: int = 256) -> float:
     src = torch.empty(mib * 1024 * 1024 // 4)
     dst = torch.empty_like(src)
     return 2 * src.numel() * 4 / _best(lambda: dst.copy_(src))
-
-
-def tiny_model_spec(config: Any) -> ModelSpec:
-    """The ModelSpec of an HF Llama-style config (the local tiny model)."""
-    return ModelSpec(
-        name="local",
-        layers=config.num_hidden_layers,
-        hidden=config.hidden_size,
-        heads=config.num_attention_heads,
-        kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        intermediate=config.intermediate_size,
-        vocab=config.vocab_size,
-        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-    )
 
 
 def measure_ops(model: Any, spec: ModelSpec, progress: Callable[[str], None] = lambda s: None) -> dict[str, list[tuple[float, float, float]]]:
@@ -130,7 +117,7 @@ def profile(out: Path, *, progress: Callable[[str], None] = lambda s: None) -> H
     tok = load_tokenizer(None)
     config = model_config(None, TinyModelConfig(), tok)
     model = build_causal_lm(None, config, seed=0)
-    spec = tiny_model_spec(config)
+    spec = from_tiny(TinyModelConfig(), len(tok))
     samples = measure_ops(model, spec, progress)
     overhead, eff = fit(samples, spec, peak)
     progress(f"fitted: kernel overhead {overhead * 1e6:.0f} us/layer-call, matmul efficiency {eff:.2f}")
@@ -151,3 +138,21 @@ def profile(out: Path, *, progress: Callable[[str], None] = lambda s: None) -> H
     )
     save_hardware(hw, out)
     return hw
+
+
+# ------------------------------------------------------------------ `flowrl profile` (registered as a CLI command)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", metavar="FILE", help="where to write the HardwareSpec YAML (also saved for --cluster local)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from flowrl.planner.hardware import default_profile_path
+
+    out = Path(args.out) if args.out else default_profile_path()
+    hw = profile(out, progress=lambda s: print(f"  {s}", flush=True))
+    if args.out and Path(args.out).resolve() != default_profile_path().resolve():
+        save_hardware(hw, default_profile_path())
+    print(f"flowrl: hardware profile written to {out} (and used by `flowrl plan --cluster local` and local runs)")
+    return 0

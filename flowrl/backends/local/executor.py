@@ -1,0 +1,38 @@
+"""The local executor: the in-process executor on this machine's one device."""
+
+from __future__ import annotations
+
+from flowrl.backends.local.device import machine, resolve_device
+from flowrl.graph.ir import Graph
+from flowrl.planner.capabilities import Capabilities
+from flowrl.planner.memory import Numerics
+from flowrl.planner.plan import ExecutionPlan
+from flowrl.runtime.executor import InProcessExecutor
+
+#: fp32 weights, gradients and AdamW moments; activations kept for backward; eager attention;
+#: a replica decodes its whole batch at once; no reserve (the CPU has no allocator pool).
+LOCAL_NUMERICS = Numerics(weight_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4, recompute=False, eager_attention=True, decode_batch=None, reserve=0.0)
+
+
+class LocalExecutor(InProcessExecutor):
+    """Every model in this process on one device (CPU or one GPU), generation in place."""
+
+    capabilities = Capabilities(
+        max_devices=1,
+        placements=("colocate",),
+        rollout_modes=("sync",),
+        partial_rollouts=False,
+        weight_sync=("reshard",),
+        model_parallel=False,
+        numerics=LOCAL_NUMERICS,
+    )
+
+    def device(self, plan: ExecutionPlan) -> str:
+        return resolve_device(plan.config.device)
+
+    def check(self, graph: Graph, plan: ExecutionPlan) -> None:
+        super().check(graph, plan)
+        self.device(plan)
+
+
+__all__ = ["LocalExecutor", "machine"]

@@ -1,0 +1,49 @@
+"""What an executor can run, declared by the backend; the tuner searches only that, and an
+executor refuses any other plan before it builds a model."""
+
+from __future__ import annotations
+
+from flowrl.planner.memory import Numerics
+from flowrl.planner.space import ClusterPlan, Placement, RolloutMode, RolloutPolicy, SyncStrategy, WeightSync
+from flowrl.specs import Spec
+
+
+class Capabilities(Spec):
+    max_devices: int | None = None  # None: any cluster
+    placements: tuple[Placement, ...] = ("colocate", "split", "standalone", "disaggregated")
+    rollout_modes: tuple[RolloutMode, ...] = ("sync", "one_step_off", "async")
+    partial_rollouts: bool = True
+    weight_sync: tuple[SyncStrategy, ...] = ("reshard", "full", "bucketed", "sparse")
+    model_parallel: bool = True  # tp or pp > 1
+    numerics: Numerics = Numerics()
+
+
+def supports(caps: Capabilities, placement: Placement, rollout: RolloutPolicy, sync: WeightSync) -> bool:
+    return (
+        placement in caps.placements
+        and rollout.mode in caps.rollout_modes
+        and (caps.partial_rollouts or not rollout.partial)
+        and sync.strategy in caps.weight_sync
+    )
+
+
+def unsupported(caps: Capabilities, layout: ClusterPlan, devices: int) -> list[str]:
+    """The features of ``layout`` (on a cluster of ``devices``) that ``caps`` cannot run, in words."""
+    out = []
+    if caps.max_devices is not None and devices > caps.max_devices:
+        out.append(f"a cluster of {devices} devices (at most {caps.max_devices})")
+    if layout.placement not in caps.placements:
+        out.append(f"placement '{layout.placement}' (runs: {', '.join(caps.placements)})")
+    if layout.rollout.mode not in caps.rollout_modes:
+        out.append(f"rollout mode '{layout.rollout.mode}' (runs: {', '.join(caps.rollout_modes)})")
+    if layout.rollout.partial and not caps.partial_rollouts:
+        out.append("partial rollouts")
+    if layout.weight_sync.strategy not in caps.weight_sync:
+        out.append(f"weight sync '{layout.weight_sync.strategy}' (runs: {', '.join(caps.weight_sync)})")
+    if not caps.model_parallel:
+        for m in layout.models:
+            if m.parallel.tp * m.parallel.pp > 1:
+                out.append(f"model '{m.model}' split tp {m.parallel.tp} x pp {m.parallel.pp} (no model parallelism)")
+        if layout.generation.tp > 1:
+            out.append(f"generation tp {layout.generation.tp} (no model parallelism)")
+    return out

@@ -1,0 +1,125 @@
+"""How each node kind runs, and the metrics it reports.
+
+A node sees only the keys it reads and returns the keys it writes plus its metrics. Metrics
+belong to nodes: a generate node reports tokens, response length and a sample; a reward node
+(or a forward node scoring with a reward model) reports ``reward``; registered estimators,
+losses and reward functions add their own (``kl``, ``exact``, ``clipfrac``, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flowrl.errors import GraphError
+from flowrl.graph.ir import Compute, Forward, Generate, Graph, Reward, Train
+from flowrl.runtime.batch import Sequences, sequences_in
+from flowrl.runtime.protocols import GenerationEngine, TrainingEngine, TrainStep
+from flowrl.specs import AlgoConfig
+
+#: Metrics also logged without the node prefix; the first node (in run order) that reports one wins.
+HEADLINE = ("reward", "kl", "response_length", "sample")
+
+
+@dataclass
+class NodeRuntime:
+    """What running nodes needs: the graph, functions by name, engines, per-node settings."""
+
+    graph: Graph
+    functions: Mapping[str, Mapping[str, Any]]  # kind -> name -> registered object
+    loss_outputs: Mapping[str, str]  # loss name -> "logprobs" | "values"
+    task: Any
+    generators: Mapping[str, GenerationEngine]  # model -> its generation engine
+    trainers: Mapping[str, TrainingEngine]  # model -> its training engine
+    options: Mapping[str, tuple[AlgoConfig, dict[str, Any]]]  # node -> (algo, options); train: epochs, mini_batches
+    micro_batch: Mapping[str, int]  # node -> micro-batch size
+    generator: torch.Generator
+
+
+def run_node(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run node ``name`` on ``batch``; returns (its written keys, its metrics)."""
+    node = rt.graph.nodes[name]
+    inputs = {k: batch[k] for k in node.reads}
+    algo, options = rt.options[name]
+    if isinstance(node, Generate):
+        out, metrics = _generate(rt, node, inputs)
+    elif isinstance(node, Forward):
+        out, metrics = _forward(rt, node, inputs)
+    elif isinstance(node, Reward):
+        out, metrics = _reward(rt, node, inputs, options)
+    elif isinstance(node, Compute):
+        with torch.no_grad():
+            out, metrics = _split(rt.functions["advantage_estimators"][node.fn](inputs, algo, **options), name)
+    elif isinstance(node, Train):
+        out, metrics = _train(rt, node, inputs, algo, options)
+    else:  # pragma: no cover - the IR is a closed set
+        raise GraphError(f"node '{name}' has unknown kind {node.kind}")
+    missing = [k for k in node.writes if k not in out]
+    if missing:
+        raise GraphError(f"node '{name}' did not produce its declared key(s) {', '.join(missing)}.")
+    return {k: out[k] for k in node.writes}, metrics
+
+
+def _split(result: Any, node: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A function returns its outputs, or (outputs, metrics)."""
+    out, metrics = result if isinstance(result, tuple) else (result, {})
+    if not isinstance(out, Mapping) or not isinstance(metrics, Mapping):
+        raise GraphError(f"node '{node}': its function must return a dict of outputs, or (outputs, metrics); got {type(result).__name__}.")
+    return dict(out), dict(metrics)
+
+
+def _generate(rt: NodeRuntime, node: Generate, inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    prompts = inputs[node.reads[0]]
+    rollout = rt.generators[node.model].generate(prompts, n=1 if node.greedy else node.n, greedy=node.greedy, generator=rt.generator)
+    seqs = rollout.sequences
+    out = dict(zip(node.writes, (seqs, rollout.logprobs)))
+    metrics = {
+        "tokens": seqs.num_tokens(),
+        "response_length": round(float(seqs.response_lengths.float().mean()), 3),
+        "sample": f"{prompts[int(seqs.prompt_index[0])].text}{seqs.texts[0]}" if len(seqs) else "",
+    }
+    return out, metrics
+
+
+def _forward(rt: NodeRuntime, node: Forward, inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    values = rt.trainers[node.model].forward(sequences_in(inputs, node.name), node.output, rt.micro_batch[node.name])
+    metrics = {}
+    role = rt.graph.models[node.model].role
+    if node.output == "scores" and role in ("reward", "cost"):
+        metrics[role] = round(float(values.float().mean()), 6)
+    return {node.writes[0]: values}, metrics
+
+
+def _reward(rt: NodeRuntime, node: Reward, inputs: dict[str, Any], options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    seqs = sequences_in(inputs, node.name)
+    prompts = next(v for v in inputs.values() if isinstance(v, list))
+    rows = [prompts[i] for i in seqs.prompt_index.tolist()]
+    result = rt.functions["reward_functions"][node.fn](rows, list(seqs.texts), rt.task, **options)
+    scores, metrics = result if isinstance(result, tuple) else (result, {})
+    try:
+        scores = torch.as_tensor(scores, dtype=torch.float32).flatten()
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise GraphError(f"node '{node.name}': reward function '{node.fn}' must return one number per response; got {type(scores).__name__} ({exc}).") from None
+    if scores.numel() != len(seqs):
+        raise GraphError(f"node '{node.name}': reward function '{node.fn}' returned {scores.numel()} scores for {len(seqs)} responses.")
+    return {node.writes[0]: scores}, {"reward": round(float(scores.mean()), 6), **dict(metrics)}
+
+
+def _train(rt: NodeRuntime, node: Train, inputs: dict[str, Any], algo: AlgoConfig, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    seqs_key = next(k for k, v in inputs.items() if isinstance(v, Sequences))
+    step = TrainStep(
+        node=node.name,
+        sequences_key=seqs_key,
+        output=rt.loss_outputs[node.loss],
+        micro_batch=rt.micro_batch[node.name],
+        epochs=int(options["epochs"]),
+        mini_batches=int(options["mini_batches"]),
+        algo=algo,
+        generator=rt.generator,
+    )
+    stats = rt.trainers[node.model].train(rt.functions["losses"][node.loss], inputs, step)
+    stats = {k: round(v, 6) for k, v in stats.items()}
+    return ({node.writes[0]: stats} if node.writes else {}), stats

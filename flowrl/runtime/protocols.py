@@ -1,0 +1,146 @@
+"""The runtime boundary: what a backend implements.
+
+- A **training engine** holds one graph model (actor, critic, reference, reward model) and
+  runs its forward passes (token log-probs, token values, sequence scores) and train steps;
+  it exports and imports weights and saves its state.
+- A **generation engine** samples ``n`` responses per prompt with per-token log-probs, takes
+  new weights after a train step, and can stop early and resume unfinished sequences from
+  the tokens generated so far.
+- An **executor** runs a plan. It says up front (``check``) whether it can: what it cannot run
+  is a `PlanError` naming the feature, raised before any model is built.
+
+Engines are chosen per role in the run config (``generation.engine``, ``train.engine``), so a
+plugin may supply only generation. Plugins register them through the hooks
+``register_executors``, ``register_generation_engines`` and ``register_training_engines``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+    from flowrl.graph.ir import Graph, ModelDecl
+    from flowrl.planner.capabilities import Capabilities
+    from flowrl.planner.plan import ExecutionPlan
+    from flowrl.runtime.batch import Sequences
+    from flowrl.specs import AlgoConfig
+    from flowrl.tasks.builtin import Prompt
+
+Batch = dict[str, Any]
+#: ``loss(outputs, batch, algo) -> (loss tensor, stats)``; outputs are the model's log-probs or values.
+LossFn = Callable[["Tensor", Batch, "AlgoConfig"], "tuple[Tensor, dict[str, float]]"]
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What an engine factory receives.
+
+    ``source``: for a training engine, the engine whose weights it starts from (``init_from``),
+    None for the base checkpoint (``config.model``) or a fresh tiny model; for a generation
+    engine, the training engine of the same model, whose ``tokenizer``, ``hf_config`` and
+    ``export_weights()`` it starts from.
+    """
+
+    decl: ModelDecl
+    plan: ExecutionPlan
+    device: str
+    source: Any = None
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """Responses of one generate call: sequences, behaviour log-probs [B, R] of each sampled
+    token, and which rows are finished (EOS or the response budget); the others may resume."""
+
+    sequences: Sequences
+    logprobs: Tensor
+    finished: Tensor  # [B] bool
+    greedy: bool = False  # how it was sampled; resuming samples the same way
+
+
+@dataclass(frozen=True)
+class TrainStep:
+    """How one train node updates its model: PPO-style epochs x mini-batches, each mini-batch
+    one optimizer step accumulated over micro-batches."""
+
+    node: str
+    sequences_key: str
+    output: str  # "logprobs" or "values": what the loss consumes
+    micro_batch: int
+    epochs: int
+    mini_batches: int
+    algo: AlgoConfig
+    generator: torch.Generator = field(repr=False)
+
+
+@runtime_checkable
+class TrainingEngine(Protocol):
+    decl: ModelDecl
+    tokenizer: Any
+    hf_config: Any
+    version: int  # train steps taken
+
+    def forward(self, seqs: Sequences, output: str, micro_batch: int) -> Tensor:
+        """[B, R] log-probs or values aligned with response tokens, or [B] scores."""
+        ...
+
+    def train(self, loss: LossFn, batch: Batch, step: TrainStep) -> dict[str, float]:
+        """Update the model; returns mean stats (loss, grad_norm and the loss's own)."""
+        ...
+
+    def export_weights(self) -> dict[str, Tensor]: ...
+
+    def import_weights(self, weights: Mapping[str, Tensor]) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: weights, optimizer state, version."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def save(self, path: Path) -> None:
+        """An HF-format checkpoint (model and tokenizer) a later run can start from."""
+        ...
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    version: int  # the weight version it samples with
+    resumable: bool  # whether `resume` continues unfinished rows
+
+    def generate(self, prompts: Sequence[Prompt], *, n: int, greedy: bool, generator: torch.Generator, max_new_tokens: int | None = None) -> Rollout:
+        """``n`` samples per prompt (rows grouped by prompt); stops after ``max_new_tokens``
+        (default: the run's budget), leaving rows without EOS unfinished."""
+        ...
+
+    def resume(self, rollout: Rollout, *, generator: torch.Generator, max_new_tokens: int | None = None) -> Rollout:
+        """Continue the unfinished rows of ``rollout`` from the tokens generated so far."""
+        ...
+
+    def load_weights(self, weights: Mapping[str, Tensor], version: int) -> None:
+        """Take new weights (after a train step); later samples use them."""
+        ...
+
+
+@dataclass
+class RunResult:
+    out_dir: Path
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: dict[str, Path] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Executor(Protocol):
+    capabilities: Capabilities
+
+    def check(self, graph: Graph, plan: ExecutionPlan) -> None:
+        """Raise PlanError naming what this executor cannot run; builds nothing."""
+        ...
+
+    def run(self, graph: Graph, plan: ExecutionPlan, out_dir: Path, *, on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult: ...
