@@ -24,7 +24,6 @@ __all__ = [
     "kl_penalty",
     "ppo_policy_loss",
     "value_loss",
-    "entropy_from_logits",
 ]
 
 KL_KINDS = ("k1", "k2", "k3")
@@ -143,16 +142,3 @@ def value_loss(
             "value_mean": masked_mean(v, m).item(),
         }
     return loss, stats
-
-
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of softmax(logits) over the last dim, per position.
-
-    p = softmax(logits),  H = -sum_v p_v * log p_v      (0 * log 0 := 0, so -inf logits are fine)
-
-    ``logits``: ``[..., V]`` -> ``[...]``.
-    """
-    logp = torch.log_softmax(logits, dim=-1)
-    p = logp.exp()
-    plogp = p * torch.where(p > 0, logp, torch.zeros((), dtype=logp.dtype, device=logp.device))
-    return -plogp.sum(dim=-1)

@@ -95,6 +95,7 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
 
     reg, graph, cfg = ctx.registry, ctx.graph, plan.config
     task = make_task(cfg.task, cfg.task_options, registry={e.name: e.obj for e in reg.entries("tasks")})
+    rows = node_rows(graph, cfg.rollout.prompts_per_step)
     for node in graph.nodes.values():
         if isinstance(node, Reward):
             reg.entry("reward_functions", node.fn)
@@ -108,7 +109,11 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
             want = "values" if decl.scalar_head else "logprobs"
             if entry.meta.get("output", "logprobs") != want:
                 raise PlanError(f"node '{node.name}': loss '{node.loss}' trains on {entry.meta.get('output')}, but model '{decl.name}' (role {decl.role}) produces {want}.")
-        node_options(graph, node.name, cfg.algo, reg)
+        _, options = node_options(graph, node.name, cfg.algo, reg)
+        if isinstance(node, Train):
+            mini_batches = options.get("mini_batches", cfg.train.mini_batches)
+            if mini_batches > rows[node.name]:
+                raise PlanError(f"node '{node.name}': {mini_batches} mini-batches but only {rows[node.name]} rows per step; lower train.mini_batches.")
     for kind, name, field_ in (("executors", cfg.backend, "backend"), ("generation_engines", cfg.generation.engine, "generation.engine"), ("training_engines", cfg.train.engine, "train.engine")):
         try:
             reg.entry(kind, name)

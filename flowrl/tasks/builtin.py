@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import msgspec
 
 from flowrl.errors import TaskError
+from flowrl.specs import Spec
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -62,7 +63,7 @@ def char_score(answer: str, response: str) -> float:
     return 0.9 * matches / max(len(answer), len(response))
 
 
-class TaskBase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class TaskBase(Spec, frozen=True, kw_only=True):
     """Shared behaviour of the built-in tasks: scoring and the draw loop."""
 
     name: ClassVar[str] = ""

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from flowrl.algorithms.losses import entropy_from_logits, kl_penalty, ppo_policy_loss, value_loss
+from flowrl.algorithms.losses import kl_penalty, ppo_policy_loss, value_loss
 
 
 def close(actual, expected, atol=1e-5):
@@ -163,27 +163,3 @@ def test_value_loss_masking_and_grad():
     loss.backward()
     # d/dV of 0.5*(V-R)^2 / 2 = (V-R)/2
     close(values.grad, [[-1.0, 0.0], [0.5, 0.0]])
-
-
-# --------------------------------------------------------------------------- entropy
-
-
-def test_entropy_from_logits_hand_values():
-    logits = torch.tensor(
-        [
-            [0.0, 0.0, -float("inf"), -float("inf")],  # uniform over 2 -> ln 2
-            [0.0, 0.0, 0.0, 0.0],  # ln 4
-            [math.log(3.0), 0.0, -float("inf"), -float("inf")],  # p = [.75, .25]
-            [5.0, -float("inf"), -float("inf"), -float("inf")],  # one-hot -> 0
-        ]
-    )
-    close(entropy_from_logits(logits), [0.6931472, 1.3862944, 0.5623351, 0.0])
-
-
-def test_entropy_shape_and_grad():
-    logits = torch.tensor([[[1.0, 2.0, -float("inf")], [0.0, 0.0, 0.0]]], requires_grad=True)
-    ent = entropy_from_logits(logits)
-    assert ent.shape == (1, 2)
-    ent.sum().backward()
-    assert torch.isfinite(logits.grad).all()
-    close(logits.grad[0, 1], [0.0, 0.0, 0.0])  # uniform is a stationary point

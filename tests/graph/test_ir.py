@@ -467,3 +467,48 @@ def test_fingerprint_changes_with_content() -> None:
     renamed = minimal()
     renamed.name = "other"
     assert renamed.fingerprint() != fp
+
+
+# ---------------------------------------------------------------------------- node arity (checked by verify, not at step 0)
+
+
+def _variant(change: Callable[[Graph], None]) -> Graph:
+    g = Graph("arity")
+    g.model("actor", "actor")
+    change(g)
+    return g
+
+
+@pytest.mark.parametrize(
+    ("build_nodes", "node", "words"),
+    [
+        (lambda g: g.forward("f", model="actor", output="logprobs", reads="responses", writes="a b"), "f", "writes exactly one key"),
+        (lambda g: g.generate("rollout", model="actor", reads="prompts", writes="responses lp extra"), "rollout", "log-probs"),
+        (lambda g: g.generate("rollout", model="actor", reads="prompts responses2", writes="responses"), "rollout", "exactly one key of prompts"),
+        (lambda g: g.reward("r", fn="task", reads="responses", writes="rewards"), "r", "reads no prompts"),
+        (lambda g: g.reward("r", fn="task", reads="prompts responses", writes="rewards other"), "r", "writes exactly one key"),
+        (lambda g: g.forward("f", model="actor", output="logprobs", reads="prompts", writes="lp"), "f", "reads 0 keys of generated responses"),
+    ],
+)
+def test_node_arity_is_checked_by_verify(build_nodes, node: str, words: str) -> None:
+    def change(g: Graph) -> None:
+        g.generate("gen0", model="actor", reads="prompts", writes="responses", n=2)
+        g.generate("gen1", model="actor", reads="prompts", writes="responses2", n=2)
+        g.train("train_actor", model="actor", loss="ppo", reads="responses")
+        build_nodes(g)
+
+    g = _variant(change)
+    if node == "rollout":  # replaces gen0's role: drop the original
+        del g.nodes["gen0"]
+        g.nodes["train_actor"] = Train(name="train_actor", model="actor", loss="ppo", reads=("responses",), writes=())
+    with pytest.raises(GraphError, match=words) as info:
+        g.verify()
+    assert f"node '{node}'" in str(info.value)
+
+
+def test_a_train_node_reading_two_response_keys_is_refused() -> None:
+    g = minimal()
+    g.generate("second", model="actor", reads="prompts", writes="responses2", n=2)
+    g.nodes["train_actor"] = Train(name="train_actor", model="actor", loss="ppo", reads=("responses", "responses2", "old_logprobs", "advantages"), writes=())
+    with pytest.raises(GraphError, match="reads 2 keys of generated responses"):
+        g.verify()

@@ -84,15 +84,6 @@ def model_config(path: str | None, tiny: TinyModelConfig, tokenizer: Any) -> Any
         raise BackendError(f"'{path}/config.json' is not a usable HF model config: {exc}") from None
 
 
-def count_parameters(config: Any) -> int:
-    """Parameter count of a causal LM from its config, built on the meta device (no memory)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
-
-
 def build_causal_lm(path: str | None, config: Any, seed: int) -> nn.Module:
     """Load weights from ``path``, or initialise ``config`` randomly (seeded)."""
     from transformers import AutoModelForCausalLM
