@@ -12,7 +12,6 @@ import statistics
 import torch
 
 from flowrl import api
-from flowrl.backends.local.engine import LocalBackend
 from flowrl.tasks.builtin import Prompt
 
 
@@ -24,10 +23,12 @@ def main() -> None:
     args = parser.parse_args()
     common = [f"device={args.device}", "progress=false", "checkpoint=false", f"out={args.out}"]
     graph, plan = api.plan("grpo", overrides=[*common, "steps=0"], emit=lambda s: None)
-    actor = LocalBackend(plan).build(graph)["actor"]
+    ex = api.check(graph, plan)
+    actor = ex.engines(graph, plan, ex.device(plan))[0]["actor"]
     prompts = [Prompt(text=t, answer=t[:-1]) for t in ("abcd>", "b>", "dca>")]
-    seqs, gen_lp = actor.generate(prompts, n=16, greedy=False, generator=torch.Generator().manual_seed(0))
-    fwd = actor.forward(seqs, "logprobs", "old_logprobs")
+    rollout = actor.generate(prompts, n=16, greedy=False, generator=torch.Generator().manual_seed(0))
+    seqs, gen_lp = rollout.sequences, rollout.logprobs
+    fwd = actor.forward(seqs, "logprobs", 0)
     diff = float((gen_lp - fwd)[seqs.response_mask.bool()].abs().max())
     graph, plan = api.plan("grpo", overrides=[*common, f"steps={args.steps}"], emit=lambda s: None)
     result = api.run(graph, plan)
@@ -36,7 +37,7 @@ def main() -> None:
     print(json.dumps({
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
         "torch": torch.__version__,
-        "plan_memory_capacity_gib": round(plan.devices[0].memory_bytes / 1024**3, 1),
+        "plan_memory_capacity_gib": round(plan.memory[0].capacity_bytes / 1024**3, 1),
         "max_logprob_diff_gen_vs_train": diff,
         "steps": args.steps,
         "reward_first": round(sum(rewards[:k]) / k, 3),

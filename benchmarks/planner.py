@@ -35,8 +35,8 @@ def main() -> None:
             t0 = time.perf_counter()
             try:
                 _, plan = api.plan(args.graph, target=target, options={"budget_s": args.budget}, emit=lambda s: None)
-                pred = plan.cluster.predicted
-                case = {"model": model, "devices": n, "plan_s": round(time.perf_counter() - t0, 3), "iteration_s": round(pred.iteration_s, 2), "efficiency": pred.efficiency, "plan": plan.cluster.summary()}
+                pred = plan.layout.predicted
+                case = {"model": model, "devices": n, "plan_s": round(time.perf_counter() - t0, 3), "iteration_s": round(pred.iteration_s, 2), "efficiency": pred.efficiency, "plan": plan.layout.summary()}
             except PlanError as exc:
                 case = {"model": model, "devices": n, "plan_s": round(time.perf_counter() - t0, 3), "error": str(exc)[:160]}
             cases.append(case)

@@ -118,7 +118,9 @@ def _progress(total: int, enabled: bool) -> _Progress:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from flowrl import api
+    from flowrl.planner.capabilities import unsupported
     from flowrl.planner.plan import dump_plan, encode_plan
+    from flowrl.plugins.manager import registry
 
     target, cache = None, {}
     kwargs = _load_kwargs(args)
@@ -145,7 +147,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _timeline(args.timeline, cache["tune"], graph.name)
     if args.out:
         path = dump_plan(plan, args.out)
-        print(f"flowrl: plan {plan.id} written to {path}; run it with `flowrl run --plan {path}`")
+        runnable = not unsupported(api.executor_entry(plan.config, registry()).obj.capabilities, plan.layout, plan.target.cluster.devices)
+        hint = f"; run it with `flowrl run --plan {path}`" if runnable else f" (a forecast: executor '{plan.config.backend}' cannot run it)"
+        print(f"flowrl: plan {plan.id} written to {path}{hint}")
     elif not args.explain:
         print(encode_plan(plan, args.format), end="")
     return 0

@@ -86,7 +86,8 @@ class InProcessExecutor:
             self.registry.entry(kind, name)
 
     # ------------------------------------------------------------ building
-    def _engines(self, graph: Graph, plan: ExecutionPlan, device: str) -> tuple[dict[str, TrainingEngine], dict[str, GenerationEngine]]:
+    def engines(self, graph: Graph, plan: ExecutionPlan, device: str) -> tuple[dict[str, TrainingEngine], dict[str, GenerationEngine]]:
+        """(training engine per model, generation engine per model that generates)."""
         cfg = plan.config
         make_trainer = self.registry.get("training_engines", cfg.train.engine)
         trainers: dict[str, TrainingEngine] = {}
@@ -117,7 +118,7 @@ class InProcessExecutor:
         torch.manual_seed(cfg.seed)
         generator = torch.Generator().manual_seed(cfg.seed)
         prompt_rng = random.Random(cfg.seed)
-        trainers, generators = self._engines(graph, plan, self.device(plan))
+        trainers, generators = self.engines(graph, plan, self.device(plan))
         options = {}
         for name, node in graph.nodes.items():
             algo, opts = node_options(graph, name, cfg.algo, self.registry)

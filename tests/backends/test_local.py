@@ -23,7 +23,7 @@ SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "task=cop
 
 def build(graph: str = "ppo", extra: list[str] = ()):
     g, plan = api.plan(graph, overrides=[*SMALL, *extra], emit=lambda s: None)
-    trainers, _ = InProcessExecutor(registry())._engines(g, plan, "cpu")
+    trainers, _ = InProcessExecutor(registry()).engines(g, plan, "cpu")
     return g, plan, trainers
 
 
