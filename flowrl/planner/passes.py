@@ -229,6 +229,9 @@ def micro_batch(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
             group = lay.group
             if isinstance(node, (Forward, Train)):
                 size = min(cfg.train.micro_batch_size or lay.micro_batch, rows)
+                if isinstance(node, Train):  # a micro-batch never spans two mini-batches
+                    mini_batches = int(node.options.get("mini_batches", cfg.train.mini_batches))
+                    size = min(size, max(rows // mini_batches, 1))
                 if cfg.train.micro_batch_size is None:
                     training = isinstance(node, Train)
                     room = budget[group]

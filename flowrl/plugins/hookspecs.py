@@ -42,7 +42,7 @@ def register_tasks(register: Register) -> None:
 
 @hookspec
 def register_executors(register: Register) -> None:
-    """Register executors: ``register(name, factory, machine=fn)``; ``factory() -> Executor``, ``machine(cfg) -> HardwareSpec``."""
+    """Register executors: ``register(name, factory, machine=fn)``; ``factory(registry) -> Executor``, ``machine(cfg) -> HardwareSpec``."""
 
 
 @hookspec

@@ -10,7 +10,6 @@ in a plugin's hook becomes a :class:`PluginError` naming the plugin and the hook
 
 from __future__ import annotations
 
-import difflib
 import importlib.metadata as md
 import inspect
 import os
@@ -20,7 +19,7 @@ from typing import Any
 
 import pluggy
 
-from flowrl.errors import PluginError
+from flowrl.errors import PluginError, did_you_mean
 from flowrl.plugins import hookspecs
 
 ENTRY_POINT_GROUP = "flowrl"
@@ -109,10 +108,8 @@ class Registry:
         table = self._items[kind]
         if name not in table:
             what = SINGULAR[kind]
-            hint = difflib.get_close_matches(name, list(table), n=1)
-            did = f" Did you mean '{hint[0]}'?" if hint else ""
             known = ", ".join(sorted(table)) or "none"
-            raise PluginError(f"unknown {what} '{name}'.{did} Known: {known}. Plugins add more (see `flowrl plugins`).")
+            raise PluginError(f"unknown {what} '{name}'.{did_you_mean(name, list(table))} Known: {known}. Plugins add more (see `flowrl plugins`).")
         return table[name]
 
     def get(self, kind: str, name: str) -> Any:
@@ -151,7 +148,7 @@ def _problem(kind: str, name: str, obj: Any, meta: dict[str, Any]) -> str | None
             continue
         problem = _call_problem(meta[key], call)
         if problem:
-            return f"meta '{key}' {problem}"
+            return f"for meta '{key}', {problem}"
     return _call_problem(obj, CALLS[kind])
 
 

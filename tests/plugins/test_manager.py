@@ -33,12 +33,14 @@ def test_builtin_registrations(builtin: Registry) -> None:
     assert builtin.names("losses") == ["ppo", "value"]
     assert builtin.names("advantage_estimators") == ["gae", "grpo", "reinforce_pp", "remax", "rloo"]
     assert builtin.names("tasks") == ["add", "copy", "repeat"]
-    assert builtin.names("backends") == ["local"]
-    assert builtin.names("passes") == ["autotune", "memory", "micro_batch", "place", "resolve"]
+    assert builtin.names("executors") == ["local"]
+    assert builtin.names("generation_engines") == ["local"]
+    assert builtin.names("training_engines") == ["local"]
+    assert builtin.names("passes") == ["memory", "micro_batch", "place", "resolve"]
     assert builtin.names("hardware") == ["A100-40G", "A100-80G", "H100-80G", "H20", "H200-141G"]
     assert builtin.names("cost_models") == ["analytic"]
     assert builtin.names("reward_functions") == ["task"]
-    assert builtin.names("cli_commands") == []
+    assert builtin.names("cli_commands") == ["profile"]
     assert builtin.kinds() == list(HOOKS.values())
     assert [p.name for p in builtin.plugins] == [BUILTIN]
     for kind in builtin.kinds():
@@ -114,7 +116,8 @@ def test_distinct_extra_plugins_register() -> None:
     _, reg = load_plugins(entry_points=False, extra=[("first", TwoPlugins("one")), ("second", TwoPlugins("two"))])
     assert reg.names("reward_functions") == ["one", "task", "two"]
     assert reg.entry("reward_functions", "two").plugin == "second"
-    assert [(p.name, p.source) for p in reg.plugins][1:] == [("first", "registered in-process"), ("second", "registered in-process")]
+    in_process = [("first", "registered in-process"), ("second", "registered in-process")]
+    assert [(p.name, p.source) for p in reg.plugins][1:] == in_process
 
 
 class Misspelled:
@@ -196,7 +199,7 @@ def test_empty_flowrl_plugins_loads_no_entry_points(monkeypatch: pytest.MonkeyPa
     _, reg = load_plugins()
     assert [p.name for p in reg.plugins] == [BUILTIN]
     assert reg.names("algorithms") == ["grpo", "ppo", "ppo_rm", "reinforce_pp", "remax", "rloo"]
-    assert reg.names("cli_commands") == []
+    assert reg.names("cli_commands") == ["profile"]
 
 
 PLUGIN_SOURCE = '''
@@ -232,8 +235,12 @@ def test_entry_point_plugin_loads(fake_entry_point: str) -> None:
     assert info.name == "fake_ep" and f"(entry point {fake_entry_point})" in info.source
 
 
-@pytest.mark.parametrize(("allowed", "loaded"), [("", False), ("other", False), ("fake_ep", True), (" other , fake_ep ", True)])
-def test_flowrl_plugins_filters_entry_points(monkeypatch: pytest.MonkeyPatch, fake_entry_point: str, allowed: str, loaded: bool) -> None:
+@pytest.mark.parametrize(
+    ("allowed", "loaded"), [("", False), ("other", False), ("fake_ep", True), (" other , fake_ep ", True)]
+)
+def test_flowrl_plugins_filters_entry_points(
+    monkeypatch: pytest.MonkeyPatch, fake_entry_point: str, allowed: str, loaded: bool
+) -> None:
     monkeypatch.setenv("FLOWRL_PLUGINS", allowed)
     _, reg = load_plugins()
     assert ("ep_reward" in reg.names("reward_functions")) is loaded
