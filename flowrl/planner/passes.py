@@ -186,19 +186,18 @@ def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     from flowrl.planner.autotune import Tuner
 
     t, opts = plan.target, ctx.options
-    if not any(isinstance(n, Generate) for n in ctx.graph.nodes.values()):
-        if t.cluster.devices > 1:
-            raise PlanError(f"graph '{ctx.graph.name}' has no generate node; the cluster planner needs a rollout.")
-        return _replace(plan, layout=colocated(ctx.graph, plan.workload, plan.config.train.micro_batch_size))
+    rollout = any(isinstance(n, Generate) for n in ctx.graph.nodes.values())
+    if not rollout and t.cluster.devices > 1:
+        raise PlanError(f"graph '{ctx.graph.name}' has no generate node; the cluster planner needs a rollout.")
+    single = colocated(ctx.graph, plan.workload, plan.config.train.micro_batch_size) if t.cluster.devices == 1 else None
+    if single is not None and not rollout:
+        return _replace(plan, layout=single)  # nothing to simulate
     tuner = Tuner(
         ctx.graph, t.model, t.cluster, plan.workload,
         seed=int(opts.get("seed", 0)), cost_model=opts.get("cost_model", "analytic"), registry=ctx.registry,
         numerics=t.numerics, capabilities=opts.get("capabilities"),
     )
-    if t.cluster.devices == 1:
-        result = tuner.single(colocated(ctx.graph, plan.workload, plan.config.train.micro_batch_size))
-    else:
-        result = tuner.search(budget_s=float(opts.get("budget_s", 8.0)))
+    result = tuner.single(single) if single is not None else tuner.search(budget_s=float(opts.get("budget_s", 8.0)))
     ctx.cache["tune"] = result
     return _replace(plan, layout=result.best)
 

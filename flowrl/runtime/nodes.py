@@ -95,7 +95,9 @@ def _forward(rt: NodeRuntime, node: Forward, inputs: dict[str, Any]) -> tuple[di
 
 def _reward(rt: NodeRuntime, node: Reward, inputs: dict[str, Any], options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     seqs = sequences_in(inputs, node.name)
-    prompts = next(v for v in inputs.values() if isinstance(v, list))
+    prompts = next((v for v in inputs.values() if isinstance(v, list)), None)
+    if prompts is None:
+        raise GraphError(f"node '{node.name}' reads no list of prompts; a reward node scores responses against the prompts they answer.")
     rows = [prompts[i] for i in seqs.prompt_index.tolist()]
     result = rt.functions["reward_functions"][node.fn](rows, list(seqs.texts), rt.task, **options)
     scores, metrics = result if isinstance(result, tuple) else (result, {})

@@ -14,7 +14,7 @@ from flowrl.errors import PlanError, PluginError
 from flowrl.planner.cost import CostModel
 from flowrl.planner.hardware import HardwareSpec, parse_cluster
 from flowrl.planner.modelspec import MODEL_PRESETS
-from flowrl.planner.passes import CLUSTER_PIPELINE
+from flowrl.planner.passes import PIPELINE
 from flowrl.planner.plan import ClusterTarget, dump_plan, load_plan
 from flowrl.planner.simulate import timeline_json
 from flowrl.planner.space import RolloutPolicy
@@ -39,7 +39,7 @@ def test_llama_70b_ppo_on_8_a100_40g_fails_with_the_shortfall(capsys):
     assert code == 2 and out == ""
     assert err.startswith("flowrl: error:") and "Traceback" not in err
     text = flat(err)
-    for needle in ("no plan fits", "llama-70b", "A100-40G", "GiB", "short by"):
+    for needle in ("no plan fits", "llama-70b", "8 x A100-40G", "GiB", "short by"):
         assert needle in text, (needle, text)
     short = re.search(r"short by ([0-9.]+) GiB", text)
     assert short and float(short.group(1)) > 0
@@ -60,13 +60,19 @@ def test_the_suggested_cluster_is_enough():
     assert err is not None
     suggestion = re.search(r"--cluster (\S+?x\S+?) ", err).group(1)
     _, plan = api.plan("graphs/ppo_rm.py", target=ClusterTarget(cluster=parse_cluster(suggestion), model=MODEL_PRESETS["llama-70b"], workload=WorkloadSpec()), options={"budget_s": 2}, emit=lambda s: None)
-    assert plan.cluster.predicted.iteration_s > 0
+    assert plan.layout.predicted.iteration_s > 0
 
 
 def test_a_model_too_big_for_any_layout_on_one_device(capsys):
+    """One device has one layout (no tuner search): the memory pass refuses it with the shortfall."""
     code = main(["plan", "grpo", "--cluster", "1xA100-80G", "--model", "llama-34b", *FAST])
-    err = flat(capsys.readouterr().err)
-    assert code == 2 and "no plan fits" in err and "GiB" in err and "1 x A100-80G" in err
+    out, err = capsys.readouterr()
+    text = flat(err)
+    assert code == 2 and out == "" and text.startswith("flowrl: error:") and "Traceback" not in text
+    for needle in ("the plan needs", "A100-80G", "short by", "GiB", "model actor (weights+grads+optimizer)"):
+        assert needle in text, (needle, text)
+    short = re.search(r"short by ([0-9.]+) GiB", text)
+    assert short and float(short.group(1)) > 0
 
 
 # ------------------------------------------------------------------ 7. plugins: a hardware preset, a pass, a cost model
@@ -85,7 +91,7 @@ COST_MODEL_CALLS: list[tuple[str, str]] = []
 
 def no_partial(ctx, plan):
     """Site policy: on-policy, no partial rollouts."""
-    return msgspec.structs.replace(plan, cluster=msgspec.structs.replace(plan.cluster, rollout=RolloutPolicy()))
+    return msgspec.structs.replace(plan, layout=msgspec.structs.replace(plan.layout, rollout=RolloutPolicy()))
 
 
 def recording_cost_model(model, hardware):
@@ -130,14 +136,15 @@ def test_plugin_hardware_preset_is_a_cluster(reg):
 def test_plugin_pass_runs_after_the_tuner(reg):
     target = ClusterTarget(cluster=tpu_cluster(reg), model=MODEL_PRESETS["llama-7b"], workload=WorkloadSpec(response_length=LogNormal(median=512, sigma=1.5, max=8192)))
     _, tuned = api.plan("grpo", registry=reg, target=target, options={"budget_s": 2}, emit=lambda s: None)
-    _, plan = api.plan("grpo", registry=reg, target=target, passes=(*CLUSTER_PIPELINE, "no_partial"), options={"budget_s": 2}, emit=lambda s: None)
-    assert plan.passes == (*CLUSTER_PIPELINE, "no_partial")
-    assert plan.cluster.rollout == RolloutPolicy()
+    passes = (*PIPELINE, "no_partial")
+    _, plan = api.plan("grpo", registry=reg, target=target, passes=passes, options={"budget_s": 2}, emit=lambda s: None)
+    assert plan.passes == passes
+    assert plan.layout.rollout == RolloutPolicy()
     assert plan.target.cluster.hardware.name == "TPU-X"
     cap = TPU_X.memory_bytes
-    assert all(v <= cap for v in plan.cluster.predicted.memory_bytes.values())
+    assert all(v <= cap for v in plan.layout.predicted.memory_bytes.values())
     # the pass changed only the rollout policy of the tuner's plan
-    assert msgspec.structs.replace(tuned.cluster, rollout=RolloutPolicy()) == plan.cluster
+    assert msgspec.structs.replace(tuned.layout, rollout=RolloutPolicy()) == plan.layout
     assert plan.id == plan.content_id() != tuned.id
 
 
@@ -145,7 +152,7 @@ def test_plugin_cost_model_is_used_when_named(reg):
     target = ClusterTarget(cluster=tpu_cluster(reg), model=MODEL_PRESETS["qwen2.5-1.5b"], workload=WorkloadSpec())
     _, plan = api.plan("grpo", registry=reg, target=target, options={"budget_s": 1, "cost_model": "recording"}, emit=lambda s: None)
     assert COST_MODEL_CALLS == [("qwen2.5-1.5b", "TPU-X")]
-    assert plan.cluster.predicted.iteration_s > 0
+    assert plan.layout.predicted.iteration_s > 0
     with pytest.raises(PluginError, match="unknown cost model 'nope'"):
         api.plan("grpo", registry=reg, target=target, options={"budget_s": 1, "cost_model": "nope"}, emit=lambda s: None)
 
@@ -193,21 +200,23 @@ def test_timeline_png_and_json_beside_it(planned):
     data = json.loads(png.with_suffix(".json").read_text())
     assert data["iteration_s"] > 0 and data["spans"]
     plan = load_plan(planned[0])
-    groups = {g.name for g in plan.cluster.groups}
+    groups = {g.name for g in plan.layout.groups}
     for span in data["spans"]:
         assert set(span) == {"iteration", "task", "groups", "start", "end"}
         assert set(span["groups"]) <= groups and span["end"] >= span["start"]
-    assert data["iteration_s"] == pytest.approx(plan.cluster.predicted.iteration_s, abs=1e-6)
+    assert data["iteration_s"] == pytest.approx(plan.layout.predicted.iteration_s, abs=1e-6)
 
 
-def test_plan_file_round_trips_with_cluster_and_target(planned, tmp_path):
+def test_plan_file_round_trips_with_layout_and_target(planned, tmp_path):
     out, _ = planned
     plan = load_plan(out)
     assert plan.id == plan.content_id()
-    assert plan.target is not None and plan.cluster is not None
+    assert plan.target is not None and plan.layout is not None
     assert plan.target.cluster == parse_cluster("16xA100-80G") and plan.target.model == MODEL_PRESETS["qwen2.5-1.5b"]
     assert plan.target.workload == WorkloadSpec()
-    assert plan.cluster.predicted is not None and plan.passes == CLUSTER_PIPELINE
+    assert plan.layout.predicted is not None and plan.passes == PIPELINE
+    assert {e.group for e in plan.memory} == {g.name for g in plan.layout.groups}
+    assert all(e.required_bytes <= e.capacity_bytes for e in plan.memory)
     again = dump_plan(plan, tmp_path / "again.yaml")
     assert load_plan(again) == plan
     as_json = dump_plan(plan, tmp_path / "plan.json")
@@ -227,11 +236,13 @@ def test_edited_cluster_plan_is_refused(planned, tmp_path):
 
 
 def test_run_refuses_a_cluster_plan(planned, capsys):
+    """The local executor's check names what it cannot run and how to get an executor that can."""
     out, _ = planned
     code = main(["run", "--plan", str(out), "--quiet"])
     err = flat(capsys.readouterr().err)
-    assert code == 2 and err.startswith("flowrl: error:")
-    assert "targets 16 x A100-80G" in err and "without --cluster" in err
+    assert code == 2 and err.startswith("flowrl: error:") and "Traceback" not in err
+    for needle in ("executor 'local' cannot run this plan", "a cluster of 16 devices (at most 1)", "--set backend="):
+        assert needle in err, (needle, err)
 
 
 def test_run_refuses_a_cluster_plan_before_announcing_a_run(planned, capsys):
@@ -246,7 +257,7 @@ def test_run_refuses_a_cluster_plan_before_announcing_a_run(planned, capsys):
 def test_yaml_and_json_stdout(capsys):
     assert main(["plan", "grpo", "--cluster", "8xA100-80G", "--model", "qwen2.5-0.5b", "--format", "json", *FAST]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["cluster"]["predicted"]["iteration_s"] > 0 and doc["target"]["cluster"]["nodes"] == 1
+    assert doc["layout"]["predicted"]["iteration_s"] > 0 and doc["target"]["cluster"]["nodes"] == 1
 
 
 def test_workload_file_reaches_the_target(tmp_path, capsys):
@@ -258,23 +269,23 @@ def test_workload_file_reaches_the_target(tmp_path, capsys):
     assert plan.target.workload == WorkloadSpec(prompts_per_step=64, samples_per_prompt=8, prompt_length=256, response_length=LogNormal(median=300, sigma=1.0, max=4096))
 
 
-def test_print_after_autotune_shows_the_cluster_plan(capsys):
-    assert main(["plan", "grpo", "--cluster", "8xA100-80G", "--model", "qwen2.5-0.5b", "--print-after", "autotune", *FAST]) == 0
+def test_print_after_place_shows_the_cluster_plan(capsys):
+    argv = ["plan", "grpo", "--cluster", "8xA100-80G", "--model", "qwen2.5-0.5b", "--print-after", "place", *FAST]
+    assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "# --- plan after pass 'autotune' ---" in out and "placement:" in out
+    assert "# --- plan after pass 'place' ---" in out and "placement:" in out
 
 
 @pytest.mark.parametrize(
     "argv, needles",
     [
-        (["plan", "grpo", "--explain"], ["--cluster"]),
-        (["plan", "grpo", "--timeline", "x.png"], ["--cluster"]),
+        (["plan", "grpo", "--workload", "load.yaml"], ["--workload plans for a cluster", "--cluster"]),
         (["plan", "grpo", "--cluster", "12xA100-80G", "--model", "llama-7b"], ["12 devices", "whole", "8-device nodes"]),
         (["plan", "grpo", "--cluster", "16xA100-80G"], ["--cluster needs --model"]),
         (["plan", "grpo", "--cluster", "16xB200", "--model", "llama-7b"], ["unknown hardware preset 'B200'"]),
         (["plan", "grpo", "--cluster", "16xA100-80G", "--model", "llama-8b"], ["model 'llama-8b'", "llama"]),
     ],
-    ids=["explain-without-cluster", "timeline-without-cluster", "partial-node", "no-model", "unknown-hardware", "unknown-model"],
+    ids=["workload-without-cluster", "partial-node", "no-model", "unknown-hardware", "unknown-model"],
 )
 def test_cluster_flag_errors(argv, needles, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -285,6 +296,18 @@ def test_cluster_flag_errors(argv, needles, capsys, tmp_path, monkeypatch):
     for needle in needles:
         assert needle in text, (needle, text)
     assert not (tmp_path / "x.png").exists()
+
+
+def test_explain_and_timeline_without_cluster_describe_this_machines_one_layout(tmp_path, capsys):
+    """Without --cluster the plan is for this machine (one device): one colocated layout, predicted."""
+    png = tmp_path / "local.png"
+    assert main(["plan", "grpo", "--explain", "--timeline", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "searched 1 feasible plans" in out and "runners-up:" in out and "loses on:" not in out
+    winner = next(line for line in out.splitlines() if line.startswith("winner:"))
+    assert re.match(r"winner: [0-9.]+ s/iteration +colocate \[all:1\] ", winner), winner
+    assert "| rollout sync | sync reshard" in winner  # what the local executor runs
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and json.loads(png.with_suffix(".json").read_text())["spans"]
 
 
 def test_timeline_spans_from_the_api_cache_match_the_cli_json(tmp_path, capsys):

@@ -13,6 +13,7 @@ import msgspec
 import pytest
 
 from flowrl import api
+from flowrl.planner import memory as mem
 from flowrl.planner.autotune import Tuner
 from flowrl.planner.cost import CostModel
 from flowrl.planner.hardware import parse_cluster
@@ -83,7 +84,7 @@ def run(plan: ClusterPlan, w: WorkloadSpec = HEAVY, *, graph_name: str = "grpo",
     g = graph(graph_name)
     tuner = Tuner(g, MODEL, CLUSTER, w, seed=seed)
     gen_members = [m for m in plan.models if m.group == plan.generation.group]
-    static = sum(tuner.cost.static_bytes(m, m.model in tuner.roles.trainable) for m in gen_members)
+    static = sum(mem.state_bytes(MODEL, tuner.numerics, m, m.model in tuner.roles.trainable) for m in gen_members)
     return simulate(g, plan, tuner.cost, w, tuner.roles, static_gen_bytes=static, iterations=iterations, seed=seed)
 
 
@@ -321,5 +322,8 @@ def test_cost_model_is_the_tuners():
     tuner = Tuner(graph(), MODEL, CLUSTER, HEAVY)
     assert isinstance(tuner.cost, CostModel)
     assert tuner.cost.capacity < CLUSTER.hardware.memory_bytes
+    # memory is the one memory model's, under the tuner's numerics (the default: bf16, 8% reserve)
+    assert tuner.numerics == mem.Numerics()
+    assert tuner.capacity == mem.usable_bytes(CLUSTER.hardware, tuner.numerics) == tuner.cost.capacity
     plan = msgspec.structs.replace(colocated(), predicted=None)
     assert run(plan).iteration_s > 0
