@@ -284,6 +284,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("flowrl: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `flowrl plugins | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

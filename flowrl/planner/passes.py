@@ -89,8 +89,9 @@ def _keyword_arguments(registry: Registry, node: Any) -> tuple[str, ...]:
 
 
 def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
-    """Check every task, function, loss, engine and node option the plan names; fill the
-    response budget from the task and the workload from the config."""
+    """Check every task, function, loss, engine and node option the plan names.
+
+    Fills the response budget from the task and, unless one was given, the workload from the config."""
     from flowrl.tasks.builtin import make_task
 
     reg, graph, cfg = ctx.registry, ctx.graph, plan.config
@@ -181,8 +182,10 @@ def colocated(graph: Graph, workload: WorkloadSpec, micro_batch: int | None = No
 
 
 def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
-    """Place models on device groups: one device has one layout (predicted, for --explain);
-    a larger cluster is searched by the auto-tuner within the executor's capabilities."""
+    """Place models on device groups (one device: the colocated layout; more: the auto-tuner's best).
+
+    A one-device layout is still simulated, so --explain shows its prediction; a larger cluster
+    is searched within the executor's capabilities when the plan is for a backend."""
     from flowrl.planner.autotune import Tuner
 
     t, opts = plan.target, ctx.options
@@ -210,8 +213,10 @@ def _seq_len(plan: ExecutionPlan) -> int:
 
 
 def micro_batch(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
-    """Each node's micro-batch: configured, or its model's layout's, halved until it fits in
-    half the headroom its device has left after the resident model states."""
+    """Choose each node's micro-batch: configured, or its model layout's, halved until it fits.
+
+    It fits when its activations take at most half the headroom its device has left after the
+    resident model states."""
     cfg, t, layout = plan.config, plan.target, _layout(plan)
     seq_len = _seq_len(plan)
     trainable = _trainable(ctx.graph)
