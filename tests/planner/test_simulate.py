@@ -18,7 +18,13 @@ from flowrl.planner.autotune import Tuner
 from flowrl.planner.cost import CostModel
 from flowrl.planner.hardware import parse_cluster
 from flowrl.planner.modelspec import MODEL_PRESETS
-from flowrl.planner.simulate import SimResult, draw_timeline, simulate, sync_seconds, timeline_json
+from flowrl.planner.simulate import (
+    SimResult,
+    draw_timeline,
+    simulate,
+    sync_seconds,
+    timeline_json,
+)
 from flowrl.planner.space import (
     ClusterPlan,
     DeviceGroup,
@@ -186,11 +192,11 @@ def test_no_group_finishes_an_iteration_faster_than_its_own_work(policy, iterati
         assert res.iteration_s >= busy_per_iteration(res, g) * (1 - 1e-9), (g, res.iteration_s, res.breakdown)
 
 
-# simulate() launches generation `staleness` steps ahead but never past iteration `iterations-1`,
-# and measures from the end of iteration 0: the window holds fewer rollouts than iterations. With 2
-# generation devices and fixed 2048-token responses, one_step_off is predicted at 19.5 s/iteration
-# (5 iterations, the tuner's FINAL) although each iteration needs 22.8 s of rollout on the gen group;
-# async at the tuner's QUICK 3 iterations: 9.3 s against 27.2 s (gen utilization 0.8%).
+# Regression (fixed in 3c8c340): simulate() used to launch generation `staleness` steps ahead but never
+# past iteration `iterations-1` and measured from the end of iteration 0, so the window held fewer rollouts
+# than iterations. With 2 generation devices and fixed 2048-token responses, one_step_off was predicted at
+# 19.5 s/iteration (5 iterations, the tuner's FINAL) although each iteration needs 22.8 s of rollout on the
+# gen group; async at the tuner's QUICK 3 iterations: 9.3 s against 27.2 s (gen utilization 0.8%).
 @pytest.mark.parametrize(
     "policy, iterations",
     [(ONE_STEP_OFF, 5), (ASYNC, 5), (ONE_STEP_OFF, 3), (ASYNC, 3)],
