@@ -70,7 +70,7 @@ def local_target(cfg: RunConfig, reg: Registry) -> ClusterTarget:
         raise PlanError(f"executor '{cfg.backend}' does not describe this machine; plan with --cluster.")
     caps: Capabilities = entry.obj.capabilities
     cluster = ClusterSpec(nodes=1, devices_per_node=1, hardware=machine(cfg))
-    return ClusterTarget(cluster=cluster, model=model_spec(cfg), numerics=caps.numerics)
+    return ClusterTarget(cluster=cluster, model=model_spec(cfg), numerics=caps.numerics, capabilities=caps)
 
 
 def plan(
@@ -83,25 +83,23 @@ def plan(
     target: ClusterTarget | None = None,
     options: dict[str, Any] | None = None,
     cache: dict[str, Any] | None = None,
-    for_backend: bool | None = None,
+    for_backend: bool = False,
     **kwargs: Any,
 ) -> tuple[Graph, ExecutionPlan]:
     """Compile a graph for ``target`` (a cluster, model and workload), by default this machine.
 
-    ``for_backend`` (default: True without a target) limits the search to what the config's
-    executor can run, with its memory numerics; a cluster forecast without it assumes any
-    backend. ``cache`` receives pass by-products (``cache["tune"]``: the ranked candidates)."""
+    Without a target the plan is for the config's executor on this machine. With one, it is a
+    forecast for any backend unless ``for_backend``, which limits it to what the config's
+    executor can run, with its memory numerics. ``cache`` receives pass by-products
+    (``cache["tune"]``: the ranked candidates)."""
     reg = registry or default_registry()
     graph, cfg = load(source, registry=reg, **kwargs)
-    options = dict(options or {})
     if target is None:
         target = local_target(cfg, reg)
-        for_backend = True if for_backend is None else for_backend
     elif for_backend:
-        target = msgspec.structs.replace(target, numerics=executor_entry(cfg, reg).obj.capabilities.numerics)
-    if for_backend:
-        options.setdefault("capabilities", executor_entry(cfg, reg).obj.capabilities)
-    ctx = PlanContext(graph=graph, registry=reg, cache=cache if cache is not None else {}, options=options)
+        caps = executor_entry(cfg, reg).obj.capabilities
+        target = msgspec.structs.replace(target, numerics=caps.numerics, capabilities=caps)
+    ctx = PlanContext(graph=graph, registry=reg, cache=cache if cache is not None else {}, options=dict(options or {}))
     initial = initial_plan(graph, source, cfg, target)
     return graph, run_passes(graph, initial, reg, passes=PIPELINE if passes is None else passes, print_after=print_after, emit=emit, ctx=ctx)
 

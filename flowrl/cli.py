@@ -137,7 +137,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         passes = (*PIPELINE, *args.extra_passes)
     graph, plan = api.plan(
         _need_graph(args), print_after=args.print_after, emit=print, target=target, options=options, cache=cache, passes=passes,
-        for_backend=args.backend is not None or None, **kwargs,
+        for_backend=args.backend is not None, **kwargs,
     )
     if args.explain and "tune" in cache:
         from flowrl.planner.autotune import explain

@@ -21,7 +21,7 @@ import msgspec
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Forward, Graph, Train
 from flowrl.planner import memory as mem
-from flowrl.planner.capabilities import Capabilities, supports
+from flowrl.planner.capabilities import Capabilities, supports, supports_layout
 from flowrl.planner.cost import CostModel
 from flowrl.planner.hardware import ClusterSpec
 from flowrl.planner.modelspec import ModelSpec
@@ -107,7 +107,10 @@ class Tuner:
         if key not in self._layout_cache:
             trainable = model in self.roles.trainable
             batch = self.w.sequences // self.w.mini_batches
-            scored = [self.score(lay) for lay in layouts(model, group, trainable=trainable, per_node=self.cluster.devices_per_node, heads=self.model.heads, kv_heads=self.model.kv_heads, layers=self.model.layers, batch=batch)]
+            options = layouts(model, group, trainable=trainable, per_node=self.cluster.devices_per_node, heads=self.model.heads, kv_heads=self.model.kv_heads, layers=self.model.layers, batch=batch)
+            if self.capabilities is not None:
+                options = [lay for lay in options if supports_layout(self.capabilities, lay)]
+            scored = [self.score(lay) for lay in options]
             scored.sort(key=lambda x: (x[1], x[2] + x[3]))
             front: list[tuple[ModelLayout, float, int, int]] = []
             # Pareto front over (time, static bytes, activation bytes); the actor's tp x pp also
@@ -178,7 +181,7 @@ class Tuner:
         gen_group = plan.generation.group
         members = [m for m in plan.models if m.group == gen_group]
         static = sum(mem.state_bytes(self.model, self.numerics, m, m.model in self.roles.trainable) for m in members)
-        result = simulate(self.graph, plan, self.cost, self.w, self.roles, static_gen_bytes=static, iterations=iterations, seed=self.seed, sampled_replicas=max_replicas)
+        result = simulate(self.graph, plan, self.cost, self.w, self.roles, static_gen_bytes=static, iterations=iterations, seed=self.seed, sampled_replicas=max_replicas, numerics=self.numerics)
         memory = {}
         choice = {m.model: self.score(m) for m in plan.models}
         sk = Skeleton(plan.placement, plan.groups, tuple((m.model, m.group) for m in plan.models), plan.generation, plan.rollout, plan.weight_sync)
@@ -190,8 +193,11 @@ class Tuner:
     def search(self, *, budget_s: float = 8.0, exhaustive_limit: int = 4000, keep: int = 8) -> TuneResult:
         t0 = time.perf_counter()
         sks = skeletons(self.roles, self.cluster.devices, self.cluster.devices_per_node, self.model.heads, self.model.kv_heads)
-        if self.capabilities is not None:
-            sks = [sk for sk in sks if supports(self.capabilities, sk.placement, sk.rollout, sk.weight_sync)]
+        caps = self.capabilities
+        if caps is not None:
+            if caps.max_devices is not None and self.cluster.devices > caps.max_devices:
+                raise PlanError(f"the executor runs at most {caps.max_devices} device(s); this cluster has {self.cluster.devices}. Plan without --backend for a forecast, or pick an executor that runs it.")
+            sks = [sk for sk in sks if supports(caps, sk.placement, sk.rollout, sk.weight_sync, sk.generation.tp)]
         candidates: list[ClusterPlan] = []
         infeasible: list[Infeasible] = []
         combos = self._combinations(sks, exhaustive_limit)
@@ -290,11 +296,16 @@ class Tuner:
         suggestion = self.cluster.devices_per_node
         while suggestion < need_devices:
             suggestion *= 2
+        if suggestion > self.cluster.devices:
+            advice = f"try --cluster {suggestion}x{hw.name} or a smaller --model."
+        else:  # the states would fit: activations or the KV cache do not
+            limits = "" if self.capabilities is None or self.capabilities.model_parallel else " (this executor splits no model over devices)"
+            advice = f"the states fit here, so activations or the KV cache do not{limits}: use shorter prompts/responses, fewer sequences per step, or a larger cluster."
         return (
             f"no plan fits {self.graph.name} with {self.model.name} ({self.model.parameters() / 1e9:.1f}B parameters, {len(self.roles.models)} models) "
             f"on {self.cluster.devices} x {hw.name}.{where} The model states alone need {mem.gib(states)} "
             f"({per_trainable} bytes/parameter per trainable model, {n.weight_bytes} per frozen one), so at least {need_devices} of these devices without optimizer offload; "
-            f"try --cluster {suggestion}x{hw.name} or a smaller --model."
+            f"{advice}"
         )
 
 

@@ -4,7 +4,7 @@ executor refuses any other plan before it builds a model."""
 from __future__ import annotations
 
 from flowrl.planner.memory import Numerics
-from flowrl.planner.space import ClusterPlan, Placement, RolloutMode, RolloutPolicy, SyncStrategy, WeightSync
+from flowrl.planner.space import ClusterPlan, ModelLayout, Placement, RolloutMode, RolloutPolicy, SyncStrategy, WeightSync
 from flowrl.specs import Spec
 
 
@@ -15,16 +15,25 @@ class Capabilities(Spec):
     partial_rollouts: bool = True
     weight_sync: tuple[SyncStrategy, ...] = ("reshard", "full", "bucketed", "sparse")
     model_parallel: bool = True  # tp or pp > 1
+    optimizer_offload: bool = True
     numerics: Numerics = Numerics()
 
 
-def supports(caps: Capabilities, placement: Placement, rollout: RolloutPolicy, sync: WeightSync) -> bool:
+def supports(caps: Capabilities, placement: Placement, rollout: RolloutPolicy, sync: WeightSync, generation_tp: int) -> bool:
+    """Whether ``caps`` runs a plan skeleton with these choices."""
     return (
         placement in caps.placements
         and rollout.mode in caps.rollout_modes
         and (caps.partial_rollouts or not rollout.partial)
         and sync.strategy in caps.weight_sync
+        and (caps.model_parallel or generation_tp == 1)
     )
+
+
+def supports_layout(caps: Capabilities, layout: ModelLayout) -> bool:
+    """Whether ``caps`` runs one model's layout."""
+    p = layout.parallel
+    return (caps.model_parallel or p.tp * p.pp == 1) and (caps.optimizer_offload or not layout.offload_optimizer)
 
 
 def unsupported(caps: Capabilities, layout: ClusterPlan, devices: int) -> list[str]:
@@ -40,10 +49,11 @@ def unsupported(caps: Capabilities, layout: ClusterPlan, devices: int) -> list[s
         out.append("partial rollouts")
     if layout.weight_sync.strategy not in caps.weight_sync:
         out.append(f"weight sync '{layout.weight_sync.strategy}' (runs: {', '.join(caps.weight_sync)})")
-    if not caps.model_parallel:
-        for m in layout.models:
-            if m.parallel.tp * m.parallel.pp > 1:
-                out.append(f"model '{m.model}' split tp {m.parallel.tp} x pp {m.parallel.pp} (no model parallelism)")
-        if layout.generation.tp > 1:
-            out.append(f"generation tp {layout.generation.tp} (no model parallelism)")
+    for m in layout.models:
+        if not caps.model_parallel and m.parallel.tp * m.parallel.pp > 1:
+            out.append(f"model '{m.model}' split tp {m.parallel.tp} x pp {m.parallel.pp} (no model parallelism)")
+        if not caps.optimizer_offload and m.offload_optimizer:
+            out.append(f"model '{m.model}' with its optimizer offloaded (no offload)")
+    if not caps.model_parallel and layout.generation.tp > 1:
+        out.append(f"generation tp {layout.generation.tp} (no model parallelism)")
     return out

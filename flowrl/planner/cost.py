@@ -78,12 +78,6 @@ class CostModel:
         comm = self.model.layers * 2 * self.allreduce(batch * self.model.hidden * BF16, tp)
         return np.maximum(self.matmul(flops, tp), self.stream(nbytes)) + comm + self.model.layers * self.hw.kernel_overhead
 
-    def kv_capacity(self, tp: int, static_bytes: int, context: int) -> int:
-        """How many sequences of ``context`` tokens fit in one replica's KV cache."""
-        free = self.capacity - static_bytes - self.param_bytes / tp
-        per_seq = context * self.model.kv_bytes_per_token(BF16) / tp
-        return max(int(free // per_seq), 0)
-
     # ------------------------------------------------------------ training / inference
     def forward(self, layout: ModelLayout, sequences: int, seq_len: int, *, backward: bool) -> float:
         """Forward (x3 with backward) of ``sequences`` on one model in its layout.

@@ -80,6 +80,14 @@ def generation_bytes(model: ModelSpec, numerics: Numerics, gen: GenerationLayout
     return weights + live * max_len * model.kv_bytes_per_token(numerics.activation_bytes) // gen.tp
 
 
+def kv_capacity(model: ModelSpec, numerics: Numerics, hw: HardwareSpec, tp: int, static_bytes: int, context: int) -> int:
+    """How many sequences of ``context`` tokens fit in the KV cache of one generation replica
+    of ``tp`` devices, after ``static_bytes`` of resident model states and its weights."""
+    free = usable_bytes(hw, numerics) - static_bytes - model.parameters() * numerics.weight_bytes / tp
+    per_seq = context * model.kv_bytes_per_token(numerics.activation_bytes) / tp
+    return max(int(free // per_seq), 0)
+
+
 def group_need(states: Mapping[str, int], peaks: Mapping[str, int]) -> tuple[int, dict[str, int]]:
     """Bytes one device of a group needs: every resident model state plus the largest transient
     peak (one model's activations, or generation), with the breakdown that explains it."""

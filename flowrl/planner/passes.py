@@ -42,7 +42,7 @@ class PlanContext:
     graph: Graph
     registry: Registry
     cache: dict[str, Any] = field(default_factory=dict)
-    options: dict[str, Any] = field(default_factory=dict)  # budget_s, seed, cost_model, capabilities
+    options: dict[str, Any] = field(default_factory=dict)  # budget_s, seed, cost_model
 
 
 def _replace(plan: ExecutionPlan, **changes: Any) -> ExecutionPlan:
@@ -152,15 +152,16 @@ def _check_keys(node: str, what: str, reads: tuple[str, ...], writes: tuple[str,
 # ------------------------------------------------------------------ place
 
 
-def node_rows(graph: Graph, prompts: int) -> dict[str, int]:
-    """Sequences each node sees per step, propagated along keys from the graph inputs."""
+def node_rows(graph: Graph, prompts: int, samples: int | None = None) -> dict[str, int]:
+    """Sequences each node sees per step, propagated along keys from the graph inputs; a
+    sampling generate node multiplies by its ``n`` (or by ``samples``, a workload's)."""
     key_rows = {key: prompts for key in graph.inputs}
     out: dict[str, int] = {}
     for name in graph.order():
         node = graph.nodes[name]
         rows = max((key_rows.get(k, prompts) for k in node.reads), default=prompts)
         if isinstance(node, Generate):
-            rows = rows * (1 if node.greedy else node.n)
+            rows = rows * (1 if node.greedy else samples or node.n)
         out[name] = rows
         for key in node.writes:
             key_rows[key] = rows
@@ -182,23 +183,26 @@ def colocated(graph: Graph, workload: WorkloadSpec, micro_batch: int | None = No
 
 
 def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
-    """Place models on device groups (one device: the colocated layout; more: the auto-tuner's best).
+    """Place models on device groups (for a backend's one device: the colocated layout; else: the tuner's best).
 
-    A one-device layout is still simulated, so --explain shows its prediction; a larger cluster
-    is searched within the executor's capabilities when the plan is for a backend."""
+    A plan for a backend on one device is the colocated layout with each model's micro-batch the
+    mini-batch, halved until it fits; it is still simulated, so --explain shows its prediction.
+    Otherwise the auto-tuner searches the cluster (within the backend's capabilities, if any)."""
     from flowrl.planner.autotune import Tuner
 
     t, opts = plan.target, ctx.options
     rollout = any(isinstance(n, Generate) for n in ctx.graph.nodes.values())
-    if not rollout and t.cluster.devices > 1:
+    single = None
+    if t.cluster.devices == 1 and (t.capabilities is not None or not rollout):
+        single = _fit_micro_batches(ctx.graph, plan, colocated(ctx.graph, plan.workload, plan.config.train.micro_batch_size))
+        if not rollout:
+            return _replace(plan, layout=single)  # nothing to simulate
+    elif not rollout:
         raise PlanError(f"graph '{ctx.graph.name}' has no generate node; the cluster planner needs a rollout.")
-    single = colocated(ctx.graph, plan.workload, plan.config.train.micro_batch_size) if t.cluster.devices == 1 else None
-    if single is not None and not rollout:
-        return _replace(plan, layout=single)  # nothing to simulate
     tuner = Tuner(
         ctx.graph, t.model, t.cluster, plan.workload,
         seed=int(opts.get("seed", 0)), cost_model=opts.get("cost_model", "analytic"), registry=ctx.registry,
-        numerics=t.numerics, capabilities=opts.get("capabilities"),
+        numerics=t.numerics, capabilities=t.capabilities,
     )
     result = tuner.single(single) if single is not None else tuner.search(budget_s=float(opts.get("budget_s", 8.0)))
     ctx.cache["tune"] = result
@@ -213,16 +217,10 @@ def _seq_len(plan: ExecutionPlan) -> int:
 
 
 def micro_batch(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
-    """Choose each node's micro-batch: configured, or its model layout's, halved until it fits.
-
-    It fits when its activations take at most half the headroom its device has left after the
-    resident model states."""
-    cfg, t, layout = plan.config, plan.target, _layout(plan)
-    seq_len = _seq_len(plan)
-    trainable = _trainable(ctx.graph)
-    budget = {g.name: max(mem.usable_bytes(t.cluster.hardware, t.numerics) - _states(plan, g.name, trainable), 0) // 2 for g in layout.groups}
+    """Set each node's rows per step and micro-batch: configured, or its model layout's."""
+    cfg, layout = plan.config, _layout(plan)
     nodes = []
-    for name, rows in node_rows(ctx.graph, plan.workload.prompts_per_step).items():
+    for name, rows in node_rows(ctx.graph, plan.workload.prompts_per_step, plan.workload.samples_per_prompt).items():
         node = ctx.graph.nodes[name]
         group = None
         size = rows
@@ -236,11 +234,6 @@ def micro_batch(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
                 if isinstance(node, Train):  # a micro-batch never spans two mini-batches
                     mini_batches = int(node.options.get("mini_batches", cfg.train.mini_batches))
                     size = min(size, max(rows // mini_batches, 1))
-                if cfg.train.micro_batch_size is None:
-                    training = isinstance(node, Train)
-                    room = budget[group]
-                    while size > 1 and _activations(plan, lay, size, seq_len, training) > room:
-                        size = (size + 1) // 2
         nodes.append(NodePlan(node=name, kind=node.kind, group=group, rows=rows, micro_batch_size=max(size, 1)))
     return _replace(plan, nodes=tuple(nodes))
 
@@ -251,13 +244,25 @@ def _layout(plan: ExecutionPlan) -> ClusterPlan:
     return plan.layout
 
 
+def _fit_micro_batches(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan) -> ClusterPlan:
+    """Halve each model's micro-batch (unless configured) until its activations take at most half
+    the headroom its device has left after the resident model states."""
+    if plan.config.train.micro_batch_size is not None:
+        return layout
+    t, seq_len, trainable = plan.target, _seq_len(plan), _trainable(graph)
+    models = []
+    for lay in layout.models:
+        states = sum(mem.state_bytes(t.model, t.numerics, m, m.model in trainable) for m in layout.models if m.group == lay.group)
+        room = max(mem.usable_bytes(t.cluster.hardware, t.numerics) - states, 0) // 2
+        size = lay.micro_batch
+        while size > 1 and _activations(plan, lay, size, seq_len, lay.model in trainable) > room:
+            size = (size + 1) // 2
+        models.append(msgspec.structs.replace(lay, micro_batch=size))
+    return msgspec.structs.replace(layout, models=tuple(models))
+
+
 def _trainable(graph: Graph) -> set[str]:
     return {m for m, d in graph.models.items() if d.trainable}
-
-
-def _states(plan: ExecutionPlan, group: str, trainable: set[str]) -> int:
-    t = plan.target
-    return sum(mem.state_bytes(t.model, t.numerics, m, m.model in trainable) for m in _layout(plan).models if m.group == group)
 
 
 def _activations(plan: ExecutionPlan, lay: ModelLayout, size: int, seq_len: int, training: bool) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 import msgspec
 
 from flowrl.errors import ConfigError
+from flowrl.planner.capabilities import Capabilities
 from flowrl.planner.hardware import ClusterSpec
 from flowrl.planner.memory import Numerics
 from flowrl.planner.modelspec import ModelSpec
@@ -29,13 +30,14 @@ class GraphRef(Spec):
 
 class ClusterTarget(Spec):
     """What a plan is for: the cluster (``local`` is one device of this machine), the base model
-    every role uses, the workload (None: derived from the run config by ``resolve``), and how
-    the backend holds models in memory."""
+    every role uses, the workload (None: derived from the run config by ``resolve``), how the
+    backend holds models in memory, and what its executor can run (None: a forecast for any)."""
 
     cluster: ClusterSpec
     model: ModelSpec
     workload: WorkloadSpec | None = None
     numerics: Numerics = Numerics()
+    capabilities: Capabilities | None = None
 
 
 class NodePlan(Spec):

@@ -16,6 +16,7 @@ import numpy as np
 
 from flowrl.graph.ir import Forward, Generate, Graph, Train
 from flowrl.planner.cost import CostModel
+from flowrl.planner.memory import Numerics, kv_capacity
 from flowrl.planner.space import ClusterPlan, Roles
 from flowrl.planner.workload import WorkloadSpec, mean_length, sample_lengths
 
@@ -65,11 +66,11 @@ def decode_seconds(cost: CostModel, lengths: np.ndarray, prompt: int, tp: int, c
 class Generator:
     """Per-iteration generation time across replicas, with partial-rollout carry-over."""
 
-    def __init__(self, plan: ClusterPlan, cost: CostModel, workload: WorkloadSpec, static_bytes: int, rng: np.random.Generator, sampled_replicas: int | None = None) -> None:
+    def __init__(self, plan: ClusterPlan, cost: CostModel, workload: WorkloadSpec, static_bytes: int, rng: np.random.Generator, sampled_replicas: int | None = None, numerics: Numerics | None = None) -> None:
         self.plan, self.cost, self.w, self.rng = plan, cost, workload, rng
         gen = plan.generation
         context = workload.prompt_length + workload.max_response()
-        self.cap = cost.kv_capacity(gen.tp, static_bytes, context)
+        self.cap = kv_capacity(cost.model, numerics or Numerics(), cost.hw, gen.tp, static_bytes, context)
         # Replicas are i.i.d.: simulate a sample of them (each with its real share of the batch).
         self.simulated = min(gen.replicas, sampled_replicas or gen.replicas)
         self.carry: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(self.simulated)]
@@ -131,10 +132,22 @@ def sync_seconds(plan: ClusterPlan, cost: CostModel, roles: Roles) -> float:
     return ws.density * volume * 1.5 / (bw * links) + 2 * cost.stream(volume / src.devices) + 16 * lat
 
 
-def simulate(graph: Graph, plan: ClusterPlan, cost: CostModel, workload: WorkloadSpec, roles: Roles, *, static_gen_bytes: int, iterations: int = 4, seed: int = 0, sampled_replicas: int | None = None) -> SimResult:
+def simulate(
+    graph: Graph,
+    plan: ClusterPlan,
+    cost: CostModel,
+    workload: WorkloadSpec,
+    roles: Roles,
+    *,
+    static_gen_bytes: int,
+    iterations: int = 4,
+    seed: int = 0,
+    sampled_replicas: int | None = None,
+    numerics: Numerics | None = None,
+) -> SimResult:
     rng = np.random.default_rng(seed)
     order = graph.order()
-    gen = Generator(plan, cost, workload, static_gen_bytes, rng, sampled_replicas)
+    gen = Generator(plan, cost, workload, static_gen_bytes, rng, sampled_replicas, numerics)
     stale = plan.rollout.staleness
     warm = 1 + stale  # iterations before the pipeline of rollouts is full
     iterations = max(iterations, warm + 2)

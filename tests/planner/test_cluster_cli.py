@@ -64,15 +64,14 @@ def test_the_suggested_cluster_is_enough():
 
 
 def test_a_model_too_big_for_any_layout_on_one_device(capsys):
-    """One device has one layout (no tuner search): the memory pass refuses it with the shortfall."""
+    """A one-device forecast is searched (offload, micro-batches); when nothing fits, the tuner says by
+    how much and which cluster would do."""
     code = main(["plan", "grpo", "--cluster", "1xA100-80G", "--model", "llama-34b", *FAST])
     out, err = capsys.readouterr()
     text = flat(err)
     assert code == 2 and out == "" and text.startswith("flowrl: error:") and "Traceback" not in text
-    for needle in ("the plan needs", "A100-80G", "short by", "GiB", "model actor (weights+grads+optimizer)"):
+    for needle in ("no plan fits", "A100-80G", "GiB", "try --cluster 8xA100-80G"):
         assert needle in text, (needle, text)
-    short = re.search(r"short by ([0-9.]+) GiB", text)
-    assert short and float(short.group(1)) > 0
 
 
 # ------------------------------------------------------------------ 7. plugins: a hardware preset, a pass, a cost model

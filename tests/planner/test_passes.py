@@ -331,9 +331,10 @@ def test_micro_batch_shrinks_to_the_largest_that_fits(registry: Registry) -> Non
     assert p.node("train_actor").rows == 12
     assert p.node("train_actor").micro_batch_size == 3
     assert p.node("rollout").micro_batch_size == 12  # generate is not micro-batched
-    for n in p.nodes:  # every forward / train node: the largest halving of 12 that fits
+    for n in p.nodes:  # every forward / train node: the largest halving of 12 where its model's activations fit
         if n.kind in ("forward", "train"):
-            model, training = graph.nodes[n.node].model, n.kind == "train"
+            model = graph.nodes[n.node].model
+            training = graph.models[model].trainable
             fits = [s for s in _halvings(12) if activations(p, model, s, training=training) <= budget]
             assert n.micro_batch_size == (fits[0] if fits else 1), n
     # a configured micro-batch is not shrunk (the memory pass judges it)

@@ -24,6 +24,7 @@ class LocalExecutor(InProcessExecutor):
         partial_rollouts=False,
         weight_sync=("reshard",),
         model_parallel=False,
+        optimizer_offload=False,
         numerics=LOCAL_NUMERICS,
     )
 
