@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_once(tree: Path, script: str, args: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree), "FLOWRL_PLUGINS": ""}
-    out = subprocess.run([sys.executable, str(tree / script), *args], cwd=tree, env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, str(tree / script), *args], cwd=tree, env=env, capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -39,15 +41,21 @@ def main() -> None:
     args = [a for a in opts.args if a != "--"]
     with tempfile.TemporaryDirectory(prefix="flowrl-ab-") as tmp:
         base = Path(tmp) / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", str(base), opts.base], cwd=ROOT, check=True, capture_output=True)
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(base), opts.base], cwd=ROOT, check=True, capture_output=True
+        )
         try:
-            (base / "flowrl" / "graphs").symlink_to(base / "graphs")  # the installed layout maps graphs/ to flowrl.graphs
+            (base / "flowrl" / "graphs").symlink_to(
+                base / "graphs"
+            )  # the installed layout maps graphs/ to flowrl.graphs
             sides: dict[str, list[dict]] = {"base": [], "new": []}
             for _ in range(opts.runs):
                 sides["base"].append(run_once(base, opts.script, args))
                 sides["new"].append(run_once(ROOT, opts.script, args))
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, check=False, capture_output=True)
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, check=False, capture_output=True
+            )
     medians = {side: statistics.median(r[opts.key] for r in runs) for side, runs in sides.items()}
     record = {
         "benchmark": "ab",

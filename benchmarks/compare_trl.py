@@ -22,7 +22,16 @@ COMBOS = [(1, 16), (1, 64), (8, 16), (8, 64)]
 
 
 def run(script: str, prompts: int, length: int, steps: int) -> dict:
-    cmd = [sys.executable, str(HERE / script), "--prompts", str(prompts), "--completion-len", str(length), "--steps", str(steps)]
+    cmd = [
+        sys.executable,
+        str(HERE / script),
+        "--prompts",
+        str(prompts),
+        "--completion-len",
+        str(length),
+        "--steps",
+        str(steps),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -59,15 +68,19 @@ def main() -> None:
         pairs.append(pair)
         print(json.dumps(pair), flush=True)
     speedups = [p["step_speedup"] for p in pairs]
-    print(json.dumps({
-        "benchmark": "grpo_local_vs_trl",
-        "steps": args.steps,
-        "median_step_speedup_vs_trl": round(statistics.median(speedups), 2),
-        "min_step_speedup_vs_trl": min(speedups),
-        "gen_tok_s_ratio": [round(p["flowrl_gen_tok_s"] / p["trl_gen_tok_s"], 2) for p in pairs],
-        "rss_ratio": [round(p["flowrl_rss_mib"] / p["trl_rss_mib"], 2) for p in pairs],
-        "pairs": pairs,
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "grpo_local_vs_trl",
+                "steps": args.steps,
+                "median_step_speedup_vs_trl": round(statistics.median(speedups), 2),
+                "min_step_speedup_vs_trl": min(speedups),
+                "gen_tok_s_ratio": [round(p["flowrl_gen_tok_s"] / p["trl_gen_tok_s"], 2) for p in pairs],
+                "rss_ratio": [round(p["flowrl_rss_mib"] / p["trl_rss_mib"], 2) for p in pairs],
+                "pairs": pairs,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

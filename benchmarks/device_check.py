@@ -1,6 +1,6 @@
 """The local backend on a GPU: generation vs training log-probs, and a short GRPO run. One JSON line.
 
-    python benchmarks/device_check.py --steps 300
+python benchmarks/device_check.py --steps 300
 """
 
 from __future__ import annotations
@@ -34,17 +34,21 @@ def main() -> None:
     result = api.run(graph, plan)
     rewards = [m["reward"] for m in result.metrics]
     k = max(1, min(10, len(rewards) // 5))
-    print(json.dumps({
-        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
-        "torch": torch.__version__,
-        "plan_memory_capacity_gib": round(plan.memory[0].capacity_bytes / 1024**3, 1),
-        "max_logprob_diff_gen_vs_train": diff,
-        "steps": args.steps,
-        "reward_first": round(sum(rewards[:k]) / k, 3),
-        "reward_last": round(sum(rewards[-k:]) / k, 3),
-        "median_step_s": round(statistics.median(m["step_seconds"] for m in result.metrics), 4),
-        "median_gen_tokens_per_s": round(statistics.median(m["tokens_per_s"] for m in result.metrics), 1),
-    }))
+    print(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
+                "torch": torch.__version__,
+                "plan_memory_capacity_gib": round(plan.memory[0].capacity_bytes / 1024**3, 1),
+                "max_logprob_diff_gen_vs_train": diff,
+                "steps": args.steps,
+                "reward_first": round(sum(rewards[:k]) / k, 3),
+                "reward_last": round(sum(rewards[-k:]) / k, 3),
+                "median_step_s": round(statistics.median(m["step_seconds"] for m in result.metrics), 4),
+                "median_gen_tokens_per_s": round(statistics.median(m["tokens_per_s"] for m in result.metrics), 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

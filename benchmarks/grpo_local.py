@@ -28,7 +28,9 @@ from flowrl.graph import Graph
 def build(cfg):
     g = Graph("grpo_bench")
     g.model("actor", "actor")
-    g.generate("rollout", model="actor", reads="prompts", writes="responses old_logprobs", n=cfg.rollout.samples_per_prompt)
+    g.generate(
+        "rollout", model="actor", reads="prompts", writes="responses old_logprobs", n=cfg.rollout.samples_per_prompt
+    )
     g.reward("reward", fn="task", reads="prompts responses", writes="rewards")
     g.compute("advantages", fn="grpo", reads="rewards responses", writes="advantages")
     g.train("train_actor", model="actor", loss="ppo", reads="responses old_logprobs advantages")
@@ -37,12 +39,26 @@ def build(cfg):
 
 def job_overrides(prompts: int, completion_len: int, steps: int) -> list[str]:
     return [
-        "task=copy", f"steps={steps}", "seed=0", "checkpoint=false", "progress=false",
-        "tiny_model.hidden_size=128", "tiny_model.intermediate_size=256", "tiny_model.num_layers=2",
-        "tiny_model.num_heads=4", "tiny_model.num_kv_heads=2", "tiny_model.vocab_size=512",
-        f"rollout.prompts_per_step={prompts}", "rollout.samples_per_prompt=8", f"rollout.max_new_tokens={completion_len}",
-        "rollout.ignore_eos=true", "rollout.temperature=1.0", "train.lr=1e-3", "train.grad_clip=1.0",
-        "algo.kl_coef=0.0", "algo.clip_high=0.2",
+        "task=copy",
+        f"steps={steps}",
+        "seed=0",
+        "checkpoint=false",
+        "progress=false",
+        "tiny_model.hidden_size=128",
+        "tiny_model.intermediate_size=256",
+        "tiny_model.num_layers=2",
+        "tiny_model.num_heads=4",
+        "tiny_model.num_kv_heads=2",
+        "tiny_model.vocab_size=512",
+        f"rollout.prompts_per_step={prompts}",
+        "rollout.samples_per_prompt=8",
+        f"rollout.max_new_tokens={completion_len}",
+        "rollout.ignore_eos=true",
+        "rollout.temperature=1.0",
+        "train.lr=1e-3",
+        "train.grad_clip=1.0",
+        "algo.kl_coef=0.0",
+        "algo.clip_high=0.2",
     ]
 
 
@@ -61,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     overrides = [*job_overrides(args.prompts, args.completion_len, args.steps), f"out={args.out}"]
     graph, plan = api.plan(str(Path(__file__).resolve()), overrides=overrides, emit=lambda s: None)
     result = api.run(graph, plan, out_dir=run_dir(args.out, "grpo_bench"))
-    timed = result.metrics[args.warmup:] or result.metrics
+    timed = result.metrics[args.warmup :] or result.metrics
     gen_seconds = [m["spans"]["rollout"] for m in timed]
     tokens = [m["tokens"] for m in timed]
     record = {

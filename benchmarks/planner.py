@@ -31,26 +31,44 @@ def main() -> None:
     cases = []
     for model in MODELS:
         for n in CLUSTERS:
-            target = ClusterTarget(cluster=parse_cluster(f"{n}xA100-80G"), model=load_model_spec(model), workload=WorkloadSpec())
+            target = ClusterTarget(
+                cluster=parse_cluster(f"{n}xA100-80G"), model=load_model_spec(model), workload=WorkloadSpec()
+            )
             t0 = time.perf_counter()
             try:
                 _, plan = api.plan(args.graph, target=target, options={"budget_s": args.budget}, emit=lambda s: None)
                 pred = plan.layout.predicted
-                case = {"model": model, "devices": n, "plan_s": round(time.perf_counter() - t0, 3), "iteration_s": round(pred.iteration_s, 2), "efficiency": pred.efficiency, "plan": plan.layout.summary()}
+                case = {
+                    "model": model,
+                    "devices": n,
+                    "plan_s": round(time.perf_counter() - t0, 3),
+                    "iteration_s": round(pred.iteration_s, 2),
+                    "efficiency": pred.efficiency,
+                    "plan": plan.layout.summary(),
+                }
             except PlanError as exc:
-                case = {"model": model, "devices": n, "plan_s": round(time.perf_counter() - t0, 3), "error": str(exc)[:160]}
+                case = {
+                    "model": model,
+                    "devices": n,
+                    "plan_s": round(time.perf_counter() - t0, 3),
+                    "error": str(exc)[:160],
+                }
             cases.append(case)
             print(json.dumps(case), flush=True)
     times = [c["plan_s"] for c in cases]
-    print(json.dumps({
-        "benchmark": "planner",
-        "graph": args.graph,
-        "max_plan_s": max(times),
-        "median_plan_s": sorted(times)[len(times) // 2],
-        "feasible": sum("error" not in c for c in cases),
-        "cases": len(cases),
-        "plan_s": {f"{c['model']}@{c['devices']}": c["plan_s"] for c in cases},
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "planner",
+                "graph": args.graph,
+                "max_plan_s": max(times),
+                "median_plan_s": sorted(times)[len(times) // 2],
+                "feasible": sum("error" not in c for c in cases),
+                "cases": len(cases),
+                "plan_s": {f"{c['model']}@{c['devices']}": c["plan_s"] for c in cases},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

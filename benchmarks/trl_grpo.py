@@ -113,9 +113,7 @@ def run(args: argparse.Namespace) -> dict:
 
     task = Copy()
     prompts = task.prompts(random.Random(0), steps * P)
-    dataset = datasets.Dataset.from_dict(
-        {"prompt": [p.text for p in prompts], "answer": [p.answer for p in prompts]}
-    )
+    dataset = datasets.Dataset.from_dict({"prompt": [p.text for p in prompts], "answer": [p.answer for p in prompts]})
 
     def copy_reward(prompts, completions, answer, **kwargs):
         # ``completions`` are decoded with skip_special_tokens=True, cut after the first EOS

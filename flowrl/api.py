@@ -22,12 +22,18 @@ from flowrl.planner.manager import initial_plan, run_passes
 from flowrl.planner.modelspec import ModelSpec, from_model_dir, from_tiny
 from flowrl.planner.passes import PIPELINE, PlanContext, verify_plan
 from flowrl.planner.plan import ClusterTarget, ExecutionPlan
-from flowrl.plugins.manager import Entry, Registry, registry as default_registry
+from flowrl.plugins.manager import Entry, Registry
+from flowrl.plugins.manager import registry as default_registry
 from flowrl.runtime.protocols import Executor, RunResult
 from flowrl.specs import RunConfig, build_config, nested, parse_override
 
 
-def make_config(defaults: dict[str, Any], config_file: dict[str, Any] | None = None, overrides: Iterable[str] = (), flags: dict[str, Any] | None = None) -> RunConfig:
+def make_config(
+    defaults: dict[str, Any],
+    config_file: dict[str, Any] | None = None,
+    overrides: Iterable[str] = (),
+    flags: dict[str, Any] | None = None,
+) -> RunConfig:
     """Defaults of the graph < config file < --set overrides < dedicated flags."""
     layers = [defaults, config_file or {}]
     layers += [nested(*parse_override(o)) for o in overrides]
@@ -39,7 +45,14 @@ def _algorithms(reg: Registry) -> dict[str, Any]:
     return {e.name: e.obj for e in reg.entries("algorithms")}
 
 
-def load(source: str, *, config_file: dict[str, Any] | None = None, overrides: Iterable[str] = (), flags: dict[str, Any] | None = None, registry: Registry | None = None) -> tuple[Graph, RunConfig]:
+def load(
+    source: str,
+    *,
+    config_file: dict[str, Any] | None = None,
+    overrides: Iterable[str] = (),
+    flags: dict[str, Any] | None = None,
+    registry: Registry | None = None,
+) -> tuple[Graph, RunConfig]:
     reg = registry or default_registry()
     src = find_graph(source, _algorithms(reg))
     cfg = make_config(src.defaults, config_file, overrides, flags)
@@ -101,7 +114,9 @@ def plan(
         target = msgspec.structs.replace(target, numerics=caps.numerics, capabilities=caps)
     ctx = PlanContext(graph=graph, registry=reg, cache=cache if cache is not None else {}, options=dict(options or {}))
     initial = initial_plan(graph, source, cfg, target)
-    return graph, run_passes(graph, initial, reg, passes=PIPELINE if passes is None else passes, print_after=print_after, emit=emit, ctx=ctx)
+    return graph, run_passes(
+        graph, initial, reg, passes=PIPELINE if passes is None else passes, print_after=print_after, emit=emit, ctx=ctx
+    )
 
 
 def graph_for_plan(p: ExecutionPlan, registry: Registry | None = None) -> Graph:
@@ -124,7 +139,14 @@ def check(graph: Graph, p: ExecutionPlan, registry: Registry | None = None) -> E
     return ex
 
 
-def run(graph: Graph, p: ExecutionPlan, *, registry: Registry | None = None, out_dir: Path | None = None, on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
+def run(
+    graph: Graph,
+    p: ExecutionPlan,
+    *,
+    registry: Registry | None = None,
+    out_dir: Path | None = None,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+) -> RunResult:
     from flowrl.runtime.executor import run_dir
 
     ex = check(graph, p, registry)

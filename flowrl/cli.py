@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from flowrl.errors import ConfigError, FlowRLError
 
@@ -19,10 +20,21 @@ EXIT_USER_ERROR = 2
 def _config_args(p: argparse.ArgumentParser, run_out: bool = True) -> None:
     p.add_argument("graph", nargs="?", help="a graph file (graphs/grpo.py) or an algorithm name (grpo)")
     p.add_argument("--config", metavar="FILE", help="YAML, TOML or JSON run config")
-    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides", help="override one config field, e.g. --set train.lr=1e-3 (repeatable)")
+    p.add_argument(
+        "--set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        dest="overrides",
+        help="override one config field, e.g. --set train.lr=1e-3 (repeatable)",
+    )
     p.add_argument("--steps", type=int, help="training iterations")
     p.add_argument("--seed", type=int)
-    p.add_argument("--model", metavar="DIR", help="an HF-format model directory (default: a tiny random Llama); with plan --cluster: a preset or config.json")
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        help="an HF-format model directory (default: a tiny random Llama); with plan --cluster: a preset or config.json",
+    )
     p.add_argument("--task", help="a registered task (see `flowrl plugins`)")
     if run_out:
         p.add_argument("--out", metavar="DIR", dest="run_out", help="where runs/<name> goes (default: runs)")
@@ -31,18 +43,32 @@ def _config_args(p: argparse.ArgumentParser, run_out: bool = True) -> None:
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
-    return {"steps": args.steps, "seed": args.seed, "model": args.model, "task": args.task, "out": getattr(args, "run_out", None), "name": args.name, "backend": args.backend}
+    return {
+        "steps": args.steps,
+        "seed": args.seed,
+        "model": args.model,
+        "task": args.task,
+        "out": getattr(args, "run_out", None),
+        "name": args.name,
+        "backend": args.backend,
+    }
 
 
 def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     from flowrl.specs import read_document
 
-    return {"config_file": read_document(args.config) if args.config else None, "overrides": args.overrides, "flags": _flags(args)}
+    return {
+        "config_file": read_document(args.config) if args.config else None,
+        "overrides": args.overrides,
+        "flags": _flags(args),
+    }
 
 
 def _need_graph(args: argparse.Namespace) -> str:
     if not args.graph:
-        raise ConfigError("name a graph file or algorithm, e.g. `flowrl run graphs/grpo.py` (see `flowrl plugins` for algorithm names).")
+        raise ConfigError(
+            "name a graph file or algorithm, e.g. `flowrl run graphs/grpo.py` (see `flowrl plugins` for algorithm names)."
+        )
     return args.graph
 
 
@@ -64,7 +90,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         graph, plan = api.plan(_need_graph(args), emit=print, **_load_kwargs(args))
     api.check(graph, plan)
     cfg = plan.config
-    print(f"flowrl: running {graph.name} ({plan.graph.source}) on task '{cfg.task}' for {cfg.steps} steps, plan {plan.id}")
+    print(
+        f"flowrl: running {graph.name} ({plan.graph.source}) on task '{cfg.task}' for {cfg.steps} steps, plan {plan.id}"
+    )
     bar = _progress(cfg.steps, enabled=cfg.progress and not args.quiet)
     result = api.run(graph, plan, on_step=bar.update)
     bar.close()
@@ -128,7 +156,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         target = _cluster_target(args)
         kwargs["flags"]["model"] = None  # --model names the planned model, not a local checkpoint
     if not args.cluster and args.workload:
-        raise ConfigError("--workload plans for a cluster; add --cluster (e.g. --cluster 16xA100-80G --model llama-7b).")
+        raise ConfigError(
+            "--workload plans for a cluster; add --cluster (e.g. --cluster 16xA100-80G --model llama-7b)."
+        )
     options = {"budget_s": args.budget, "seed": args.seed or 0, "cost_model": args.cost_model}
     passes = None
     if args.extra_passes:
@@ -136,8 +166,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         passes = (*PIPELINE, *args.extra_passes)
     graph, plan = api.plan(
-        _need_graph(args), print_after=args.print_after, emit=print, target=target, options=options, cache=cache, passes=passes,
-        for_backend=args.backend is not None, **kwargs,
+        _need_graph(args),
+        print_after=args.print_after,
+        emit=print,
+        target=target,
+        options=options,
+        cache=cache,
+        passes=passes,
+        for_backend=args.backend is not None,
+        **kwargs,
     )
     if args.explain and "tune" in cache:
         from flowrl.planner.autotune import explain
@@ -147,8 +184,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _timeline(args.timeline, cache["tune"], graph.name)
     if args.out:
         path = dump_plan(plan, args.out)
-        runnable = not unsupported(api.executor_entry(plan.config, registry()).obj.capabilities, plan.layout, plan.target.cluster.devices)
-        hint = f"; run it with `flowrl run --plan {path}`" if runnable else f" (a forecast: executor '{plan.config.backend}' cannot run it)"
+        runnable = not unsupported(
+            api.executor_entry(plan.config, registry()).obj.capabilities, plan.layout, plan.target.cluster.devices
+        )
+        hint = (
+            f"; run it with `flowrl run --plan {path}`"
+            if runnable
+            else f" (a forecast: executor '{plan.config.backend}' cannot run it)"
+        )
         print(f"flowrl: plan {plan.id} written to {path}{hint}")
     elif not args.explain:
         print(encode_plan(plan, args.format), end="")
@@ -168,7 +211,9 @@ def _cluster_target(args: argparse.Namespace) -> Any:
     if args.model:
         return ClusterTarget(cluster=cluster, model=load_model_spec(args.model), workload=workload)
     if args.cluster != "local":
-        raise ConfigError("--cluster needs --model: a preset (llama-7b, llama-70b, qwen2.5-7b, ...) or an HF config.json / model directory.")
+        raise ConfigError(
+            "--cluster needs --model: a preset (llama-7b, llama-70b, qwen2.5-7b, ...) or an HF config.json / model directory."
+        )
     from flowrl.api import model_spec
     from flowrl.specs import RunConfig
 
@@ -183,7 +228,12 @@ def _timeline(path: str, tune: Any, name: str) -> None:
     best = tune.ranked[0]
     png = Path(path)
     png.parent.mkdir(parents=True, exist_ok=True)
-    draw_timeline(best.result, best.plan, png, title=f"{name}: {best.result.iteration_s:.2f} s/iteration predicted  ({best.plan.summary()})")
+    draw_timeline(
+        best.result,
+        best.plan,
+        png,
+        title=f"{name}: {best.result.iteration_s:.2f} s/iteration predicted  ({best.plan.summary()})",
+    )
     data = png.with_suffix(".json")
     data.write_text(json.dumps({"iteration_s": best.result.iteration_s, "spans": timeline_json(best.result)}, indent=1))
     print(f"flowrl: timeline written to {png} and {data}")
@@ -225,7 +275,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flowrl", description="Compile and run RL dataflow graphs for LLM post-training.")
+    parser = argparse.ArgumentParser(
+        prog="flowrl", description="Compile and run RL dataflow graphs for LLM post-training."
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("run", help="plan and run a graph (trains a real model)")
     _config_args(p)
@@ -236,12 +288,39 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p, run_out=False)
     p.add_argument("--out", metavar="FILE", help="write the plan (.yaml or .json) instead of printing it")
     p.add_argument("--format", choices=["yaml", "json"], default="yaml")
-    p.add_argument("--print-after", metavar="PASS", action="append", default=[], help="print the plan after this pass ('all' for every pass)")
-    p.add_argument("--pass", metavar="PASS", dest="extra_passes", action="append", default=[], help="run this (plugin) pass after the built-in pipeline")
-    p.add_argument("--cluster", metavar="SPEC", help="plan for a cluster: 16xA100-80G, 2x8xH100-80G, a cluster file, or 'local' (after `flowrl profile`)")
-    p.add_argument("--workload", metavar="FILE", help="prompts per step, samples, lengths (YAML/TOML/JSON); default 1024 prompts, 1024+1024 tokens")
-    p.add_argument("--explain", action="store_true", help="print the winner, the runners-up and why they lose, and the roofline bound")
-    p.add_argument("--timeline", metavar="PNG", help="draw the winner's predicted timeline (and write the spans as JSON beside it)")
+    p.add_argument(
+        "--print-after",
+        metavar="PASS",
+        action="append",
+        default=[],
+        help="print the plan after this pass ('all' for every pass)",
+    )
+    p.add_argument(
+        "--pass",
+        metavar="PASS",
+        dest="extra_passes",
+        action="append",
+        default=[],
+        help="run this (plugin) pass after the built-in pipeline",
+    )
+    p.add_argument(
+        "--cluster",
+        metavar="SPEC",
+        help="plan for a cluster: 16xA100-80G, 2x8xH100-80G, a cluster file, or 'local' (after `flowrl profile`)",
+    )
+    p.add_argument(
+        "--workload",
+        metavar="FILE",
+        help="prompts per step, samples, lengths (YAML/TOML/JSON); default 1024 prompts, 1024+1024 tokens",
+    )
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="print the winner, the runners-up and why they lose, and the roofline bound",
+    )
+    p.add_argument(
+        "--timeline", metavar="PNG", help="draw the winner's predicted timeline (and write the spans as JSON beside it)"
+    )
     p.add_argument("--budget", type=float, default=8.0, help="search time budget in seconds (default 8)")
     p.add_argument("--cost-model", default="analytic", help="a registered cost model")
     p.set_defaults(func=cmd_plan)

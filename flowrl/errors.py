@@ -31,7 +31,7 @@ class TaskError(FlowRLError):
     """An unknown task or a malformed task option."""
 
 
-def did_you_mean(name: str, known: "list[str]") -> str:
+def did_you_mean(name: str, known: list[str]) -> str:
     """`` Did you mean 'x'?`` for the closest of ``known`` (case-insensitive), or ``""``."""
     import difflib
 

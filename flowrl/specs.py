@@ -100,7 +100,11 @@ class RunConfig(Spec):
             (self.train.lr > 0, "train.lr", "must be > 0"),
             (self.train.epochs >= 1, "train.epochs", "must be >= 1"),
             (self.train.mini_batches >= 1, "train.mini_batches", "must be >= 1"),
-            (self.train.micro_batch_size is None or self.train.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1"),
+            (
+                self.train.micro_batch_size is None or self.train.micro_batch_size >= 1,
+                "train.micro_batch_size",
+                "must be >= 1",
+            ),
             (self.memory_limit_gib is None or self.memory_limit_gib > 0, "memory_limit_gib", "must be > 0"),
         ]
         for ok, field, why in checks:
@@ -160,7 +164,18 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         parsed = value  # e.g. YAML reads 2024-01-01 as a date; the user meant the text
     if isinstance(parsed, str):
         try:  # YAML 1.1 reads "1e-3" as a string; users mean a number
-            parsed = float(parsed) if any(c.isdigit() for c in parsed) and parsed.lower().lstrip("+-").replace(".", "", 1).replace("e", "", 1).replace("-", "", 1).replace("+", "", 1).isdigit() else parsed
+            parsed = (
+                float(parsed)
+                if any(c.isdigit() for c in parsed)
+                and parsed.lower()
+                .lstrip("+-")
+                .replace(".", "", 1)
+                .replace("e", "", 1)
+                .replace("-", "", 1)
+                .replace("+", "", 1)
+                .isdigit()
+                else parsed
+            )
         except ValueError:
             pass
     return path, parsed
@@ -208,7 +223,9 @@ def _explain(message: str, type_: type) -> str:
     if unknown:
         path = ".".join(p for p in (where, unknown.group(1)) if p)
         known = _fields_at(type_, where)
-        did = did_you_mean(".".join(p for p in (where, unknown.group(1)) if p), [".".join(p for p in (where, k) if p) for k in known])
+        did = did_you_mean(
+            ".".join(p for p in (where, unknown.group(1)) if p), [".".join(p for p in (where, k) if p) for k in known]
+        )
         return f"unknown field '{path}'.{did} Valid fields there: {', '.join(known)}."
     return f"field '{where}': {text}." if where else f"{text}."
 

@@ -14,10 +14,34 @@ ROOT = Path(__file__).resolve().parents[1] / "flowrl"
 
 # package (relative to flowrl/) -> module prefixes it must never import
 FORBIDDEN = {
-    "graph": ("flowrl.plugins", "flowrl.planner", "flowrl.runtime", "flowrl.backends", "flowrl.algorithms", "flowrl.api", "flowrl.cli", "torch"),
-    "planner": ("torch", "transformers", "flowrl.backends", "flowrl.runtime", "flowrl.algorithms", "flowrl.api", "flowrl.cli"),
+    "graph": (
+        "flowrl.plugins",
+        "flowrl.planner",
+        "flowrl.runtime",
+        "flowrl.backends",
+        "flowrl.algorithms",
+        "flowrl.api",
+        "flowrl.cli",
+        "torch",
+    ),
+    "planner": (
+        "torch",
+        "transformers",
+        "flowrl.backends",
+        "flowrl.runtime",
+        "flowrl.algorithms",
+        "flowrl.api",
+        "flowrl.cli",
+    ),
     "runtime": ("flowrl.algorithms", "flowrl.backends", "flowrl.api", "flowrl.cli"),
-    "algorithms": ("flowrl.runtime.executor", "flowrl.runtime.nodes", "flowrl.backends", "flowrl.planner", "flowrl.api", "flowrl.cli"),
+    "algorithms": (
+        "flowrl.runtime.executor",
+        "flowrl.runtime.nodes",
+        "flowrl.backends",
+        "flowrl.planner",
+        "flowrl.api",
+        "flowrl.cli",
+    ),
     "tasks": ("flowrl.planner", "flowrl.runtime", "flowrl.backends", "flowrl.algorithms", "flowrl.plugins"),
     "api.py": ("flowrl.backends",),
     "cli.py": ("flowrl.backends",),

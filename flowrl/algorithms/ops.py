@@ -23,7 +23,9 @@ from flowrl.tasks.builtin import Prompt
 Batch = dict[str, Any]
 
 
-def _token_rewards(inputs: Batch, seqs: Sequences, algo: AlgoConfig, kl_coef: float | None) -> tuple[Tensor, dict[str, float]]:
+def _token_rewards(
+    inputs: Batch, seqs: Sequences, algo: AlgoConfig, kl_coef: float | None
+) -> tuple[Tensor, dict[str, float]]:
     """Sequence reward on the last token, minus a per-token KL penalty when both log-probs are read.
 
     r_t = score * [t = last] - beta * (log pi_old(a_t) - log pi_ref(a_t))
@@ -45,7 +47,9 @@ def _token_rewards(inputs: Batch, seqs: Sequences, algo: AlgoConfig, kl_coef: fl
 # ---------------------------------------------------------------- compute functions
 
 
-def gae_op(inputs: Batch, algo: AlgoConfig, *, kl_coef: float | None = None) -> tuple[dict[str, Tensor], dict[str, float]]:
+def gae_op(
+    inputs: Batch, algo: AlgoConfig, *, kl_coef: float | None = None
+) -> tuple[dict[str, Tensor], dict[str, float]]:
     """PPO: GAE(gamma, lambda) over token rewards with the KL penalty in the reward."""
     seqs = sequences_in(inputs, "gae")
     mask = seqs.response_mask
@@ -85,7 +89,9 @@ def remax_op(inputs: Batch, algo: AlgoConfig) -> dict[str, Tensor]:
     return {"advantages": a}
 
 
-def reinforce_pp_op(inputs: Batch, algo: AlgoConfig, *, kl_coef: float | None = None) -> tuple[dict[str, Tensor], dict[str, float]]:
+def reinforce_pp_op(
+    inputs: Batch, algo: AlgoConfig, *, kl_coef: float | None = None
+) -> tuple[dict[str, Tensor], dict[str, float]]:
     """REINFORCE++: discounted token returns (KL in the reward), whitened over the batch."""
     seqs = sequences_in(inputs, "reinforce_pp")
     rewards, metrics = _token_rewards(inputs, seqs, algo, kl_coef)
@@ -98,7 +104,15 @@ def reinforce_pp_op(inputs: Batch, algo: AlgoConfig, *, kl_coef: float | None = 
 def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
     """PPO-clip (clip-higher, dual-clip) + beta * KL(pi || ref) when the node reads ref_logprobs (metric ``kl``)."""
     mask = sequences_in(batch, "ppo").response_mask
-    loss, stats = losses.ppo_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip)
+    loss, stats = losses.ppo_policy_loss(
+        logprobs,
+        batch["old_logprobs"],
+        batch["advantages"],
+        mask,
+        clip_low=algo.clip_low,
+        clip_high=algo.clip_high,
+        dual_clip=algo.dual_clip,
+    )
     if "ref_logprobs" in batch:
         kl = adv.masked_mean(losses.kl_penalty(logprobs, batch["ref_logprobs"], algo.kl_estimator), mask)
         stats["kl"] = float(kl.detach())

@@ -112,7 +112,9 @@ def _keys(value: Iterable[str] | str, what: str, node: str) -> tuple[str, ...]:
     keys = tuple(value)
     for key in keys:
         if not isinstance(key, str) or not key.isidentifier():
-            raise GraphError(f"node '{node}': {what} key {key!r} is not a valid key name (use identifiers like 'old_logprobs').")
+            raise GraphError(
+                f"node '{node}': {what} key {key!r} is not a valid key name (use identifiers like 'old_logprobs')."
+            )
     if len(set(keys)) != len(keys):
         raise GraphError(f"node '{node}': {what} lists a key twice: {keys}.")
     return keys
@@ -128,7 +130,9 @@ class Graph:
         self.nodes: dict[str, Node] = {}
 
     # ---------------------------------------------------------------- authoring
-    def model(self, name: str, role: Role = "actor", *, trainable: bool | None = None, init_from: str | None = None) -> str:
+    def model(
+        self, name: str, role: Role = "actor", *, trainable: bool | None = None, init_from: str | None = None
+    ) -> str:
         """Declare a model. Actors and critics are trainable by default; others are frozen."""
         if name in self.models:
             raise GraphError(f"model '{name}' is declared twice in graph '{self.name}'.")
@@ -145,28 +149,104 @@ class Graph:
         self.nodes[node.name] = node
         return node.name
 
-    def generate(self, name: str, *, model: str, reads: Iterable[str] | str = ("prompts",), writes: Iterable[str] | str = ("responses",), n: int = 1, greedy: bool = False, **options: Any) -> str:
+    def generate(
+        self,
+        name: str,
+        *,
+        model: str,
+        reads: Iterable[str] | str = ("prompts",),
+        writes: Iterable[str] | str = ("responses",),
+        n: int = 1,
+        greedy: bool = False,
+        **options: Any,
+    ) -> str:
         if n < 1:
             raise GraphError(f"node '{name}': n must be >= 1, got {n}.")
-        return self._add(Generate(name=name, model=model, reads=_keys(reads, "read", name), writes=_keys(writes, "write", name), n=n, greedy=greedy, options=options))
+        return self._add(
+            Generate(
+                name=name,
+                model=model,
+                reads=_keys(reads, "read", name),
+                writes=_keys(writes, "write", name),
+                n=n,
+                greedy=greedy,
+                options=options,
+            )
+        )
 
-    def forward(self, name: str, *, model: str, output: ForwardOutput, reads: Iterable[str] | str = ("responses",), writes: Iterable[str] | str, **options: Any) -> str:
+    def forward(
+        self,
+        name: str,
+        *,
+        model: str,
+        output: ForwardOutput,
+        reads: Iterable[str] | str = ("responses",),
+        writes: Iterable[str] | str,
+        **options: Any,
+    ) -> str:
         if output not in ("logprobs", "values", "scores"):
             raise GraphError(f"node '{name}': forward output must be logprobs, values or scores, got {output!r}.")
-        return self._add(Forward(name=name, model=model, output=output, reads=_keys(reads, "read", name), writes=_keys(writes, "write", name), options=options))
+        return self._add(
+            Forward(
+                name=name,
+                model=model,
+                output=output,
+                reads=_keys(reads, "read", name),
+                writes=_keys(writes, "write", name),
+                options=options,
+            )
+        )
 
-    def reward(self, name: str, *, fn: str, reads: Iterable[str] | str = ("prompts", "responses"), writes: Iterable[str] | str = ("rewards",), **options: Any) -> str:
-        return self._add(Reward(name=name, fn=fn, reads=_keys(reads, "read", name), writes=_keys(writes, "write", name), options=options))
+    def reward(
+        self,
+        name: str,
+        *,
+        fn: str,
+        reads: Iterable[str] | str = ("prompts", "responses"),
+        writes: Iterable[str] | str = ("rewards",),
+        **options: Any,
+    ) -> str:
+        return self._add(
+            Reward(
+                name=name, fn=fn, reads=_keys(reads, "read", name), writes=_keys(writes, "write", name), options=options
+            )
+        )
 
-    def compute(self, name: str, *, fn: str, reads: Iterable[str] | str, writes: Iterable[str] | str, **options: Any) -> str:
-        return self._add(Compute(name=name, fn=fn, reads=_keys(reads, "read", name), writes=_keys(writes, "write", name), options=options))
+    def compute(
+        self, name: str, *, fn: str, reads: Iterable[str] | str, writes: Iterable[str] | str, **options: Any
+    ) -> str:
+        return self._add(
+            Compute(
+                name=name, fn=fn, reads=_keys(reads, "read", name), writes=_keys(writes, "write", name), options=options
+            )
+        )
 
-    def train(self, name: str, *, model: str, loss: str, reads: Iterable[str] | str, writes: Iterable[str] | str = (), **options: Any) -> str:
-        return self._add(Train(name=name, model=model, loss=loss, reads=_keys(reads, "read", name), writes=_keys(writes, "write", name), options=options))
+    def train(
+        self,
+        name: str,
+        *,
+        model: str,
+        loss: str,
+        reads: Iterable[str] | str,
+        writes: Iterable[str] | str = (),
+        **options: Any,
+    ) -> str:
+        return self._add(
+            Train(
+                name=name,
+                model=model,
+                loss=loss,
+                reads=_keys(reads, "read", name),
+                writes=_keys(writes, "write", name),
+                options=options,
+            )
+        )
 
     # ---------------------------------------------------------------- derived structure
     def spec(self) -> GraphSpec:
-        return GraphSpec(name=self.name, inputs=self.inputs, models=tuple(self.models.values()), nodes=tuple(self.nodes.values()))
+        return GraphSpec(
+            name=self.name, inputs=self.inputs, models=tuple(self.models.values()), nodes=tuple(self.nodes.values())
+        )
 
     def fingerprint(self) -> str:
         """A content hash of the graph (stable across runs and processes)."""
@@ -236,32 +316,50 @@ class Graph:
             raise GraphError(f"graph '{self.name}' has no nodes.")
         for decl in self.models.values():
             if decl.init_from is not None and decl.init_from not in self.models:
-                raise GraphError(f"model '{decl.name}' initialises from '{decl.init_from}', which is not a declared model ({_known(self.models)}).")
+                raise GraphError(
+                    f"model '{decl.name}' initialises from '{decl.init_from}', which is not a declared model ({_known(self.models)})."
+                )
         self._check_init_cycles()
         for node in self.nodes.values():
             self._check_node_model(node)
         producers = self.producers()
         for key, nodes in producers.items():
             if len(nodes) > 1:
-                raise self._fail(f"key '{key}' has two producers: nodes '{nodes[0]}' and '{nodes[1]}' both write it. Give one of them another key name.", nodes[1])
+                raise self._fail(
+                    f"key '{key}' has two producers: nodes '{nodes[0]}' and '{nodes[1]}' both write it. Give one of them another key name.",
+                    nodes[1],
+                )
             if key in self.inputs:
-                raise self._fail(f"node '{nodes[0]}' writes '{key}', which is a graph input; inputs are read-only.", nodes[0])
+                raise self._fail(
+                    f"node '{nodes[0]}' writes '{key}', which is a graph input; inputs are read-only.", nodes[0]
+                )
         for node in self.nodes.values():
             for key in set(node.reads) & set(node.writes):
-                raise self._fail(f"node '{node.name}' reads and writes key '{key}'; a key cannot depend on itself within an iteration. Write the new value under another key name.", node.name)
+                raise self._fail(
+                    f"node '{node.name}' reads and writes key '{key}'; a key cannot depend on itself within an iteration. Write the new value under another key name.",
+                    node.name,
+                )
             for key in node.reads:
                 if key not in producers and key not in self.inputs:
                     did = did_you_mean(key, [*producers, *self.inputs])
-                    raise self._fail(f"node '{node.name}' reads key '{key}', which no node writes and is not a graph input ({', '.join(self.inputs)}).{did}", node.name)
+                    raise self._fail(
+                        f"node '{node.name}' reads key '{key}', which no node writes and is not a graph input ({', '.join(self.inputs)}).{did}",
+                        node.name,
+                    )
             if not node.writes and not isinstance(node, Train):
                 raise self._fail(f"node '{node.name}' writes no keys, so nothing can use its result.", node.name)
         self._check_arity()
         for decl in self.models.values():
             trains = self.train_nodes(decl.name)
             if decl.trainable and not trains:
-                raise GraphError(f"model '{decl.name}' is trainable but no train node updates it. Add g.train(..., model='{decl.name}') or declare it trainable=False.")
+                raise GraphError(
+                    f"model '{decl.name}' is trainable but no train node updates it. Add g.train(..., model='{decl.name}') or declare it trainable=False."
+                )
             if len(trains) > 1:
-                raise self._fail(f"model '{decl.name}' has two train nodes ('{trains[0]}', '{trains[1]}'); one train node per model and iteration.", trains[1])
+                raise self._fail(
+                    f"model '{decl.name}' has two train nodes ('{trains[0]}', '{trains[1]}'); one train node per model and iteration.",
+                    trains[1],
+                )
         dag = self.dag()
         try:
             cycle = nx.find_cycle(dag)
@@ -283,7 +381,9 @@ class Graph:
                 if len(node.reads) != 1 or read_seqs:
                     problem = f"reads {list(node.reads)}; a generate node reads exactly one key of prompts"
                 elif len(node.writes) > 2:
-                    problem = f"writes {list(node.writes)}; a generate node writes responses and, optionally, their log-probs"
+                    problem = (
+                        f"writes {list(node.writes)}; a generate node writes responses and, optionally, their log-probs"
+                    )
             elif isinstance(node, Forward) and len(node.writes) != 1:
                 problem = f"writes {list(node.writes)}; a forward node writes exactly one key (its {node.output})"
             elif isinstance(node, Reward) and len(node.writes) != 1:
@@ -312,16 +412,28 @@ class Graph:
             return
         decl = self.models.get(node.model)
         if decl is None:
-            raise self._fail(f"node '{node.name}' runs on model '{node.model}', which is not declared ({_known(self.models)}). Add g.model('{node.model}', ...).", node.name)
+            raise self._fail(
+                f"node '{node.name}' runs on model '{node.model}', which is not declared ({_known(self.models)}). Add g.model('{node.model}', ...).",
+                node.name,
+            )
         if isinstance(node, Train) and not decl.trainable:
-            raise self._fail(f"node '{node.name}' trains model '{decl.name}', which is frozen (role {decl.role}). Declare it trainable=True or remove the train node.", node.name)
+            raise self._fail(
+                f"node '{node.name}' trains model '{decl.name}', which is frozen (role {decl.role}). Declare it trainable=True or remove the train node.",
+                node.name,
+            )
         if isinstance(node, Generate) and decl.scalar_head:
-            raise self._fail(f"node '{node.name}' generates with model '{decl.name}', a {decl.role} model with a scalar head; generate needs an actor or reference model.", node.name)
+            raise self._fail(
+                f"node '{node.name}' generates with model '{decl.name}', a {decl.role} model with a scalar head; generate needs an actor or reference model.",
+                node.name,
+            )
         if isinstance(node, Forward):
             need_scalar = node.output in ("values", "scores")
             if need_scalar != decl.scalar_head:
                 want = "a critic, reward or cost model" if need_scalar else "an actor or reference model"
-                raise self._fail(f"node '{node.name}' asks model '{decl.name}' (role {decl.role}) for {node.output}; that needs {want}.", node.name)
+                raise self._fail(
+                    f"node '{node.name}' asks model '{decl.name}' (role {decl.role}) for {node.output}; that needs {want}.",
+                    node.name,
+                )
 
 
 def _known(models: dict[str, ModelDecl]) -> str:
@@ -334,4 +446,8 @@ def _describe_cycle(dag: nx.DiGraph, cycle: list[tuple[str, str]]) -> str:
         data = dag.edges[u, v]
         via = ", ".join(data.get("keys", [])) or f"{data['version']}@v must be read before it is trained"
         parts.append(f"'{u}' -> '{v}' (via {via})")
-    return "the graph has a cycle within one iteration: " + "; ".join(parts) + ". A key cannot depend on itself; use a new key name for the later value."
+    return (
+        "the graph has a cycle within one iteration: "
+        + "; ".join(parts)
+        + ". A key cannot depend on itself; use a new key name for the later value."
+    )

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any
 
 from flowrl.errors import GraphError, did_you_mean
 from flowrl.graph.ir import Graph
@@ -47,7 +47,9 @@ def find_graph(source: str, algorithms: Mapping[str, Callable[[Any], Graph]]) ->
     path = Path(source)
     if path.suffix == ".py" or path.exists() or "/" in source:
         if not path.is_file():
-            raise GraphError(f"graph file '{source}' does not exist. Pass a graph file (e.g. graphs/grpo.py) or an algorithm name ({', '.join(sorted(algorithms))}).")
+            raise GraphError(
+                f"graph file '{source}' does not exist. Pass a graph file (e.g. graphs/grpo.py) or an algorithm name ({', '.join(sorted(algorithms))})."
+            )
         module = _import_file(path)
         build = getattr(module, "build", None)
         if not callable(build):
@@ -55,7 +57,9 @@ def find_graph(source: str, algorithms: Mapping[str, Callable[[Any], Graph]]) ->
         defaults = getattr(module, "DEFAULTS", {})
     else:
         if source not in algorithms:
-            raise GraphError(f"unknown algorithm '{source}'.{did_you_mean(source, list(algorithms))} Known: {', '.join(sorted(algorithms))}; or pass a graph file (e.g. graphs/grpo.py).")
+            raise GraphError(
+                f"unknown algorithm '{source}'.{did_you_mean(source, list(algorithms))} Known: {', '.join(sorted(algorithms))}; or pass a graph file (e.g. graphs/grpo.py)."
+            )
         build = algorithms[source]
         defaults = getattr(sys.modules.get(getattr(build, "__module__", "")), "DEFAULTS", {})
     if not isinstance(defaults, dict):

@@ -33,7 +33,9 @@ def _detail(node: Node) -> str:
 
 def node_line(node: Node) -> str:
     flow = f"{', '.join(node.reads)} -> {', '.join(node.writes) or '(weights)'}"
-    return f"{node.name:<16} {node.kind:<9} {_what(node):<18} {flow}" + (f"  [{_detail(node)}]" if _detail(node) else "")
+    return f"{node.name:<16} {node.kind:<9} {_what(node):<18} {flow}" + (
+        f"  [{_detail(node)}]" if _detail(node) else ""
+    )
 
 
 def to_text(graph: Graph) -> str:
@@ -107,14 +109,30 @@ def draw_png(graph: Graph, path: str | Path) -> Path:
             pos[name] = (col - (len(stage) - 1) / 2, -row)
     width = max(len(s) for s in stages)
     fig, ax = plt.subplots(figsize=(max(6, 2.8 * width), 1.4 * len(stages) + 1))
-    colors = {"generate": "#8ecae6", "forward": "#bde0fe", "reward": "#ffb703", "compute": "#cdeac0", "train": "#fb8500"}
+    colors = {
+        "generate": "#8ecae6",
+        "forward": "#bde0fe",
+        "reward": "#ffb703",
+        "compute": "#cdeac0",
+        "train": "#fb8500",
+    }
     data_edges = [(u, v) for u, v, d in dag.edges(data=True) if d.get("keys")]
     version_edges = [(u, v) for u, v, d in dag.edges(data=True) if not d.get("keys")]
     nx.draw_networkx_edges(dag, pos, edgelist=data_edges, ax=ax, arrows=True, node_size=3000, edge_color="#444")
-    nx.draw_networkx_edges(dag, pos, edgelist=version_edges, ax=ax, arrows=True, node_size=3000, style="dashed", edge_color="#aaa")
-    nx.draw_networkx_edge_labels(dag, pos, edge_labels={(u, v): ", ".join(d["keys"]) for u, v, d in dag.edges(data=True) if d.get("keys")}, font_size=7, ax=ax)
+    nx.draw_networkx_edges(
+        dag, pos, edgelist=version_edges, ax=ax, arrows=True, node_size=3000, style="dashed", edge_color="#aaa"
+    )
+    nx.draw_networkx_edge_labels(
+        dag,
+        pos,
+        edge_labels={(u, v): ", ".join(d["keys"]) for u, v, d in dag.edges(data=True) if d.get("keys")},
+        font_size=7,
+        ax=ax,
+    )
     labels = {n: f"{n}\n{graph.nodes[n].kind}\n{_what(graph.nodes[n])}" for n in dag.nodes}
-    nx.draw_networkx_nodes(dag, pos, ax=ax, node_size=3000, node_shape="s", node_color=[colors[graph.nodes[n].kind] for n in dag.nodes])
+    nx.draw_networkx_nodes(
+        dag, pos, ax=ax, node_size=3000, node_shape="s", node_color=[colors[graph.nodes[n].kind] for n in dag.nodes]
+    )
     nx.draw_networkx_labels(dag, pos, labels=labels, font_size=7, ax=ax)
     ax.set_title(f"{graph.name}: one row per stage; dashed = model version order", fontsize=9)
     ax.axis("off")

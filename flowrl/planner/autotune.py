@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from flowrl.errors import PlanError
-from flowrl.graph.ir import Forward, Graph, Train
+from flowrl.graph.ir import Forward, Graph
 from flowrl.planner import memory as mem
 from flowrl.planner.capabilities import Capabilities, supports, supports_layout
 from flowrl.planner.cost import CostModel
@@ -28,7 +28,6 @@ from flowrl.planner.modelspec import ModelSpec
 from flowrl.planner.simulate import SimResult, simulate
 from flowrl.planner.space import ClusterPlan, ModelLayout, Prediction, Roles, Skeleton, layouts, skeletons
 from flowrl.planner.workload import WorkloadSpec, mean_length
-
 
 QUICK = {"iterations": 3, "max_replicas": 8}  # first pass over every candidate
 FINAL = {"iterations": 5, "max_replicas": 32}  # the ranking that is reported
@@ -97,7 +96,9 @@ class Tuner:
         self.roles = roles_of(graph)
         self.seq_len = workload.prompt_length + int(mean_length(workload.response_length))
         self.max_len = workload.prompt_length + workload.max_response()
-        self.forwards = {m: sum(1 for n in graph.nodes.values() if isinstance(n, Forward) and n.model == m) for m in graph.models}
+        self.forwards = {
+            m: sum(1 for n in graph.nodes.values() if isinstance(n, Forward) and n.model == m) for m in graph.models
+        }
         self._layout_cache: dict[tuple[str, int], list[tuple[ModelLayout, float, int, int]]] = {}
 
     # ------------------------------------------------------------ per model
@@ -107,7 +108,16 @@ class Tuner:
         if key not in self._layout_cache:
             trainable = model in self.roles.trainable
             batch = self.w.sequences // self.w.mini_batches
-            options = layouts(model, group, trainable=trainable, per_node=self.cluster.devices_per_node, heads=self.model.heads, kv_heads=self.model.kv_heads, layers=self.model.layers, batch=batch)
+            options = layouts(
+                model,
+                group,
+                trainable=trainable,
+                per_node=self.cluster.devices_per_node,
+                heads=self.model.heads,
+                kv_heads=self.model.kv_heads,
+                layers=self.model.layers,
+                batch=batch,
+            )
             if self.capabilities is not None:
                 options = [lay for lay in options if supports_layout(self.capabilities, lay)]
             scored = [self.score(lay) for lay in options]
@@ -116,7 +126,11 @@ class Tuner:
             # Pareto front over (time, static bytes, activation bytes); the actor's tp x pp also
             # sets the reshard time into the generation layout, so each gets its own front
             for item in scored:
-                same = (lambda f: True) if model != self.roles.actor else (lambda f, p=item[0].parallel: f[0].parallel.tp * f[0].parallel.pp == p.tp * p.pp)
+                same = (
+                    (lambda f: True)
+                    if model != self.roles.actor
+                    else (lambda f, p=item[0].parallel: f[0].parallel.tp * f[0].parallel.pp == p.tp * p.pp)
+                )
                 if not any(same(f) and f[1] <= item[1] and f[2] <= item[2] and f[3] <= item[3] for f in front):
                     front.append(item)
             self._layout_cache[key] = front
@@ -127,11 +141,21 @@ class Tuner:
         trainable = lay.model in self.roles.trainable
         seconds = self.forwards[lay.model] * self.cost.forward(lay, self.w.sequences, self.seq_len, backward=False)
         if trainable:
-            seconds += self.w.ppo_epochs * (self.cost.forward(lay, self.w.sequences, self.seq_len, backward=True) + self.w.mini_batches * self.cost.optimizer_step(lay))
+            seconds += self.w.ppo_epochs * (
+                self.cost.forward(lay, self.w.sequences, self.seq_len, backward=True)
+                + self.w.mini_batches * self.cost.optimizer_step(lay)
+            )
         states = mem.state_bytes(self.model, self.numerics, lay, trainable)
-        return (lay, seconds, states, mem.activation_bytes(self.model, self.numerics, lay, self.max_len, training=trainable))
+        return (
+            lay,
+            seconds,
+            states,
+            mem.activation_bytes(self.model, self.numerics, lay, self.max_len, training=trainable),
+        )
 
-    def group_memory(self, sk: Skeleton, choice: dict[str, tuple[ModelLayout, float, int, int]], group: str) -> tuple[int, dict[str, int]]:
+    def group_memory(
+        self, sk: Skeleton, choice: dict[str, tuple[ModelLayout, float, int, int]], group: str
+    ) -> tuple[int, dict[str, int]]:
         members = [m for m, g in sk.assignment if g == group]
         peaks = {f"{m} activations": choice[m][3] for m in members}
         if sk.generation.group == group:
@@ -175,16 +199,41 @@ class Tuner:
 
     # ------------------------------------------------------------ plans
     def plan_of(self, sk: Skeleton, choice: dict[str, tuple[ModelLayout, float, int, int]]) -> ClusterPlan:
-        return ClusterPlan(placement=sk.placement, groups=sk.groups, models=tuple(choice[m][0] for m in self.roles.models), generation=sk.generation, rollout=sk.rollout, weight_sync=sk.weight_sync)
+        return ClusterPlan(
+            placement=sk.placement,
+            groups=sk.groups,
+            models=tuple(choice[m][0] for m in self.roles.models),
+            generation=sk.generation,
+            rollout=sk.rollout,
+            weight_sync=sk.weight_sync,
+        )
 
     def evaluate(self, plan: ClusterPlan, *, iterations: int, max_replicas: int | None) -> Candidate:
         gen_group = plan.generation.group
         members = [m for m in plan.models if m.group == gen_group]
         static = sum(mem.state_bytes(self.model, self.numerics, m, m.model in self.roles.trainable) for m in members)
-        result = simulate(self.graph, plan, self.cost, self.w, self.roles, static_gen_bytes=static, iterations=iterations, seed=self.seed, sampled_replicas=max_replicas, numerics=self.numerics)
+        result = simulate(
+            self.graph,
+            plan,
+            self.cost,
+            self.w,
+            self.roles,
+            static_gen_bytes=static,
+            iterations=iterations,
+            seed=self.seed,
+            sampled_replicas=max_replicas,
+            numerics=self.numerics,
+        )
         memory = {}
         choice = {m.model: self.score(m) for m in plan.models}
-        sk = Skeleton(plan.placement, plan.groups, tuple((m.model, m.group) for m in plan.models), plan.generation, plan.rollout, plan.weight_sync)
+        sk = Skeleton(
+            plan.placement,
+            plan.groups,
+            tuple((m.model, m.group) for m in plan.models),
+            plan.generation,
+            plan.rollout,
+            plan.weight_sync,
+        )
         for g in plan.groups:
             memory[g.name] = self.group_memory(sk, choice, g.name)[0]
         return Candidate(plan=plan, result=result, memory=memory)
@@ -192,11 +241,15 @@ class Tuner:
     # ------------------------------------------------------------ search
     def search(self, *, budget_s: float = 8.0, exhaustive_limit: int = 4000, keep: int = 8) -> TuneResult:
         t0 = time.perf_counter()
-        sks = skeletons(self.roles, self.cluster.devices, self.cluster.devices_per_node, self.model.heads, self.model.kv_heads)
+        sks = skeletons(
+            self.roles, self.cluster.devices, self.cluster.devices_per_node, self.model.heads, self.model.kv_heads
+        )
         caps = self.capabilities
         if caps is not None:
             if caps.max_devices is not None and self.cluster.devices > caps.max_devices:
-                raise PlanError(f"the executor runs at most {caps.max_devices} device(s); this cluster has {self.cluster.devices}. Plan without --backend for a forecast, or pick an executor that runs it.")
+                raise PlanError(
+                    f"the executor runs at most {caps.max_devices} device(s); this cluster has {self.cluster.devices}. Plan without --backend for a forecast, or pick an executor that runs it."
+                )
             sks = [sk for sk in sks if supports(caps, sk.placement, sk.rollout, sk.weight_sync, sk.generation.tp)]
         candidates: list[ClusterPlan] = []
         infeasible: list[Infeasible] = []
@@ -224,7 +277,9 @@ class Tuner:
         finals = quick[:keep] if combos is not None else [self.evaluate(c.plan, **FINAL) for c in quick[:keep]]
         finals.sort(key=lambda c: (c.result.iteration_s, c.plan.summary()))
         ranked = [self._sealed(c) for c in finals] + quick[keep:]
-        result = TuneResult(ranked=ranked, considered=len(quick), infeasible=infeasible, seconds=time.perf_counter() - t0)
+        result = TuneResult(
+            ranked=ranked, considered=len(quick), infeasible=infeasible, seconds=time.perf_counter() - t0
+        )
         result.roofline = self.roofline(ranked[0])
         ranked[0] = self._sealed(ranked[0], result.roofline)
         return result
@@ -277,7 +332,12 @@ class Tuner:
         hw, n = self.cluster.hardware, self.cluster.devices
         compute = c.result.flops / (n * hw.peak_flops_bf16)
         decode = c.result.longest_decode * self.cost.param_bytes / (n * hw.memory_bandwidth)
-        return {"flops": c.result.flops, "compute_bound_s": compute, "decode_bound_s": decode, "bound_s": max(compute, decode)}
+        return {
+            "flops": c.result.flops,
+            "compute_bound_s": compute,
+            "decode_bound_s": decode,
+            "bound_s": max(compute, decode),
+        }
 
     def _nothing_fits(self, infeasible: list[Infeasible]) -> str:
         hw = self.cluster.hardware
@@ -291,7 +351,10 @@ class Tuner:
             )
         n = self.numerics
         per_trainable = n.weight_bytes + n.grad_bytes + n.optimizer_bytes
-        states = sum((per_trainable if m in self.roles.trainable else n.weight_bytes) for m in self.roles.models) * self.model.parameters()
+        states = (
+            sum((per_trainable if m in self.roles.trainable else n.weight_bytes) for m in self.roles.models)
+            * self.model.parameters()
+        )
         need_devices = -(-states // self.capacity)
         suggestion = self.cluster.devices_per_node
         while suggestion < need_devices:
@@ -299,7 +362,11 @@ class Tuner:
         if suggestion > self.cluster.devices:
             advice = f"try --cluster {suggestion}x{hw.name} or a smaller --model."
         else:  # the states would fit: activations or the KV cache do not
-            limits = "" if self.capabilities is None or self.capabilities.model_parallel else " (this executor splits no model over devices)"
+            limits = (
+                ""
+                if self.capabilities is None or self.capabilities.model_parallel
+                else " (this executor splits no model over devices)"
+            )
             advice = f"the states fit here, so activations or the KV cache do not{limits}: use shorter prompts/responses, fewer sequences per step, or a larger cluster."
         return (
             f"no plan fits {self.graph.name} with {self.model.name} ({self.model.parameters() / 1e9:.1f}B parameters, {len(self.roles.models)} models) "
@@ -319,7 +386,12 @@ def explain(result: TuneResult, model: ModelSpec, cluster: ClusterSpec, top: int
     ]
     for k, v in sorted(pred.breakdown.items(), key=lambda kv: -kv[1]):
         lines.append(f"    {k:<18} {v:9.3f}")
-    lines.append("  device groups: " + ", ".join(f"{g}: {u:.0%} busy, {mem.gib(pred.memory_bytes.get(g, 0))}/device" for g, u in pred.utilization.items()))
+    lines.append(
+        "  device groups: "
+        + ", ".join(
+            f"{g}: {u:.0%} busy, {mem.gib(pred.memory_bytes.get(g, 0))}/device" for g, u in pred.utilization.items()
+        )
+    )
     roof = result.roofline
     lines.append(
         f"  roofline: {roof['flops'] / 1e15:.1f} PFLOP/iteration -> {roof['compute_bound_s']:.2f}s at {cluster.devices} x {cluster.hardware.peak_flops_bf16 / 1e12:.0f} TFLOP/s; "
@@ -333,14 +405,19 @@ def explain(result: TuneResult, model: ModelSpec, cluster: ClusterSpec, top: int
             continue
         seen.add(c.plan.summary())
         shown += 1
-        lines.append(f"  {c.result.iteration_s:8.2f}s (+{c.result.iteration_s / pred.iteration_s - 1:.0%})  {c.plan.summary()}")
+        lines.append(
+            f"  {c.result.iteration_s:8.2f}s (+{c.result.iteration_s / pred.iteration_s - 1:.0%})  {c.plan.summary()}"
+        )
         lines.append(f"           loses on: {why_slower(c, best)}")
     return "\n".join(lines)
 
 
 def why_slower(c: Candidate, best: Candidate) -> str:
     """The components that cost the runner-up the most time against the winner."""
-    deltas = {k: c.result.breakdown.get(k, 0.0) - best.result.breakdown.get(k, 0.0) for k in set(c.result.breakdown) | set(best.result.breakdown)}
+    deltas = {
+        k: c.result.breakdown.get(k, 0.0) - best.result.breakdown.get(k, 0.0)
+        for k in set(c.result.breakdown) | set(best.result.breakdown)
+    }
     busy_c = sum(c.result.breakdown.values())
     busy_b = sum(best.result.breakdown.values())
     overlap = (busy_c - c.result.iteration_s) - (busy_b - best.result.iteration_s)

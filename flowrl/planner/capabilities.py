@@ -4,7 +4,15 @@ executor refuses any other plan before it builds a model."""
 from __future__ import annotations
 
 from flowrl.planner.memory import Numerics
-from flowrl.planner.space import ClusterPlan, ModelLayout, Placement, RolloutMode, RolloutPolicy, SyncStrategy, WeightSync
+from flowrl.planner.space import (
+    ClusterPlan,
+    ModelLayout,
+    Placement,
+    RolloutMode,
+    RolloutPolicy,
+    SyncStrategy,
+    WeightSync,
+)
 from flowrl.specs import Spec
 
 
@@ -19,7 +27,9 @@ class Capabilities(Spec):
     numerics: Numerics = Numerics()
 
 
-def supports(caps: Capabilities, placement: Placement, rollout: RolloutPolicy, sync: WeightSync, generation_tp: int) -> bool:
+def supports(
+    caps: Capabilities, placement: Placement, rollout: RolloutPolicy, sync: WeightSync, generation_tp: int
+) -> bool:
     """Whether ``caps`` runs a plan skeleton with these choices."""
     return (
         placement in caps.placements

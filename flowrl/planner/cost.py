@@ -76,7 +76,9 @@ class CostModel:
         flops = batch * (base + (self.model.flops_per_token(1) - base) * context)  # linear in the context
         nbytes = (self.param_bytes + batch * context * self.model.kv_bytes_per_token(BF16)) / tp
         comm = self.model.layers * 2 * self.allreduce(batch * self.model.hidden * BF16, tp)
-        return np.maximum(self.matmul(flops, tp), self.stream(nbytes)) + comm + self.model.layers * self.hw.kernel_overhead
+        return (
+            np.maximum(self.matmul(flops, tp), self.stream(nbytes)) + comm + self.model.layers * self.hw.kernel_overhead
+        )
 
     # ------------------------------------------------------------ training / inference
     def forward(self, layout: ModelLayout, sequences: int, seq_len: int, *, backward: bool) -> float:
@@ -92,10 +94,17 @@ class CostModel:
         bubble = (p.pp - 1) / (micro + p.pp - 1) if p.pp > 1 else 0.0
         compute = compute / (1 - bubble)
         tokens_mb = layout.micro_batch * seq_len
-        comm = micro * (self.model.layers // p.pp) * (4 if backward else 2) * self.allreduce(tokens_mb * self.model.hidden * BF16, p.tp)
+        comm = (
+            micro
+            * (self.model.layers // p.pp)
+            * (4 if backward else 2)
+            * self.allreduce(tokens_mb * self.model.hidden * BF16, p.tp)
+        )
         if p.pp > 1:  # activations (and their gradients) cross pp - 1 stage boundaries per micro-batch
             bw, lat = self.link(p.tp * p.pp)
-            comm += micro * (p.pp - 1) * (2 if backward else 1) * (tokens_mb * self.model.hidden * BF16 / p.tp / bw + lat)
+            comm += (
+                micro * (p.pp - 1) * (2 if backward else 1) * (tokens_mb * self.model.hidden * BF16 / p.tp / bw + lat)
+            )
         overhead = micro * (self.model.layers // p.pp) * self.hw.kernel_overhead * (2 if backward else 1)
         return compute + comm + overhead
 

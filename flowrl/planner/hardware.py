@@ -73,7 +73,12 @@ class CheckedSpec(Spec):
 def _check_bounds(value: Any, bounds: dict[str, float], where: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return  # a type error; msgspec reports those when converting
-    ops = {"gt": (lambda v, b: v > b, ">"), "ge": (lambda v, b: v >= b, ">="), "lt": (lambda v, b: v < b, "<"), "le": (lambda v, b: v <= b, "<=")}
+    ops = {
+        "gt": (lambda v, b: v > b, ">"),
+        "ge": (lambda v, b: v >= b, ">="),
+        "lt": (lambda v, b: v < b, "<"),
+        "le": (lambda v, b: v <= b, "<="),
+    }
     for key, bound in bounds.items():
         ok, sign = ops[key]
         if not ok(value, bound) or (isinstance(value, float) and math.isnan(value)):
@@ -204,14 +209,37 @@ def _preset(name: str, **fields: Any) -> HardwareSpec:
 
 
 _A100 = dict(peak_flops_bf16=312e12, peak_flops_fp32=19.5e12, intra_node_bandwidth=300e9, inter_node_bandwidth=25e9)
-_HOPPER_LINKS = dict(intra_node_bandwidth=450e9, inter_node_bandwidth=50e9, host_bandwidth=50e9)  # PCIe Gen5 x16 (A100: Gen4, the 25e9 default)
+_HOPPER_LINKS = dict(
+    intra_node_bandwidth=450e9, inter_node_bandwidth=50e9, host_bandwidth=50e9
+)  # PCIe Gen5 x16 (A100: Gen4, the 25e9 default)
 
 HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     "A100-40G": _preset("A100-40G", **_A100, memory_bytes=40 * GiB, memory_bandwidth=1.555e12),
     "A100-80G": _preset("A100-80G", **_A100, memory_bytes=80 * GiB, memory_bandwidth=2.039e12),
-    "H100-80G": _preset("H100-80G", peak_flops_bf16=989e12, peak_flops_fp32=67e12, memory_bytes=80 * GiB, memory_bandwidth=3.35e12, **_HOPPER_LINKS),
-    "H200-141G": _preset("H200-141G", peak_flops_bf16=989e12, peak_flops_fp32=67e12, memory_bytes=141 * GiB, memory_bandwidth=4.8e12, **_HOPPER_LINKS),
-    "H20": _preset("H20", peak_flops_bf16=148e12, peak_flops_fp32=44e12, memory_bytes=96 * GiB, memory_bandwidth=4.0e12, **_HOPPER_LINKS),
+    "H100-80G": _preset(
+        "H100-80G",
+        peak_flops_bf16=989e12,
+        peak_flops_fp32=67e12,
+        memory_bytes=80 * GiB,
+        memory_bandwidth=3.35e12,
+        **_HOPPER_LINKS,
+    ),
+    "H200-141G": _preset(
+        "H200-141G",
+        peak_flops_bf16=989e12,
+        peak_flops_fp32=67e12,
+        memory_bytes=141 * GiB,
+        memory_bandwidth=4.8e12,
+        **_HOPPER_LINKS,
+    ),
+    "H20": _preset(
+        "H20",
+        peak_flops_bf16=148e12,
+        peak_flops_fp32=44e12,
+        memory_bytes=96 * GiB,
+        memory_bandwidth=4.0e12,
+        **_HOPPER_LINKS,
+    ),
 }
 
 
@@ -293,7 +321,9 @@ def parse_cluster(
         hardware = _lookup(name, presets, f"cluster '{spec}'")
         return _pack(count, hardware, spec)
     if _find(spec, presets) is not None:
-        raise ConfigError(f"cluster '{spec}': give a device count, e.g. '8x{_find(spec, presets).name}' or '2x8x{_find(spec, presets).name}'.")
+        raise ConfigError(
+            f"cluster '{spec}': give a device count, e.g. '8x{_find(spec, presets).name}' or '2x8x{_find(spec, presets).name}'."
+        )
     if path.suffix or os.sep in spec or "/" in spec:
         raise ConfigError(f"cluster file '{path}' does not exist.")
     raise ConfigError(
@@ -325,7 +355,9 @@ def _find(name: str, presets: Mapping[str, HardwareSpec]) -> HardwareSpec | None
 def _lookup(name: str, presets: Mapping[str, HardwareSpec], what: str) -> HardwareSpec:
     found = _find(name, presets)
     if found is None:
-        raise ConfigError(f"{what}: unknown hardware preset '{name}'.{did_you_mean(name, list(presets))} Presets: {', '.join(presets)}.")
+        raise ConfigError(
+            f"{what}: unknown hardware preset '{name}'.{did_you_mean(name, list(presets))} Presets: {', '.join(presets)}."
+        )
     return found
 
 
@@ -351,7 +383,9 @@ def _load_cluster_file(path: Path, presets: Mapping[str, HardwareSpec]) -> Clust
         preset = hardware.pop("preset", None)
         if preset is not None:
             if not isinstance(preset, str):
-                raise ConfigError(f"{what}: field 'hardware.preset' must be a preset name, got {type(preset).__name__}.")
+                raise ConfigError(
+                    f"{what}: field 'hardware.preset' must be a preset name, got {type(preset).__name__}."
+                )
             hardware = {**msgspec.to_builtins(_lookup(preset, presets, f"{what}, field 'hardware.preset'")), **hardware}
     hardware = coerce_numbers(hardware, HardwareSpec)
     data = {"nodes": head.nodes, "devices_per_node": head.devices_per_node, "hardware": hardware}

@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 
 
 def initial_plan(graph: Graph, source: str, config: RunConfig, target: ClusterTarget) -> ExecutionPlan:
-    return ExecutionPlan(graph=GraphRef(name=graph.name, source=source, fingerprint=graph.fingerprint()), config=config, target=target)
+    return ExecutionPlan(
+        graph=GraphRef(name=graph.name, source=source, fingerprint=graph.fingerprint()), config=config, target=target
+    )
 
 
 def run_passes(
@@ -38,7 +40,9 @@ def run_passes(
     wanted = set(print_after)
     unknown = wanted - set(passes) - {"all"}
     if unknown:
-        raise PlanError(f"--print-after names unknown pass(es) {', '.join(sorted(unknown))}; this pipeline runs: {', '.join(passes)}.")
+        raise PlanError(
+            f"--print-after names unknown pass(es) {', '.join(sorted(unknown))}; this pipeline runs: {', '.join(passes)}."
+        )
     for name in passes:
         fn = registry.get("passes", name)
         try:

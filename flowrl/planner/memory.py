@@ -80,7 +80,9 @@ def generation_bytes(model: ModelSpec, numerics: Numerics, gen: GenerationLayout
     return weights + live * max_len * model.kv_bytes_per_token(numerics.activation_bytes) // gen.tp
 
 
-def kv_capacity(model: ModelSpec, numerics: Numerics, hw: HardwareSpec, tp: int, static_bytes: int, context: int) -> int:
+def kv_capacity(
+    model: ModelSpec, numerics: Numerics, hw: HardwareSpec, tp: int, static_bytes: int, context: int
+) -> int:
     """How many sequences of ``context`` tokens fit in the KV cache of one generation replica
     of ``tp`` devices, after ``static_bytes`` of resident model states and its weights."""
     free = usable_bytes(hw, numerics) - static_bytes - model.parameters() * numerics.weight_bytes / tp

@@ -9,8 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flowrl.errors import ConfigError
-from flowrl.errors import did_you_mean
+from flowrl.errors import ConfigError, did_you_mean
 from flowrl.planner.hardware import CheckedSpec, Count, SpecFieldError
 from flowrl.specs import TinyModelConfig, convert, read_document
 
@@ -32,7 +31,9 @@ class ModelSpec(CheckedSpec, kw_only=True):
         if self.heads % self.kv_heads:
             raise SpecFieldError(f"ModelSpec field 'kv_heads' ({self.kv_heads}) must divide 'heads' ({self.heads})")
         if self.head_dim is None and self.hidden % self.heads:
-            raise SpecFieldError(f"ModelSpec field 'heads' ({self.heads}) must divide 'hidden' ({self.hidden}) unless 'head_dim' is given")
+            raise SpecFieldError(
+                f"ModelSpec field 'heads' ({self.heads}) must divide 'hidden' ({self.hidden}) unless 'head_dim' is given"
+            )
 
     @property
     def dim_per_head(self) -> int:
@@ -77,9 +78,19 @@ def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, inter: int,
     return ModelSpec(name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv, intermediate=inter, vocab=vocab)
 
 
-def _qwen(name: str, layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int, tied: bool = False) -> ModelSpec:
+def _qwen(
+    name: str, layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int, tied: bool = False
+) -> ModelSpec:
     return ModelSpec(
-        name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv, intermediate=inter, vocab=vocab, tied_embeddings=tied, qkv_bias=True
+        name=name,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv,
+        intermediate=inter,
+        vocab=vocab,
+        tied_embeddings=tied,
+        qkv_bias=True,
     )
 
 
@@ -153,11 +164,18 @@ def from_tiny(cfg: TinyModelConfig, tokenizer_vocab: int) -> ModelSpec:
     """The shape of the tiny Llama built from scratch when no model directory is given."""
     vocab = cfg.vocab_size or tokenizer_vocab
     if vocab < tokenizer_vocab:
-        raise ConfigError(f"config field 'tiny_model.vocab_size' ({vocab}) is smaller than the tokenizer ({tokenizer_vocab} tokens).")
+        raise ConfigError(
+            f"config field 'tiny_model.vocab_size' ({vocab}) is smaller than the tokenizer ({tokenizer_vocab} tokens)."
+        )
     try:
         return ModelSpec(
-            name="tiny-llama", layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads,
-            kv_heads=cfg.num_kv_heads, intermediate=cfg.intermediate_size, vocab=vocab,
+            name="tiny-llama",
+            layers=cfg.num_layers,
+            hidden=cfg.hidden_size,
+            heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            intermediate=cfg.intermediate_size,
+            vocab=vocab,
         )
     except ConfigError as exc:
         raise ConfigError(f"config field 'tiny_model': {exc}") from None

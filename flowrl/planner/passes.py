@@ -23,7 +23,15 @@ from flowrl.errors import ConfigError, GraphError, PlanError
 from flowrl.graph.ir import Compute, Forward, Generate, Graph, Reward, Train
 from flowrl.planner import memory as mem
 from flowrl.planner.plan import ExecutionPlan, MemoryEstimate, NodePlan
-from flowrl.planner.space import ClusterPlan, DeviceGroup, GenerationLayout, ModelLayout, Parallel, RolloutPolicy, WeightSync
+from flowrl.planner.space import (
+    ClusterPlan,
+    DeviceGroup,
+    GenerationLayout,
+    ModelLayout,
+    Parallel,
+    RolloutPolicy,
+    WeightSync,
+)
 from flowrl.planner.workload import Fixed, WorkloadSpec
 from flowrl.specs import AlgoConfig
 
@@ -109,13 +117,21 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
             decl = graph.models[node.model]
             want = "values" if decl.scalar_head else "logprobs"
             if entry.meta.get("output", "logprobs") != want:
-                raise PlanError(f"node '{node.name}': loss '{node.loss}' trains on {entry.meta.get('output')}, but model '{decl.name}' (role {decl.role}) produces {want}.")
+                raise PlanError(
+                    f"node '{node.name}': loss '{node.loss}' trains on {entry.meta.get('output')}, but model '{decl.name}' (role {decl.role}) produces {want}."
+                )
         _, options = node_options(graph, node.name, cfg.algo, reg)
         if isinstance(node, Train):
             mini_batches = options.get("mini_batches", cfg.train.mini_batches)
             if mini_batches > rows[node.name]:
-                raise PlanError(f"node '{node.name}': {mini_batches} mini-batches but only {rows[node.name]} rows per step; lower train.mini_batches.")
-    for kind, name, field_ in (("executors", cfg.backend, "backend"), ("generation_engines", cfg.generation.engine, "generation.engine"), ("training_engines", cfg.train.engine, "train.engine")):
+                raise PlanError(
+                    f"node '{node.name}': {mini_batches} mini-batches but only {rows[node.name]} rows per step; lower train.mini_batches."
+                )
+    for kind, name, field_ in (
+        ("executors", cfg.backend, "backend"),
+        ("generation_engines", cfg.generation.engine, "generation.engine"),
+        ("training_engines", cfg.train.engine, "train.engine"),
+    ):
         try:
             reg.entry(kind, name)
         except Exception as exc:
@@ -141,7 +157,9 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
 def _check_keys(node: str, what: str, reads: tuple[str, ...], writes: tuple[str, ...], meta: dict[str, Any]) -> None:
     for key in meta.get("needs", ()):
         if key not in reads:
-            raise PlanError(f"node '{node}': {what} needs key '{key}', but the node does not read it. Add '{key}' to its reads.")
+            raise PlanError(
+                f"node '{node}': {what} needs key '{key}', but the node does not read it. Add '{key}' to its reads."
+            )
     gives = meta.get("gives")
     if gives is not None:
         for key in writes:
@@ -175,7 +193,10 @@ def colocated(graph: Graph, workload: WorkloadSpec, micro_batch: int | None = No
     return ClusterPlan(
         placement="colocate",
         groups=(DeviceGroup(name="all", devices=1, first=0),),
-        models=tuple(ModelLayout(model=m, group="all", parallel=Parallel(dp=1, tp=1, pp=1), micro_batch=mini_batch) for m in graph.models),
+        models=tuple(
+            ModelLayout(model=m, group="all", parallel=Parallel(dp=1, tp=1, pp=1), micro_batch=mini_batch)
+            for m in graph.models
+        ),
         generation=GenerationLayout(group="all", tp=1, replicas=1),
         rollout=RolloutPolicy(),
         weight_sync=WeightSync(strategy="reshard"),
@@ -194,15 +215,23 @@ def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     rollout = any(isinstance(n, Generate) for n in ctx.graph.nodes.values())
     single = None
     if t.cluster.devices == 1 and (t.capabilities is not None or not rollout):
-        single = _fit_micro_batches(ctx.graph, plan, colocated(ctx.graph, plan.workload, plan.config.train.micro_batch_size))
+        single = _fit_micro_batches(
+            ctx.graph, plan, colocated(ctx.graph, plan.workload, plan.config.train.micro_batch_size)
+        )
         if not rollout:
             return _replace(plan, layout=single)  # nothing to simulate
     elif not rollout:
         raise PlanError(f"graph '{ctx.graph.name}' has no generate node; the cluster planner needs a rollout.")
     tuner = Tuner(
-        ctx.graph, t.model, t.cluster, plan.workload,
-        seed=int(opts.get("seed", 0)), cost_model=opts.get("cost_model", "analytic"), registry=ctx.registry,
-        numerics=t.numerics, capabilities=t.capabilities,
+        ctx.graph,
+        t.model,
+        t.cluster,
+        plan.workload,
+        seed=int(opts.get("seed", 0)),
+        cost_model=opts.get("cost_model", "analytic"),
+        registry=ctx.registry,
+        numerics=t.numerics,
+        capabilities=t.capabilities,
     )
     result = tuner.single(single) if single is not None else tuner.search(budget_s=float(opts.get("budget_s", 8.0)))
     ctx.cache["tune"] = result
@@ -252,7 +281,9 @@ def _fit_micro_batches(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan) -
     t, seq_len, trainable = plan.target, _seq_len(plan), _trainable(graph)
     models = []
     for lay in layout.models:
-        states = sum(mem.state_bytes(t.model, t.numerics, m, m.model in trainable) for m in layout.models if m.group == lay.group)
+        states = sum(
+            mem.state_bytes(t.model, t.numerics, m, m.model in trainable) for m in layout.models if m.group == lay.group
+        )
         room = max(mem.usable_bytes(t.cluster.hardware, t.numerics) - states, 0) // 2
         size = lay.micro_batch
         while size > 1 and _activations(plan, lay, size, seq_len, lay.model in trainable) > room:
@@ -267,7 +298,9 @@ def _trainable(graph: Graph) -> set[str]:
 
 def _activations(plan: ExecutionPlan, lay: ModelLayout, size: int, seq_len: int, training: bool) -> int:
     t = plan.target
-    return mem.activation_bytes(t.model, t.numerics, msgspec.structs.replace(lay, micro_batch=size), seq_len, training=training)
+    return mem.activation_bytes(
+        t.model, t.numerics, msgspec.structs.replace(lay, micro_batch=size), seq_len, training=training
+    )
 
 
 # ------------------------------------------------------------------ memory
@@ -281,7 +314,9 @@ def memory(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     estimates = []
     for g in layout.groups:
         states = {
-            f"model {m.model} ({'weights+grads+optimizer' if m.model in trainable else 'weights'})": mem.state_bytes(t.model, t.numerics, m, m.model in trainable)
+            f"model {m.model} ({'weights+grads+optimizer' if m.model in trainable else 'weights'})": mem.state_bytes(
+                t.model, t.numerics, m, m.model in trainable
+            )
             for m in layout.models
             if m.group == g.name
         }
@@ -290,12 +325,23 @@ def memory(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
             if n.group != g.name:
                 continue
             if n.kind == "generate":
-                peaks[f"node {n.node} (generation weights + KV cache)"] = mem.generation_bytes(t.model, t.numerics, layout.generation, n.rows, seq_len)
+                peaks[f"node {n.node} (generation weights + KV cache)"] = mem.generation_bytes(
+                    t.model, t.numerics, layout.generation, n.rows, seq_len
+                )
             elif n.kind in ("forward", "train"):
                 lay = layout.layout(ctx.graph.nodes[n.node].model)
-                peaks[f"node {n.node} activations"] = _activations(plan, lay, n.micro_batch_size, seq_len, n.kind == "train")
+                peaks[f"node {n.node} activations"] = _activations(
+                    plan, lay, n.micro_batch_size, seq_len, n.kind == "train"
+                )
         need, breakdown = mem.group_need(states, peaks)
-        estimates.append(MemoryEstimate(group=g.name, capacity_bytes=mem.usable_bytes(t.cluster.hardware, t.numerics), required_bytes=need, breakdown=breakdown))
+        estimates.append(
+            MemoryEstimate(
+                group=g.name,
+                capacity_bytes=mem.usable_bytes(t.cluster.hardware, t.numerics),
+                required_bytes=need,
+                breakdown=breakdown,
+            )
+        )
     return _replace(plan, memory=tuple(estimates))
 
 
@@ -313,9 +359,13 @@ def verify_plan(graph: Graph, plan: ExecutionPlan) -> None:
         groups = {g.name for g in plan.layout.groups} if plan.layout else set()
         for n in plan.nodes:
             if not 1 <= n.micro_batch_size <= max(n.rows, 1):
-                raise PlanError(f"node '{n.node}': micro-batch size {n.micro_batch_size} is outside 1..{n.rows} (its rows per step).")
+                raise PlanError(
+                    f"node '{n.node}': micro-batch size {n.micro_batch_size} is outside 1..{n.rows} (its rows per step)."
+                )
             if n.group is not None and n.group not in groups:
-                raise PlanError(f"node '{n.node}' runs on unknown device group '{n.group}' (groups: {', '.join(sorted(groups))}).")
+                raise PlanError(
+                    f"node '{n.node}' runs on unknown device group '{n.group}' (groups: {', '.join(sorted(groups))})."
+                )
     for est in plan.memory:
         if est.required_bytes > est.capacity_bytes:
             parts = "; ".join(f"{k}: {mem.gib(v)}" for k, v in sorted(est.breakdown.items(), key=lambda kv: -kv[1]))
@@ -331,24 +381,38 @@ def _verify_layout(graph: Graph, plan: ExecutionPlan) -> None:
     """Every model placed once; parallel sizes fill their group and divide heads, layers and batch."""
     c, t = plan.layout, plan.target
     if sorted(m.model for m in c.models) != sorted(graph.models):
-        raise PlanError(f"the plan places models {sorted(m.model for m in c.models)} but the graph declares {sorted(graph.models)}.")
+        raise PlanError(
+            f"the plan places models {sorted(m.model for m in c.models)} but the graph declares {sorted(graph.models)}."
+        )
     if sum(g.devices for g in c.groups) > t.cluster.devices:
-        raise PlanError(f"the plan uses {sum(g.devices for g in c.groups)} devices; the cluster has {t.cluster.devices}.")
+        raise PlanError(
+            f"the plan uses {sum(g.devices for g in c.groups)} devices; the cluster has {t.cluster.devices}."
+        )
     groups = {g.name: g for g in c.groups}
     mini_batch = t.workload.sequences // t.workload.mini_batches if t.workload else None
     for m in c.models:
         p, g = m.parallel, groups.get(m.group)
         if g is None:
-            raise PlanError(f"model '{m.model}' is placed on unknown device group '{m.group}' (groups: {', '.join(groups)}).")
+            raise PlanError(
+                f"model '{m.model}' is placed on unknown device group '{m.group}' (groups: {', '.join(groups)})."
+            )
         if p.dp * p.tp * p.pp != g.devices:
-            raise PlanError(f"model '{m.model}': dp {p.dp} x tp {p.tp} x pp {p.pp} != {g.devices} devices of group '{g.name}'.")
+            raise PlanError(
+                f"model '{m.model}': dp {p.dp} x tp {p.tp} x pp {p.pp} != {g.devices} devices of group '{g.name}'."
+            )
         if t.model.heads % p.tp or t.model.layers % p.pp:
-            raise PlanError(f"model '{m.model}': tp {p.tp} must divide {t.model.heads} heads and pp {p.pp} the {t.model.layers} layers.")
+            raise PlanError(
+                f"model '{m.model}': tp {p.tp} must divide {t.model.heads} heads and pp {p.pp} the {t.model.layers} layers."
+            )
         if mini_batch is not None and (mini_batch % p.dp or not 1 <= m.micro_batch <= mini_batch // p.dp):
-            raise PlanError(f"model '{m.model}': dp {p.dp} must divide the mini-batch of {mini_batch} sequences and micro-batch {m.micro_batch} fit in a rank's share.")
+            raise PlanError(
+                f"model '{m.model}': dp {p.dp} must divide the mini-batch of {mini_batch} sequences and micro-batch {m.micro_batch} fit in a rank's share."
+            )
     gen = c.generation
     if gen.group not in groups or gen.tp * gen.replicas != groups[gen.group].devices or t.model.heads % gen.tp:
-        raise PlanError(f"generation: tp {gen.tp} x {gen.replicas} replicas must fill group '{gen.group}' and tp must divide the heads.")
+        raise PlanError(
+            f"generation: tp {gen.tp} x {gen.replicas} replicas must fill group '{gen.group}' and tp must divide the heads."
+        )
 
 
 PIPELINE = ("resolve", "place", "micro_batch", "memory")

@@ -110,5 +110,7 @@ def load_plan(path: str | Path) -> ExecutionPlan:
     """Read a plan file; a plan whose content no longer matches its id is refused."""
     plan = convert(read_document(path), ExecutionPlan, f"plan file '{path}'")
     if plan.id and plan.id != plan.content_id():
-        raise ConfigError(f"plan file '{path}' was edited after it was planned (id {plan.id} != content {plan.content_id()}). Re-run `flowrl plan`, or delete the 'id' line to accept the edit.")
+        raise ConfigError(
+            f"plan file '{path}' was edited after it was planned (id {plan.id} != content {plan.content_id()}). Re-run `flowrl plan`, or delete the 'id' line to accept the edit."
+        )
     return plan.sealed()

@@ -66,7 +66,16 @@ def decode_seconds(cost: CostModel, lengths: np.ndarray, prompt: int, tp: int, c
 class Generator:
     """Per-iteration generation time across replicas, with partial-rollout carry-over."""
 
-    def __init__(self, plan: ClusterPlan, cost: CostModel, workload: WorkloadSpec, static_bytes: int, rng: np.random.Generator, sampled_replicas: int | None = None, numerics: Numerics | None = None) -> None:
+    def __init__(
+        self,
+        plan: ClusterPlan,
+        cost: CostModel,
+        workload: WorkloadSpec,
+        static_bytes: int,
+        rng: np.random.Generator,
+        sampled_replicas: int | None = None,
+        numerics: Numerics | None = None,
+    ) -> None:
         self.plan, self.cost, self.w, self.rng = plan, cost, workload, rng
         gen = plan.generation
         context = workload.prompt_length + workload.max_response()
@@ -157,7 +166,9 @@ def simulate(
     spans: list[Span] = []
     durations: dict[str, list[float]] = {}
     dag = graph.dag()
-    train_actor = next((n for n in order if isinstance(graph.nodes[n], Train) and graph.nodes[n].model == roles.actor), None)
+    train_actor = next(
+        (n for n in order if isinstance(graph.nodes[n], Train) and graph.nodes[n].model == roles.actor), None
+    )
     sync_s = sync_seconds(plan, cost, roles)
     epochs, minis = workload.ppo_epochs, workload.mini_batches
     flops_total = 0.0  # forward and train nodes, over all iterations
@@ -187,7 +198,9 @@ def simulate(
             count = sequences if not node.greedy else max(sequences // max(workload.samples_per_prompt, 1), 1)
             seconds, tokens = gen.iteration(count)
             gen_tokens += tokens
-            gen_flops += count * workload.prompt_length * cost.model.flops_per_token(workload.prompt_length // 2) + tokens * cost.model.flops_per_token(seq_len)
+            gen_flops += count * workload.prompt_length * cost.model.flops_per_token(
+                workload.prompt_length // 2
+            ) + tokens * cost.model.flops_per_token(seq_len)
             need = it - 1 - stale
             deps = [finish[(need, "weight_sync")]] if need >= 0 and (need, "weight_sync") in finish else []
             run(it, name, node_group(plan, graph, name), deps, seconds)
@@ -207,7 +220,9 @@ def simulate(
                 flops_total += sequences * seq_len * cost.model.flops_per_token(seq_len // 2)
             elif isinstance(node, Train):
                 layout = plan.layout(node.model)
-                seconds = epochs * cost.forward(layout, sequences, seq_len, backward=True) + epochs * minis * cost.optimizer_step(layout)
+                seconds = epochs * cost.forward(
+                    layout, sequences, seq_len, backward=True
+                ) + epochs * minis * cost.optimizer_step(layout)
                 flops_total += 3 * epochs * sequences * seq_len * cost.model.flops_per_token(seq_len // 2)
             else:
                 seconds = DRIVER_SECONDS_PER_SEQ * sequences
@@ -216,7 +231,10 @@ def simulate(
             groups = tuple(dict.fromkeys([plan.layout(roles.actor).group, plan.generation.group]))
             run(it, "weight_sync", groups, [finish[(it, train_actor)]], sync_s)
     # an iteration ends when its last training-side task does (rollouts of later steps may run on)
-    ends = [max(s.end for s in spans if s.iteration == it and not isinstance(graph.nodes.get(s.task), Generate)) for it in range(iterations)]
+    ends = [
+        max(s.end for s in spans if s.iteration == it and not isinstance(graph.nodes.get(s.task), Generate))
+        for it in range(iterations)
+    ]
     iteration_s = (ends[-1] - ends[warm - 1]) / (iterations - warm)
     window = (ends[warm - 1], ends[-1])
     length = max(window[1] - window[0], 1e-12)
@@ -225,14 +243,31 @@ def simulate(
         inside = sum(max(0.0, min(s.end, window[1]) - max(s.start, window[0])) for s in spans if g.name in s.groups)
         utilization[g.name] = round(min(inside / length, 1.0), 4)
     breakdown = {k: float(np.mean(v[warm:] or v)) for k, v in durations.items()}
-    return SimResult(iteration_s=iteration_s, breakdown=breakdown, utilization=utilization, spans=spans, flops=flops_total / iterations + gen_flops / launched, gen_steps=gen_tokens / launched, longest_decode=gen.longest)
+    return SimResult(
+        iteration_s=iteration_s,
+        breakdown=breakdown,
+        utilization=utilization,
+        spans=spans,
+        flops=flops_total / iterations + gen_flops / launched,
+        gen_steps=gen_tokens / launched,
+        longest_decode=gen.longest,
+    )
 
 
 # ------------------------------------------------------------------ pictures
 
 
 def timeline_json(result: SimResult) -> list[dict]:
-    return [{"iteration": s.iteration, "task": s.task, "groups": list(s.groups), "start": round(s.start, 6), "end": round(s.end, 6)} for s in result.spans]
+    return [
+        {
+            "iteration": s.iteration,
+            "task": s.task,
+            "groups": list(s.groups),
+            "start": round(s.start, 6),
+            "end": round(s.end, 6),
+        }
+        for s in result.spans
+    ]
 
 
 def draw_timeline(result: SimResult, plan: ClusterPlan, path, title: str = "") -> None:
@@ -251,7 +286,14 @@ def draw_timeline(result: SimResult, plan: ClusterPlan, path, title: str = "") -
             y = rows.index(g)
             ax.barh(y, s.end - s.start, left=s.start, color=colors[s.task], edgecolor="white", linewidth=0.4)
             if s.end - s.start > 0.04 * (result.spans[-1].end or 1):
-                ax.text(s.start + (s.end - s.start) / 2, y, f"{s.task}\n#{s.iteration}", ha="center", va="center", fontsize=6)
+                ax.text(
+                    s.start + (s.end - s.start) / 2,
+                    y,
+                    f"{s.task}\n#{s.iteration}",
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                )
     ax.set_yticks(range(len(rows)), [f"{r} ({plan.group(r).devices} dev)" if r != "controller" else r for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel("seconds")

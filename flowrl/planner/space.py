@@ -12,16 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import msgspec
-
 from flowrl.specs import Spec
 
 Placement = Literal["colocate", "split", "standalone", "disaggregated"]
 RolloutMode = Literal["sync", "one_step_off", "async"]
 SyncStrategy = Literal["reshard", "full", "bucketed", "sparse"]
-
-
-
 
 
 class Parallel(Spec):
@@ -94,11 +89,20 @@ class ClusterPlan(Spec):
         parts = [f"{self.placement}"]
         for g in self.groups:
             members = [m for m in self.models if m.group == g.name]
-            descr = ", ".join(f"{m.model}(dp{m.parallel.dp} tp{m.parallel.tp} pp{m.parallel.pp} mb{m.micro_batch}{' off' if m.offload_optimizer else ''})" for m in members)
+            descr = ", ".join(
+                f"{m.model}(dp{m.parallel.dp} tp{m.parallel.tp} pp{m.parallel.pp} mb{m.micro_batch}{' off' if m.offload_optimizer else ''})"
+                for m in members
+            )
             gen = f" gen tp{self.generation.tp}x{self.generation.replicas}" if self.generation.group == g.name else ""
             parts.append(f"[{g.name}:{g.devices}] {descr}{gen}".rstrip())
-        roll = self.rollout.mode + (f" eta={self.rollout.staleness}" if self.rollout.staleness else "") + (f" partial+{self.rollout.overprovision:.0%}" if self.rollout.partial else "")
-        sync = self.weight_sync.strategy + (f"({self.weight_sync.density:.0%})" if self.weight_sync.strategy == "sparse" else "")
+        roll = (
+            self.rollout.mode
+            + (f" eta={self.rollout.staleness}" if self.rollout.staleness else "")
+            + (f" partial+{self.rollout.overprovision:.0%}" if self.rollout.partial else "")
+        )
+        sync = self.weight_sync.strategy + (
+            f"({self.weight_sync.density:.0%})" if self.weight_sync.strategy == "sparse" else ""
+        )
         return " ".join(parts) + f" | rollout {roll} | sync {sync}"
 
 
@@ -153,21 +157,36 @@ def _groups(names_sizes: list[tuple[str, int]]) -> tuple[DeviceGroup, ...]:
     return tuple(out)
 
 
-def skeletons(roles: Roles, devices: int, per_node: int, heads: int, kv_heads: int, *, sync_density: float = 0.1) -> list[Skeleton]:
+def skeletons(
+    roles: Roles, devices: int, per_node: int, heads: int, kv_heads: int, *, sync_density: float = 0.1
+) -> list[Skeleton]:
     """Every placement x group split x generation layout x rollout policy x weight sync."""
     out: list[Skeleton] = []
     sizes = group_sizes(devices, per_node)
     others = [m for m in roles.models if m != roles.actor]
 
-    def add(placement: Placement, groups: tuple[DeviceGroup, ...], assignment: dict[str, str], gen_group: str, overlap: bool) -> None:
+    def add(
+        placement: Placement, groups: tuple[DeviceGroup, ...], assignment: dict[str, str], gen_group: str, overlap: bool
+    ) -> None:
         g = next(x for x in groups if x.name == gen_group)
         for tp in tp_options(heads, kv_heads, per_node, g.devices):
             gen = GenerationLayout(group=gen_group, tp=tp, replicas=g.devices // tp)
             policies = [RolloutPolicy()]
             policies.append(RolloutPolicy(partial=True, overprovision=0.25))
             if overlap:
-                policies += [RolloutPolicy(mode="one_step_off", staleness=1), RolloutPolicy(mode="async", staleness=2, partial=True, overprovision=0.25)]
-            syncs = [WeightSync(strategy="reshard")] if gen_group == assignment[roles.actor] else [WeightSync(strategy="full"), WeightSync(strategy="bucketed"), WeightSync(strategy="sparse", density=sync_density)]
+                policies += [
+                    RolloutPolicy(mode="one_step_off", staleness=1),
+                    RolloutPolicy(mode="async", staleness=2, partial=True, overprovision=0.25),
+                ]
+            syncs = (
+                [WeightSync(strategy="reshard")]
+                if gen_group == assignment[roles.actor]
+                else [
+                    WeightSync(strategy="full"),
+                    WeightSync(strategy="bucketed"),
+                    WeightSync(strategy="sparse", density=sync_density),
+                ]
+            )
             for pol in policies:
                 for sync in syncs:
                     out.append(Skeleton(placement, groups, tuple(sorted(assignment.items())), gen, pol, sync))
@@ -179,7 +198,9 @@ def skeletons(roles: Roles, devices: int, per_node: int, heads: int, kv_heads: i
         for a in sizes:
             b = devices - a
             if b in sizes and b > 0:
-                assignment = {m: ("actor" if roles.role_of(m) in ("actor", "reference") else "critic") for m in roles.models}
+                assignment = {
+                    m: ("actor" if roles.role_of(m) in ("actor", "reference") else "critic") for m in roles.models
+                }
                 if "critic" not in assignment.values():
                     continue
                 add("split", _groups([("actor", a), ("critic", b)]), assignment, "actor", overlap=False)
@@ -187,16 +208,38 @@ def skeletons(roles: Roles, devices: int, per_node: int, heads: int, kv_heads: i
     n = len(roles.models)
     if n > 1 and devices % n == 0 and devices // n in sizes:
         size = devices // n
-        add("standalone", _groups([(m, size) for m in roles.models]), {m: m for m in roles.models}, roles.actor, overlap=False)
+        add(
+            "standalone",
+            _groups([(m, size) for m in roles.models]),
+            {m: m for m in roles.models},
+            roles.actor,
+            overlap=False,
+        )
     # AReaL: generation on its own devices, all training models colocated on the rest
     for g in sizes:
         t = devices - g
         if t in sizes and t > 0:
-            add("disaggregated", _groups([("gen", g), ("train", t)]), {m: "train" for m in roles.models}, "gen", overlap=True)
+            add(
+                "disaggregated",
+                _groups([("gen", g), ("train", t)]),
+                {m: "train" for m in roles.models},
+                "gen",
+                overlap=True,
+            )
     return out
 
 
-def layouts(model: str, group: DeviceGroup, *, trainable: bool, per_node: int, heads: int, kv_heads: int, layers: int, batch: int) -> list[ModelLayout]:
+def layouts(
+    model: str,
+    group: DeviceGroup,
+    *,
+    trainable: bool,
+    per_node: int,
+    heads: int,
+    kv_heads: int,
+    layers: int,
+    batch: int,
+) -> list[ModelLayout]:
     """One model's options on a group: dp x tp x pp = group size; micro-batches; offload."""
     out = []
     for tp in tp_options(heads, kv_heads, per_node, group.devices):
@@ -211,5 +254,13 @@ def layouts(model: str, group: DeviceGroup, *, trainable: bool, per_node: int, h
                 if mb > per_rank or per_rank % mb:
                     continue
                 for off in (False, True) if trainable else (False,):
-                    out.append(ModelLayout(model=model, group=group.name, parallel=Parallel(dp=dp, tp=tp, pp=pp), micro_batch=mb, offload_optimizer=off))
+                    out.append(
+                        ModelLayout(
+                            model=model,
+                            group=group.name,
+                            parallel=Parallel(dp=dp, tp=tp, pp=pp),
+                            micro_batch=mb,
+                            offload_optimizer=off,
+                        )
+                    )
     return out

@@ -166,7 +166,9 @@ def load_workload(path: str | Path) -> WorkloadSpec:
         data = {**data, "response_length": {"kind": "fixed", "value": length}}
     elif isinstance(length, dict) and length.get("kind") not in _KINDS:
         got = f"'kind: {length['kind']}'" if "kind" in length else "no 'kind'"
-        raise ConfigError(f"{what}: field 'response_length.kind': has {got}; use one of {', '.join(_KINDS)} (or a plain integer for a fixed length).")
+        raise ConfigError(
+            f"{what}: field 'response_length.kind': has {got}; use one of {', '.join(_KINDS)} (or a plain integer for a fixed length)."
+        )
     data = coerce_numbers(data, WorkloadSpec)
     return convert(data, WorkloadSpec, what)
 

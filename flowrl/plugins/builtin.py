@@ -59,7 +59,12 @@ def register_tasks(register: Register) -> None:
 def register_executors(register: Register) -> None:
     from flowrl.backends.local.executor import LocalExecutor, machine
 
-    register("local", LocalExecutor, machine=machine, description="every model in this process on one device (CPU or one GPU)")
+    register(
+        "local",
+        LocalExecutor,
+        machine=machine,
+        description="every model in this process on one device (CPU or one GPU)",
+    )
 
 
 def _local_generation_engine(ctx: Any) -> Any:  # torch loads only when an engine is built
@@ -97,7 +102,11 @@ def register_hardware(register: Register) -> None:
     from flowrl.planner.hardware import HARDWARE_PRESETS
 
     for name, spec in HARDWARE_PRESETS.items():
-        register(name, spec, description=f"{spec.peak_flops_bf16 / 1e12:.0f} TFLOP/s bf16, {spec.memory_bytes / 1024**3:.0f} GiB, {spec.memory_bandwidth / 1e12:.2f} TB/s")
+        register(
+            name,
+            spec,
+            description=f"{spec.peak_flops_bf16 / 1e12:.0f} TFLOP/s bf16, {spec.memory_bytes / 1024**3:.0f} GiB, {spec.memory_bandwidth / 1e12:.2f} TB/s",
+        )
 
 
 @hookimpl
@@ -122,4 +131,6 @@ def _profile(args: Any) -> int:
 @hookimpl
 def register_cli_commands(register: Register) -> None:
     """The core commands live in flowrl.cli; the local backend adds `flowrl profile`."""
-    register("profile", _profile_arguments, run=_profile, help="measure this machine and fit the planner's cost model to it")
+    register(
+        "profile", _profile_arguments, run=_profile, help="measure this machine and fit the planner's cost model to it"
+    )

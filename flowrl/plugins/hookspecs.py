@@ -5,7 +5,8 @@ Built-ins implement these hooks exactly like third-party plugins (entry-point gr
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pluggy
 

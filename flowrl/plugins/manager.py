@@ -109,7 +109,9 @@ class Registry:
         if name not in table:
             what = SINGULAR[kind]
             known = ", ".join(sorted(table)) or "none"
-            raise PluginError(f"unknown {what} '{name}'.{did_you_mean(name, list(table))} Known: {known}. Plugins add more (see `flowrl plugins`).")
+            raise PluginError(
+                f"unknown {what} '{name}'.{did_you_mean(name, list(table))} Known: {known}. Plugins add more (see `flowrl plugins`)."
+            )
         return table[name]
 
     def get(self, kind: str, name: str) -> Any:

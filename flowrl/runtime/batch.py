@@ -50,7 +50,15 @@ class Sequences:
 
     def to(self, device: torch.device | str) -> Sequences:
         move = lambda t: t.to(device)  # noqa: E731
-        return Sequences(prompt_ids=move(self.prompt_ids), prompt_mask=move(self.prompt_mask), response_ids=move(self.response_ids), response_mask=move(self.response_mask), prompt_index=move(self.prompt_index), texts=self.texts, version=self.version)
+        return Sequences(
+            prompt_ids=move(self.prompt_ids),
+            prompt_mask=move(self.prompt_mask),
+            response_ids=move(self.response_ids),
+            response_mask=move(self.response_mask),
+            prompt_index=move(self.prompt_index),
+            texts=self.texts,
+            version=self.version,
+        )
 
     def select(self, idx: Tensor | slice) -> Sequences:
         rows = range(len(self))[idx] if isinstance(idx, slice) else idx.tolist()
@@ -103,5 +111,7 @@ def sequences_in(batch: dict[str, Any], node: str) -> Sequences:
     if len(found) != 1:
         from flowrl.errors import GraphError
 
-        raise GraphError(f"node '{node}' must read exactly one key holding generated responses (found {len(found)}); add e.g. 'responses' to its reads.")
+        raise GraphError(
+            f"node '{node}' must read exactly one key holding generated responses (found {len(found)}); add e.g. 'responses' to its reads."
+        )
     return found[0]

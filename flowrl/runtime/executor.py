@@ -72,7 +72,9 @@ class InProcessExecutor:
     def check(self, graph: Graph, plan: ExecutionPlan) -> None:
         """Refuse, naming the feature, what this executor cannot run; builds nothing."""
         if plan.graph.fingerprint != graph.fingerprint():
-            raise PlanError(f"the plan was made for graph '{plan.graph.name}' {plan.graph.fingerprint}, but '{plan.graph.source}' now builds {graph.fingerprint()}. Re-run `flowrl plan`.")
+            raise PlanError(
+                f"the plan was made for graph '{plan.graph.name}' {plan.graph.fingerprint}, but '{plan.graph.source}' now builds {graph.fingerprint()}. Re-run `flowrl plan`."
+            )
         if plan.layout is None or not plan.nodes:
             raise PlanError("the plan is incomplete (no placement or node plan); make it with `flowrl plan`.")
         verify_plan(graph, plan)
@@ -82,11 +84,16 @@ class InProcessExecutor:
                 f"executor '{plan.config.backend}' cannot run this plan: it does not support {'; '.join(missing)}. "
                 "Plan for a cluster this executor runs, or choose another with --set backend=NAME (see `flowrl plugins`)."
             )
-        for kind, name in (("generation_engines", plan.config.generation.engine), ("training_engines", plan.config.train.engine)):
+        for kind, name in (
+            ("generation_engines", plan.config.generation.engine),
+            ("training_engines", plan.config.train.engine),
+        ):
             self.registry.entry(kind, name)
 
     # ------------------------------------------------------------ building
-    def engines(self, graph: Graph, plan: ExecutionPlan, device: str) -> tuple[dict[str, TrainingEngine], dict[str, GenerationEngine]]:
+    def engines(
+        self, graph: Graph, plan: ExecutionPlan, device: str
+    ) -> tuple[dict[str, TrainingEngine], dict[str, GenerationEngine]]:
         """(training engine per model, generation engine per model that generates)."""
         cfg = plan.config
         make_trainer = self.registry.get("training_engines", cfg.train.engine)
@@ -101,11 +108,20 @@ class InProcessExecutor:
             if cfg.generation.engine == cfg.train.engine:
                 generators[model] = trainers[model]  # type: ignore[assignment]  # in place: the same weights
             else:
-                generators[model] = make_generator(EngineContext(decl=graph.models[model], plan=plan, device=device, source=trainers[model]))
+                generators[model] = make_generator(
+                    EngineContext(decl=graph.models[model], plan=plan, device=device, source=trainers[model])
+                )
         return trainers, generators
 
     # ------------------------------------------------------------ the run
-    def run(self, graph: Graph, plan: ExecutionPlan, out_dir: Path, *, on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
+    def run(
+        self,
+        graph: Graph,
+        plan: ExecutionPlan,
+        out_dir: Path,
+        *,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+    ) -> RunResult:
         import torch
 
         from flowrl.runtime.nodes import NodeRuntime

@@ -67,13 +67,17 @@ def _split(result: Any, node: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """A function returns its outputs, or (outputs, metrics)."""
     out, metrics = result if isinstance(result, tuple) else (result, {})
     if not isinstance(out, Mapping) or not isinstance(metrics, Mapping):
-        raise GraphError(f"node '{node}': its function must return a dict of outputs, or (outputs, metrics); got {type(result).__name__}.")
+        raise GraphError(
+            f"node '{node}': its function must return a dict of outputs, or (outputs, metrics); got {type(result).__name__}."
+        )
     return dict(out), dict(metrics)
 
 
 def _generate(rt: NodeRuntime, node: Generate, inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     prompts = inputs[node.reads[0]]
-    rollout = rt.generators[node.model].generate(prompts, n=1 if node.greedy else node.n, greedy=node.greedy, generator=rt.generator)
+    rollout = rt.generators[node.model].generate(
+        prompts, n=1 if node.greedy else node.n, greedy=node.greedy, generator=rt.generator
+    )
     seqs = rollout.sequences
     out = dict(zip(node.writes, (seqs, rollout.logprobs)))
     metrics = {
@@ -93,24 +97,34 @@ def _forward(rt: NodeRuntime, node: Forward, inputs: dict[str, Any]) -> tuple[di
     return {node.writes[0]: values}, metrics
 
 
-def _reward(rt: NodeRuntime, node: Reward, inputs: dict[str, Any], options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _reward(
+    rt: NodeRuntime, node: Reward, inputs: dict[str, Any], options: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
     seqs = sequences_in(inputs, node.name)
     prompts = next((v for v in inputs.values() if isinstance(v, list)), None)
     if prompts is None:
-        raise GraphError(f"node '{node.name}' reads no list of prompts; a reward node scores responses against the prompts they answer.")
+        raise GraphError(
+            f"node '{node.name}' reads no list of prompts; a reward node scores responses against the prompts they answer."
+        )
     rows = [prompts[i] for i in seqs.prompt_index.tolist()]
     result = rt.functions["reward_functions"][node.fn](rows, list(seqs.texts), rt.task, **options)
     scores, metrics = result if isinstance(result, tuple) else (result, {})
     try:
         scores = torch.as_tensor(scores, dtype=torch.float32).flatten()
     except (TypeError, ValueError, RuntimeError) as exc:
-        raise GraphError(f"node '{node.name}': reward function '{node.fn}' must return one number per response; got {type(scores).__name__} ({exc}).") from None
+        raise GraphError(
+            f"node '{node.name}': reward function '{node.fn}' must return one number per response; got {type(scores).__name__} ({exc})."
+        ) from None
     if scores.numel() != len(seqs):
-        raise GraphError(f"node '{node.name}': reward function '{node.fn}' returned {scores.numel()} scores for {len(seqs)} responses.")
+        raise GraphError(
+            f"node '{node.name}': reward function '{node.fn}' returned {scores.numel()} scores for {len(seqs)} responses."
+        )
     return {node.writes[0]: scores}, {"reward": round(float(scores.mean()), 6), **dict(metrics)}
 
 
-def _train(rt: NodeRuntime, node: Train, inputs: dict[str, Any], algo: AlgoConfig, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _train(
+    rt: NodeRuntime, node: Train, inputs: dict[str, Any], algo: AlgoConfig, options: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
     seqs_key = next(k for k, v in inputs.items() if isinstance(v, Sequences))
     step = TrainStep(
         node=node.name,

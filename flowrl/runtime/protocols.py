@@ -114,7 +114,15 @@ class GenerationEngine(Protocol):
     version: int  # the weight version it samples with
     resumable: bool  # whether `resume` continues unfinished rows
 
-    def generate(self, prompts: Sequence[Prompt], *, n: int, greedy: bool, generator: torch.Generator, max_new_tokens: int | None = None) -> Rollout:
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        n: int,
+        greedy: bool,
+        generator: torch.Generator,
+        max_new_tokens: int | None = None,
+    ) -> Rollout:
         """``n`` samples per prompt (rows grouped by prompt); stops after ``max_new_tokens``
         (default: the run's budget), leaving rows without EOS unfinished."""
         ...
@@ -143,4 +151,11 @@ class Executor(Protocol):
         """Raise PlanError naming what this executor cannot run; builds nothing."""
         ...
 
-    def run(self, graph: Graph, plan: ExecutionPlan, out_dir: Path, *, on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult: ...
+    def run(
+        self,
+        graph: Graph,
+        plan: ExecutionPlan,
+        out_dir: Path,
+        *,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+    ) -> RunResult: ...

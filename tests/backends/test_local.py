@@ -28,7 +28,9 @@ def build(graph: str = "ppo", extra: list[str] = ()):
 
 
 def gen(engine, prompts, n, seed=0, **kw):
-    r = engine.generate(prompts, n=n, greedy=kw.pop("greedy", False), generator=torch.Generator().manual_seed(seed), **kw)
+    r = engine.generate(
+        prompts, n=n, greedy=kw.pop("greedy", False), generator=torch.Generator().manual_seed(seed), **kw
+    )
     return r.sequences, r.logprobs
 
 
@@ -43,7 +45,9 @@ def test_hf_directory_round_trip(tmp_path):
     model = build_causal_lm(None, cfg, seed=1)
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    loaded = build_causal_lm(str(tmp_path), model_config(str(tmp_path), TinyModelConfig(), load_tokenizer(str(tmp_path))), seed=99)
+    loaded = build_causal_lm(
+        str(tmp_path), model_config(str(tmp_path), TinyModelConfig(), load_tokenizer(str(tmp_path))), seed=99
+    )
     ids = torch.tensor([[1, 5, 6, 7]])
     assert torch.allclose(model(input_ids=ids).logits, loaded(input_ids=ids).logits, atol=1e-6)
 
@@ -78,10 +82,25 @@ def test_sampling_stops_at_eos_and_masks_after():
         model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.config.vocab_size))
         model.lm_head.bias[tok.eos_token_id] = 50.0
     enc = tok(["ab>", "c>"], return_tensors="pt", padding=True)
-    tokens, logprobs, mask = sample(model, enc["input_ids"], enc["attention_mask"], max_new_tokens=5, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    tokens, logprobs, mask = sample(
+        model,
+        enc["input_ids"],
+        enc["attention_mask"],
+        max_new_tokens=5,
+        eos_id=tok.eos_token_id,
+        pad_id=tok.pad_token_id,
+    )
     assert tokens.shape[1] == 1  # every row stopped at once
     assert (tokens[:, 0] == tok.eos_token_id).all() and mask.sum() == 2
-    tokens, _, mask = sample(model, enc["input_ids"], enc["attention_mask"], max_new_tokens=5, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, ignore_eos=True)
+    tokens, _, mask = sample(
+        model,
+        enc["input_ids"],
+        enc["attention_mask"],
+        max_new_tokens=5,
+        eos_id=tok.eos_token_id,
+        pad_id=tok.pad_token_id,
+        ignore_eos=True,
+    )
     assert tokens.shape[1] == 5 and mask.sum() == 10
 
 
@@ -110,7 +129,16 @@ def test_critic_values_and_reference_copy(ppo):
 
 
 def _step(engine, micro: int) -> TrainStep:
-    return TrainStep(node="train_actor", sequences_key="responses", output="logprobs", micro_batch=micro, epochs=1, mini_batches=1, algo=engine.cfg.algo, generator=torch.Generator().manual_seed(0))
+    return TrainStep(
+        node="train_actor",
+        sequences_key="responses",
+        output="logprobs",
+        micro_batch=micro,
+        epochs=1,
+        mini_batches=1,
+        algo=engine.cfg.algo,
+        generator=torch.Generator().manual_seed(0),
+    )
 
 
 def _grad_step(engine, batch, micro: int):
@@ -137,7 +165,9 @@ def test_micro_batch_accumulation_equals_the_full_batch(ppo):
 def test_select_rows_slices_sequence_level_values_only(ppo):
     g, plan, engines = ppo
     seqs, logprobs = gen(engines["actor"], [Prompt(text="ab>", answer="ab")], n=4)
-    out = select_rows({"responses": seqs, "lp": logprobs, "prompts": ["p"], "scalar": torch.tensor(1.0)}, torch.tensor([2, 0]), 4)
+    out = select_rows(
+        {"responses": seqs, "lp": logprobs, "prompts": ["p"], "scalar": torch.tensor(1.0)}, torch.tensor([2, 0]), 4
+    )
     assert len(out["responses"]) == 2 and out["lp"].shape[0] == 2
     assert out["prompts"] == ["p"] and out["scalar"].item() == 1.0
     assert torch.equal(out["lp"][0], logprobs[2])
@@ -182,7 +212,13 @@ def test_greedy_resume_continues_exactly_where_generation_stopped(ppo):
 def test_resume_leaves_finished_rows_alone_and_keeps_grouping(ppo):
     g, plan, engines = ppo
     actor = engines["actor"]
-    part = actor.generate([Prompt(text="ab>", answer="ab"), Prompt(text="c>", answer="c")], n=2, greedy=False, generator=torch.Generator().manual_seed(1), max_new_tokens=1)
+    part = actor.generate(
+        [Prompt(text="ab>", answer="ab"), Prompt(text="c>", answer="c")],
+        n=2,
+        greedy=False,
+        generator=torch.Generator().manual_seed(1),
+        max_new_tokens=1,
+    )
     assert isinstance(part, Rollout) and part.sequences.prompt_index.tolist() == [0, 0, 1, 1]
     before = part.sequences.response_ids[part.finished].clone()
     done = actor.resume(part, generator=torch.Generator().manual_seed(2))

@@ -24,7 +24,9 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 def graph_file(tmp_path: Path, body: str) -> str:
     path = tmp_path / "bad_graph.py"
-    path.write_text("from flowrl.graph import Graph\n\ndef build(cfg):\n" + textwrap.indent(textwrap.dedent(body), "    "))
+    path.write_text(
+        "from flowrl.graph import Graph\n\ndef build(cfg):\n" + textwrap.indent(textwrap.dedent(body), "    ")
+    )
     return str(path)
 
 
@@ -123,7 +125,9 @@ def test_unknown_field_in_config_file_names_its_path(capsys, tmp_path):
 
 
 def test_show_ppo_has_parallel_reference_and_critic(capsys, tmp_path):
-    code, out, _ = run_cli(capsys, "show", "graphs/ppo.py", "--dot", str(tmp_path / "g.dot"), "--png", str(tmp_path / "g.png"))
+    code, out, _ = run_cli(
+        capsys, "show", "graphs/ppo.py", "--dot", str(tmp_path / "g.dot"), "--png", str(tmp_path / "g.png")
+    )
     assert code == 0
     stage = next(line for line in out.splitlines() if "ref_logprobs" in line and "forward" in line)
     lines = out.splitlines()
@@ -142,7 +146,9 @@ def test_show_ppo_has_parallel_reference_and_critic(capsys, tmp_path):
 
 def test_plan_to_file_then_run_the_plan(capsys, tmp_path):
     plan_path = tmp_path / "plan.yaml"
-    code, out, err = run_cli(capsys, "plan", "grpo", "--steps", "2", "--set", f"out={tmp_path / 'runs'}", *TINY, "--out", str(plan_path))
+    code, out, err = run_cli(
+        capsys, "plan", "grpo", "--steps", "2", "--set", f"out={tmp_path / 'runs'}", *TINY, "--out", str(plan_path)
+    )
     assert code == 0, err
     assert plan_path.exists()
     code, out, err = run_cli(capsys, "run", "--plan", str(plan_path), "--quiet")
@@ -169,8 +175,12 @@ def test_plugins_lists_builtins(capsys):
 
 
 def test_python_dash_m_runs_the_cli():
-    proc = subprocess.run([sys.executable, "-m", "flowrl", "show", "grpo"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flowrl", "show", "grpo"], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("graph grpo")
-    proc = subprocess.run([sys.executable, "-m", "flowrl", "run", "missing.py"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flowrl", "run", "missing.py"], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

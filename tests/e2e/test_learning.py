@@ -50,8 +50,14 @@ def test_main_job_grpo_learns_copy_and_writes_a_loadable_checkpoint(tmp_path):
     prompts = task.prompts(random.Random(123), 16)
     enc = tok([p.text for p in prompts], return_tensors="pt", padding=True)
     with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=task.max_new_tokens(), do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            **enc,
+            max_new_tokens=task.max_new_tokens(),
+            do_sample=False,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     greedy = mean(task.score(p, t) for p, t in zip(prompts, texts))
     print(f"reloaded checkpoint, greedy: {greedy:.3f}")
     assert greedy > 0.6

@@ -53,7 +53,9 @@ def test_builtin_graphs_verify_and_are_named(name: str) -> None:
 
 
 def test_generate_n_comes_from_config() -> None:
-    cfg = msgspec.structs.replace(RunConfig(), rollout=msgspec.structs.replace(RunConfig().rollout, samples_per_prompt=5))
+    cfg = msgspec.structs.replace(
+        RunConfig(), rollout=msgspec.structs.replace(RunConfig().rollout, samples_per_prompt=5)
+    )
     g = build("grpo", cfg)
     rollout = g.nodes["rollout"]
     assert isinstance(rollout, Generate) and rollout.n == 5
@@ -307,7 +309,10 @@ def _writes_nothing(g: Graph) -> None:
 
 CASES: dict[str, tuple[Callable[[Graph], None], tuple[str, ...]]] = {
     "cycle": (_cycle, ("cycle within one iteration", "'a' -> 'b' (via x)", "'b' -> 'a' (via y)")),
-    "version_cycle": (_version_cycle, ("cycle", "'train_actor' -> 'lp_after' (via stats)", "'lp_after' -> 'train_actor'", "actor@v")),
+    "version_cycle": (
+        _version_cycle,
+        ("cycle", "'train_actor' -> 'lp_after' (via stats)", "'lp_after' -> 'train_actor'", "actor@v"),
+    ),
     "typo": (_typo, ("node 'whiten'", "'advantges'", "Did you mean 'advantages'?")),
     "two_producers": (_two_producers, ("key 'advantages'", "'advantages'", "'advantages2'", "two producers")),
     "train_frozen": (_train_frozen, ("node 'train_ref'", "model 'ref'", "frozen")),
@@ -390,7 +395,10 @@ def test_duplicate_model_and_unknown_role() -> None:
 @pytest.mark.parametrize(
     ("make", "needle"),
     [
-        (lambda g: g.compute("c", fn="f", reads="old-logprobs", writes="x"), ("node 'c'", "read key 'old-logprobs'", "not a valid key name")),
+        (
+            lambda g: g.compute("c", fn="f", reads="old-logprobs", writes="x"),
+            ("node 'c'", "read key 'old-logprobs'", "not a valid key name"),
+        ),
         (lambda g: g.compute("c", fn="f", reads="responses", writes=["ok", "2bad"]), ("node 'c'", "write key '2bad'")),
         (lambda g: g.compute("c", fn="f", reads=["responses", 3], writes="x"), ("node 'c'", "read key 3")),
         (lambda g: g.compute("c", fn="f", reads="responses responses", writes="x"), ("node 'c'", "lists a key twice")),
@@ -418,7 +426,13 @@ def test_role_defaults_for_trainable() -> None:
     g = Graph("roles")
     for role in ("actor", "critic", "reference", "reward", "cost"):
         g.model(role, role)
-    assert {n: d.trainable for n, d in g.models.items()} == {"actor": True, "critic": True, "reference": False, "reward": False, "cost": False}
+    assert {n: d.trainable for n, d in g.models.items()} == {
+        "actor": True,
+        "critic": True,
+        "reference": False,
+        "reward": False,
+        "cost": False,
+    }
     assert {n for n, d in g.models.items() if d.scalar_head} == {"critic", "reward", "cost"}
 
 
@@ -440,7 +454,9 @@ def test_fingerprint_is_stable_across_builds_and_processes() -> None:
     assert a is not b
     assert a.fingerprint() == b.fingerprint()
     assert len(a.fingerprint()) == 16 and int(a.fingerprint(), 16) >= 0
-    code = "from flowrl.graphs import ppo; from flowrl.specs import RunConfig; print(ppo.build(RunConfig()).fingerprint())"
+    code = (
+        "from flowrl.graphs import ppo; from flowrl.specs import RunConfig; print(ppo.build(RunConfig()).fingerprint())"
+    )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == a.fingerprint()
@@ -457,7 +473,12 @@ def test_fingerprint_changes_with_content() -> None:
     opt2.reward("reward", fn="task", reads="prompts responses", writes="rewards", per_char=0.1)
     assert len({fp, opt1.fingerprint(), opt2.fingerprint()}) == 3
 
-    n3 = build("grpo", msgspec.structs.replace(RunConfig(), rollout=msgspec.structs.replace(RunConfig().rollout, samples_per_prompt=3)))
+    n3 = build(
+        "grpo",
+        msgspec.structs.replace(
+            RunConfig(), rollout=msgspec.structs.replace(RunConfig().rollout, samples_per_prompt=3)
+        ),
+    )
     assert n3.fingerprint() != build("grpo").fingerprint()
 
     frozen = minimal()
@@ -482,12 +503,32 @@ def _variant(change: Callable[[Graph], None]) -> Graph:
 @pytest.mark.parametrize(
     ("build_nodes", "node", "words"),
     [
-        (lambda g: g.forward("f", model="actor", output="logprobs", reads="responses", writes="a b"), "f", "writes exactly one key"),
-        (lambda g: g.generate("rollout", model="actor", reads="prompts", writes="responses lp extra"), "rollout", "log-probs"),
-        (lambda g: g.generate("rollout", model="actor", reads="prompts responses2", writes="responses"), "rollout", "exactly one key of prompts"),
+        (
+            lambda g: g.forward("f", model="actor", output="logprobs", reads="responses", writes="a b"),
+            "f",
+            "writes exactly one key",
+        ),
+        (
+            lambda g: g.generate("rollout", model="actor", reads="prompts", writes="responses lp extra"),
+            "rollout",
+            "log-probs",
+        ),
+        (
+            lambda g: g.generate("rollout", model="actor", reads="prompts responses2", writes="responses"),
+            "rollout",
+            "exactly one key of prompts",
+        ),
         (lambda g: g.reward("r", fn="task", reads="responses", writes="rewards"), "r", "reads no prompts"),
-        (lambda g: g.reward("r", fn="task", reads="prompts responses", writes="rewards other"), "r", "writes exactly one key"),
-        (lambda g: g.forward("f", model="actor", output="logprobs", reads="prompts", writes="lp"), "f", "reads 0 keys of generated responses"),
+        (
+            lambda g: g.reward("r", fn="task", reads="prompts responses", writes="rewards other"),
+            "r",
+            "writes exactly one key",
+        ),
+        (
+            lambda g: g.forward("f", model="actor", output="logprobs", reads="prompts", writes="lp"),
+            "f",
+            "reads 0 keys of generated responses",
+        ),
     ],
 )
 def test_node_arity_is_checked_by_verify(build_nodes, node: str, words: str) -> None:
@@ -509,6 +550,12 @@ def test_node_arity_is_checked_by_verify(build_nodes, node: str, words: str) -> 
 def test_a_train_node_reading_two_response_keys_is_refused() -> None:
     g = minimal()
     g.generate("second", model="actor", reads="prompts", writes="responses2", n=2)
-    g.nodes["train_actor"] = Train(name="train_actor", model="actor", loss="ppo", reads=("responses", "responses2", "old_logprobs", "advantages"), writes=())
+    g.nodes["train_actor"] = Train(
+        name="train_actor",
+        model="actor",
+        loss="ppo",
+        reads=("responses", "responses2", "old_logprobs", "advantages"),
+        writes=(),
+    )
     with pytest.raises(GraphError, match="reads 2 keys of generated responses"):
         g.verify()

@@ -54,12 +54,25 @@ def test_llama_70b_ppo_on_8_a100_40g_fails_with_the_shortfall(capsys):
 def test_the_suggested_cluster_is_enough():
     err = None
     try:
-        api.plan("graphs/ppo_rm.py", target=ClusterTarget(cluster=parse_cluster("8xA100-40G"), model=MODEL_PRESETS["llama-70b"], workload=WorkloadSpec()), emit=lambda s: None)
+        api.plan(
+            "graphs/ppo_rm.py",
+            target=ClusterTarget(
+                cluster=parse_cluster("8xA100-40G"), model=MODEL_PRESETS["llama-70b"], workload=WorkloadSpec()
+            ),
+            emit=lambda s: None,
+        )
     except PlanError as exc:
         err = flat(str(exc))
     assert err is not None
     suggestion = re.search(r"--cluster (\S+?x\S+?) ", err).group(1)
-    _, plan = api.plan("graphs/ppo_rm.py", target=ClusterTarget(cluster=parse_cluster(suggestion), model=MODEL_PRESETS["llama-70b"], workload=WorkloadSpec()), options={"budget_s": 2}, emit=lambda s: None)
+    _, plan = api.plan(
+        "graphs/ppo_rm.py",
+        target=ClusterTarget(
+            cluster=parse_cluster(suggestion), model=MODEL_PRESETS["llama-70b"], workload=WorkloadSpec()
+        ),
+        options={"budget_s": 2},
+        emit=lambda s: None,
+    )
     assert plan.layout.predicted.iteration_s > 0
 
 
@@ -133,7 +146,11 @@ def test_plugin_hardware_preset_is_a_cluster(reg):
 
 
 def test_plugin_pass_runs_after_the_tuner(reg):
-    target = ClusterTarget(cluster=tpu_cluster(reg), model=MODEL_PRESETS["llama-7b"], workload=WorkloadSpec(response_length=LogNormal(median=512, sigma=1.5, max=8192)))
+    target = ClusterTarget(
+        cluster=tpu_cluster(reg),
+        model=MODEL_PRESETS["llama-7b"],
+        workload=WorkloadSpec(response_length=LogNormal(median=512, sigma=1.5, max=8192)),
+    )
     _, tuned = api.plan("grpo", registry=reg, target=target, options={"budget_s": 2}, emit=lambda s: None)
     passes = (*PIPELINE, "no_partial")
     _, plan = api.plan("grpo", registry=reg, target=target, passes=passes, options={"budget_s": 2}, emit=lambda s: None)
@@ -149,15 +166,21 @@ def test_plugin_pass_runs_after_the_tuner(reg):
 
 def test_plugin_cost_model_is_used_when_named(reg):
     target = ClusterTarget(cluster=tpu_cluster(reg), model=MODEL_PRESETS["qwen2.5-1.5b"], workload=WorkloadSpec())
-    _, plan = api.plan("grpo", registry=reg, target=target, options={"budget_s": 1, "cost_model": "recording"}, emit=lambda s: None)
+    _, plan = api.plan(
+        "grpo", registry=reg, target=target, options={"budget_s": 1, "cost_model": "recording"}, emit=lambda s: None
+    )
     assert COST_MODEL_CALLS == [("qwen2.5-1.5b", "TPU-X")]
     assert plan.layout.predicted.iteration_s > 0
     with pytest.raises(PluginError, match="unknown cost model 'nope'"):
-        api.plan("grpo", registry=reg, target=target, options={"budget_s": 1, "cost_model": "nope"}, emit=lambda s: None)
+        api.plan(
+            "grpo", registry=reg, target=target, options={"budget_s": 1, "cost_model": "nope"}, emit=lambda s: None
+        )
 
 
 def test_plugin_preset_pass_and_explain_through_the_cli(reg, capsys):
-    code = main(["plan", "grpo", "--cluster", "16xTPU-X", "--model", "llama-7b", "--pass", "no_partial", "--explain", *FAST])
+    code = main(
+        ["plan", "grpo", "--cluster", "16xTPU-X", "--model", "llama-7b", "--pass", "no_partial", "--explain", *FAST]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     for needle in ("winner:", "runners-up:", "roofline", "per node", "loses on:"):
@@ -168,7 +191,23 @@ def test_plugin_preset_pass_and_explain_through_the_cli(reg, capsys):
 
 
 def test_cli_cost_model_flag(reg, capsys):
-    assert main(["plan", "grpo", "--cluster", "8xTPU-X", "--model", "qwen2.5-0.5b", "--cost-model", "recording", "--explain", *FAST]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "grpo",
+                "--cluster",
+                "8xTPU-X",
+                "--model",
+                "qwen2.5-0.5b",
+                "--cost-model",
+                "recording",
+                "--explain",
+                *FAST,
+            ]
+        )
+        == 0
+    )
     assert COST_MODEL_CALLS == [("qwen2.5-0.5b", "TPU-X")]
     assert main(["plan", "grpo", "--cluster", "8xTPU-X", "--model", "qwen2.5-0.5b", "--cost-model", "nope", *FAST]) == 2
     assert "unknown cost model 'nope'" in capsys.readouterr().err
@@ -188,7 +227,21 @@ def planned(tmp_path_factory):
     """One CLI run that writes a cluster plan and a timeline."""
     d = tmp_path_factory.mktemp("cluster-plan")
     out, png = d / "plan.yaml", d / "pics" / "timeline.png"
-    code = main(["plan", "grpo", "--cluster", "16xA100-80G", "--model", "qwen2.5-1.5b", "--out", str(out), "--timeline", str(png), *FAST])
+    code = main(
+        [
+            "plan",
+            "grpo",
+            "--cluster",
+            "16xA100-80G",
+            "--model",
+            "qwen2.5-1.5b",
+            "--out",
+            str(out),
+            "--timeline",
+            str(png),
+            *FAST,
+        ]
+    )
     assert code == 0
     return out, png
 
@@ -226,7 +279,11 @@ def test_edited_cluster_plan_is_refused(planned, tmp_path):
     out, _ = planned
     text = out.read_text()
     edited = tmp_path / "edited.yaml"
-    edited.write_text(text.replace("partial: false", "partial: true", 1) if "partial: false" in text else text.replace("staleness: 0", "staleness: 3", 1))
+    edited.write_text(
+        text.replace("partial: false", "partial: true", 1)
+        if "partial: false" in text
+        else text.replace("staleness: 0", "staleness: 3", 1)
+    )
     assert edited.read_text() != text
     from flowrl.errors import ConfigError
 
@@ -261,11 +318,35 @@ def test_yaml_and_json_stdout(capsys):
 
 def test_workload_file_reaches_the_target(tmp_path, capsys):
     wl = tmp_path / "load.yaml"
-    wl.write_text("prompts_per_step: 64\nsamples_per_prompt: 8\nprompt_length: 256\nresponse_length: {kind: lognormal, median: 300, sigma: 1.0, max: 4096}\n")
+    wl.write_text(
+        "prompts_per_step: 64\nsamples_per_prompt: 8\nprompt_length: 256\nresponse_length: {kind: lognormal, median: 300, sigma: 1.0, max: 4096}\n"
+    )
     out = tmp_path / "p.json"
-    assert main(["plan", "grpo", "--cluster", "8xA100-80G", "--model", "qwen2.5-0.5b", "--workload", str(wl), "--out", str(out), *FAST]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "grpo",
+                "--cluster",
+                "8xA100-80G",
+                "--model",
+                "qwen2.5-0.5b",
+                "--workload",
+                str(wl),
+                "--out",
+                str(out),
+                *FAST,
+            ]
+        )
+        == 0
+    )
     plan = load_plan(out)
-    assert plan.target.workload == WorkloadSpec(prompts_per_step=64, samples_per_prompt=8, prompt_length=256, response_length=LogNormal(median=300, sigma=1.0, max=4096))
+    assert plan.target.workload == WorkloadSpec(
+        prompts_per_step=64,
+        samples_per_prompt=8,
+        prompt_length=256,
+        response_length=LogNormal(median=300, sigma=1.0, max=4096),
+    )
 
 
 def test_print_after_place_shows_the_cluster_plan(capsys):
@@ -279,7 +360,10 @@ def test_print_after_place_shows_the_cluster_plan(capsys):
     "argv, needles",
     [
         (["plan", "grpo", "--workload", "load.yaml"], ["--workload plans for a cluster", "--cluster"]),
-        (["plan", "grpo", "--cluster", "12xA100-80G", "--model", "llama-7b"], ["12 devices", "whole", "8-device nodes"]),
+        (
+            ["plan", "grpo", "--cluster", "12xA100-80G", "--model", "llama-7b"],
+            ["12 devices", "whole", "8-device nodes"],
+        ),
         (["plan", "grpo", "--cluster", "16xA100-80G"], ["--cluster needs --model"]),
         (["plan", "grpo", "--cluster", "16xB200", "--model", "llama-7b"], ["unknown hardware preset 'B200'"]),
         (["plan", "grpo", "--cluster", "16xA100-80G", "--model", "llama-8b"], ["model 'llama-8b'", "llama"]),
@@ -312,10 +396,28 @@ def test_explain_and_timeline_without_cluster_describe_this_machines_one_layout(
 def test_timeline_spans_from_the_api_cache_match_the_cli_json(tmp_path, capsys):
     """The JSON the CLI writes is timeline_json of the tuner's winning simulation."""
     cache: dict = {}
-    target = ClusterTarget(cluster=parse_cluster("16xA100-80G"), model=MODEL_PRESETS["qwen2.5-1.5b"], workload=WorkloadSpec())
+    target = ClusterTarget(
+        cluster=parse_cluster("16xA100-80G"), model=MODEL_PRESETS["qwen2.5-1.5b"], workload=WorkloadSpec()
+    )
     _, plan = api.plan("grpo", target=target, cache=cache, options={"budget_s": 1}, emit=lambda s: None)
     png = tmp_path / "t.png"
-    assert main(["plan", "grpo", "--cluster", "16xA100-80G", "--model", "qwen2.5-1.5b", "--timeline", str(png), "--explain", *FAST]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "grpo",
+                "--cluster",
+                "16xA100-80G",
+                "--model",
+                "qwen2.5-1.5b",
+                "--timeline",
+                str(png),
+                "--explain",
+                *FAST,
+            ]
+        )
+        == 0
+    )
     spans = json.loads(png.with_suffix(".json").read_text())["spans"]
     assert spans == timeline_json(cache["tune"].ranked[0].result)
     assert "timeline written to" in capsys.readouterr().out

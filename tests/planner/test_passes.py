@@ -202,8 +202,12 @@ def test_resolve_derives_the_workload_from_the_config(registry: Registry) -> Non
         _ = p0.workload
     p = run_passes(graph, p0, registry, passes=("resolve",), emit=QUIET)
     assert p.workload == WorkloadSpec(
-        prompts_per_step=4, samples_per_prompt=3, prompt_length=16, response_length=Fixed(value=5),
-        ppo_epochs=3, mini_batches=2,
+        prompts_per_step=4,
+        samples_per_prompt=3,
+        prompt_length=16,
+        response_length=Fixed(value=5),
+        ppo_epochs=3,
+        mini_batches=2,
     )
     # more mini-batches than sequences is refused, naming the train node
     graph, cfg = api.load("grpo", registry=registry, overrides=[*SMALL, "train.mini_batches=50"])
@@ -230,8 +234,12 @@ def test_place_sizes_model_states(registry: Registry) -> None:
     graph, p, _ = plan("ppo", registry, "memory_limit_gib=2", "threads=3")
     tiny = RunConfig().tiny_model
     hf = LlamaConfig(
-        vocab_size=len(vocab()), hidden_size=tiny.hidden_size, intermediate_size=tiny.intermediate_size,
-        num_hidden_layers=tiny.num_layers, num_attention_heads=tiny.num_heads, num_key_value_heads=tiny.num_kv_heads,
+        vocab_size=len(vocab()),
+        hidden_size=tiny.hidden_size,
+        intermediate_size=tiny.intermediate_size,
+        num_hidden_layers=tiny.num_layers,
+        num_attention_heads=tiny.num_heads,
+        num_key_value_heads=tiny.num_kv_heads,
         tie_word_embeddings=False,
     )
     with torch.device("meta"):
@@ -269,12 +277,20 @@ def test_memory_breakdown_adds_up_and_its_peak_is_the_largest_transient(registry
     assert peaks[0].startswith(f"peak: node {max(transients, key=transients.__getitem__)} ")
 
 
-@pytest.mark.parametrize(("source", "size", "layout", "forward"), [
-    ("remax", 5, 5, 5),
-    ("remax", 1, 1, 1),
-    ("ppo", 4, 4, 4),
-    ("remax", 50, 6, 12),  # the layout's and a train node's are capped at the mini-batch (12 / 2), a forward's at its rows
-])
+@pytest.mark.parametrize(
+    ("source", "size", "layout", "forward"),
+    [
+        ("remax", 5, 5, 5),
+        ("remax", 1, 1, 1),
+        ("ppo", 4, 4, 4),
+        (
+            "remax",
+            50,
+            6,
+            12,
+        ),  # the layout's and a train node's are capped at the mini-batch (12 / 2), a forward's at its rows
+    ],
+)
 def test_train_micro_batch_size_is_honoured_in_the_nodes_and_the_layout(
     registry: Registry, source: str, size: int, layout: int, forward: int
 ) -> None:
@@ -620,7 +636,9 @@ def test_verify_plan_refuses_a_tp_that_does_not_divide_the_heads(registry: Regis
     cluster = msgspec.structs.replace(p.target.cluster, devices_per_node=3)
     tp3 = tuple(msgspec.structs.replace(m, parallel=Parallel(dp=1, tp=3, pp=1)) for m in p.layout.models)
     layout = msgspec.structs.replace(
-        p.layout, groups=(DeviceGroup(name="all", devices=3, first=0),), models=tp3,
+        p.layout,
+        groups=(DeviceGroup(name="all", devices=3, first=0),),
+        models=tp3,
         generation=GenerationLayout(group="all", tp=3, replicas=1),
     )
     wide = msgspec.structs.replace(p, target=msgspec.structs.replace(p.target, cluster=cluster), layout=layout)
@@ -652,11 +670,14 @@ def test_cuda_without_cuda_is_refused_at_plan_time_and_by_the_executor(
     api.check(graph, p, registry)  # the CPU plan itself is fine
 
 
-@pytest.mark.parametrize(("override", "field", "what"), [
-    ("backend=nope", "backend", "executor"),
-    ("generation.engine=nope", "generation.engine", "generation engine"),
-    ("train.engine=nope", "train.engine", "training engine"),
-])
+@pytest.mark.parametrize(
+    ("override", "field", "what"),
+    [
+        ("backend=nope", "backend", "executor"),
+        ("generation.engine=nope", "generation.engine", "generation engine"),
+        ("train.engine=nope", "train.engine", "training engine"),
+    ],
+)
 def test_unknown_executor_or_engine_names_the_config_field(
     registry: Registry, override: str, field: str, what: str
 ) -> None:
@@ -674,9 +695,16 @@ def test_resolve_checks_engine_names_for_any_target(registry: Registry) -> None:
 # ---------------------------------------------------------------------------- resolve errors
 
 
-def _graph(reward_fn: str = "task", compute_fn: str = "grpo", compute_reads: str = "rewards responses",
-           compute_writes: str = "advantages", loss: str = "ppo", train: dict[str, Any] | None = None,
-           compute: dict[str, Any] | None = None, forward: dict[str, Any] | None = None) -> Graph:
+def _graph(
+    reward_fn: str = "task",
+    compute_fn: str = "grpo",
+    compute_reads: str = "rewards responses",
+    compute_writes: str = "advantages",
+    loss: str = "ppo",
+    train: dict[str, Any] | None = None,
+    compute: dict[str, Any] | None = None,
+    forward: dict[str, Any] | None = None,
+) -> Graph:
     g = Graph("custom")
     g.model("actor", "actor")
     g.generate("rollout", model="actor", n=2)
@@ -769,21 +797,30 @@ def test_unknown_task(registry: Registry) -> None:
 
 
 def test_valid_node_options_plan(registry: Registry) -> None:
-    graph = _graph(train={"epochs": 2, "mini_batches": 1, "clip_low": 0.1}, compute={"eps": 1e-4, "scale": False},
-                   forward={"kl_coef": 0.0})
+    graph = _graph(
+        train={"epochs": 2, "mini_batches": 1, "clip_low": 0.1},
+        compute={"eps": 1e-4, "scale": False},
+        forward={"kl_coef": 0.0},
+    )
     assert _resolve(graph, registry).passes == PIPELINE
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"train": {"warmup": 3}}, "node 'train_actor': unknown option(s) warmup; allowed: "),
-    ({"compute": {"epsilon": 1e-4}}, "node 'adv': unknown option(s) epsilon; allowed: "),
-    ({"forward": {"epochs": 2}}, "node 'old_logprobs': unknown option(s) epochs; allowed: "),
-    ({"train": {"clip_low": "wide"}}, "node 'train_actor': bad option: "),
-    ({"train": {"kl_estimator": "k9"}}, "node 'train_actor': bad option: "),
-    ({"train": {"epochs": 0}}, "node 'train_actor': option 'epochs' must be an integer >= 1, got 0."),
-    ({"train": {"mini_batches": 1.5}}, "node 'train_actor': option 'mini_batches' must be an integer >= 1, got 1.5."),
-    ({"train": {"epochs": True}}, "node 'train_actor': option 'epochs' must be an integer >= 1, got True."),
-])
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"train": {"warmup": 3}}, "node 'train_actor': unknown option(s) warmup; allowed: "),
+        ({"compute": {"epsilon": 1e-4}}, "node 'adv': unknown option(s) epsilon; allowed: "),
+        ({"forward": {"epochs": 2}}, "node 'old_logprobs': unknown option(s) epochs; allowed: "),
+        ({"train": {"clip_low": "wide"}}, "node 'train_actor': bad option: "),
+        ({"train": {"kl_estimator": "k9"}}, "node 'train_actor': bad option: "),
+        ({"train": {"epochs": 0}}, "node 'train_actor': option 'epochs' must be an integer >= 1, got 0."),
+        (
+            {"train": {"mini_batches": 1.5}},
+            "node 'train_actor': option 'mini_batches' must be an integer >= 1, got 1.5.",
+        ),
+        ({"train": {"epochs": True}}, "node 'train_actor': option 'epochs' must be an integer >= 1, got True."),
+    ],
+)
 def test_bad_node_options_are_refused_by_resolve(registry: Registry, options: dict[str, Any], message: str) -> None:
     with pytest.raises(GraphError) as info:
         _resolve(_graph(**options), registry)
@@ -807,7 +844,8 @@ def test_unknown_option_lists_what_is_allowed(registry: Registry) -> None:
 
 def test_api_plan_refuses_an_unknown_node_option_in_a_graph_file(registry: Registry, tmp_path: Path) -> None:
     source = tmp_path / "opts.py"
-    source.write_text(textwrap.dedent("""
+    source.write_text(
+        textwrap.dedent("""
         from flowrl.graph import Graph
 
 
@@ -823,7 +861,8 @@ def test_api_plan_refuses_an_unknown_node_option_in_a_graph_file(registry: Regis
             g.train("train_actor", model="actor", loss="ppo", reads="responses old_logprobs ref_logprobs advantages",
                     epochs=2, warmup_steps=10)
             return g
-    """))
+    """)
+    )
     out: list[str] = []
     with pytest.raises(GraphError) as info:
         api.plan(str(source), registry=registry, overrides=SMALL, emit=out.append, print_after=["all"])

@@ -21,7 +21,13 @@ def plan() -> ExecutionPlan:
     _, p = api.plan(
         "ppo",
         registry=registry,
-        overrides=["rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "train.lr=1e-7", "memory_limit_gib=8", "task_options={}"],
+        overrides=[
+            "rollout.prompts_per_step=4",
+            "rollout.samples_per_prompt=2",
+            "train.lr=1e-7",
+            "memory_limit_gib=8",
+            "task_options={}",
+        ],
         emit=lambda _: None,
     )
     return p
@@ -61,7 +67,11 @@ def test_id_changes_when_any_field_changes(plan: ExecutionPlan) -> None:
     changes = [
         {"config": msgspec.structs.replace(plan.config, seed=plan.config.seed + 1)},
         {"config": msgspec.structs.replace(plan.config, backend="other")},
-        {"target": msgspec.structs.replace(plan.target, numerics=msgspec.structs.replace(plan.target.numerics, weight_bytes=2))},
+        {
+            "target": msgspec.structs.replace(
+                plan.target, numerics=msgspec.structs.replace(plan.target.numerics, weight_bytes=2)
+            )
+        },
         {"layout": msgspec.structs.replace(plan.layout, placement="split")},
         {"passes": plan.passes[:-1]},
         {"nodes": (msgspec.structs.replace(plan.nodes[0], micro_batch_size=1), *plan.nodes[1:])},

@@ -59,10 +59,15 @@ def graph(name: str = "grpo"):
     return api.load(name)[0]
 
 
-def disaggregated(rollout: RolloutPolicy, sync: WeightSync = WeightSync(strategy="bucketed"), *, gen: int = 8) -> ClusterPlan:
+def disaggregated(
+    rollout: RolloutPolicy, sync: WeightSync = WeightSync(strategy="bucketed"), *, gen: int = 8
+) -> ClusterPlan:
     """Generation on ``gen`` devices (tp 1), actor + reference trained on the rest."""
     train = CLUSTER.devices - gen
-    models = tuple(ModelLayout(model=m, group="train", parallel=Parallel(dp=train, tp=1, pp=1), micro_batch=4) for m in ("actor", "ref"))
+    models = tuple(
+        ModelLayout(model=m, group="train", parallel=Parallel(dp=train, tp=1, pp=1), micro_batch=4)
+        for m in ("actor", "ref")
+    )
     return ClusterPlan(
         placement="disaggregated",
         groups=(DeviceGroup(name="gen", devices=gen, first=0), DeviceGroup(name="train", devices=train, first=gen)),
@@ -75,7 +80,9 @@ def disaggregated(rollout: RolloutPolicy, sync: WeightSync = WeightSync(strategy
 
 def colocated(rollout: RolloutPolicy = SYNC) -> ClusterPlan:
     n = CLUSTER.devices
-    models = tuple(ModelLayout(model=m, group="all", parallel=Parallel(dp=n, tp=1, pp=1), micro_batch=4) for m in ("actor", "ref"))
+    models = tuple(
+        ModelLayout(model=m, group="all", parallel=Parallel(dp=n, tp=1, pp=1), micro_batch=4) for m in ("actor", "ref")
+    )
     return ClusterPlan(
         placement="colocate",
         groups=(DeviceGroup(name="all", devices=n, first=0),),
@@ -86,7 +93,9 @@ def colocated(rollout: RolloutPolicy = SYNC) -> ClusterPlan:
     )
 
 
-def run(plan: ClusterPlan, w: WorkloadSpec = HEAVY, *, graph_name: str = "grpo", iterations: int = 5, seed: int = 0) -> SimResult:
+def run(
+    plan: ClusterPlan, w: WorkloadSpec = HEAVY, *, graph_name: str = "grpo", iterations: int = 5, seed: int = 0
+) -> SimResult:
     g = graph(graph_name)
     tuner = Tuner(g, MODEL, CLUSTER, w, seed=seed)
     gen_members = [m for m in plan.models if m.group == plan.generation.group]
@@ -105,7 +114,14 @@ def test_hand_built_plans_are_points_of_the_enumerated_space():
     tuner = Tuner(graph(), MODEL, CLUSTER, HEAVY)
     sks = skeletons(tuner.roles, CLUSTER.devices, CLUSTER.devices_per_node, MODEL.heads, MODEL.kv_heads)
     shapes = {(s.placement, s.groups, s.generation, s.rollout, s.weight_sync) for s in sks}
-    for plan in (disaggregated(SYNC), disaggregated(PARTIAL), disaggregated(ONE_STEP_OFF), disaggregated(ASYNC, WeightSync(strategy="sparse", density=0.1)), colocated(), colocated(PARTIAL)):
+    for plan in (
+        disaggregated(SYNC),
+        disaggregated(PARTIAL),
+        disaggregated(ONE_STEP_OFF),
+        disaggregated(ASYNC, WeightSync(strategy="sparse", density=0.1)),
+        colocated(),
+        colocated(PARTIAL),
+    ):
         assert (plan.placement, plan.groups, plan.generation, plan.rollout, plan.weight_sync) in shapes, plan.summary()
 
 
@@ -165,7 +181,9 @@ def test_partial_rollouts_neither_drop_nor_duplicate_tokens():
 def test_one_step_off_overlaps_generation_with_training():
     sync, off = run(disaggregated(SYNC)), run(disaggregated(ONE_STEP_OFF))
     # sync on separate groups: generation and training alternate, nothing overlaps
-    assert sync.iteration_s >= 0.99 * (sync.breakdown["rollout"] + sync.breakdown["train_actor"] + sync.breakdown["weight_sync"])
+    assert sync.iteration_s >= 0.99 * (
+        sync.breakdown["rollout"] + sync.breakdown["train_actor"] + sync.breakdown["weight_sync"]
+    )
     # one step off: the iteration is shorter than generation + everything else in series
     assert off.iteration_s < 0.95 * (off.breakdown["rollout"] + off_generation(off))
     assert off.iteration_s < sync.iteration_s
@@ -235,19 +253,36 @@ def test_colocated_generation_cannot_overlap_training():
 def test_weight_sync_strategies_order_sparse_bucketed_full():
     tuner = Tuner(graph(), MODEL, CLUSTER, HEAVY)
     seconds = {}
-    for ws in (WeightSync(strategy="full"), WeightSync(strategy="bucketed"), WeightSync(strategy="sparse", density=0.1)):
+    for ws in (
+        WeightSync(strategy="full"),
+        WeightSync(strategy="bucketed"),
+        WeightSync(strategy="sparse", density=0.1),
+    ):
         seconds[ws.strategy] = sync_seconds(disaggregated(SYNC, ws), tuner.cost, tuner.roles)
     assert 0 < seconds["sparse"] < seconds["bucketed"] < seconds["full"], seconds
     # and the simulated iteration follows (sync mode: the weight sync is on the critical path)
-    times = {s: run(disaggregated(SYNC, ws)).iteration_s for s, ws in (("full", WeightSync(strategy="full")), ("bucketed", WeightSync(strategy="bucketed")), ("sparse", WeightSync(strategy="sparse", density=0.1)))}
+    times = {
+        s: run(disaggregated(SYNC, ws)).iteration_s
+        for s, ws in (
+            ("full", WeightSync(strategy="full")),
+            ("bucketed", WeightSync(strategy="bucketed")),
+            ("sparse", WeightSync(strategy="sparse", density=0.1)),
+        )
+    }
     assert times["sparse"] < times["bucketed"] < times["full"], times
 
 
 def test_sparse_sync_cost_grows_with_density_and_full_with_replicas():
     tuner = Tuner(graph(), MODEL, CLUSTER, HEAVY)
-    sparse = [sync_seconds(disaggregated(SYNC, WeightSync(strategy="sparse", density=d)), tuner.cost, tuner.roles) for d in (0.01, 0.1, 0.5, 1.0)]
+    sparse = [
+        sync_seconds(disaggregated(SYNC, WeightSync(strategy="sparse", density=d)), tuner.cost, tuner.roles)
+        for d in (0.01, 0.1, 0.5, 1.0)
+    ]
     assert sparse == sorted(sparse) and len(set(sparse)) == 4
-    full = [sync_seconds(disaggregated(SYNC, WeightSync(strategy="full"), gen=g), tuner.cost, tuner.roles) for g in (2, 4, 8)]
+    full = [
+        sync_seconds(disaggregated(SYNC, WeightSync(strategy="full"), gen=g), tuner.cost, tuner.roles)
+        for g in (2, 4, 8)
+    ]
     assert all(x > 0 for x in full)
 
 

@@ -112,7 +112,9 @@ def test_cluster_file_errors_name_file_and_field(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"bad\.yaml.*hardware\.matmul_efficiency"):
         parse_cluster(str(bad))
     bad.write_text("nodes: 2\nhardware:\n  preset: A100-80G\n  memroy_bytes: 1\n")
-    with pytest.raises(ConfigError, match=r"unknown field 'hardware\.memroy_bytes'.*Did you mean 'hardware\.memory_bytes'"):
+    with pytest.raises(
+        ConfigError, match=r"unknown field 'hardware\.memroy_bytes'.*Did you mean 'hardware\.memory_bytes'"
+    ):
         parse_cluster(str(bad))
     bad.write_text("nodes: 2\nhardware: B200\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml.*unknown hardware preset 'B200'"):
@@ -162,7 +164,12 @@ def test_hardware_round_trip_and_errors(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("name", "expected", "tolerance"),
-    [("llama-7b", 6.74e9, 0.01), ("llama-70b", 68.98e9, 0.01), ("qwen2.5-7b", 7.62e9, 0.01), ("qwen2.5-0.5b", 0.494e9, 0.02)],
+    [
+        ("llama-7b", 6.74e9, 0.01),
+        ("llama-70b", 68.98e9, 0.01),
+        ("qwen2.5-7b", 7.62e9, 0.01),
+        ("qwen2.5-0.5b", 0.494e9, 0.02),
+    ],
 )
 def test_preset_parameter_counts(name: str, expected: float, tolerance: float) -> None:
     assert abs(MODEL_PRESETS[name].parameters() - expected) / expected < tolerance

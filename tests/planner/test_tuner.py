@@ -432,7 +432,9 @@ def test_an_executor_without_model_parallelism_gets_no_tp_or_pp():
     assert result.ranked and [c.plan.summary() for c in result.ranked if unsupported(caps, c.plan, 8)] == []
     # where no layout without model parallelism fits, the refusal says so instead of suggesting this cluster
     with pytest.raises(PlanError, match="the states fit here, so activations or the KV cache do not") as info:
-        make_tuner("grpo", MODEL_PRESETS["llama-7b"], "8xA100-80G", WorkloadSpec(), capabilities=caps).search(budget_s=2)
+        make_tuner("grpo", MODEL_PRESETS["llama-7b"], "8xA100-80G", WorkloadSpec(), capabilities=caps).search(
+            budget_s=2
+        )
     assert "--cluster 8xA100-80G" not in str(info.value)
 
 
@@ -470,7 +472,9 @@ def test_a_one_device_cluster_has_the_one_colocated_layout_with_its_prediction()
     assert pred is not None and pred.iteration_s > 0 and set(pred.breakdown) == set(graph.nodes) | {"weight_sync"}
     assert set(pred.memory_bytes) == set(pred.utilization) == {"all"}
     # the same prediction as simulating that layout directly
-    t = Tuner(graph, QWEN, target.cluster, plan.workload, numerics=plan.target.numerics, capabilities=plan.target.capabilities)
+    t = Tuner(
+        graph, QWEN, target.cluster, plan.workload, numerics=plan.target.numerics, capabilities=plan.target.capabilities
+    )
     assert t.single(fitted).ranked[0].plan == plan.layout
 
 

@@ -32,7 +32,14 @@ def test_entry_point_plugin_registers_and_runs(tmp_path, monkeypatch):
     assert reg.entry("algorithms", "grpo_concise").plugin == "example_under_test"
     assert "sample-prompts" in reg.names("cli_commands")
 
-    overrides = ["steps=3", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "checkpoint=false", "progress=false", f"out={tmp_path / 'runs'}"]
+    overrides = [
+        "steps=3",
+        "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=4",
+        "checkpoint=false",
+        "progress=false",
+        f"out={tmp_path / 'runs'}",
+    ]
     graph, plan = api.plan("grpo_concise", registry=reg, overrides=overrides, emit=lambda s: None)
     assert graph.nodes["reward"].fn == "concise"
     result = api.run(graph, plan, registry=reg)

@@ -202,13 +202,13 @@ def test_empty_flowrl_plugins_loads_no_entry_points(monkeypatch: pytest.MonkeyPa
     assert reg.names("cli_commands") == ["profile"]
 
 
-PLUGIN_SOURCE = '''
+PLUGIN_SOURCE = """
 from flowrl.plugins.hookspecs import hookimpl
 
 @hookimpl
 def register_reward_functions(register):
     register("ep_reward", lambda *a, **k: None, description="from an entry point")
-'''
+"""
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from flowrl.errors import PluginError
+from flowrl.planner.hardware import HARDWARE_PRESETS
 from flowrl.plugins.hookspecs import HOOKS, hookimpl
 from flowrl.plugins.manager import CALLS, CORE_COMMANDS, SINGULAR, Registry, load_plugins
-from flowrl.planner.hardware import HARDWARE_PRESETS
 
 HOOK_OF = {kind: hook for hook, kind in HOOKS.items()}
 

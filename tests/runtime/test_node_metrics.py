@@ -10,7 +10,14 @@ import pytest
 from flowrl import api
 from flowrl.plugins.builtin import BUILTIN_GRAPHS
 
-TINY = ["steps=2", "seed=0", "progress=false", "checkpoint=false", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2"]
+TINY = [
+    "steps=2",
+    "seed=0",
+    "progress=false",
+    "checkpoint=false",
+    "rollout.prompts_per_step=2",
+    "rollout.samples_per_prompt=2",
+]
 
 
 @pytest.mark.parametrize("graph", BUILTIN_GRAPHS)

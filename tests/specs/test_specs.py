@@ -51,7 +51,10 @@ def test_graph_defaults_are_the_lowest_layer() -> None:
     registry = load_plugins(entry_points=False)[1]
     _, cfg = api.load("ppo", registry=registry)
     samples = DEFAULTS["rollout"]["samples_per_prompt"]
-    assert (cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt) == (DEFAULTS["rollout"]["prompts_per_step"], samples)
+    assert (cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt) == (
+        DEFAULTS["rollout"]["prompts_per_step"],
+        samples,
+    )
     _, cfg = api.load(
         "ppo",
         registry=registry,
@@ -107,7 +110,9 @@ def test_parse_override_rejects_malformed(text: str) -> None:
 
 
 def test_override_into_config_converts_types() -> None:
-    cfg = api.make_config({}, None, ["train.lr=1e-3", "train.betas=[0.8, 0.9]", "algo.kl_estimator=k1", "checkpoint=no"])
+    cfg = api.make_config(
+        {}, None, ["train.lr=1e-3", "train.betas=[0.8, 0.9]", "algo.kl_estimator=k1", "checkpoint=no"]
+    )
     assert cfg.train.lr == 0.001
     assert cfg.train.betas == (0.8, 0.9)
     assert cfg.algo.kl_estimator == "k1"
@@ -177,7 +182,13 @@ def test_range_checks_name_the_field(layer: dict, field: str) -> None:
 
 
 def test_range_boundaries_are_accepted() -> None:
-    cfg = build_config({"rollout": {"top_p": 1.0, "prompts_per_step": 1, "samples_per_prompt": 1}, "steps": 0, "train": {"micro_batch_size": 1}})
+    cfg = build_config(
+        {
+            "rollout": {"top_p": 1.0, "prompts_per_step": 1, "samples_per_prompt": 1},
+            "steps": 0,
+            "train": {"micro_batch_size": 1},
+        }
+    )
     assert cfg.rollout.top_p == 1.0 and cfg.steps == 0
 
 
@@ -231,7 +242,10 @@ def test_bad_syntax(tmp_path: Path, name: str, text: str, fmt: str) -> None:
     assert name in str(info.value)
 
 
-@pytest.mark.parametrize(("name", "text", "found"), [("list.yaml", "- 1\n- 2\n", "list"), ("num.json", "3", "int"), ("s.yaml", "hello\n", "str")])
+@pytest.mark.parametrize(
+    ("name", "text", "found"),
+    [("list.yaml", "- 1\n- 2\n", "list"), ("num.json", "3", "int"), ("s.yaml", "hello\n", "str")],
+)
 def test_top_level_must_be_a_mapping(tmp_path: Path, name: str, text: str, found: str) -> None:
     path = tmp_path / name
     path.write_text(text)

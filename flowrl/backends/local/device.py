@@ -23,12 +23,18 @@ def resolve_device(requested: str) -> str:
     elif device == "cuda":
         device = "cuda:0"
     if device != "cpu" and not (device.startswith("cuda:") and device[5:].isdigit()):
-        raise PlanError(f"config field 'device' is {requested!r}; the local engines run on 'cpu', 'cuda', 'cuda:N' or 'auto'.")
+        raise PlanError(
+            f"config field 'device' is {requested!r}; the local engines run on 'cpu', 'cuda', 'cuda:N' or 'auto'."
+        )
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise PlanError(f"config field 'device' is {requested!r} but torch sees no CUDA device here. Use --set device=cpu.")
+            raise PlanError(
+                f"config field 'device' is {requested!r} but torch sees no CUDA device here. Use --set device=cpu."
+            )
         if int(device[5:]) >= torch.cuda.device_count():
-            raise PlanError(f"config field 'device' is {requested!r} but torch sees {torch.cuda.device_count()} CUDA device(s).")
+            raise PlanError(
+                f"config field 'device' is {requested!r} but torch sees {torch.cuda.device_count()} CUDA device(s)."
+            )
     return device
 
 
@@ -57,6 +63,12 @@ def machine(cfg: RunConfig) -> HardwareSpec:
     if device == "cpu" and profile.is_file():
         return msgspec.structs.replace(load_hardware(profile), memory_bytes=memory)
     return HardwareSpec(
-        name=f"local-{device.replace(':', '')}", peak_flops_bf16=1e11, peak_flops_fp32=1e11, memory_bytes=memory, memory_bandwidth=2e10,
-        intra_node_bandwidth=2e10, inter_node_bandwidth=2e10, devices_per_node=1,
+        name=f"local-{device.replace(':', '')}",
+        peak_flops_bf16=1e11,
+        peak_flops_fp32=1e11,
+        memory_bytes=memory,
+        memory_bandwidth=2e10,
+        intra_node_bandwidth=2e10,
+        inter_node_bandwidth=2e10,
+        devices_per_node=1,
     )

@@ -32,7 +32,15 @@ class LocalModel:
 
     resumable = True
 
-    def __init__(self, decl: ModelDecl, module: nn.Module, tokenizer: Any, hf_config: Any, plan: ExecutionPlan, device: torch.device) -> None:
+    def __init__(
+        self,
+        decl: ModelDecl,
+        module: nn.Module,
+        tokenizer: Any,
+        hf_config: Any,
+        plan: ExecutionPlan,
+        device: torch.device,
+    ) -> None:
         self.decl = decl
         self.module = module.to(device)
         self.tokenizer = tokenizer
@@ -46,30 +54,58 @@ class LocalModel:
         if decl.trainable:
             lr = self.cfg.train.critic_lr if decl.scalar_head and self.cfg.train.critic_lr else self.cfg.train.lr
             self.module.requires_grad_(True)  # a copy of a frozen model is trainable here
-            self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, betas=self.cfg.train.betas, weight_decay=self.cfg.train.weight_decay)
+            self.optimizer = torch.optim.AdamW(
+                self.module.parameters(), lr=lr, betas=self.cfg.train.betas, weight_decay=self.cfg.train.weight_decay
+            )
         else:
             self.module.requires_grad_(False)
         self.module.eval()
 
     # ------------------------------------------------------------ generation
-    def generate(self, prompts: Sequence[Prompt], *, n: int, greedy: bool, generator: torch.Generator, max_new_tokens: int | None = None) -> Rollout:
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        n: int,
+        greedy: bool,
+        generator: torch.Generator,
+        max_new_tokens: int | None = None,
+    ) -> Rollout:
         """``n`` samples for each prompt (rows grouped by prompt), with their log-probs."""
         texts = [p.text for p in prompts for _ in range(n)]
         enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=True)
         index = torch.arange(len(prompts)).repeat_interleave(n)
         empty = torch.zeros(len(texts), 0, dtype=torch.long)
         start = Sequences(
-            prompt_ids=enc["input_ids"], prompt_mask=enc["attention_mask"], response_ids=empty, response_mask=empty.float(),
-            prompt_index=index, texts=("",) * len(texts), version=self.version,
+            prompt_ids=enc["input_ids"],
+            prompt_mask=enc["attention_mask"],
+            response_ids=empty,
+            response_mask=empty.float(),
+            prompt_index=index,
+            texts=("",) * len(texts),
+            version=self.version,
         )
-        return self._continue(start, torch.zeros(len(texts), 0), torch.arange(len(texts)), greedy, generator, max_new_tokens)
+        return self._continue(
+            start, torch.zeros(len(texts), 0), torch.arange(len(texts)), greedy, generator, max_new_tokens
+        )
 
     def resume(self, rollout: Rollout, *, generator: torch.Generator, max_new_tokens: int | None = None) -> Rollout:
         """Continue the unfinished rows from their prompt and the tokens generated so far."""
         rows = (~rollout.finished).nonzero().flatten()
-        return self._continue(rollout.sequences, rollout.logprobs, rows, rollout.greedy, generator, max_new_tokens, rollout.finished)
+        return self._continue(
+            rollout.sequences, rollout.logprobs, rows, rollout.greedy, generator, max_new_tokens, rollout.finished
+        )
 
-    def _continue(self, seqs: Sequences, logprobs: Tensor, rows: Tensor, greedy: bool, generator: torch.Generator, max_new_tokens: int | None, finished: Tensor | None = None) -> Rollout:
+    def _continue(
+        self,
+        seqs: Sequences,
+        logprobs: Tensor,
+        rows: Tensor,
+        greedy: bool,
+        generator: torch.Generator,
+        max_new_tokens: int | None,
+        finished: Tensor | None = None,
+    ) -> Rollout:
         if self.decl.scalar_head:
             raise BackendError(f"model '{self.decl.name}' has a scalar head and cannot generate.")
         roll = self.cfg.rollout
@@ -82,11 +118,23 @@ class LocalModel:
         part = seqs.select(rows)
         ids, mask = pack_left(part.input_ids, part.attention_mask)
         tokens, new_logprobs, alive = sample(
-            self.module, ids.to(self.device), mask.to(self.device),
-            max_new_tokens=budget, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
-            temperature=roll.temperature, top_p=roll.top_p, greedy=greedy, ignore_eos=roll.ignore_eos, generator=self.sampler or generator,
+            self.module,
+            ids.to(self.device),
+            mask.to(self.device),
+            max_new_tokens=budget,
+            eos_id=self.tokenizer.eos_token_id,
+            pad_id=self.tokenizer.pad_token_id,
+            temperature=roll.temperature,
+            top_p=roll.top_p,
+            greedy=greedy,
+            ignore_eos=roll.ignore_eos,
+            generator=self.sampler or generator,
         )
-        tokens, new_logprobs, alive = tokens.cpu(), new_logprobs.cpu(), alive.cpu()  # batches live on the host between nodes
+        tokens, new_logprobs, alive = (
+            tokens.cpu(),
+            new_logprobs.cpu(),
+            alive.cpu(),
+        )  # batches live on the host between nodes
         eos = ((tokens == self.tokenizer.eos_token_id) & alive.bool()).any(-1) & (not roll.ignore_eos)
         if done_len == 0 and len(rows) == len(seqs):  # a fresh batch: the samples are the responses
             response_ids, response_mask, all_logprobs = tokens, alive, new_logprobs
@@ -102,11 +150,20 @@ class LocalModel:
                 response_mask[r, at : at + k] = 1.0
                 all_logprobs[r, at : at + k] = new_logprobs[j, :k]
             used = int(response_mask.sum(-1).max())
-            response_ids, response_mask, all_logprobs = response_ids[:, :used], response_mask[:, :used], all_logprobs[:, :used]
+            response_ids, response_mask, all_logprobs = (
+                response_ids[:, :used],
+                response_mask[:, :used],
+                all_logprobs[:, :used],
+            )
         finished[rows] = eos | (response_mask[rows].sum(-1) >= limit)
         out = Sequences(
-            prompt_ids=seqs.prompt_ids, prompt_mask=seqs.prompt_mask, response_ids=response_ids, response_mask=response_mask,
-            prompt_index=seqs.prompt_index, texts=tuple(self._decode(response_ids, response_mask)), version=self.version,
+            prompt_ids=seqs.prompt_ids,
+            prompt_mask=seqs.prompt_mask,
+            response_ids=response_ids,
+            response_mask=response_mask,
+            prompt_index=seqs.prompt_index,
+            texts=tuple(self._decode(response_ids, response_mask)),
+            version=self.version,
         )
         return Rollout(sequences=out, logprobs=all_logprobs, finished=finished, greedy=greedy)
 
@@ -165,13 +222,17 @@ class LocalModel:
                     view = to_device(select_rows(batch, part, n_rows), self.device)
                     out = self._outputs(view[step.sequences_key], step.output)
                     value, step_stats = loss(out, view, step.algo)
-                    weight = float(view[step.sequences_key].response_mask.sum()) / mb_tokens  # exact token-mean over the mini-batch
+                    weight = (
+                        float(view[step.sequences_key].response_mask.sum()) / mb_tokens
+                    )  # exact token-mean over the mini-batch
                     (value * weight).backward()
                     for k, v in {"loss": value.item(), **step_stats}.items():
                         stats.setdefault(k, []).append(v)
                 norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.train.grad_clip)
                 if not math.isfinite(float(norm)):
-                    raise BackendError(f"node '{step.node}': gradient norm is {float(norm)} (diverged); lower train.lr or check the rewards.")
+                    raise BackendError(
+                        f"node '{step.node}': gradient norm is {float(norm)} (diverged); lower train.lr or check the rewards."
+                    )
                 stats.setdefault("grad_norm", []).append(float(norm))
                 self.optimizer.step()
         self.module.eval()
@@ -186,7 +247,11 @@ class LocalModel:
         self.module.load_state_dict(dict(weights))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"weights": self.export_weights(), "optimizer": self.optimizer.state_dict() if self.optimizer else None, "version": self.version}
+        return {
+            "weights": self.export_weights(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+            "version": self.version,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.import_weights(state["weights"])
@@ -233,7 +298,14 @@ def generation_engine(ctx: EngineContext) -> LocalModel:
     training engine trains it); weights arrive through `load_weights` after each step."""
     source = ctx.source
     module = build_causal_lm(None, source.hf_config, ctx.plan.config.seed)
-    engine = LocalModel(msgspec.structs.replace(ctx.decl, trainable=False), module, source.tokenizer, source.hf_config, ctx.plan, torch.device(ctx.device))
+    engine = LocalModel(
+        msgspec.structs.replace(ctx.decl, trainable=False),
+        module,
+        source.tokenizer,
+        source.hf_config,
+        ctx.plan,
+        torch.device(ctx.device),
+    )
     engine.load_weights(source.export_weights(), source.version)
     return engine
 
@@ -241,7 +313,9 @@ def generation_engine(ctx: EngineContext) -> LocalModel:
 def _as_lm(source: Any) -> nn.Module:
     module = getattr(source, "module", None)
     if not isinstance(module, nn.Module):
-        raise BackendError(f"model '{source.decl.name}' is held by another engine; the local training engine copies only local models.")
+        raise BackendError(
+            f"model '{source.decl.name}' is held by another engine; the local training engine copies only local models."
+        )
     if isinstance(module, ValueModel):
         raise BackendError("a model cannot initialise from a critic/reward model (it has no LM head).")
     return module

@@ -11,7 +11,16 @@ from flowrl.runtime.executor import InProcessExecutor
 
 #: fp32 weights, gradients and AdamW moments; activations kept for backward; eager attention;
 #: a replica decodes its whole batch at once; no reserve (the CPU has no allocator pool).
-LOCAL_NUMERICS = Numerics(weight_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4, recompute=False, eager_attention=True, decode_batch=None, reserve=0.0)
+LOCAL_NUMERICS = Numerics(
+    weight_bytes=4,
+    grad_bytes=4,
+    optimizer_bytes=8,
+    activation_bytes=4,
+    recompute=False,
+    eager_attention=True,
+    decode_batch=None,
+    reserve=0.0,
+)
 
 
 class LocalExecutor(InProcessExecutor):

@@ -79,7 +79,9 @@ def sample(
         if bool(done.all()) or step == max_new_tokens - 1:
             break
         mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=mask.device)], dim=1)
-        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos + step, use_cache=True, **{kwarg: cache})
+        out = model(
+            input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos + step, use_cache=True, **{kwarg: cache}
+        )
         cache = getattr(out, field)
         logits = out.logits[:, -1, :]
     return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(alive, 1).float()

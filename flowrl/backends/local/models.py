@@ -41,7 +41,9 @@ def load_tokenizer(path: str | None) -> Any:
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:
-        raise BackendError(f"model directory '{path}' has no usable tokenizer ({type(exc).__name__}: {exc}). Save one with tokenizer.save_pretrained('{path}').") from None
+        raise BackendError(
+            f"model directory '{path}' has no usable tokenizer ({type(exc).__name__}: {exc}). Save one with tokenizer.save_pretrained('{path}')."
+        ) from None
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -93,7 +95,9 @@ def build_causal_lm(path: str | None, config: Any, seed: int) -> nn.Module:
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     else:
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32, attn_implementation="eager")
+            model = AutoModelForCausalLM.from_pretrained(
+                path, local_files_only=True, dtype=torch.float32, attn_implementation="eager"
+            )
         except Exception as exc:
             raise BackendError(f"could not load a causal LM from '{path}': {type(exc).__name__}: {exc}") from None
     model.generation_config.pad_token_id = config.pad_token_id
@@ -113,7 +117,9 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
         return self.head(hidden).squeeze(-1)
 
     def save(self, path: Path) -> None:
@@ -126,6 +132,8 @@ class ValueModel(nn.Module):
 def _check_dir(path: str) -> None:
     p = Path(path)
     if not p.is_dir():
-        raise BackendError(f"model directory '{path}' does not exist. Pass --model with a directory holding an HF config.json, weights and a tokenizer (e.g. a runs/<name>/checkpoint from an earlier run).")
+        raise BackendError(
+            f"model directory '{path}' does not exist. Pass --model with a directory holding an HF config.json, weights and a tokenizer (e.g. a runs/<name>/checkpoint from an earlier run)."
+        )
     if not (p / "config.json").is_file():
         raise BackendError(f"model directory '{path}' has no config.json; it is not an HF-format model.")

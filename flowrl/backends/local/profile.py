@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,7 +48,9 @@ def bandwidth(mib: int = 256) -> float:
     return 2 * src.numel() * 4 / _best(lambda: dst.copy_(src))
 
 
-def measure_ops(model: Any, spec: ModelSpec, progress: Callable[[str], None] = lambda s: None) -> dict[str, list[tuple[float, float, float]]]:
+def measure_ops(
+    model: Any, spec: ModelSpec, progress: Callable[[str], None] = lambda s: None
+) -> dict[str, list[tuple[float, float, float]]]:
     """(batch or tokens, context, seconds) samples of decode steps, forwards and train steps."""
     from flowrl.backends.local.generation import sample
 
@@ -57,7 +60,9 @@ def measure_ops(model: Any, spec: ModelSpec, progress: Callable[[str], None] = l
         ids = torch.randint(4, spec.vocab, (batch, prompt))
         mask = torch.ones_like(ids)
         for steps in (4, 20):
-            seconds = _best(lambda: sample(model, ids, mask, max_new_tokens=steps, eos_id=2, pad_id=0, ignore_eos=True), repeat=3)
+            seconds = _best(
+                lambda: sample(model, ids, mask, max_new_tokens=steps, eos_id=2, pad_id=0, ignore_eos=True), repeat=3
+            )
             out["decode"].append((batch, prompt + steps, seconds))
         progress(f"decode batch {batch}")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -144,7 +149,9 @@ def profile(out: Path, *, progress: Callable[[str], None] = lambda s: None) -> H
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", metavar="FILE", help="where to write the HardwareSpec YAML (also saved for --cluster local)")
+    p.add_argument(
+        "--out", metavar="FILE", help="where to write the HardwareSpec YAML (also saved for --cluster local)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

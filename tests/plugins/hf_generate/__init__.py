@@ -46,7 +46,12 @@ class HFGenerateEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: Sequence[Prompt], *, n: int, greedy: bool, generator: torch.Generator,
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        n: int,
+        greedy: bool,
+        generator: torch.Generator,
         max_new_tokens: int | None = None,
     ) -> Rollout:
         roll, tok = self.rollout, self.tokenizer
@@ -60,10 +65,15 @@ class HFGenerateEngine:
         with torch.random.fork_rng(devices=devices, device_type=kind):
             torch.manual_seed(seed)
             out = self.model.generate(
-                input_ids=enc["input_ids"].to(self.device), attention_mask=enc["attention_mask"].to(self.device),
-                do_sample=not greedy, **sampling, max_new_tokens=min(max_new_tokens or limit, limit),
-                eos_token_id=None if roll.ignore_eos else tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                output_logits=True, return_dict_in_generate=True,
+                input_ids=enc["input_ids"].to(self.device),
+                attention_mask=enc["attention_mask"].to(self.device),
+                do_sample=not greedy,
+                **sampling,
+                max_new_tokens=min(max_new_tokens or limit, limit),
+                eos_token_id=None if roll.ignore_eos else tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
         tokens = out.sequences[:, enc["input_ids"].shape[1] :].cpu()
         logits = torch.stack(out.logits, 1).float().cpu()  # [B, R, V]: raw, before temperature and top-p
@@ -76,8 +86,12 @@ class HFGenerateEngine:
         logprobs = logprobs[:, :width].masked_fill(mask == 0, 0.0)
         ended = (tokens == tok.eos_token_id).any(-1) & (not roll.ignore_eos)
         seqs = Sequences(
-            prompt_ids=enc["input_ids"], prompt_mask=enc["attention_mask"], response_ids=tokens, response_mask=mask,
-            prompt_index=torch.arange(len(prompts)).repeat_interleave(n), texts=tuple(self._decode(tokens, mask)),
+            prompt_ids=enc["input_ids"],
+            prompt_mask=enc["attention_mask"],
+            response_ids=tokens,
+            response_mask=mask,
+            prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
+            texts=tuple(self._decode(tokens, mask)),
             version=self.version,
         )
         return Rollout(sequences=seqs, logprobs=logprobs, finished=ended | (mask.sum(-1) >= limit), greedy=greedy)
