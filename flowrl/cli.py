@@ -33,7 +33,8 @@ def _config_args(p: argparse.ArgumentParser, run_out: bool = True) -> None:
     p.add_argument(
         "--model",
         metavar="DIR",
-        help="an HF-format model directory (default: a tiny random Llama); with plan --cluster: a preset or config.json",
+        help="an HF-format model directory (default: a tiny random Llama); with plan --cluster: a preset or "
+        "config.json",
     )
     p.add_argument("--task", help="a registered task (see `flowrl plugins`)")
     if run_out:
@@ -67,7 +68,8 @@ def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def _need_graph(args: argparse.Namespace) -> str:
     if not args.graph:
         raise ConfigError(
-            "name a graph file or algorithm, e.g. `flowrl run graphs/grpo.py` (see `flowrl plugins` for algorithm names)."
+            "name a graph file or algorithm, e.g. `flowrl run graphs/grpo.py` (see `flowrl plugins` for "
+            "algorithm names)."
         )
     return args.graph
 
@@ -212,7 +214,8 @@ def _cluster_target(args: argparse.Namespace) -> Any:
         return ClusterTarget(cluster=cluster, model=load_model_spec(args.model), workload=workload)
     if args.cluster != "local":
         raise ConfigError(
-            "--cluster needs --model: a preset (llama-7b, llama-70b, qwen2.5-7b, ...) or an HF config.json / model directory."
+            "--cluster needs --model: a preset (llama-7b, llama-70b, qwen2.5-7b, ...) or an HF config.json / "
+            "model directory."
         )
     from flowrl.api import model_spec
     from flowrl.specs import RunConfig

@@ -83,7 +83,8 @@ def test_the_walker_sees_imports_inside_functions(tmp_path):
 def test_planning_loads_no_torch_and_no_backend():
     code = (
         "import sys\n"
-        "import flowrl.planner.passes, flowrl.planner.autotune, flowrl.planner.simulate, flowrl.graph.loading, flowrl.api\n"
+        "import flowrl.planner.passes, flowrl.planner.autotune, flowrl.planner.simulate, flowrl.graph.loading, "
+        "flowrl.api\n"
         "bad = [m for m in sys.modules if m == 'torch' or m.startswith('flowrl.backends')]\n"
         "assert not bad, bad\n"
     )

@@ -317,7 +317,8 @@ class Graph:
         for decl in self.models.values():
             if decl.init_from is not None and decl.init_from not in self.models:
                 raise GraphError(
-                    f"model '{decl.name}' initialises from '{decl.init_from}', which is not a declared model ({_known(self.models)})."
+                    f"model '{decl.name}' initialises from '{decl.init_from}', which is not a declared model "
+                    f"({_known(self.models)})."
                 )
         self._check_init_cycles()
         for node in self.nodes.values():
@@ -326,7 +327,8 @@ class Graph:
         for key, nodes in producers.items():
             if len(nodes) > 1:
                 raise self._fail(
-                    f"key '{key}' has two producers: nodes '{nodes[0]}' and '{nodes[1]}' both write it. Give one of them another key name.",
+                    f"key '{key}' has two producers: nodes '{nodes[0]}' and '{nodes[1]}' both write it. Give "
+                    "one of them another key name.",
                     nodes[1],
                 )
             if key in self.inputs:
@@ -336,14 +338,16 @@ class Graph:
         for node in self.nodes.values():
             for key in set(node.reads) & set(node.writes):
                 raise self._fail(
-                    f"node '{node.name}' reads and writes key '{key}'; a key cannot depend on itself within an iteration. Write the new value under another key name.",
+                    f"node '{node.name}' reads and writes key '{key}'; a key cannot depend on itself within an "
+                    "iteration. Write the new value under another key name.",
                     node.name,
                 )
             for key in node.reads:
                 if key not in producers and key not in self.inputs:
                     did = did_you_mean(key, [*producers, *self.inputs])
                     raise self._fail(
-                        f"node '{node.name}' reads key '{key}', which no node writes and is not a graph input ({', '.join(self.inputs)}).{did}",
+                        f"node '{node.name}' reads key '{key}', which no node writes and is not a graph input "
+                        f"({', '.join(self.inputs)}).{did}",
                         node.name,
                     )
             if not node.writes and not isinstance(node, Train):
@@ -353,11 +357,13 @@ class Graph:
             trains = self.train_nodes(decl.name)
             if decl.trainable and not trains:
                 raise GraphError(
-                    f"model '{decl.name}' is trainable but no train node updates it. Add g.train(..., model='{decl.name}') or declare it trainable=False."
+                    f"model '{decl.name}' is trainable but no train node updates it. Add g.train(..., "
+                    f"model='{decl.name}') or declare it trainable=False."
                 )
             if len(trains) > 1:
                 raise self._fail(
-                    f"model '{decl.name}' has two train nodes ('{trains[0]}', '{trains[1]}'); one train node per model and iteration.",
+                    f"model '{decl.name}' has two train nodes ('{trains[0]}', '{trains[1]}'); one train node "
+                    "per model and iteration.",
                     trains[1],
                 )
         dag = self.dag()
@@ -391,9 +397,15 @@ class Graph:
             elif isinstance(node, Train) and len(node.writes) > 1:
                 problem = f"writes {list(node.writes)}; a train node writes at most one key (its stats)"
             if problem is None and isinstance(node, (Forward, Reward, Train)) and len(read_seqs) != 1:
-                problem = f"reads {len(read_seqs)} keys of generated responses ({', '.join(read_seqs) or 'none'}); it needs exactly one, e.g. 'responses'"
+                problem = (
+                    f"reads {len(read_seqs)} keys of generated responses "
+                    f"({', '.join(read_seqs) or 'none'}); it needs exactly one, e.g. 'responses'"
+                )
             if problem is None and isinstance(node, Reward) and len(node.reads) == len(read_seqs):
-                problem = "reads no prompts; a reward node scores responses against their prompts (add 'prompts' to its reads)"
+                problem = (
+                    "reads no prompts; a reward node scores responses against their prompts (add "
+                    "'prompts' to its reads)"
+                )
             if problem is not None:
                 raise self._fail(f"node '{node.name}' {problem}.", node.name)
 
@@ -413,17 +425,20 @@ class Graph:
         decl = self.models.get(node.model)
         if decl is None:
             raise self._fail(
-                f"node '{node.name}' runs on model '{node.model}', which is not declared ({_known(self.models)}). Add g.model('{node.model}', ...).",
+                f"node '{node.name}' runs on model '{node.model}', which is not declared "
+                f"({_known(self.models)}). Add g.model('{node.model}', ...).",
                 node.name,
             )
         if isinstance(node, Train) and not decl.trainable:
             raise self._fail(
-                f"node '{node.name}' trains model '{decl.name}', which is frozen (role {decl.role}). Declare it trainable=True or remove the train node.",
+                f"node '{node.name}' trains model '{decl.name}', which is frozen (role {decl.role}). Declare "
+                "it trainable=True or remove the train node.",
                 node.name,
             )
         if isinstance(node, Generate) and decl.scalar_head:
             raise self._fail(
-                f"node '{node.name}' generates with model '{decl.name}', a {decl.role} model with a scalar head; generate needs an actor or reference model.",
+                f"node '{node.name}' generates with model '{decl.name}', a {decl.role} model with a scalar "
+                "head; generate needs an actor or reference model.",
                 node.name,
             )
         if isinstance(node, Forward):
@@ -431,7 +446,8 @@ class Graph:
             if need_scalar != decl.scalar_head:
                 want = "a critic, reward or cost model" if need_scalar else "an actor or reference model"
                 raise self._fail(
-                    f"node '{node.name}' asks model '{decl.name}' (role {decl.role}) for {node.output}; that needs {want}.",
+                    f"node '{node.name}' asks model '{decl.name}' (role {decl.role}) for {node.output}; that "
+                    f"needs {want}.",
                     node.name,
                 )
 

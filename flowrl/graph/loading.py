@@ -48,7 +48,8 @@ def find_graph(source: str, algorithms: Mapping[str, Callable[[Any], Graph]]) ->
     if path.suffix == ".py" or path.exists() or "/" in source:
         if not path.is_file():
             raise GraphError(
-                f"graph file '{source}' does not exist. Pass a graph file (e.g. graphs/grpo.py) or an algorithm name ({', '.join(sorted(algorithms))})."
+                f"graph file '{source}' does not exist. Pass a graph file (e.g. graphs/grpo.py) or an "
+                f"algorithm name ({', '.join(sorted(algorithms))})."
             )
         module = _import_file(path)
         build = getattr(module, "build", None)
@@ -58,7 +59,8 @@ def find_graph(source: str, algorithms: Mapping[str, Callable[[Any], Graph]]) ->
     else:
         if source not in algorithms:
             raise GraphError(
-                f"unknown algorithm '{source}'.{did_you_mean(source, list(algorithms))} Known: {', '.join(sorted(algorithms))}; or pass a graph file (e.g. graphs/grpo.py)."
+                f"unknown algorithm '{source}'.{did_you_mean(source, list(algorithms))} Known: "
+                f"{', '.join(sorted(algorithms))}; or pass a graph file (e.g. graphs/grpo.py)."
             )
         build = algorithms[source]
         defaults = getattr(sys.modules.get(getattr(build, "__module__", "")), "DEFAULTS", {})

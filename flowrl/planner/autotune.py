@@ -248,7 +248,9 @@ class Tuner:
         if caps is not None:
             if caps.max_devices is not None and self.cluster.devices > caps.max_devices:
                 raise PlanError(
-                    f"the executor runs at most {caps.max_devices} device(s); this cluster has {self.cluster.devices}. Plan without --backend for a forecast, or pick an executor that runs it."
+                    f"the executor runs at most {caps.max_devices} device(s); this cluster has "
+                    f"{self.cluster.devices}. Plan without --backend for a forecast, or pick an executor that "
+                    "runs it."
                 )
             sks = [sk for sk in sks if supports(caps, sk.placement, sk.rollout, sk.weight_sync, sk.generation.tp)]
         candidates: list[ClusterPlan] = []
@@ -346,8 +348,10 @@ class Tuner:
         if lean is not None:
             parts = ", ".join(f"{k} {mem.gib(v)}" for k, v in sorted(lean.breakdown.items(), key=lambda kv: -kv[1]))
             where = (
-                f" The leanest candidate ({lean.skeleton.placement}) needs {mem.gib(lean.need)} per device on group '{lean.group}' "
-                f"but each {hw.name} offers {mem.gib(self.capacity)} usable, short by {mem.gib(lean.need - self.capacity)} ({parts})."
+                f" The leanest candidate ({lean.skeleton.placement}) needs {mem.gib(lean.need)} per device on "
+                f"group '{lean.group}' "
+                f"but each {hw.name} offers {mem.gib(self.capacity)} usable, short by "
+                f"{mem.gib(lean.need - self.capacity)} ({parts})."
             )
         n = self.numerics
         per_trainable = n.weight_bytes + n.grad_bytes + n.optimizer_bytes
@@ -367,11 +371,16 @@ class Tuner:
                 if self.capabilities is None or self.capabilities.model_parallel
                 else " (this executor splits no model over devices)"
             )
-            advice = f"the states fit here, so activations or the KV cache do not{limits}: use shorter prompts/responses, fewer sequences per step, or a larger cluster."
+            advice = (
+                f"the states fit here, so activations or the KV cache do not{limits}: use shorter "
+                "prompts/responses, fewer sequences per step, or a larger cluster."
+            )
         return (
-            f"no plan fits {self.graph.name} with {self.model.name} ({self.model.parameters() / 1e9:.1f}B parameters, {len(self.roles.models)} models) "
+            f"no plan fits {self.graph.name} with {self.model.name} ({self.model.parameters() / 1e9:.1f}B "
+            f"parameters, {len(self.roles.models)} models) "
             f"on {self.cluster.devices} x {hw.name}.{where} The model states alone need {mem.gib(states)} "
-            f"({per_trainable} bytes/parameter per trainable model, {n.weight_bytes} per frozen one), so at least {need_devices} of these devices without optimizer offload; "
+            f"({per_trainable} bytes/parameter per trainable model, {n.weight_bytes} per frozen one), so at "
+            f"least {need_devices} of these devices without optimizer offload; "
             f"{advice}"
         )
 
@@ -380,7 +389,8 @@ def explain(result: TuneResult, model: ModelSpec, cluster: ClusterSpec, top: int
     best = result.ranked[0]
     pred = best.plan.predicted
     lines = [
-        f"searched {result.considered} feasible plans in {result.seconds:.2f}s ({len(result.infeasible)} skeletons rejected for memory)",
+        f"searched {result.considered} feasible plans in {result.seconds:.2f}s ({len(result.infeasible)} "
+        "skeletons rejected for memory)",
         f"winner: {pred.iteration_s:.2f} s/iteration  {best.plan.summary()}",
         "  per node (mean seconds per iteration):",
     ]
@@ -394,7 +404,8 @@ def explain(result: TuneResult, model: ModelSpec, cluster: ClusterSpec, top: int
     )
     roof = result.roofline
     lines.append(
-        f"  roofline: {roof['flops'] / 1e15:.1f} PFLOP/iteration -> {roof['compute_bound_s']:.2f}s at {cluster.devices} x {cluster.hardware.peak_flops_bf16 / 1e12:.0f} TFLOP/s; "
+        f"  roofline: {roof['flops'] / 1e15:.1f} PFLOP/iteration -> {roof['compute_bound_s']:.2f}s at "
+        f"{cluster.devices} x {cluster.hardware.peak_flops_bf16 / 1e12:.0f} TFLOP/s; "
         f"decode bound {roof['decode_bound_s']:.2f}s; the plan reaches {pred.efficiency:.0%} of the bound"
     )
     lines.append("runners-up:")

@@ -298,7 +298,8 @@ def parse_cluster(
         path = Path(local_path) if local_path is not None else default_profile_path()
         if not path.is_file():
             raise ConfigError(
-                f"cluster 'local': no hardware profile at '{path}'. Run `flowrl profile` first to measure this machine, "
+                f"cluster 'local': no hardware profile at '{path}'. Run `flowrl profile` first to measure this "
+                "machine, "
                 "or name a preset such as '1xA100-80G'."
             )
         return ClusterSpec(nodes=1, devices_per_node=1, hardware=load_hardware(path))
@@ -312,7 +313,8 @@ def parse_cluster(
             raise ConfigError(f"cluster '{spec}': node and device counts must be >= 1.")
         if per_node > hardware.devices_per_node:
             raise ConfigError(
-                f"cluster '{spec}': a {hardware.name} node holds at most {hardware.devices_per_node} devices, not {per_node}; "
+                f"cluster '{spec}': a {hardware.name} node holds at most {hardware.devices_per_node} devices, "
+                f"not {per_node}; "
                 "use a cluster file with an inline hardware mapping for a different node size."
             )
         return ClusterSpec(nodes=nodes, devices_per_node=per_node, hardware=hardware)
@@ -322,12 +324,14 @@ def parse_cluster(
         return _pack(count, hardware, spec)
     if _find(spec, presets) is not None:
         raise ConfigError(
-            f"cluster '{spec}': give a device count, e.g. '8x{_find(spec, presets).name}' or '2x8x{_find(spec, presets).name}'."
+            f"cluster '{spec}': give a device count, e.g. '8x{_find(spec, presets).name}' or "
+            f"'2x8x{_find(spec, presets).name}'."
         )
     if path.suffix or os.sep in spec or "/" in spec:
         raise ConfigError(f"cluster file '{path}' does not exist.")
     raise ConfigError(
-        f"cluster '{spec}' is not understood.{did_you_mean(spec, list(presets))} Use '<devices>x<preset>' (e.g. '16xA100-80G'), "
+        f"cluster '{spec}' is not understood.{did_you_mean(spec, list(presets))} Use '<devices>x<preset>' "
+        "(e.g. '16xA100-80G'), "
         f"'<nodes>x<devices>x<preset>', 'local' or a YAML/TOML/JSON cluster file. Presets: {', '.join(presets)}."
     )
 
@@ -356,7 +360,8 @@ def _lookup(name: str, presets: Mapping[str, HardwareSpec], what: str) -> Hardwa
     found = _find(name, presets)
     if found is None:
         raise ConfigError(
-            f"{what}: unknown hardware preset '{name}'.{did_you_mean(name, list(presets))} Presets: {', '.join(presets)}."
+            f"{what}: unknown hardware preset '{name}'.{did_you_mean(name, list(presets))} Presets: "
+            f"{', '.join(presets)}."
         )
     return found
 
@@ -394,7 +399,8 @@ def _load_cluster_file(path: Path, presets: Mapping[str, HardwareSpec]) -> Clust
     cluster = convert(data, ClusterSpec, what)
     if cluster.devices_per_node > cluster.hardware.devices_per_node:
         raise ConfigError(
-            f"{what}: field 'devices_per_node' is {cluster.devices_per_node} but a {cluster.hardware.name} node holds at most "
+            f"{what}: field 'devices_per_node' is {cluster.devices_per_node} but a {cluster.hardware.name} "
+            "node holds at most "
             f"{cluster.hardware.devices_per_node}; set 'hardware.devices_per_node' too if the node really is larger."
         )
     return cluster

@@ -41,7 +41,8 @@ def run_passes(
     unknown = wanted - set(passes) - {"all"}
     if unknown:
         raise PlanError(
-            f"--print-after names unknown pass(es) {', '.join(sorted(unknown))}; this pipeline runs: {', '.join(passes)}."
+            f"--print-after names unknown pass(es) {', '.join(sorted(unknown))}; this pipeline runs: "
+            f"{', '.join(passes)}."
         )
     for name in passes:
         fn = registry.get("passes", name)

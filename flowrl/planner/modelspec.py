@@ -32,7 +32,8 @@ class ModelSpec(CheckedSpec, kw_only=True):
             raise SpecFieldError(f"ModelSpec field 'kv_heads' ({self.kv_heads}) must divide 'heads' ({self.heads})")
         if self.head_dim is None and self.hidden % self.heads:
             raise SpecFieldError(
-                f"ModelSpec field 'heads' ({self.heads}) must divide 'hidden' ({self.hidden}) unless 'head_dim' is given"
+                f"ModelSpec field 'heads' ({self.heads}) must divide 'hidden' ({self.hidden}) unless "
+                "'head_dim' is given"
             )
 
     @property
@@ -142,7 +143,8 @@ def load_model_spec(text: str) -> ModelSpec:
     looks_like_path = "/" in name or path.suffix.lower() in (".json", ".yaml", ".yml", ".toml")
     where = f" (no such file or directory '{path}')" if looks_like_path else ""
     raise ConfigError(
-        f"model '{name}' is neither a preset nor a model directory or config.json{where}.{did_you_mean(name, list(MODEL_PRESETS))} "
+        f"model '{name}' is neither a preset nor a model directory or "
+        f"config.json{where}.{did_you_mean(name, list(MODEL_PRESETS))} "
         f"Presets: {', '.join(MODEL_PRESETS)}."
     )
 
@@ -152,7 +154,8 @@ def from_model_dir(path: str) -> ModelSpec:
     p = Path(path)
     if not p.is_dir():
         raise ConfigError(
-            f"model directory '{path}' does not exist. Pass --model with a directory holding an HF config.json, weights and a tokenizer "
+            f"model directory '{path}' does not exist. Pass --model with a directory holding an HF "
+            "config.json, weights and a tokenizer "
             "(e.g. a runs/<name>/checkpoint from an earlier run)."
         )
     if not (p / "config.json").is_file():

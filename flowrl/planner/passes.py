@@ -118,14 +118,16 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
             want = "values" if decl.scalar_head else "logprobs"
             if entry.meta.get("output", "logprobs") != want:
                 raise PlanError(
-                    f"node '{node.name}': loss '{node.loss}' trains on {entry.meta.get('output')}, but model '{decl.name}' (role {decl.role}) produces {want}."
+                    f"node '{node.name}': loss '{node.loss}' trains on {entry.meta.get('output')}, but model "
+                    f"'{decl.name}' (role {decl.role}) produces {want}."
                 )
         _, options = node_options(graph, node.name, cfg.algo, reg)
         if isinstance(node, Train):
             mini_batches = options.get("mini_batches", cfg.train.mini_batches)
             if mini_batches > rows[node.name]:
                 raise PlanError(
-                    f"node '{node.name}': {mini_batches} mini-batches but only {rows[node.name]} rows per step; lower train.mini_batches."
+                    f"node '{node.name}': {mini_batches} mini-batches but only {rows[node.name]} rows per "
+                    "step; lower train.mini_batches."
                 )
     for kind, name, field_ in (
         ("executors", cfg.backend, "backend"),
@@ -360,7 +362,8 @@ def verify_plan(graph: Graph, plan: ExecutionPlan) -> None:
         for n in plan.nodes:
             if not 1 <= n.micro_batch_size <= max(n.rows, 1):
                 raise PlanError(
-                    f"node '{n.node}': micro-batch size {n.micro_batch_size} is outside 1..{n.rows} (its rows per step)."
+                    f"node '{n.node}': micro-batch size {n.micro_batch_size} is outside 1..{n.rows} (its rows "
+                    "per step)."
                 )
             if n.group is not None and n.group not in groups:
                 raise PlanError(
@@ -371,9 +374,11 @@ def verify_plan(graph: Graph, plan: ExecutionPlan) -> None:
             parts = "; ".join(f"{k}: {mem.gib(v)}" for k, v in sorted(est.breakdown.items(), key=lambda kv: -kv[1]))
             hw = plan.target.cluster.hardware.name
             raise PlanError(
-                f"the plan needs {mem.gib(est.required_bytes)} per device of group '{est.group}' but a {hw} device offers {mem.gib(est.capacity_bytes)} "
+                f"the plan needs {mem.gib(est.required_bytes)} per device of group '{est.group}' but a {hw} "
+                f"device offers {mem.gib(est.capacity_bytes)} "
                 f"(short by {mem.gib(est.required_bytes - est.capacity_bytes)}). Breakdown: {parts}. "
-                "Use a smaller model, fewer prompts_per_step/samples_per_prompt, a smaller train.micro_batch_size, or a larger cluster."
+                "Use a smaller model, fewer prompts_per_step/samples_per_prompt, a smaller "
+                "train.micro_batch_size, or a larger cluster."
             )
 
 
@@ -402,16 +407,19 @@ def _verify_layout(graph: Graph, plan: ExecutionPlan) -> None:
             )
         if t.model.heads % p.tp or t.model.layers % p.pp:
             raise PlanError(
-                f"model '{m.model}': tp {p.tp} must divide {t.model.heads} heads and pp {p.pp} the {t.model.layers} layers."
+                f"model '{m.model}': tp {p.tp} must divide {t.model.heads} heads and pp {p.pp} the "
+                f"{t.model.layers} layers."
             )
         if mini_batch is not None and (mini_batch % p.dp or not 1 <= m.micro_batch <= mini_batch // p.dp):
             raise PlanError(
-                f"model '{m.model}': dp {p.dp} must divide the mini-batch of {mini_batch} sequences and micro-batch {m.micro_batch} fit in a rank's share."
+                f"model '{m.model}': dp {p.dp} must divide the mini-batch of {mini_batch} sequences and "
+                f"micro-batch {m.micro_batch} fit in a rank's share."
             )
     gen = c.generation
     if gen.group not in groups or gen.tp * gen.replicas != groups[gen.group].devices or t.model.heads % gen.tp:
         raise PlanError(
-            f"generation: tp {gen.tp} x {gen.replicas} replicas must fill group '{gen.group}' and tp must divide the heads."
+            f"generation: tp {gen.tp} x {gen.replicas} replicas must fill group '{gen.group}' and tp must "
+            "divide the heads."
         )
 
 

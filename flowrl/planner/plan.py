@@ -111,6 +111,7 @@ def load_plan(path: str | Path) -> ExecutionPlan:
     plan = convert(read_document(path), ExecutionPlan, f"plan file '{path}'")
     if plan.id and plan.id != plan.content_id():
         raise ConfigError(
-            f"plan file '{path}' was edited after it was planned (id {plan.id} != content {plan.content_id()}). Re-run `flowrl plan`, or delete the 'id' line to accept the edit."
+            f"plan file '{path}' was edited after it was planned (id {plan.id} != content "
+            f"{plan.content_id()}). Re-run `flowrl plan`, or delete the 'id' line to accept the edit."
         )
     return plan.sealed()

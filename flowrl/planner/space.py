@@ -90,7 +90,8 @@ class ClusterPlan(Spec):
         for g in self.groups:
             members = [m for m in self.models if m.group == g.name]
             descr = ", ".join(
-                f"{m.model}(dp{m.parallel.dp} tp{m.parallel.tp} pp{m.parallel.pp} mb{m.micro_batch}{' off' if m.offload_optimizer else ''})"
+                f"{m.model}(dp{m.parallel.dp} tp{m.parallel.tp} pp{m.parallel.pp} "
+                f"mb{m.micro_batch}{' off' if m.offload_optimizer else ''})"
                 for m in members
             )
             gen = f" gen tp{self.generation.tp}x{self.generation.replicas}" if self.generation.group == g.name else ""

@@ -56,7 +56,8 @@ class Histogram(LengthDistribution, kw_only=True, tag="histogram"):
             raise SpecFieldError("Histogram field 'lengths' must not be empty")
         if len(self.lengths) != len(self.weights):
             raise SpecFieldError(
-                f"Histogram fields 'lengths' and 'weights' must have the same length, got {len(self.lengths)} and {len(self.weights)}"
+                f"Histogram fields 'lengths' and 'weights' must have the same length, got {len(self.lengths)} "
+                f"and {len(self.weights)}"
             )
         super().__post_init__()
         if not all(math.isfinite(w) for w in self.weights):
@@ -167,7 +168,8 @@ def load_workload(path: str | Path) -> WorkloadSpec:
     elif isinstance(length, dict) and length.get("kind") not in _KINDS:
         got = f"'kind: {length['kind']}'" if "kind" in length else "no 'kind'"
         raise ConfigError(
-            f"{what}: field 'response_length.kind': has {got}; use one of {', '.join(_KINDS)} (or a plain integer for a fixed length)."
+            f"{what}: field 'response_length.kind': has {got}; use one of {', '.join(_KINDS)} (or a plain "
+            "integer for a fixed length)."
         )
     data = coerce_numbers(data, WorkloadSpec)
     return convert(data, WorkloadSpec, what)

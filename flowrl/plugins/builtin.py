@@ -105,7 +105,8 @@ def register_hardware(register: Register) -> None:
         register(
             name,
             spec,
-            description=f"{spec.peak_flops_bf16 / 1e12:.0f} TFLOP/s bf16, {spec.memory_bytes / 1024**3:.0f} GiB, {spec.memory_bandwidth / 1e12:.2f} TB/s",
+            description=f"{spec.peak_flops_bf16 / 1e12:.0f} TFLOP/s bf16, {spec.memory_bytes / 1024**3:.0f} "
+            f"GiB, {spec.memory_bandwidth / 1e12:.2f} TB/s",
         )
 
 

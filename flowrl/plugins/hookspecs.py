@@ -43,12 +43,14 @@ def register_tasks(register: Register) -> None:
 
 @hookspec
 def register_executors(register: Register) -> None:
-    """Register executors: ``register(name, factory, machine=fn)``; ``factory(registry) -> Executor``, ``machine(cfg) -> HardwareSpec``."""
+    """Register executors: ``register(name, factory, machine=fn)``; ``factory(registry) -> Executor``,
+    ``machine(cfg) -> HardwareSpec``."""
 
 
 @hookspec
 def register_generation_engines(register: Register) -> None:
-    """Register generation engines: ``register(name, factory)`` with ``factory(ctx: EngineContext) -> GenerationEngine``."""
+    """Register generation engines: ``register(name, factory)`` with
+    ``factory(ctx: EngineContext) -> GenerationEngine``."""
 
 
 @hookspec

@@ -110,7 +110,8 @@ class Registry:
             what = SINGULAR[kind]
             known = ", ".join(sorted(table)) or "none"
             raise PluginError(
-                f"unknown {what} '{name}'.{did_you_mean(name, list(table))} Known: {known}. Plugins add more (see `flowrl plugins`)."
+                f"unknown {what} '{name}'.{did_you_mean(name, list(table))} Known: {known}. Plugins add more "
+                "(see `flowrl plugins`)."
             )
         return table[name]
 

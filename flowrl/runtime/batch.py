@@ -112,6 +112,7 @@ def sequences_in(batch: dict[str, Any], node: str) -> Sequences:
         from flowrl.errors import GraphError
 
         raise GraphError(
-            f"node '{node}' must read exactly one key holding generated responses (found {len(found)}); add e.g. 'responses' to its reads."
+            f"node '{node}' must read exactly one key holding generated responses (found {len(found)}); add "
+            "e.g. 'responses' to its reads."
         )
     return found[0]

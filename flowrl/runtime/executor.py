@@ -73,7 +73,8 @@ class InProcessExecutor:
         """Refuse, naming the feature, what this executor cannot run; builds nothing."""
         if plan.graph.fingerprint != graph.fingerprint():
             raise PlanError(
-                f"the plan was made for graph '{plan.graph.name}' {plan.graph.fingerprint}, but '{plan.graph.source}' now builds {graph.fingerprint()}. Re-run `flowrl plan`."
+                f"the plan was made for graph '{plan.graph.name}' {plan.graph.fingerprint}, but "
+                f"'{plan.graph.source}' now builds {graph.fingerprint()}. Re-run `flowrl plan`."
             )
         if plan.layout is None or not plan.nodes:
             raise PlanError("the plan is incomplete (no placement or node plan); make it with `flowrl plan`.")
@@ -82,7 +83,8 @@ class InProcessExecutor:
         if missing:
             raise PlanError(
                 f"executor '{plan.config.backend}' cannot run this plan: it does not support {'; '.join(missing)}. "
-                "Plan for a cluster this executor runs, or choose another with --set backend=NAME (see `flowrl plugins`)."
+                "Plan for a cluster this executor runs, or choose another with --set backend=NAME (see `flowrl "
+                "plugins`)."
             )
         for kind, name in (
             ("generation_engines", plan.config.generation.engine),

@@ -68,7 +68,8 @@ def _split(result: Any, node: str) -> tuple[dict[str, Any], dict[str, Any]]:
     out, metrics = result if isinstance(result, tuple) else (result, {})
     if not isinstance(out, Mapping) or not isinstance(metrics, Mapping):
         raise GraphError(
-            f"node '{node}': its function must return a dict of outputs, or (outputs, metrics); got {type(result).__name__}."
+            f"node '{node}': its function must return a dict of outputs, or (outputs, metrics); got "
+            f"{type(result).__name__}."
         )
     return dict(out), dict(metrics)
 
@@ -104,7 +105,8 @@ def _reward(
     prompts = next((v for v in inputs.values() if isinstance(v, list)), None)
     if prompts is None:
         raise GraphError(
-            f"node '{node.name}' reads no list of prompts; a reward node scores responses against the prompts they answer."
+            f"node '{node.name}' reads no list of prompts; a reward node scores responses against the prompts "
+            "they answer."
         )
     rows = [prompts[i] for i in seqs.prompt_index.tolist()]
     result = rt.functions["reward_functions"][node.fn](rows, list(seqs.texts), rt.task, **options)
@@ -113,11 +115,13 @@ def _reward(
         scores = torch.as_tensor(scores, dtype=torch.float32).flatten()
     except (TypeError, ValueError, RuntimeError) as exc:
         raise GraphError(
-            f"node '{node.name}': reward function '{node.fn}' must return one number per response; got {type(scores).__name__} ({exc})."
+            f"node '{node.name}': reward function '{node.fn}' must return one number per response; got "
+            f"{type(scores).__name__} ({exc})."
         ) from None
     if scores.numel() != len(seqs):
         raise GraphError(
-            f"node '{node.name}': reward function '{node.fn}' returned {scores.numel()} scores for {len(seqs)} responses."
+            f"node '{node.name}': reward function '{node.fn}' returned {scores.numel()} scores for {len(seqs)} "
+            "responses."
         )
     return {node.writes[0]: scores}, {"reward": round(float(scores.mean()), 6), **dict(metrics)}
 

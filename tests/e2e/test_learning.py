@@ -1,6 +1,8 @@
 """Whole runs: the shipped graphs really learn the toy task with a fixed seed.
 
-These are the heaviest tests (about a minute each on 2 cores); they run in CI.
+These are the heaviest tests, each sized to what it must show: the README's main job runs
+whole (its promise is reward > 0.8 after 600 steps); the others run until their curve has
+clearly climbed. They run in CI.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def test_same_seed_same_curve(tmp_path):
 
 
 def test_ppo_learns(tmp_path):
-    result = train("graphs/ppo.py", tmp_path, 300, "checkpoint=false")
+    result = train("graphs/ppo.py", tmp_path, 120, "checkpoint=false")  # 0.01 -> 0.54 (last 10) with seed 0
     rewards = [m["reward"] for m in result.metrics]
     first, last = mean(rewards[:10]), mean(rewards[-10:])
     print(f"PPO copy: reward {first:.3f} -> {last:.3f}")

@@ -490,7 +490,7 @@ def test_fingerprint_changes_with_content() -> None:
     assert renamed.fingerprint() != fp
 
 
-# ---------------------------------------------------------------------------- node arity (checked by verify, not at step 0)
+# ------------------------------------------------------------------------ node arity (checked by verify, not at step 0)
 
 
 def _variant(change: Callable[[Graph], None]) -> Graph:

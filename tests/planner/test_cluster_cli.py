@@ -319,7 +319,8 @@ def test_yaml_and_json_stdout(capsys):
 def test_workload_file_reaches_the_target(tmp_path, capsys):
     wl = tmp_path / "load.yaml"
     wl.write_text(
-        "prompts_per_step: 64\nsamples_per_prompt: 8\nprompt_length: 256\nresponse_length: {kind: lognormal, median: 300, sigma: 1.0, max: 4096}\n"
+        "prompts_per_step: 64\nsamples_per_prompt: 8\nprompt_length: 256\nresponse_length: {kind: lognormal, "
+        "median: 300, sigma: 1.0, max: 4096}\n"
     )
     out = tmp_path / "p.json"
     assert (

@@ -44,6 +44,7 @@ SYNC = RolloutPolicy()
 PARTIAL = RolloutPolicy(partial=True, overprovision=0.25)
 ONE_STEP_OFF = RolloutPolicy(mode="one_step_off", staleness=1)
 ASYNC = RolloutPolicy(mode="async", staleness=2, partial=True, overprovision=0.25)
+BUCKETED = WeightSync(strategy="bucketed")
 
 
 def workload(sigma: float | None, *, median: int = 512, prompts: int = 128) -> WorkloadSpec:
@@ -59,9 +60,7 @@ def graph(name: str = "grpo"):
     return api.load(name)[0]
 
 
-def disaggregated(
-    rollout: RolloutPolicy, sync: WeightSync = WeightSync(strategy="bucketed"), *, gen: int = 8
-) -> ClusterPlan:
+def disaggregated(rollout: RolloutPolicy, sync: WeightSync = BUCKETED, *, gen: int = 8) -> ClusterPlan:
     """Generation on ``gen`` devices (tp 1), actor + reference trained on the rest."""
     train = CLUSTER.devices - gen
     models = tuple(
@@ -175,7 +174,7 @@ def test_partial_rollouts_neither_drop_nor_duplicate_tokens():
     assert sync == pytest.approx(expected, rel=0.05), sync / expected
 
 
-# ------------------------------------------------------------------ (c) one step off-policy overlaps generation with training
+# ------------------------------------------------------------ (c) one step off-policy overlaps generation with training
 
 
 def test_one_step_off_overlaps_generation_with_training():

@@ -231,7 +231,8 @@ class LocalModel:
                 norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.train.grad_clip)
                 if not math.isfinite(float(norm)):
                     raise BackendError(
-                        f"node '{step.node}': gradient norm is {float(norm)} (diverged); lower train.lr or check the rewards."
+                        f"node '{step.node}': gradient norm is {float(norm)} (diverged); lower train.lr or "
+                        "check the rewards."
                     )
                 stats.setdefault("grad_norm", []).append(float(norm))
                 self.optimizer.step()

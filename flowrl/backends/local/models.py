@@ -42,7 +42,8 @@ def load_tokenizer(path: str | None) -> Any:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:
         raise BackendError(
-            f"model directory '{path}' has no usable tokenizer ({type(exc).__name__}: {exc}). Save one with tokenizer.save_pretrained('{path}')."
+            f"model directory '{path}' has no usable tokenizer ({type(exc).__name__}: {exc}). Save one with "
+            f"tokenizer.save_pretrained('{path}')."
         ) from None
     tok.padding_side = "left"
     if tok.pad_token_id is None:
@@ -133,7 +134,8 @@ def _check_dir(path: str) -> None:
     p = Path(path)
     if not p.is_dir():
         raise BackendError(
-            f"model directory '{path}' does not exist. Pass --model with a directory holding an HF config.json, weights and a tokenizer (e.g. a runs/<name>/checkpoint from an earlier run)."
+            f"model directory '{path}' does not exist. Pass --model with a directory holding an HF "
+            "config.json, weights and a tokenizer (e.g. a runs/<name>/checkpoint from an earlier run)."
         )
     if not (p / "config.json").is_file():
         raise BackendError(f"model directory '{path}' has no config.json; it is not an HF-format model.")
