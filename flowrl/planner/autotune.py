@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ from flowrl.planner.simulate import SimResult, simulate
 from flowrl.planner.space import ClusterPlan, ModelLayout, Prediction, Roles, Skeleton, layouts, skeletons
 from flowrl.planner.workload import WorkloadSpec, mean_length
 
+RAW_FACTOR = 25  # exhaustive search checks at most this many combinations per fitting plan it may keep
 QUICK = {"iterations": 3, "max_replicas": 8}  # first pass over every candidate
 FINAL = {"iterations": 5, "max_replicas": 32}  # the ranking that is reported
 
@@ -269,7 +271,10 @@ class Tuner:
             raise PlanError(self._nothing_fits(infeasible))
         quick: list[Candidate] = []
         if combos is not None:  # small space: every candidate with the final settings, so the optimum is exact
-            quick = [self.evaluate(plan, **FINAL) for plan in candidates]
+            for plan in candidates:  # ... unless the budget runs out first
+                if quick and time.perf_counter() - t0 > budget_s:
+                    break
+                quick.append(self.evaluate(plan, **FINAL))
         else:
             for plan in candidates:
                 if quick and time.perf_counter() - t0 > budget_s * 0.7:
@@ -297,16 +302,14 @@ class Tuner:
         return result
 
     def _combinations(self, sks: list[Skeleton], limit: int) -> list[ClusterPlan] | None:
-        """All fitting layout combinations, when there are at most ``limit`` of them."""
+        """All fitting layout combinations, when there are at most ``limit`` of them (and at most
+        ``RAW_FACTOR * limit`` combinations to check for fit)."""
         total, per_sk = 0, []
         for sk in sks:
             groups = {g.name: g for g in sk.groups}
-            opts = [[o for o in self.options(m, groups[g])] for m, g in sk.assignment]
-            n = 1
-            for o in opts:
-                n *= len(o)
-            total += n
-            if total > limit:
+            opts = [list(self.options(m, groups[g])) for m, g in sk.assignment]
+            total += math.prod(len(o) for o in opts)
+            if total > RAW_FACTOR * limit:
                 return None
             per_sk.append((sk, opts))
         out = []
@@ -315,6 +318,8 @@ class Tuner:
                 choice = {m: c for (m, _), c in zip(sk.assignment, combo)}
                 if all(self.group_memory(sk, choice, g.name)[0] <= self.capacity for g in sk.groups):
                     out.append(self.plan_of(sk, choice))
+                    if len(out) > limit:
+                        return None
         return out
 
     def _sealed(self, c: Candidate, roofline: dict[str, float] | None = None) -> Candidate:

@@ -185,14 +185,6 @@ def test_the_greedy_path_finds_the_optimum_when_memory_does_not_bind(space):
     assert greedy.ranked[0].result.iteration_s == pytest.approx(best.raw, rel=1e-9), greedy.best.summary()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG autotune.py Tuner._combinations counts every layout combination, fitting or not, against "
-        "exhaustive_limit, so memory-bound spaces with a handful of fitting plans fall back to the greedy fit(), "
-        "which misses the optimum"
-    ),
-)
 @pytest.mark.parametrize("space", list(MEMORY_BOUND_PPO_RM))
 def test_memory_bound_ppo_rm_spaces_are_solved_exactly(space):
     _, result, best = solved(space)
@@ -340,14 +332,6 @@ def test_the_plan_does_not_depend_on_the_machines_speed(monkeypatch):
     assert slow.best.summary() == fast.best.summary()  # ... and the plan is still the same
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG autotune.py Tuner.search: on the exhaustive path (combos is not None) every candidate is simulated "
-        "with the FINAL settings without looking at budget_s (remax qwen2.5-7b 4xA100-80G, 1898x6 prompts: "
-        "budget_s=0.5 takes ~32 s)"
-    ),
-)
 def test_search_stops_when_the_budget_is_spent(monkeypatch):
     monkeypatch.setattr(autotune, "time", FakeClock(step=10.0))  # every clock read: the budget is long gone
     result = make_tuner("grpo", QWEN, "2xA100-80G", load(64)).search(budget_s=0.5)
