@@ -13,13 +13,13 @@ from typing import Any
 
 import msgspec
 
-from flowrl.errors import ConfigError, PlanError, PluginError
+from flowrl.errors import PlanError
 from flowrl.graph.ir import Graph
 from flowrl.graph.loading import build_graph, find_graph
 from flowrl.planner.capabilities import Capabilities
 from flowrl.planner.hardware import ClusterSpec
 from flowrl.planner.manager import initial_plan, run_passes
-from flowrl.planner.modelspec import ModelSpec, from_model_dir, from_tiny
+from flowrl.planner.modelspec import ModelSpec, for_config
 from flowrl.planner.passes import PIPELINE, PlanContext, verify_plan
 from flowrl.planner.plan import ClusterTarget, ExecutionPlan
 from flowrl.plugins.manager import Entry, Registry
@@ -60,19 +60,14 @@ def load(
 
 
 def executor_entry(cfg: RunConfig, reg: Registry) -> Entry:
-    try:
-        return reg.entry("executors", cfg.backend)
-    except PluginError as exc:
-        raise ConfigError(f"config field 'backend': {exc}") from None
+    return reg.entry("executors", cfg.backend, field="backend")
 
 
 def model_spec(cfg: RunConfig) -> ModelSpec:
     """The base model's shape: the HF config of ``cfg.model``, or the tiny model built from scratch."""
-    if cfg.model is not None:
-        return from_model_dir(cfg.model)
     from flowrl.tasks.tokenizer import vocab
 
-    return from_tiny(cfg.tiny_model, len(vocab()))
+    return for_config(cfg.model, cfg.tiny_model, len(vocab()))
 
 
 def local_target(cfg: RunConfig, reg: Registry) -> ClusterTarget:

@@ -155,7 +155,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     target, cache = None, {}
     kwargs = _load_kwargs(args)
     if args.cluster:
-        target = _cluster_target(args)
+        target = _cluster_target(args, kwargs)
         kwargs["flags"]["model"] = None  # --model names the planned model, not a local checkpoint
     if not args.cluster and args.workload:
         raise ConfigError(
@@ -186,7 +186,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _timeline(args.timeline, cache["tune"], graph.name)
     if args.out:
         path = dump_plan(plan, args.out)
-        runnable = not unsupported(
+        runnable = plan.target.capabilities is not None and not unsupported(
             api.executor_entry(plan.config, registry()).obj.capabilities, plan.layout, plan.target.cluster.devices
         )
         hint = (
@@ -200,7 +200,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster_target(args: argparse.Namespace) -> Any:
+def _cluster_target(args: argparse.Namespace, load_kwargs: dict[str, Any]) -> Any:
     from flowrl.planner.hardware import parse_cluster
     from flowrl.planner.modelspec import load_model_spec
     from flowrl.planner.plan import ClusterTarget
@@ -217,10 +217,10 @@ def _cluster_target(args: argparse.Namespace) -> Any:
             "--cluster needs --model: a preset (llama-7b, llama-70b, qwen2.5-7b, ...) or an HF config.json / "
             "model directory."
         )
-    from flowrl.api import model_spec
-    from flowrl.specs import RunConfig
+    from flowrl import api
 
-    return ClusterTarget(cluster=cluster, model=model_spec(RunConfig()), workload=workload)
+    _, cfg = api.load(_need_graph(args), **load_kwargs)  # the model this run config builds
+    return ClusterTarget(cluster=cluster, model=api.model_spec(cfg), workload=workload)
 
 
 def _timeline(path: str, tune: Any, name: str) -> None:

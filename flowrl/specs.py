@@ -95,6 +95,11 @@ class RunConfig(Spec):
             (self.steps >= 0, "steps", "must be >= 0"),
             (self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1"),
             (self.rollout.samples_per_prompt >= 1, "rollout.samples_per_prompt", "must be >= 1"),
+            (
+                self.rollout.max_new_tokens is None or self.rollout.max_new_tokens >= 1,
+                "rollout.max_new_tokens",
+                "must be >= 1",
+            ),
             (self.rollout.temperature > 0, "rollout.temperature", "must be > 0"),
             (0 < self.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]"),
             (self.train.lr > 0, "train.lr", "must be > 0"),

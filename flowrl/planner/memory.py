@@ -13,28 +13,35 @@ backend declares.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Annotated
 
-from flowrl.planner.hardware import HardwareSpec
+from msgspec import Meta
+
+from flowrl.planner.hardware import CheckedSpec, Count, HardwareSpec
 from flowrl.planner.modelspec import ModelSpec
 from flowrl.planner.space import GenerationLayout, ModelLayout
-from flowrl.specs import Spec
 
 GiB = 1024**3
 
 
-class Numerics(Spec):
+Bytes = Annotated[int, Meta(ge=0, le=64)]
+
+
+class Numerics(CheckedSpec, kw_only=True):
     """How a backend holds a model, as far as memory goes. Defaults: bf16 mixed precision with
     fp32 AdamW states, per-layer activation recomputation, flash attention, 64 sequences
     decoded at once per generation replica (continuous batching)."""
 
-    weight_bytes: int = 2
-    grad_bytes: int = 2
-    optimizer_bytes: int = 12  # per parameter: fp32 master weights and two moments
-    activation_bytes: int = 2
+    weight_bytes: Annotated[int, Meta(ge=1, le=64)] = 2
+    grad_bytes: Bytes = 2
+    optimizer_bytes: Bytes = 12  # per parameter: fp32 master weights and two moments
+    activation_bytes: Annotated[int, Meta(ge=1, le=64)] = 2
     recompute: bool = True
     eager_attention: bool = False  # keeps heads x seq attention scores per token
-    decode_batch: int | None = 64  # None: a replica decodes all its sequences at once
-    reserve: float = 0.08  # fraction of device memory kept for the allocator, NCCL and the framework
+    decode_batch: Count | None = 64  # None: a replica decodes all its sequences at once
+    reserve: Annotated[float, Meta(ge=0, lt=1)] = (
+        0.08  # fraction of device memory kept for the allocator, NCCL and the framework
+    )
 
 
 def usable_bytes(hw: HardwareSpec, numerics: Numerics | None = None) -> int:

@@ -163,6 +163,11 @@ def from_model_dir(path: str) -> ModelSpec:
     return _from_hf_config(p / "config.json")
 
 
+def for_config(model: str | None, tiny: TinyModelConfig, tokenizer_vocab: int) -> ModelSpec:
+    """The base model of a run: the HF model directory ``model``, or the tiny model built from scratch."""
+    return from_model_dir(model) if model is not None else from_tiny(tiny, tokenizer_vocab)
+
+
 def from_tiny(cfg: TinyModelConfig, tokenizer_vocab: int) -> ModelSpec:
     """The shape of the tiny Llama built from scratch when no model directory is given."""
     vocab = cfg.vocab_size or tokenizer_vocab

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from flowrl.errors import ConfigError, GraphError, PlanError
+from flowrl.errors import GraphError, PlanError
 from flowrl.graph.ir import Compute, Forward, Generate, Graph, Reward, Train
 from flowrl.planner import memory as mem
+from flowrl.planner.capabilities import supports
 from flowrl.planner.plan import ExecutionPlan, MemoryEstimate, NodePlan
 from flowrl.planner.space import (
     ClusterPlan,
@@ -134,10 +135,7 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
         ("generation_engines", cfg.generation.engine, "generation.engine"),
         ("training_engines", cfg.train.engine, "train.engine"),
     ):
-        try:
-            reg.entry(kind, name)
-        except Exception as exc:
-            raise ConfigError(f"config field '{field_}': {exc}") from None
+        reg.entry(kind, name, field=field_)
     rollout = cfg.rollout
     if rollout.max_new_tokens is None:
         rollout = msgspec.structs.replace(rollout, max_new_tokens=task.max_new_tokens())
@@ -216,7 +214,9 @@ def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     t, opts = plan.target, ctx.options
     rollout = any(isinstance(n, Generate) for n in ctx.graph.nodes.values())
     single = None
-    if t.cluster.devices == 1 and (t.capabilities is not None or not rollout):
+    caps = t.capabilities
+    in_place = caps is not None and supports(caps, "colocate", RolloutPolicy(), WeightSync(strategy="reshard"), 1)
+    if t.cluster.devices == 1 and (in_place or not rollout):
         single = _fit_micro_batches(
             ctx.graph, plan, colocated(ctx.graph, plan.workload, plan.config.train.micro_batch_size)
         )
@@ -354,6 +354,8 @@ def verify_plan(graph: Graph, plan: ExecutionPlan) -> None:
     """Invariants of whatever the plan holds so far; raises PlanError."""
     if plan.layout is not None:
         _verify_layout(graph, plan)
+    if plan.nodes and plan.layout is None:
+        raise PlanError("the plan has node plans but no placement ('layout'); make it with `flowrl plan`.")
     if plan.nodes:
         planned = [n.node for n in plan.nodes]
         if sorted(planned) != sorted(graph.nodes):

@@ -19,7 +19,7 @@ from typing import Any
 
 import pluggy
 
-from flowrl.errors import PluginError, did_you_mean
+from flowrl.errors import ConfigError, PluginError, did_you_mean
 from flowrl.plugins import hookspecs
 
 ENTRY_POINT_GROUP = "flowrl"
@@ -104,15 +104,16 @@ class Registry:
             raise PluginError(f"plugin '{plugin}' registered {what} '{name}', but {problem}.")
         table[name] = Entry(name=name, obj=obj, plugin=plugin, meta=meta)
 
-    def entry(self, kind: str, name: str) -> Entry:
+    def entry(self, kind: str, name: str, *, field: str | None = None) -> Entry:
+        """The entry ``name`` of ``kind``; ``field``: the config field that named it (a ConfigError then)."""
         table = self._items[kind]
         if name not in table:
-            what = SINGULAR[kind]
             known = ", ".join(sorted(table)) or "none"
-            raise PluginError(
-                f"unknown {what} '{name}'.{did_you_mean(name, list(table))} Known: {known}. Plugins add more "
-                "(see `flowrl plugins`)."
+            message = (
+                f"unknown {SINGULAR[kind]} '{name}'.{did_you_mean(name, list(table))} Known: {known}. Plugins add "
+                "more (see `flowrl plugins`)."
             )
+            raise PluginError(message) if field is None else ConfigError(f"config field '{field}': {message}")
         return table[name]
 
     def get(self, kind: str, name: str) -> Any:

@@ -79,18 +79,31 @@ class InProcessExecutor:
         if plan.layout is None or not plan.nodes:
             raise PlanError("the plan is incomplete (no placement or node plan); make it with `flowrl plan`.")
         verify_plan(graph, plan)
+        backend = plan.config.backend
+        replan = "Plan it for an executor that runs it: `flowrl plan ... --backend NAME` (see `flowrl plugins`)."
         missing = unsupported(self.capabilities, plan.layout, plan.target.cluster.devices)
         if missing:
             raise PlanError(
-                f"executor '{plan.config.backend}' cannot run this plan: it does not support {'; '.join(missing)}. "
-                "Plan for a cluster this executor runs, or choose another with --set backend=NAME (see `flowrl "
-                "plugins`)."
+                f"executor '{backend}' cannot run this plan: it does not support {'; '.join(missing)}. {replan}"
             )
-        for kind, name in (
-            ("generation_engines", plan.config.generation.engine),
-            ("training_engines", plan.config.train.engine),
-        ):
-            self.registry.entry(kind, name)
+        if plan.target.capabilities is None:
+            raise PlanError(
+                f"this plan is a forecast for {plan.target.cluster.label} (planned with --cluster and no --backend); "
+                f"executor '{backend}' runs only plans made for it. {replan}"
+            )
+        from flowrl.planner.modelspec import for_config
+        from flowrl.tasks.tokenizer import vocab
+
+        cfg = plan.config
+        builds = for_config(cfg.model, cfg.tiny_model, len(vocab()))
+        if builds != plan.target.model:
+            raise PlanError(
+                f"the plan is for model '{plan.target.model.name}' ({plan.target.model.parameters() / 1e6:.1f}M "
+                f"parameters), but its config builds '{builds.name}' ({builds.parameters() / 1e6:.1f}M); re-plan "
+                "with the model you run (--model DIR)."
+            )
+        self.registry.entry("generation_engines", cfg.generation.engine, field="generation.engine")
+        self.registry.entry("training_engines", cfg.train.engine, field="train.engine")
 
     # ------------------------------------------------------------ building
     def engines(

@@ -233,22 +233,12 @@ def test_plan_out_says_a_16_device_plan_is_a_forecast(capsys, tmp_path):
     assert rc == 0 and "a forecast: executor 'local' cannot run it" in out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG flowrl/runtime/executor.py: check() refuses by --set, but `flowrl run --plan` rejects --set; the "
-    "hint must point at `flowrl plan --backend`",
-)
 def test_refusal_under_run_plan_does_not_advise_set(capsys, tmp_path, cluster16_plan):
     _, plan = cluster16_plan
     rc, _, err = cli(capsys, "run", "--plan", str(dump_plan(plan, tmp_path / "c16.yaml")))
     assert rc == 2 and "--set" not in err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG flowrl/runtime/executor.py: a 1-device forecast (A100-80G, qwen2.5-0.5b) passes the local "
-    "executor's check and runs the tiny CPU model instead of the planned model/hardware",
-)
 def test_a_forecast_for_other_hardware_and_model_is_not_runnable_locally():
     target = ClusterTarget(cluster=parse_cluster("1xA100-80G"), model=load_model_spec("qwen2.5-0.5b"))
     graph, plan = api.plan("grpo", overrides=TINY, target=target, options={"budget_s": 0.5}, emit=quiet)
@@ -257,11 +247,6 @@ def test_a_forecast_for_other_hardware_and_model_is_not_runnable_locally():
         api.check(graph, plan)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG flowrl/cli.py _cluster_target: `plan --cluster local` plans RunConfig()'s tiny model, ignoring "
-    "--set tiny_model.*, yet calls the plan runnable",
-)
 def test_cluster_local_plans_the_configured_tiny_model(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("FLOWRL_HOME", str(tmp_path))
     save_hardware(HARDWARE_PRESETS["H20"], tmp_path / "hardware" / "local.yaml")
@@ -272,11 +257,6 @@ def test_cluster_local_plans_the_configured_tiny_model(capsys, tmp_path, monkeyp
     assert load_plan(out).target.model.layers == 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG flowrl/backends/local/device.py machine(): a local plan holds MemAvailable at plan time, so the same "
-    "graph and config give a different plan id on every `flowrl plan` / `flowrl run`",
-)
 def test_local_plan_id_does_not_depend_on_momentary_free_memory(monkeypatch):
     import flowrl.backends.local.device as device
 
@@ -287,12 +267,6 @@ def test_local_plan_id_does_not_depend_on_momentary_free_memory(monkeypatch):
     assert ids[0] == ids[1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG flowrl/planner/passes.py place: a backend's one-device plan is always colocate/sync/reshard, "
-    "ignoring its capabilities; an executor that runs only 'full' weight sync or one-step-off rollouts gets a plan "
-    "for it that it then refuses",
-)
 @pytest.mark.parametrize("caps", [{"weight_sync": ("full",)}, {"rollout_modes": ("one_step_off",)}])
 def test_a_plan_made_for_an_executor_is_runnable_by_it_or_refused_at_plan_time(caps):
     from flowrl.backends.local.executor import LocalExecutor, machine
@@ -391,11 +365,6 @@ def test_an_edited_plan_with_its_id_is_refused(tmp_path, local_plan):
         load_plan(path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG flowrl/planner/memory.py Numerics: no range checks, so a plan file with reserve 2.0 or negative "
-    "byte counts loads (hardware, workload and model specs are range-checked)",
-)
 @pytest.mark.parametrize(("field", "value"), [("reserve", 2.0), ("weight_bytes", -4)])
 def test_odd_numerics_in_a_plan_file_are_refused(tmp_path, local_plan, field, value):
     path = edited_plan_file(local_plan[1], tmp_path / "p.yaml", **{f"target.numerics.{field}": value})
@@ -403,33 +372,18 @@ def test_odd_numerics_in_a_plan_file_are_refused(tmp_path, local_plan, field, va
         load_plan(path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG flowrl/planner/passes.py verify_plan: a plan without 'layout' is reported as node 'rollout' on "
-    "unknown group 'all' (groups: ) instead of a missing placement",
-)
 def test_a_plan_without_layout_says_the_placement_is_missing(capsys, tmp_path, local_plan):
     path = edited_plan_file(local_plan[1], tmp_path / "p.yaml", layout=None)
     rc, _, err = cli(capsys, "run", "--plan", str(path))
     assert rc == 2 and ("placement" in err or "layout" in err)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG flowrl/runtime/executor.py check(): an unknown engine in a plan file is reported without the "
-    "config field (resolve says config field 'generation.engine')",
-)
 def test_unknown_engine_in_a_plan_file_names_the_field(capsys, tmp_path, local_plan):
     path = edited_plan_file(local_plan[1], tmp_path / "p.yaml", **{"config.generation.engine": "nope"})
     rc, _, err = cli(capsys, "run", "--plan", str(path))
     assert rc == 2 and "generation.engine" in err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG flowrl/runtime/executor.py: the plan's target.model is not checked against the model the "
-    "engines build; an edited tiny_model escapes as a raw transformers exception",
-)
 def test_plan_whose_config_contradicts_its_model_exits_2(capsys, tmp_path, local_plan):
     path = edited_plan_file(local_plan[1], tmp_path / "p.yaml", **{"config.tiny_model.num_heads": 3})
     rc, _, _ = cli(capsys, "run", "--plan", str(path), "--quiet")
@@ -439,11 +393,6 @@ def test_plan_whose_config_contradicts_its_model_exits_2(capsys, tmp_path, local
 # ---------------------------------------------------------------------------- config numerics around the plan
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG flowrl/planner/passes.py resolve: rollout.max_new_tokens=0 fails as \"Fixed field 'value' must be "
-    '>= 1" without naming the config field',
-)
 def test_max_new_tokens_zero_names_the_config_field():
     with pytest.raises(FlowRLError, match=r"rollout\.max_new_tokens"):
         api.plan("grpo", overrides=[*TINY, "rollout.max_new_tokens=0"], emit=quiet)

@@ -58,7 +58,10 @@ def machine(cfg: RunConfig) -> HardwareSpec:
     has run (else nominal speeds), with the memory the device has free now or the configured
     limit."""
     device = resolve_device(cfg.device)
-    memory = int(cfg.memory_limit_gib * GiB) if cfg.memory_limit_gib else device_capacity(device)
+    # free memory, rounded down to 1/4 GiB so that planning twice gives the same plan (and id)
+    memory = (
+        int(cfg.memory_limit_gib * GiB) if cfg.memory_limit_gib else device_capacity(device) // (GiB // 4) * (GiB // 4)
+    )
     profile = default_profile_path()
     if device == "cpu" and profile.is_file():
         return msgspec.structs.replace(load_hardware(profile), memory_bytes=memory)
