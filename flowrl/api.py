@@ -13,11 +13,11 @@ from typing import Any
 
 import msgspec
 
-from flowrl.errors import PlanError
+from flowrl.errors import FlowRLError, PlanError, PluginError
 from flowrl.graph.ir import Graph
 from flowrl.graph.loading import build_graph, find_graph
 from flowrl.planner.capabilities import Capabilities
-from flowrl.planner.hardware import ClusterSpec
+from flowrl.planner.hardware import ClusterSpec, HardwareSpec
 from flowrl.planner.manager import initial_plan, run_passes
 from flowrl.planner.modelspec import ModelSpec, for_config
 from flowrl.planner.passes import PIPELINE, PlanContext, verify_plan
@@ -77,7 +77,17 @@ def local_target(cfg: RunConfig, reg: Registry) -> ClusterTarget:
     if machine is None:
         raise PlanError(f"executor '{cfg.backend}' does not describe this machine; plan with --cluster.")
     caps: Capabilities = entry.obj.capabilities
-    cluster = ClusterSpec(nodes=1, devices_per_node=1, hardware=machine(cfg))
+    try:
+        hardware = machine(cfg)
+    except FlowRLError:
+        raise
+    except Exception as exc:
+        where = f"executor '{cfg.backend}' (plugin '{entry.plugin}')"
+        raise PluginError(f"{where}: machine(cfg) failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(hardware, HardwareSpec):
+        where = f"executor '{cfg.backend}' (plugin '{entry.plugin}')"
+        raise PluginError(f"{where}: machine(cfg) returned {hardware!r}, not a HardwareSpec.")
+    cluster = ClusterSpec(nodes=1, devices_per_node=1, hardware=hardware)
     return ClusterTarget(cluster=cluster, model=model_spec(cfg), numerics=caps.numerics, capabilities=caps)
 
 

@@ -51,7 +51,7 @@ def gae_op(
     inputs: Batch, algo: AlgoConfig, *, kl_coef: float | None = None
 ) -> tuple[dict[str, Tensor], dict[str, float]]:
     """PPO: GAE(gamma, lambda) over token rewards with the KL penalty in the reward."""
-    seqs = sequences_in(inputs, "gae")
+    seqs = sequences_in(inputs, "advantage estimator 'gae'")
     mask = seqs.response_mask
     values = inputs["values"].float() * mask
     rewards, metrics = _token_rewards(inputs, seqs, algo, kl_coef)
@@ -63,14 +63,14 @@ def gae_op(
 
 def grpo_op(inputs: Batch, algo: AlgoConfig, *, eps: float = 1e-6, scale: bool = True) -> dict[str, Tensor]:
     """GRPO: A_i = (r_i - mean(r_group)) / (std(r_group) + eps), the same for every token."""
-    seqs = sequences_in(inputs, "grpo")
+    seqs = sequences_in(inputs, "advantage estimator 'grpo'")
     a = adv.grpo(inputs["rewards"].float(), seqs.prompt_index, eps=eps, scale=scale)
     return {"advantages": adv.broadcast_to_tokens(a, seqs.response_mask)}
 
 
 def rloo_op(inputs: Batch, algo: AlgoConfig) -> dict[str, Tensor]:
     """RLOO: A_i = r_i - mean of the other samples of the same prompt."""
-    seqs = sequences_in(inputs, "rloo")
+    seqs = sequences_in(inputs, "advantage estimator 'rloo'")
     a = adv.rloo(inputs["rewards"].float(), seqs.prompt_index)
     return {"advantages": adv.broadcast_to_tokens(a, seqs.response_mask)}
 
@@ -81,7 +81,7 @@ def remax_op(inputs: Batch, algo: AlgoConfig) -> dict[str, Tensor]:
     Scaling only (no mean shift, which would undo the greedy baseline) keeps the step size
     independent of the reward scale: early on every r_i - b_i is tiny.
     """
-    seqs = sequences_in(inputs, "remax")
+    seqs = sequences_in(inputs, "advantage estimator 'remax'")
     baseline = inputs["baseline_rewards"].float()[seqs.prompt_index]
     a = adv.broadcast_to_tokens(adv.remax(inputs["rewards"].float(), baseline), seqs.response_mask)
     if algo.whiten_advantages:
@@ -93,7 +93,7 @@ def reinforce_pp_op(
     inputs: Batch, algo: AlgoConfig, *, kl_coef: float | None = None
 ) -> tuple[dict[str, Tensor], dict[str, float]]:
     """REINFORCE++: discounted token returns (KL in the reward), whitened over the batch."""
-    seqs = sequences_in(inputs, "reinforce_pp")
+    seqs = sequences_in(inputs, "advantage estimator 'reinforce_pp'")
     rewards, metrics = _token_rewards(inputs, seqs, algo, kl_coef)
     return {"advantages": adv.reinforce_pp(rewards, seqs.response_mask, gamma=algo.gamma)}, metrics
 
@@ -103,7 +103,7 @@ def reinforce_pp_op(
 
 def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
     """PPO-clip (clip-higher, dual-clip) + beta * KL(pi || ref) when the node reads ref_logprobs (metric ``kl``)."""
-    mask = sequences_in(batch, "ppo").response_mask
+    mask = sequences_in(batch, "loss 'ppo'").response_mask
     loss, stats = losses.ppo_policy_loss(
         logprobs,
         batch["old_logprobs"],
@@ -123,7 +123,7 @@ def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, 
 
 def value_loss(values: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
     """Clipped value loss, scaled by vf_coef."""
-    mask = sequences_in(batch, "value").response_mask
+    mask = sequences_in(batch, "loss 'value'").response_mask
     loss, stats = losses.value_loss(values, batch["values"], batch["returns"], mask, clip=algo.vf_clip)
     return algo.vf_coef * loss, stats
 

@@ -410,7 +410,7 @@ def explain(result: TuneResult, model: ModelSpec, cluster: ClusterSpec, top: int
     roof = result.roofline
     lines.append(
         f"  roofline: {roof['flops'] / 1e15:.1f} PFLOP/iteration -> {roof['compute_bound_s']:.2f}s at "
-        f"{cluster.devices} x {cluster.hardware.peak_flops_bf16 / 1e12:.0f} TFLOP/s; "
+        f"{cluster.devices} x {cluster.hardware.peak_flops_bf16 / 1e12:.3g} TFLOP/s; "
         f"decode bound {roof['decode_bound_s']:.2f}s; the plan reaches {pred.efficiency:.0%} of the bound"
     )
     lines.append("runners-up:")

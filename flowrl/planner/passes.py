@@ -14,6 +14,7 @@ memory      -> per device group: the bytes one device needs; verification refuse
 from __future__ import annotations
 
 import inspect
+import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -67,11 +68,13 @@ def node_options(graph: Graph, name: str, algo: AlgoConfig, registry: Registry) 
     node = graph.nodes[name]
     overrides = {k: v for k, v in node.options.items() if k in ALGO_FIELDS}
     rest = {k: v for k, v in node.options.items() if k not in ALGO_FIELDS}
-    allowed = TRAIN_OPTIONS if isinstance(node, Train) else _keyword_arguments(registry, node)
+    fn = _function(registry, node)
+    allowed = TRAIN_OPTIONS if isinstance(node, Train) else _keyword_arguments(fn)
     bad = [k for k in rest if k not in allowed]
     if bad:
         known = ", ".join(sorted([*allowed, *ALGO_FIELDS]))
         raise GraphError(f"node '{name}': unknown option(s) {', '.join(bad)}; allowed: {known}.")
+    _check_option_types(name, fn, rest)
     try:
         algo = msgspec.convert({**msgspec.to_builtins(algo), **overrides}, AlgoConfig)
     except msgspec.ValidationError as exc:
@@ -82,12 +85,33 @@ def node_options(graph: Graph, name: str, algo: AlgoConfig, registry: Registry) 
     return algo, rest
 
 
-def _keyword_arguments(registry: Registry, node: Any) -> tuple[str, ...]:
+def _function(registry: Registry, node: Any) -> Any:
+    """The registered function a compute or reward node calls (None for other kinds)."""
     if isinstance(node, Compute):
-        fn = registry.get("advantage_estimators", node.fn)
-    elif isinstance(node, Reward):
-        fn = registry.get("reward_functions", node.fn)
-    else:
+        return registry.get("advantage_estimators", node.fn)
+    if isinstance(node, Reward):
+        return registry.get("reward_functions", node.fn)
+    return None
+
+
+def _check_option_types(node: str, fn: Any, options: dict[str, Any]) -> None:
+    """Each option against the annotation of the function's keyword argument, when it has one."""
+    if fn is None or not options:
+        return
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # unresolvable annotations: nothing to check against
+        return
+    for key, value in options.items():
+        if key in hints:
+            try:
+                msgspec.convert(value, hints[key])
+            except (msgspec.ValidationError, TypeError) as exc:
+                raise GraphError(f"node '{node}': option '{key}' = {value!r} does not fit its type ({exc}).") from None
+
+
+def _keyword_arguments(fn: Any) -> tuple[str, ...]:
+    if fn is None:
         return ()
     try:
         params = inspect.signature(fn).parameters.values()
@@ -125,10 +149,11 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
         _, options = node_options(graph, node.name, cfg.algo, reg)
         if isinstance(node, Train):
             mini_batches = options.get("mini_batches", cfg.train.mini_batches)
+            where = "the node's mini_batches option" if "mini_batches" in options else "train.mini_batches"
             if mini_batches > rows[node.name]:
                 raise PlanError(
                     f"node '{node.name}': {mini_batches} mini-batches but only {rows[node.name]} rows per "
-                    "step; lower train.mini_batches."
+                    f"step; lower {where}."
                 )
     for kind, name, field_ in (
         ("executors", cfg.backend, "backend"),

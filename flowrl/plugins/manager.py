@@ -153,7 +153,16 @@ def _problem(kind: str, name: str, obj: Any, meta: dict[str, Any]) -> str | None
         problem = _call_problem(meta[key], call)
         if problem:
             return f"for meta '{key}', {problem}"
-    return _call_problem(obj, CALLS[kind])
+    problem = _call_problem(obj, CALLS[kind])
+    if kind == "executors":
+        from flowrl.planner.capabilities import Capabilities
+
+        if problem is None and not isinstance(getattr(obj, "capabilities", None), Capabilities):
+            return (
+                f"{obj!r} has no 'capabilities' attribute holding a flowrl.planner.capabilities.Capabilities "
+                "(register the executor class, with what it can run as a class attribute)"
+            )
+    return problem
 
 
 def _call_problem(obj: Any, call: str) -> str | None:

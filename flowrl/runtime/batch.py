@@ -105,14 +105,14 @@ def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device) if isinstance(v, (Tensor, Sequences)) else v for k, v in batch.items()}
 
 
-def sequences_in(batch: dict[str, Any], node: str) -> Sequences:
-    """The one Sequences value a forward/train node reads."""
+def sequences_in(batch: dict[str, Any], who: str) -> Sequences:
+    """The one Sequences value in ``batch``; ``who`` (e.g. "node 'gae'", "loss 'ppo'") names the reader."""
     found = [v for v in batch.values() if isinstance(v, Sequences)]
     if len(found) != 1:
         from flowrl.errors import GraphError
 
         raise GraphError(
-            f"node '{node}' must read exactly one key holding generated responses (found {len(found)}); add "
+            f"{who} must read exactly one key holding generated responses (found {len(found)}); add "
             "e.g. 'responses' to its reads."
         )
     return found[0]

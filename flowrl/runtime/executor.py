@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from flowrl.errors import PlanError
+from flowrl.errors import BackendError, PlanError
 from flowrl.graph.ir import Generate, Graph, Train
 from flowrl.planner.capabilities import Capabilities, unsupported
 from flowrl.planner.passes import node_options, verify_plan
@@ -31,7 +31,7 @@ from flowrl.runtime.protocols import EngineContext, GenerationEngine, RunResult,
 from flowrl.tasks.builtin import make_task
 
 if TYPE_CHECKING:
-    from flowrl.plugins.manager import Registry
+    from flowrl.plugins.manager import Entry, Registry
     from flowrl.runtime.nodes import NodeRuntime
 
 
@@ -55,6 +55,19 @@ def init_order(graph: Graph) -> list[str]:
         done.append(name)
         pending.remove(name)
     return done
+
+
+def _checked(engine: Any, protocol: type, entry: Entry, model: str) -> Any:
+    """``engine`` if it implements ``protocol``; else a BackendError naming the engine and its plugin."""
+    if isinstance(engine, protocol):
+        return engine
+    members = [m for m in protocol.__annotations__ if not m.startswith("_")]
+    members += [m for m, v in vars(protocol).items() if callable(v) and not m.startswith("_")]
+    missing = sorted({m for m in members if not hasattr(engine, m)})
+    raise BackendError(
+        f"{entry.name!r} (plugin '{entry.plugin}') built {type(engine).__name__} for model '{model}', which is not "
+        f"a {protocol.__name__}: it lacks {', '.join(missing) or 'the protocol'} (see flowrl/runtime/protocols.py)."
+    )
 
 
 class InProcessExecutor:
@@ -109,23 +122,25 @@ class InProcessExecutor:
     def engines(
         self, graph: Graph, plan: ExecutionPlan, device: str
     ) -> tuple[dict[str, TrainingEngine], dict[str, GenerationEngine]]:
-        """(training engine per model, generation engine per model that generates)."""
+        """(training engine per model, generation engine per model that generates). When both roles
+        name the same engine and its training engine can generate, generation uses it in place."""
         cfg = plan.config
-        make_trainer = self.registry.get("training_engines", cfg.train.engine)
+        train = self.registry.entry("training_engines", cfg.train.engine, field="train.engine")
         trainers: dict[str, TrainingEngine] = {}
         for name in init_order(graph):
             decl = graph.models[name]
             source = trainers[decl.init_from] if decl.init_from is not None else None
-            trainers[name] = make_trainer(EngineContext(decl=decl, plan=plan, device=device, source=source))
+            engine = train.obj(EngineContext(decl=decl, plan=plan, device=device, source=source))
+            trainers[name] = _checked(engine, TrainingEngine, train, name)
         generators: dict[str, GenerationEngine] = {}
-        make_generator = self.registry.get("generation_engines", cfg.generation.engine)
+        gen = self.registry.entry("generation_engines", cfg.generation.engine, field="generation.engine")
         for model in sorted({n.model for n in graph.nodes.values() if isinstance(n, Generate)}):
-            if cfg.generation.engine == cfg.train.engine:
-                generators[model] = trainers[model]  # type: ignore[assignment]  # in place: the same weights
+            trainer = trainers[model]
+            if cfg.generation.engine == cfg.train.engine and isinstance(trainer, GenerationEngine):
+                generators[model] = trainer  # in place: the same weights
             else:
-                generators[model] = make_generator(
-                    EngineContext(decl=graph.models[model], plan=plan, device=device, source=trainers[model])
-                )
+                engine = gen.obj(EngineContext(decl=graph.models[model], plan=plan, device=device, source=trainer))
+                generators[model] = _checked(engine, GenerationEngine, gen, model)
         return trainers, generators
 
     # ------------------------------------------------------------ the run

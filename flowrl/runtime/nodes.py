@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from flowrl.errors import GraphError
+from flowrl.errors import BackendError, FlowRLError, GraphError
 from flowrl.graph.ir import Compute, Forward, Generate, Graph, Reward, Train
 from flowrl.runtime.batch import Sequences, sequences_in
 from flowrl.runtime.protocols import GenerationEngine, TrainingEngine, TrainStep
@@ -40,7 +40,33 @@ class NodeRuntime:
 
 
 def run_node(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Run node ``name`` on ``batch``; returns (its written keys, its metrics)."""
+    """Run node ``name`` on ``batch``; returns (its written keys, its metrics). An error of a function
+    the node calls names the node."""
+    try:
+        out, metrics = _run(rt, name, batch)
+    except FlowRLError as exc:
+        if str(exc).startswith(f"node '{name}'"):
+            raise
+        raise type(exc)(f"node '{name}': {exc}") from None
+    return out, {key: _plain(value, name, key) for key, value in metrics.items()}
+
+
+def _plain(value: Any, node: str, key: str) -> Any:
+    """A metric as a JSON value: numbers (one-element tensors and numpy scalars too), text, bool, None."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    item = getattr(value, "item", None)  # one-element tensors and arrays, numpy scalars
+    if callable(item):
+        try:
+            value = item()
+        except (ValueError, RuntimeError):
+            pass
+        if isinstance(value, (bool, int, float)):
+            return value
+    raise BackendError(f"node '{node}': metric '{key}' is {type(value).__name__}; a metric must be a number or text.")
+
+
+def _run(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     node = rt.graph.nodes[name]
     inputs = {k: batch[k] for k in node.reads}
     algo, options = rt.options[name]
@@ -90,7 +116,9 @@ def _generate(rt: NodeRuntime, node: Generate, inputs: dict[str, Any]) -> tuple[
 
 
 def _forward(rt: NodeRuntime, node: Forward, inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    values = rt.trainers[node.model].forward(sequences_in(inputs, node.name), node.output, rt.micro_batch[node.name])
+    values = rt.trainers[node.model].forward(
+        sequences_in(inputs, f"node '{node.name}'"), node.output, rt.micro_batch[node.name]
+    )
     metrics = {}
     role = rt.graph.models[node.model].role
     if node.output == "scores" and role in ("reward", "cost"):
@@ -101,7 +129,7 @@ def _forward(rt: NodeRuntime, node: Forward, inputs: dict[str, Any]) -> tuple[di
 def _reward(
     rt: NodeRuntime, node: Reward, inputs: dict[str, Any], options: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    seqs = sequences_in(inputs, node.name)
+    seqs = sequences_in(inputs, f"node '{node.name}'")
     prompts = next((v for v in inputs.values() if isinstance(v, list)), None)
     if prompts is None:
         raise GraphError(

@@ -424,7 +424,7 @@ def test_an_executor_without_model_parallelism_gets_no_tp_or_pp():
 
 def test_planning_for_the_backend_restricts_to_the_local_executor():
     """for_backend=True: the local executor's capabilities and numerics; a cluster larger than it runs
-    is refused at plan time, and the one-device plan passes its check."""
+    is refused at plan time; the one-device plan fits the executor, which then refuses a model it does not build."""
     target = ClusterTarget(cluster=parse_cluster("2xA100-80G"), model=QWEN, workload=load(64))
     with pytest.raises(PlanError, match=r"runs at most 1 device\(s\); this cluster has 2"):
         api.plan("grpo", target=target, for_backend=True, options={"budget_s": 2}, emit=quiet)
@@ -437,7 +437,8 @@ def test_planning_for_the_backend_restricts_to_the_local_executor():
         "colocate", "sync", False, "reshard",
     )  # fmt: skip
     assert all(e.capacity_bytes == mem.usable_bytes(target.cluster.hardware, caps.numerics) for e in plan.memory)
-    api.check(graph, plan)
+    with pytest.raises(PlanError, match="the plan is for model 'qwen2.5-0.5b'"):  # ... but this config builds another
+        api.check(graph, plan)
 
 
 def test_a_one_device_cluster_has_the_one_colocated_layout_with_its_prediction():

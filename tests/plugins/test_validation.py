@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from flowrl.errors import PluginError
+from flowrl.planner.capabilities import Capabilities
 from flowrl.planner.hardware import HARDWARE_PRESETS
 from flowrl.plugins.hookspecs import HOOKS, hookimpl
 from flowrl.plugins.manager import CALLS, CORE_COMMANDS, SINGULAR, Registry, load_plugins
@@ -29,6 +30,18 @@ def plugin(kind: str, name: str, obj: Any, **meta: Any) -> types.ModuleType:
 
 def load(*plugins: tuple[str, Any]) -> Registry:
     return load_plugins(entry_points=False, extra=plugins)[1]
+
+
+class GoodExecutor:
+    capabilities = Capabilities()
+
+    def __init__(self, registry: Any) -> None:
+        self.registry = registry
+
+
+def test_an_executor_without_capabilities_is_refused() -> None:
+    message = refusal("executors", lambda registry: None)
+    assert "no 'capabilities' attribute" in message and "Capabilities" in message
 
 
 def refusal(kind: str, obj: Any, name: str = "x", **meta: Any) -> str:
@@ -88,7 +101,7 @@ class Good:
 
     @hookimpl
     def register_executors(self, register: Any) -> None:
-        register("good", lambda registry: None, machine=lambda cfg: None)
+        register("good", GoodExecutor, machine=lambda cfg: None)
 
     @hookimpl
     def register_generation_engines(self, register: Any) -> None:
@@ -268,12 +281,12 @@ def test_needs_and_gives_must_be_lists_of_strings(kind: str, key: str, value: An
 
 
 def test_executor_machine_must_be_callable() -> None:
-    message = refusal("executors", lambda registry: None, machine="H20")
+    message = refusal("executors", GoodExecutor, machine="H20")
     assert "for meta 'machine', 'H20' is not callable: flowrl calls machine(cfg)" in message
 
 
 def test_executor_machine_signature_is_checked() -> None:
-    message = refusal("executors", lambda registry: None, machine=lambda: None)
+    message = refusal("executors", GoodExecutor, machine=lambda: None)
     assert "for meta 'machine'" in message and "cannot be called as machine(cfg)" in message
 
 

@@ -505,11 +505,6 @@ def test_wrong_node_options_fail_at_plan_time_naming_node_and_option(options, ma
         api.plan("opts", registry=reg, overrides=TINY, emit=quiet)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG flowrl/planner/passes.py node_options: option values are not checked against the function's "
-    "parameters; eps='x' passes planning and crashes the run with a raw TypeError",
-)
 def test_a_node_option_of_the_wrong_type_fails_at_plan_time():
     build = _options_graph({"adv": {"eps": "x"}})
     reg = load_plugins(entry_points=False, extra=[("opts", algorithm("opts", build))])[1]
@@ -517,11 +512,6 @@ def test_a_node_option_of_the_wrong_type_fails_at_plan_time():
         api.plan("opts", registry=reg, overrides=TINY, emit=quiet)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG flowrl/planner/passes.py resolve: too many mini-batches set as a train node option is blamed on "
-    "the config ('lower train.mini_batches'), which is not where the value came from",
-)
 def test_too_many_mini_batches_in_a_node_option_points_at_the_option():
     build = _options_graph({"train": {"mini_batches": 64}})
     reg = load_plugins(entry_points=False, extra=[("opts", algorithm("opts", build))])[1]
@@ -555,11 +545,6 @@ def test_every_shipped_graph_reports_headline_and_node_metrics(tmp_path, name):
     assert json.loads(lines[0])["reward"] == record["reward"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG flowrl/runtime/executor.py: a plugin metric that is a 0-d tensor crashes the run with a raw "
-    "'Encoding objects of type Tensor is unsupported', naming neither node nor metric",
-)
 def test_a_tensor_metric_from_a_reward_function_is_logged_or_named(tmp_path):
     def bonus_reward(prompts, responses, task):
         return [0.5] * len(responses), {"bonus": torch.tensor(1.0)}
@@ -589,11 +574,6 @@ def test_a_tensor_metric_from_a_reward_function_is_logged_or_named(tmp_path):
         assert result.metrics[0]["reward/bonus"] == 1.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG flowrl/algorithms/ops.py: estimators call sequences_in(inputs, '<fn name>'), so a compute node "
-    "reading two response keys is reported as node 'grpo' (the function), not node 'adv'",
-)
 def test_a_compute_node_reading_two_response_keys_is_named(tmp_path):
     def build(cfg):
         g = Graph("two")
@@ -644,12 +624,6 @@ def _load_executor(obj: Any, **meta: Any) -> Registry:
     return load_plugins(entry_points=False, extra=[("exec_plugin", plugin(register_executors=register_executors))])[1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG flowrl/plugins/manager.py + flowrl/api.py: an executor registered as `factory(registry)` (as the "
-    "README says) loads, then every plan crashes with AttributeError: 'function' object has no attribute "
-    "'capabilities' (raw traceback from the CLI)",
-)
 def test_an_executor_factory_function_is_refused_or_works(capsys):
     from flowrl.backends.local.executor import LocalExecutor, machine
 
@@ -662,11 +636,6 @@ def test_an_executor_factory_function_is_refused_or_works(capsys):
     assert cli(capsys, "plan", "grpo", "--backend", "custom")[0] in (0, 2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG flowrl/plugins/manager.py: an executor whose capabilities is not a Capabilities loads; planning "
-    "then crashes with AttributeError",
-)
 def test_an_executor_with_bad_capabilities_is_refused_at_load():
     from flowrl.backends.local.executor import LocalExecutor, machine
 
@@ -677,11 +646,6 @@ def test_an_executor_with_bad_capabilities_is_refused_at_load():
         _load_executor(BadCaps, machine=machine)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG flowrl/api.py local_target: an executor's machine() returning a non-HardwareSpec surfaces as "
-    "\"pass 'place' crashed: AttributeError\" without naming the executor or its plugin",
-)
 def test_a_bad_machine_names_the_executor_or_plugin():
     from flowrl.backends.local.executor import LocalExecutor
 
@@ -690,12 +654,6 @@ def test_a_bad_machine_names_the_executor_or_plugin():
         api.plan("grpo", registry=reg, overrides=[*TINY, "backend=custom"], emit=quiet)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG flowrl/runtime/executor.py engines(): what an engine factory returns is not checked against the "
-    "protocols; a factory returning None fails later as AttributeError: 'NoneType' object has no attribute "
-    "'generate'",
-)
 def test_an_engine_factory_returning_none_is_named(tmp_path):
     def register_generation_engines(register):
         register("none", lambda ctx: None)
@@ -708,11 +666,6 @@ def test_an_engine_factory_returning_none_is_named(tmp_path):
         api.run(graph, plan, registry=reg, out_dir=tmp_path / "run")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG flowrl/runtime/executor.py engines(): when generation.engine == train.engine the registered "
-    "generation factory is never called; the training engine must implement generate itself",
-)
 def test_a_generation_factory_registered_under_the_train_engines_name_is_used(tmp_path):
     class TrainOnly(FakeEngine):
         generate = None  # type: ignore[assignment]
