@@ -151,6 +151,12 @@ def load_model_spec(text: str) -> ModelSpec:
 
 def from_model_dir(path: str) -> ModelSpec:
     """The shape of the HF model in directory ``path`` (its ``config.json``; no weights are read)."""
+    check_model_dir(path)
+    return _from_hf_config(Path(path) / "config.json")
+
+
+def check_model_dir(path: str) -> None:
+    """Refuse, saying how to fix it, a ``--model`` that is not an HF model directory."""
     p = Path(path)
     if not p.is_dir():
         raise ConfigError(
@@ -160,7 +166,6 @@ def from_model_dir(path: str) -> ModelSpec:
         )
     if not (p / "config.json").is_file():
         raise ConfigError(f"model directory '{path}' has no config.json; it is not an HF-format model.")
-    return _from_hf_config(p / "config.json")
 
 
 def for_config(model: str | None, tiny: TinyModelConfig, tokenizer_vocab: int) -> ModelSpec:

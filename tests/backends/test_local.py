@@ -10,7 +10,7 @@ import torch
 from flowrl import api
 from flowrl.backends.local.generation import sample, top_p_filter
 from flowrl.backends.local.models import build_causal_lm, load_tokenizer, model_config
-from flowrl.errors import BackendError
+from flowrl.errors import ConfigError
 from flowrl.plugins.manager import registry
 from flowrl.runtime.batch import pack_left, select_rows
 from flowrl.runtime.executor import InProcessExecutor
@@ -52,11 +52,11 @@ def test_hf_directory_round_trip(tmp_path):
     assert torch.allclose(model(input_ids=ids).logits, loaded(input_ids=ids).logits, atol=1e-6)
 
 
-def test_missing_model_dir_is_a_backend_error(tmp_path):
-    with pytest.raises(BackendError, match="does not exist"):
+def test_a_missing_model_dir_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
         load_tokenizer(str(tmp_path / "nope"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(BackendError, match="config.json"):
+    with pytest.raises(ConfigError, match="config.json"):
         load_tokenizer(str(tmp_path / "empty"))
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from flowrl.errors import BackendError
+from flowrl.planner.modelspec import check_model_dir
 from flowrl.specs import TinyModelConfig
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -35,7 +36,7 @@ def load_tokenizer(path: str | None) -> Any:
         from flowrl.tasks.tokenizer import build_tokenizer
 
         return build_tokenizer()
-    _check_dir(path)
+    check_model_dir(path)
     from transformers import AutoTokenizer
 
     try:
@@ -78,7 +79,7 @@ def model_config(path: str | None, tiny: TinyModelConfig, tokenizer: Any) -> Any
     """The HF config of the base model (read from ``config.json``; nothing is loaded)."""
     if path is None:
         return tiny_llama_config(tiny, tokenizer)
-    _check_dir(path)
+    check_model_dir(path)
     from transformers import AutoConfig
 
     try:
@@ -128,14 +129,3 @@ class ValueModel(nn.Module):
 
         self.backbone.save_pretrained(path)
         save_file({k: v.contiguous() for k, v in self.head.state_dict().items()}, str(path / VALUE_HEAD_FILE))
-
-
-def _check_dir(path: str) -> None:
-    p = Path(path)
-    if not p.is_dir():
-        raise BackendError(
-            f"model directory '{path}' does not exist. Pass --model with a directory holding an HF "
-            "config.json, weights and a tokenizer (e.g. a runs/<name>/checkpoint from an earlier run)."
-        )
-    if not (p / "config.json").is_file():
-        raise BackendError(f"model directory '{path}' has no config.json; it is not an HF-format model.")
