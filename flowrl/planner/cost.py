@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowrl.planner.hardware import HardwareSpec
-from flowrl.planner.memory import usable_bytes
 from flowrl.planner.modelspec import ModelSpec
 from flowrl.planner.space import ModelLayout
 
@@ -38,10 +37,6 @@ class CostModel:
     @property
     def param_bytes(self) -> int:
         return self.params * BF16
-
-    @property
-    def capacity(self) -> int:
-        return usable_bytes(self.hw)
 
     def link(self, devices: int) -> tuple[float, float]:
         """(bandwidth, latency) of the slowest link a group of ``devices`` spans."""

@@ -361,9 +361,9 @@ def test_simulation_is_deterministic_for_a_seed_and_the_seed_only_moves_sampled_
 def test_cost_model_is_the_tuners():
     tuner = Tuner(graph(), MODEL, CLUSTER, HEAVY)
     assert isinstance(tuner.cost, CostModel)
-    assert tuner.cost.capacity < CLUSTER.hardware.memory_bytes
+    assert tuner.capacity < CLUSTER.hardware.memory_bytes
     # memory is the one memory model's, under the tuner's numerics (the default: bf16, 8% reserve)
     assert tuner.numerics == mem.Numerics()
-    assert tuner.capacity == mem.usable_bytes(CLUSTER.hardware, tuner.numerics) == tuner.cost.capacity
+    assert tuner.capacity == mem.usable_bytes(CLUSTER.hardware, tuner.numerics)
     plan = msgspec.structs.replace(colocated(), predicted=None)
     assert run(plan).iteration_s > 0
