@@ -151,9 +151,12 @@ def run(
     registry: Registry | None = None,
     out_dir: Path | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
+    executor: Executor | None = None,
 ) -> RunResult:
+    """Run ``p`` on its executor: ``executor`` when it has already checked the plan (``check``), else
+    the one ``check`` returns, before the run folder is made."""
     from flowrl.runtime.executor import run_dir
 
-    ex = check(graph, p, registry)
+    ex = executor or check(graph, p, registry)
     out = out_dir or run_dir(p.config.out, p.config.name or graph.name)
     return ex.run(graph, p, out, on_step=on_step)

@@ -90,13 +90,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         graph = api.graph_for_plan(plan)
     else:
         graph, plan = api.plan(_need_graph(args), emit=print, **_load_kwargs(args))
-    api.check(graph, plan)
+    executor = api.check(graph, plan)
     cfg = plan.config
     print(
         f"flowrl: running {graph.name} ({plan.graph.source}) on task '{cfg.task}' for {cfg.steps} steps, plan {plan.id}"
     )
     bar = _progress(cfg.steps, enabled=cfg.progress and not args.quiet)
-    result = api.run(graph, plan, on_step=bar.update)
+    result = api.run(graph, plan, on_step=bar.update, executor=executor)
     bar.close()
     summary = _summary(result.metrics)
     print(f"flowrl: done. {summary}")

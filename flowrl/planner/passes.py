@@ -306,17 +306,31 @@ def _fit_micro_batches(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan) -
     if plan.config.train.micro_batch_size is not None:
         return layout
     t, seq_len, trainable = plan.target, _seq_len(plan), _trainable(graph)
+    capacity = mem.usable_bytes(t.cluster.hardware, t.numerics)
+    rooms = {
+        g.name: max(capacity - sum(_group_states(plan, layout, g.name, trainable).values()), 0) // 2
+        for g in layout.groups
+    }
     models = []
     for lay in layout.models:
-        states = sum(
-            mem.state_bytes(t.model, t.numerics, m, m.model in trainable) for m in layout.models if m.group == lay.group
-        )
-        room = max(mem.usable_bytes(t.cluster.hardware, t.numerics) - states, 0) // 2
+        room = rooms[lay.group]
         size = lay.micro_batch
         while size > 1 and _activations(plan, lay, size, seq_len, lay.model in trainable) > room:
             size = (size + 1) // 2
         models.append(msgspec.structs.replace(lay, micro_batch=size))
     return msgspec.structs.replace(layout, models=tuple(models))
+
+
+def _group_states(plan: ExecutionPlan, layout: ClusterPlan, group: str, trainable: set[str]) -> dict[str, int]:
+    """The resident model states on one device of ``group``, by model."""
+    t = plan.target
+    return {
+        f"model {m.model} ({'weights+grads+optimizer' if m.model in trainable else 'weights'})": mem.state_bytes(
+            t.model, t.numerics, m, m.model in trainable
+        )
+        for m in layout.models
+        if m.group == group
+    }
 
 
 def _trainable(graph: Graph) -> set[str]:
@@ -340,13 +354,7 @@ def memory(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     seq_len = _seq_len(plan)
     estimates = []
     for g in layout.groups:
-        states = {
-            f"model {m.model} ({'weights+grads+optimizer' if m.model in trainable else 'weights'})": mem.state_bytes(
-                t.model, t.numerics, m, m.model in trainable
-            )
-            for m in layout.models
-            if m.group == g.name
-        }
+        states = _group_states(plan, layout, g.name, trainable)
         peaks: dict[str, int] = {}
         for n in plan.nodes:
             if n.group != g.name:

@@ -156,7 +156,6 @@ class InProcessExecutor:
 
         from flowrl.runtime.nodes import NodeRuntime
 
-        self.check(graph, plan)
         cfg = plan.config
         task = make_task(cfg.task, cfg.task_options, registry={e.name: e.obj for e in self.registry.entries("tasks")})
         if cfg.threads:

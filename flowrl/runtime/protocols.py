@@ -158,4 +158,6 @@ class Executor(Protocol):
         out_dir: Path,
         *,
         on_step: Callable[[dict[str, Any]], None] | None = None,
-    ) -> RunResult: ...
+    ) -> RunResult:
+        """Run a plan that passed ``check``."""
+        ...
