@@ -24,7 +24,7 @@ def main() -> None:
     common = [f"device={args.device}", "progress=false", "checkpoint=false", f"out={args.out}"]
     graph, plan = api.plan("grpo", overrides=[*common, "steps=0"], emit=lambda s: None)
     ex = api.check(graph, plan)
-    actor = ex.engines(graph, plan, ex.device(plan))[0]["actor"]
+    actor = ex.engines(graph, plan)[0]["actor"]
     prompts = [Prompt(text=t, answer=t[:-1]) for t in ("abcd>", "b>", "dca>")]
     rollout = actor.generate(prompts, n=16, greedy=False, generator=torch.Generator().manual_seed(0))
     seqs, gen_lp = rollout.sequences, rollout.logprobs

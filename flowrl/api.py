@@ -17,7 +17,7 @@ from flowrl.errors import FlowRLError, PlanError, PluginError
 from flowrl.graph.ir import Graph
 from flowrl.graph.loading import build_graph, find_graph
 from flowrl.planner.capabilities import Capabilities
-from flowrl.planner.hardware import ClusterSpec, HardwareSpec
+from flowrl.planner.hardware import ClusterSpec, HardwareSpec, cpu_cluster
 from flowrl.planner.manager import initial_plan, run_passes
 from flowrl.planner.modelspec import ModelSpec, for_config
 from flowrl.planner.passes import PIPELINE, PlanContext, verify_plan
@@ -70,8 +70,9 @@ def model_spec(cfg: RunConfig) -> ModelSpec:
     return for_config(cfg.model, cfg.tiny_model, len(vocab()))
 
 
-def local_target(cfg: RunConfig, reg: Registry) -> ClusterTarget:
-    """This machine as the run's executor sees it: one device, its memory and speed."""
+def local_target(cfg: RunConfig, reg: Registry, devices: int = 1) -> ClusterTarget:
+    """This machine as the run's executor sees it: one device, its memory and speed; with
+    ``devices > 1`` its CPU cut into that many devices (``--cluster cpu:N``)."""
     entry = executor_entry(cfg, reg)
     machine = entry.meta.get("machine")
     if machine is None:
@@ -87,7 +88,9 @@ def local_target(cfg: RunConfig, reg: Registry) -> ClusterTarget:
     if not isinstance(hardware, HardwareSpec):
         where = f"executor '{cfg.backend}' (plugin '{entry.plugin}')"
         raise PluginError(f"{where}: machine(cfg) returned {hardware!r}, not a HardwareSpec.")
-    cluster = ClusterSpec(nodes=1, devices_per_node=1, hardware=hardware)
+    cluster = (
+        ClusterSpec(nodes=1, devices_per_node=1, hardware=hardware) if devices == 1 else cpu_cluster(hardware, devices)
+    )
     return ClusterTarget(cluster=cluster, model=model_spec(cfg), numerics=caps.numerics, capabilities=caps)
 
 

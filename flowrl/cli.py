@@ -82,15 +82,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flowrl.planner.plan import load_plan
 
     if args.plan:
-        if args.config or args.overrides or any(v is not None for v in _flags(args).values()):
+        if args.config or args.overrides or args.cluster or any(v is not None for v in _flags(args).values()):
             raise ConfigError("--plan runs a plan exactly as planned; put config changes into `flowrl plan` instead.")
         plan = load_plan(args.plan)
         if args.graph and args.graph != plan.graph.source:
             raise ConfigError(f"--plan '{args.plan}' was made for graph '{plan.graph.source}', not '{args.graph}'.")
         graph = api.graph_for_plan(plan)
     else:
-        graph, plan = api.plan(_need_graph(args), emit=print, **_load_kwargs(args))
+        kwargs = _load_kwargs(args)
+        target = _cluster_target(args, kwargs, for_run=True) if args.cluster else None
+        graph, plan = api.plan(_need_graph(args), emit=print, target=target, for_backend=True, **kwargs)
     executor = api.check(graph, plan)
+    if args.address:
+        if not hasattr(executor, "address"):
+            raise ConfigError(
+                f"--address joins an existing cluster; executor '{plan.config.backend}' runs in this process."
+            )
+        executor.address = args.address
     cfg = plan.config
     print(
         f"flowrl: running {graph.name} ({plan.graph.source}) on task '{cfg.task}' for {cfg.steps} steps, plan {plan.id}"
@@ -149,6 +157,7 @@ def _progress(total: int, enabled: bool) -> _Progress:
 def cmd_plan(args: argparse.Namespace) -> int:
     from flowrl import api
     from flowrl.planner.capabilities import unsupported
+    from flowrl.planner.hardware import cpu_devices
     from flowrl.planner.plan import dump_plan, encode_plan
     from flowrl.plugins.manager import registry
 
@@ -156,7 +165,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     kwargs = _load_kwargs(args)
     if args.cluster:
         target = _cluster_target(args, kwargs)
-        kwargs["flags"]["model"] = None  # --model names the planned model, not a local checkpoint
     if not args.cluster and args.workload:
         raise ConfigError(
             "--workload plans for a cluster; add --cluster (e.g. --cluster 16xA100-80G --model llama-7b)."
@@ -175,7 +183,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         options=options,
         cache=cache,
         passes=passes,
-        for_backend=args.backend is not None,
+        for_backend=args.backend is not None or (args.cluster is not None and cpu_devices(args.cluster) is not None),
         **kwargs,
     )
     if args.explain and "tune" in cache:
@@ -200,25 +208,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster_target(args: argparse.Namespace, load_kwargs: dict[str, Any]) -> Any:
-    from flowrl.planner.hardware import parse_cluster
+def _cluster_target(args: argparse.Namespace, load_kwargs: dict[str, Any], for_run: bool = False) -> Any:
+    """The ClusterTarget of ``--cluster``. ``cpu:N`` is this machine's CPU as N devices, planned for
+    the executor that runs it (default 'ray' for N > 1) with the run config's model and workload;
+    a run on a named cluster trains the run config's model too. Otherwise --model names the
+    planned model (and is no longer a local checkpoint) and --workload its workload."""
+    from flowrl import api
+    from flowrl.planner.hardware import cpu_devices, parse_cluster
     from flowrl.planner.modelspec import load_model_spec
     from flowrl.planner.plan import ClusterTarget
     from flowrl.planner.workload import WorkloadSpec, load_workload
     from flowrl.plugins.manager import registry
 
+    devices = cpu_devices(args.cluster)
+    if devices is not None:
+        if getattr(args, "workload", None):
+            raise ConfigError("--cluster cpu:N runs the run config's workload; drop --workload (use --set rollout...).")
+        if args.backend is None and devices > 1:
+            args.backend = load_kwargs["flags"]["backend"] = "ray"
+        load_kwargs["overrides"] = [*load_kwargs["overrides"], "device=cpu"]
+        _, cfg = api.load(_need_graph(args), **load_kwargs)
+        return api.local_target(cfg, registry(), devices=devices)
     presets = {e.name: e.obj for e in registry().entries("hardware")}
     cluster = parse_cluster(args.cluster, extra_presets=presets)
+    if for_run:  # what runs is the run config's model and workload, on that cluster
+        _, cfg = api.load(_need_graph(args), **load_kwargs)
+        return ClusterTarget(cluster=cluster, model=api.model_spec(cfg))
     workload = load_workload(args.workload) if args.workload else WorkloadSpec()
     if args.model:
+        load_kwargs["flags"]["model"] = None  # --model names the planned model, not a local checkpoint
         return ClusterTarget(cluster=cluster, model=load_model_spec(args.model), workload=workload)
     if args.cluster != "local":
         raise ConfigError(
             "--cluster needs --model: a preset (llama-7b, llama-70b, qwen2.5-7b, ...) or an HF config.json / "
-            "model directory."
+            "model directory; or --cluster cpu:N for this machine."
         )
-    from flowrl import api
-
     _, cfg = api.load(_need_graph(args), **load_kwargs)  # the model this run config builds
     return ClusterTarget(cluster=cluster, model=api.model_spec(cfg), workload=workload)
 
@@ -285,6 +309,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="plan and run a graph (trains a real model)")
     _config_args(p)
     p.add_argument("--plan", metavar="FILE", help="run a plan written by `flowrl plan --out`")
+    p.add_argument(
+        "--cluster",
+        metavar="SPEC",
+        help="plan for this cluster, then run: cpu:N (this machine as N devices, on Ray), or e.g. 2x8xH100-80G "
+        "with --address",
+    )
+    p.add_argument(
+        "--address",
+        metavar="ADDR",
+        help="join an existing Ray cluster ('auto' or host:port) instead of starting a private one",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("plan", help="compile a graph into an execution plan")
@@ -309,7 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cluster",
         metavar="SPEC",
-        help="plan for a cluster: 16xA100-80G, 2x8xH100-80G, a cluster file, or 'local' (after `flowrl profile`)",
+        help="plan for a cluster: 16xA100-80G, 2x8xH100-80G, a cluster file, cpu:N (this machine as N devices), "
+        "or 'local' (after `flowrl profile`)",
     )
     p.add_argument(
         "--workload",

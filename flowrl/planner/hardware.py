@@ -200,8 +200,49 @@ class ClusterSpec(CheckedSpec, kw_only=True):
 
     @property
     def label(self) -> str:
-        """``2x8xA100-80G``: the cluster string that names this cluster's shape."""
+        """``2x8xA100-80G``: the cluster string that names this cluster's shape (``cpu:N`` for this machine's CPU)."""
+        if self.on_cpu:
+            return f"cpu:{self.devices}"
         return f"{self.nodes}x{self.devices_per_node}x{self.hardware.name}"
+
+    @property
+    def on_cpu(self) -> bool:
+        """Whether this is this machine's CPU cut into devices (``cpu:N``), not accelerators."""
+        return self.hardware.name == CPU_DEVICES
+
+
+#: The hardware name of one device of ``cpu:N``.
+CPU_DEVICES = "cpu"
+#: Bytes/s of a gloo broadcast between two local processes (FACTS.md: 40 MiB in ~12 ms).
+LOOPBACK_BANDWIDTH = 3e9
+_CPU_SPLIT = re.compile(r"^cpu\s*:\s*(\d+)$", re.IGNORECASE)
+
+
+def cpu_devices(text: str) -> int | None:
+    """N for a ``cpu:N`` cluster string, else None."""
+    m = _CPU_SPLIT.match(text.strip())
+    if m is None:
+        return None
+    if int(m.group(1)) < 1:
+        raise ConfigError(f"cluster '{text}': cpu:N needs N >= 1 devices.")
+    return int(m.group(1))
+
+
+def cpu_cluster(machine: HardwareSpec, devices: int) -> ClusterSpec:
+    """This machine's CPU as ``devices`` equal devices: each has 1/N of its compute, memory and
+    memory bandwidth (workers get 1/N of the cores each), and they talk over loopback."""
+    hardware = msgspec.structs.replace(
+        machine,
+        name=CPU_DEVICES,
+        peak_flops_bf16=machine.peak_flops_bf16 / devices,
+        peak_flops_fp32=machine.peak_flops_fp32 / devices,
+        memory_bytes=machine.memory_bytes // devices,
+        memory_bandwidth=machine.memory_bandwidth / devices,
+        intra_node_bandwidth=LOOPBACK_BANDWIDTH,
+        inter_node_bandwidth=LOOPBACK_BANDWIDTH,
+        devices_per_node=devices,
+    )
+    return ClusterSpec(nodes=1, devices_per_node=devices, hardware=hardware)
 
 
 def _preset(name: str, **fields: Any) -> HardwareSpec:

@@ -14,24 +14,31 @@ plan it cannot run before any model is built.
 
 from __future__ import annotations
 
+import contextvars
 import random
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from flowrl.errors import BackendError, PlanError
-from flowrl.graph.ir import Generate, Graph, Train
+from flowrl.errors import PlanError
+from flowrl.graph.ir import Graph, Train
 from flowrl.planner.capabilities import Capabilities, unsupported
 from flowrl.planner.passes import node_options, verify_plan
 from flowrl.planner.plan import ExecutionPlan, dump_plan
-from flowrl.runtime.protocols import EngineContext, GenerationEngine, RunResult, TrainingEngine
+from flowrl.runtime.groups import CURRENT_TASK, GenerationGroup, InProcessTransport, TrainingGroup, Transport
+from flowrl.runtime.protocols import RunResult
+from flowrl.runtime.schedule import Schedule, Task, lower
+from flowrl.runtime.trace import Trace
+from flowrl.runtime.worker import Worker
 from flowrl.tasks.builtin import make_task
 
 if TYPE_CHECKING:
-    from flowrl.plugins.manager import Entry, Registry
+    from flowrl.plugins.manager import Registry
     from flowrl.runtime.nodes import NodeRuntime
 
 
@@ -46,32 +53,9 @@ def run_dir(base: str, name: str) -> Path:
     return path
 
 
-def init_order(graph: Graph) -> list[str]:
-    """Models in an order where each comes after the model it initialises from."""
-    done: list[str] = []
-    pending = list(graph.models)
-    while pending:
-        name = next(m for m in pending if graph.models[m].init_from is None or graph.models[m].init_from in done)
-        done.append(name)
-        pending.remove(name)
-    return done
-
-
-def _checked(engine: Any, protocol: type, entry: Entry, model: str) -> Any:
-    """``engine`` if it implements ``protocol``; else a BackendError naming the engine and its plugin."""
-    if isinstance(engine, protocol):
-        return engine
-    members = [m for m in protocol.__annotations__ if not m.startswith("_")]
-    members += [m for m, v in vars(protocol).items() if callable(v) and not m.startswith("_")]
-    missing = sorted({m for m in members if not hasattr(engine, m)})
-    raise BackendError(
-        f"{entry.name!r} (plugin '{entry.plugin}') built {type(engine).__name__} for model '{model}', which is not "
-        f"a {protocol.__name__}: it lacks {', '.join(missing) or 'the protocol'} (see flowrl/runtime/protocols.py)."
-    )
-
-
-class InProcessExecutor:
-    """Every model in this process; one device (the one-rank case of a worker group)."""
+class PlanExecutor:
+    """Runs the schedule lowered from a plan on worker groups. This class runs one worker in this
+    process (the one-rank case); a backend that starts workers elsewhere overrides `launch`."""
 
     capabilities = Capabilities()
 
@@ -118,29 +102,45 @@ class InProcessExecutor:
         self.registry.entry("generation_engines", cfg.generation.engine, field="generation.engine")
         self.registry.entry("training_engines", cfg.train.engine, field="train.engine")
 
-    # ------------------------------------------------------------ building
-    def engines(
-        self, graph: Graph, plan: ExecutionPlan, device: str
-    ) -> tuple[dict[str, TrainingEngine], dict[str, GenerationEngine]]:
-        """(training engine per model, generation engine per model that generates). When both roles
-        name the same engine and its training engine can generate, generation uses it in place."""
+    # ------------------------------------------------------------ workers
+    def schedule(self, graph: Graph, plan: ExecutionPlan) -> Schedule:
         cfg = plan.config
-        train = self.registry.entry("training_engines", cfg.train.engine, field="train.engine")
-        trainers: dict[str, TrainingEngine] = {}
-        for name in init_order(graph):
-            decl = graph.models[name]
-            source = trainers[decl.init_from] if decl.init_from is not None else None
-            engine = train.obj(EngineContext(decl=decl, plan=plan, device=device, source=source))
-            trainers[name] = _checked(engine, TrainingEngine, train, name)
-        generators: dict[str, GenerationEngine] = {}
-        gen = self.registry.entry("generation_engines", cfg.generation.engine, field="generation.engine")
-        for model in sorted({n.model for n in graph.nodes.values() if isinstance(n, Generate)}):
-            trainer = trainers[model]
-            if cfg.generation.engine == cfg.train.engine and isinstance(trainer, GenerationEngine):
-                generators[model] = trainer  # in place: the same weights
-            else:
-                engine = gen.obj(EngineContext(decl=graph.models[model], plan=plan, device=device, source=trainer))
-                generators[model] = _checked(engine, GenerationEngine, gen, model)
+        return lower(graph, plan, same_engine=cfg.generation.engine == cfg.train.engine)
+
+    def _worker(self, graph: Graph, plan: ExecutionPlan, schedule: Schedule) -> tuple[Worker, dict[str, Any]]:
+        if schedule.world != 1:
+            raise PlanError(f"the in-process executor runs one rank; the plan has {schedule.world}.")
+        worker = Worker(0, 1, self.registry, threads=plan.config.threads, device=self.device(plan))
+        return worker, worker.setup(graph.models, plan, schedule, None)
+
+    def launch(
+        self, graph: Graph, plan: ExecutionPlan, schedule: Schedule, out_dir: Path
+    ) -> tuple[Transport, dict[str, Any]]:
+        """Start the workers of ``schedule`` and set them up; returns the transport and, per model,
+        (tokenizer, hf_config). This executor: one worker in this process."""
+        worker, built = self._worker(graph, plan, schedule)
+        return InProcessTransport(worker), built
+
+    def engines(self, graph: Graph, plan: ExecutionPlan) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The engines of a one-rank plan, built in this process (for checks and tools): trainers, generators."""
+        worker, _ = self._worker(graph, plan, self.schedule(graph, plan))
+        return worker.trainers, worker.generators
+
+    def groups(
+        self, graph: Graph, schedule: Schedule, transport: Transport, built: dict[str, Any]
+    ) -> tuple[dict[str, TrainingGroup], dict[str, GenerationGroup]]:
+        """The driver's view of every model: a training group per model, a generation group per model that generates."""
+        trainers = {
+            m.model: TrainingGroup(graph.models[m.model], schedule.ranks_of(m.model), transport, *built[m.model])
+            for m in schedule.models
+        }
+        generators = {
+            m.model: GenerationGroup(
+                m.model, schedule.generation_ranks(m.model), transport, built[m.model][0].pad_token_id
+            )
+            for m in schedule.models
+            if m.generation_group is not None
+        }
         return trainers, generators
 
     # ------------------------------------------------------------ the run
@@ -161,72 +161,80 @@ class InProcessExecutor:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
-        generator = torch.Generator().manual_seed(cfg.seed)
         prompt_rng = random.Random(cfg.seed)
-        trainers, generators = self.engines(graph, plan, self.device(plan))
-        options = {}
-        for name, node in graph.nodes.items():
-            algo, opts = node_options(graph, name, cfg.algo, self.registry)
-            if isinstance(node, Train):
-                opts = {"epochs": cfg.train.epochs, "mini_batches": cfg.train.mini_batches, **opts}
-            options[name] = (algo, opts)
-        kinds = ("advantage_estimators", "reward_functions", "losses")
-        rt = NodeRuntime(
-            graph=graph,
-            functions={k: {e.name: e.obj for e in self.registry.entries(k)} for k in kinds},
-            loss_outputs={e.name: e.meta.get("output", "logprobs") for e in self.registry.entries("losses")},
-            task=task,
-            generators=generators,
-            trainers=trainers,
-            options=options,
-            micro_batch={n.node: n.micro_batch_size for n in plan.nodes},
-            generator=generator,
-        )
-        order = graph.order()
+        schedule = self.schedule(graph, plan)
         result = RunResult(out_dir=out_dir)
         dump_plan(plan, out_dir / "plan.yaml")
-        with (out_dir / "metrics.jsonl").open("w") as fh:
-            for step in range(cfg.steps):
-                record = self._step(rt, order, step, task.prompts(prompt_rng, cfg.rollout.prompts_per_step))
-                fh.write(msgspec.json.encode(record).decode() + "\n")
-                fh.flush()
-                result.metrics.append(record)
-                if on_step is not None:
-                    on_step(record)
-        if cfg.checkpoint:
-            for name, engine in trainers.items():
-                if engine.decl.trainable:
-                    path = out_dir / ("checkpoint" if engine.decl.role == "actor" else f"checkpoint-{name}")
-                    engine.save(path)
-                    result.checkpoints[name] = path
+        transport, built = self.launch(graph, plan, schedule, out_dir)
+        trace = Trace(origin=time.time())
+        try:
+            trace.add_workers(transport.spans(), schedule, label="setup")
+            trainers, generators = self.groups(graph, schedule, transport, built)
+            options = {}
+            for name, node in graph.nodes.items():
+                algo, opts = node_options(graph, name, cfg.algo, self.registry)
+                if isinstance(node, Train):
+                    opts = {"epochs": cfg.train.epochs, "mini_batches": cfg.train.mini_batches, **opts}
+                options[name] = (algo, opts)
+            kinds = ("advantage_estimators", "reward_functions", "losses")
+            rt = NodeRuntime(
+                graph=graph,
+                functions={k: {e.name: e.obj for e in self.registry.entries(k)} for k in kinds},
+                loss_outputs={e.name: e.meta.get("output", "logprobs") for e in self.registry.entries("losses")},
+                task=task,
+                generators=generators,
+                trainers=trainers,
+                options=options,
+                micro_batch={n.node: n.micro_batch_size for n in plan.nodes},
+                seed=cfg.seed,
+            )
+            with (out_dir / "metrics.jsonl").open("w") as fh:
+                for step in range(cfg.steps):
+                    prompts = task.prompts(prompt_rng, cfg.rollout.prompts_per_step)
+                    record = self._step(rt, schedule, transport, trace, step, prompts)
+                    fh.write(msgspec.json.encode(record).decode() + "\n")
+                    fh.flush()
+                    result.metrics.append(record)
+                    if on_step is not None:
+                        on_step(record)
+            if cfg.checkpoint:
+                for name, engine in trainers.items():
+                    if engine.decl.trainable:
+                        path = out_dir / ("checkpoint" if engine.decl.role == "actor" else f"checkpoint-{name}")
+                        engine.save(path)
+                        result.checkpoints[name] = path
+        finally:
+            try:
+                trace.add_workers(transport.spans(), schedule)
+            except Exception:  # a dead worker keeps its spans
+                pass
+            transport.close()
+            trace.write(out_dir, plan, graph, schedule)
         if result.metrics:
             from flowrl.runtime.report import plot_rewards
 
             plot_rewards(result.metrics, out_dir / "reward.png", title=f"{graph.name} on {cfg.task}")
         return result
 
-    def _step(self, rt: NodeRuntime, order: list[str], step: int, prompts: list[Any]) -> dict[str, Any]:
-        from flowrl.runtime.nodes import HEADLINE, run_node
+    def _step(
+        self, rt: NodeRuntime, schedule: Schedule, transport: Transport, trace: Trace, step: int, prompts: list[Any]
+    ) -> dict[str, Any]:
+        from flowrl.runtime.nodes import HEADLINE
 
         t0 = time.perf_counter()
-        batch: dict[str, Any] = {"prompts": prompts}
+        transport.iteration = step
+        outputs = run_iteration(rt, schedule, {"prompts": prompts}, trace, step)
         record: dict[str, Any] = {"step": step}
         spans: dict[str, float] = {}
         tokens, gen_seconds = 0, 0.0
-        for name in order:
-            s = time.perf_counter()
-            out, metrics = run_node(rt, name, batch)
-            node = rt.graph.nodes[name]
-            if isinstance(node, Train) and rt.generators.get(node.model) not in (None, rt.trainers[node.model]):
-                trainer = rt.trainers[node.model]
-                rt.generators[node.model].load_weights(trainer.export_weights(), trainer.version)
-            spans[name] = round(time.perf_counter() - s, 5)
-            batch.update(out)
-            if isinstance(node, Generate):
+        for task in schedule.tasks:  # metrics in schedule order, so headline metrics do not depend on timing
+            seconds, metrics = outputs[task.name]
+            spans[task.name] = round(seconds, 5)
+            if task.kind == "generate":
                 tokens += int(metrics["tokens"])
-                gen_seconds += spans[name]
+                gen_seconds += seconds
             for key, value in metrics.items():
-                record[f"{name}/{key}"] = value
+                record[f"{task.name}/{key}"] = value
                 if key in HEADLINE:
                     record.setdefault(key, value)
         record.setdefault("reward", None)
@@ -234,4 +242,69 @@ class InProcessExecutor:
         record["tokens_per_s"] = round(tokens / max(gen_seconds, 1e-9), 1)
         record["step_seconds"] = round(time.perf_counter() - t0, 5)
         record["spans"] = spans
+        trace.add_workers(transport.spans(), schedule)
         return record
+
+
+def run_task(rt: NodeRuntime, task: Task, batch: dict[str, Any], version: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One task of the schedule: a graph node, or a weight sync (workers move the weights)."""
+    from flowrl.runtime.nodes import run_node
+
+    if task.kind == "sync":
+        trainer = rt.trainers[task.model]
+        gen = rt.generators[task.model]
+        stats = trainer.transport.call(
+            _sync_ranks(trainer, gen),
+            "sync",
+            [(task.model, task.strategy, trainer.version)] * len(_sync_ranks(trainer, gen)),
+            task.name,
+        )
+        gen.version = trainer.version
+        return {}, {"bytes": max(s["bytes"] for s in stats), "strategy": task.strategy}
+    return run_node(rt, task.name, batch)
+
+
+def _sync_ranks(trainer: TrainingGroup, gen: GenerationGroup) -> list[int]:
+    return sorted({*trainer.ranks, *gen.ranks})
+
+
+def run_iteration(
+    rt: NodeRuntime, schedule: Schedule, batch: dict[str, Any], trace: Trace, step: int
+) -> dict[str, tuple[float, dict[str, Any]]]:
+    """Run one iteration's tasks as a dataflow: a task starts once its dependencies are done and
+    its device groups are free; tasks on different groups (and controller tasks) run at once.
+    Returns (seconds, metrics) per task. The first failure stops the iteration."""
+    pending = list(schedule.tasks)
+    done: dict[str, tuple[float, dict[str, Any]]] = {}
+    busy: set[str] = set()
+    running: dict[Future, Task] = {}
+    lock = threading.Lock()
+
+    def work(task: Task) -> tuple[float, dict[str, Any]]:
+        CURRENT_TASK.set(task.name)
+        with lock:
+            view = {k: batch[k] for k in rt.graph.nodes[task.name].reads} if task.kind != "sync" else {}
+        start = time.time()
+        out, metrics = run_task(rt, task, view, step)
+        end = time.time()
+        with lock:
+            batch.update(out)
+        trace.add(task.name, task.groups or ("controller",), start, end, step)
+        return end - start, metrics
+
+    pool = ThreadPoolExecutor(max_workers=len(schedule.groups) + 2, thread_name_prefix="flowrl-task")
+    try:
+        while pending or running:
+            for task in list(pending):
+                if all(d in done for d in task.deps) and not busy.intersection(task.groups):
+                    pending.remove(task)
+                    busy.update(task.groups)
+                    running[pool.submit(contextvars.copy_context().run, work, task)] = task
+            finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+            for fut in finished:
+                task = running.pop(fut)
+                busy.difference_update(task.groups)
+                done[task.name] = fut.result()  # raises the task's error
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return done

@@ -8,8 +8,9 @@ losses and reward functions add their own (``kl``, ``exact``, ``clipfrac``, ...)
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,7 +37,19 @@ class NodeRuntime:
     trainers: Mapping[str, TrainingEngine]  # model -> its training engine
     options: Mapping[str, tuple[AlgoConfig, dict[str, Any]]]  # node -> (algo, options); train: epochs, mini_batches
     micro_batch: Mapping[str, int]  # node -> micro-batch size
-    generator: torch.Generator
+    seed: int
+    _rngs: dict[str, torch.Generator] = field(default_factory=dict, repr=False)
+
+    def rng(self, node: str) -> torch.Generator:
+        """The node's own random stream (seeded from the run's seed and the node's name), so that
+        what a node draws does not depend on which other nodes ran first."""
+        if node not in self._rngs:
+            self._rngs[node] = torch.Generator().manual_seed(self.seed + zlib.crc32(node.encode()))
+        return self._rngs[node]
+
+    def fresh_generator(self, node: str) -> torch.Generator:
+        """A new generator seeded from the node's stream (one per call: it may travel to workers)."""
+        return torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.rng(node))))
 
 
 def run_node(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -103,7 +116,7 @@ def _split(result: Any, node: str) -> tuple[dict[str, Any], dict[str, Any]]:
 def _generate(rt: NodeRuntime, node: Generate, inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     prompts = inputs[node.reads[0]]
     rollout = rt.generators[node.model].generate(
-        prompts, n=1 if node.greedy else node.n, greedy=node.greedy, generator=rt.generator
+        prompts, n=1 if node.greedy else node.n, greedy=node.greedy, generator=rt.rng(node.name)
     )
     seqs = rollout.sequences
     out = dict(zip(node.writes, (seqs, rollout.logprobs)))
@@ -166,7 +179,7 @@ def _train(
         epochs=int(options["epochs"]),
         mini_batches=int(options["mini_batches"]),
         algo=algo,
-        generator=rt.generator,
+        generator=rt.fresh_generator(node.name),
     )
     stats = rt.trainers[node.model].train(rt.functions["losses"][node.loss], inputs, step)
     stats = {k: round(v, 6) for k, v in stats.items()}

@@ -51,6 +51,9 @@ class EngineContext:
     plan: ExecutionPlan
     device: str
     source: Any = None
+    rank: int = 0  # data-parallel rank among the ranks of the model's device group
+    world: int = 1  # ranks of that group; a training engine with world > 1 shards the model
+    group: Any = None  # the group's torch.distributed process group (None: one rank)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from flowrl.backends.local.models import build_causal_lm, load_tokenizer, model_
 from flowrl.errors import ConfigError
 from flowrl.plugins.manager import registry
 from flowrl.runtime.batch import pack_left, select_rows
-from flowrl.runtime.executor import InProcessExecutor
+from flowrl.runtime.executor import PlanExecutor
 from flowrl.runtime.protocols import GenerationEngine, Rollout, TrainingEngine, TrainStep
 from flowrl.specs import TinyModelConfig
 from flowrl.tasks.builtin import Prompt
@@ -23,7 +23,7 @@ SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "task=cop
 
 def build(graph: str = "ppo", extra: list[str] = ()):
     g, plan = api.plan(graph, overrides=[*SMALL, *extra], emit=lambda s: None)
-    trainers, _ = InProcessExecutor(registry()).engines(g, plan, "cpu")
+    trainers, _ = PlanExecutor(registry()).engines(g, plan)
     return g, plan, trainers
 
 

@@ -1,8 +1,14 @@
-"""The local torch engines: a graph model in this process, on one device (CPU or one GPU).
+"""The torch engines: a graph model on one device (CPU or one GPU) of one worker.
 
 `LocalModel` is a training engine (forward log-probs / values / scores, train steps with
 micro-batch gradient accumulation, grad clipping, AdamW) and, for models that generate, the
 generation engine too: sampling then uses the trained weights in place.
+
+On a device group of several ranks (``EngineContext.world > 1``) a trainable model is sharded
+with FSDP2 (`fully_shard` per decoder layer and at the root, over the group's process group):
+every rank takes its strided share of each mini-batch, all ranks take the same number of
+micro-steps, and the averaged gradients equal the one-process gradient of the whole
+mini-batch. Frozen models keep a full replica per rank and score their shard of the rows.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from flowrl.errors import BackendError
 from flowrl.graph.ir import ModelDecl
 from flowrl.planner.plan import ExecutionPlan
 from flowrl.runtime.batch import Sequences, pack_left, position_ids, select_rows, to_device
+from flowrl.runtime.dispatch import lockstep_steps, rank_rows
 from flowrl.runtime.protocols import Batch, EngineContext, LossFn, Rollout, TrainStep
 from flowrl.tasks.builtin import Prompt
 
@@ -40,9 +47,16 @@ class LocalModel:
         hf_config: Any,
         plan: ExecutionPlan,
         device: torch.device,
+        rank: int = 0,
+        world: int = 1,
+        group: Any = None,
     ) -> None:
         self.decl = decl
+        self.rank, self.world, self.group = rank, world, group
         self.module = module.to(device)
+        self.sharded = world > 1 and decl.trainable
+        if self.sharded:
+            _fully_shard(self.module, group, device)
         self.tokenizer = tokenizer
         self.hf_config = hf_config
         self.cfg = plan.config
@@ -214,21 +228,28 @@ class LocalModel:
         stats: dict[str, list[float]] = {}
         self.module.train()
         for _ in range(step.epochs):
-            order = torch.randperm(n_rows, generator=step.generator)
+            order = torch.randperm(n_rows, generator=step.generator)  # the same on every rank
             for mb in order.chunk(step.mini_batches):
                 mb_tokens = max(float(seqs.response_mask[mb].sum()), 1.0)  # seqs live on the host
                 self.optimizer.zero_grad(set_to_none=True)
-                for part in mb.split(micro):
+                mine = rank_rows(mb, self.rank, self.world)
+                parts = list(mine.split(micro))
+                # FSDP averages gradients over ranks: scale by world so they sum, as one process would
+                scale = float(self.world)
+                for i in range(lockstep_steps(len(mb), self.world, micro)):
+                    part, weight_on = (parts[i], 1.0) if i < len(parts) else (mb[:1], 0.0)  # a short rank idles
                     view = to_device(select_rows(batch, part, n_rows), self.device)
                     out = self._outputs(view[step.sequences_key], step.output)
                     value, step_stats = loss(out, view, step.algo)
                     weight = (
-                        float(view[step.sequences_key].response_mask.sum()) / mb_tokens
+                        weight_on * scale * float(view[step.sequences_key].response_mask.sum()) / mb_tokens
                     )  # exact token-mean over the mini-batch
                     (value * weight).backward()
-                    for k, v in {"loss": value.item(), **step_stats}.items():
-                        stats.setdefault(k, []).append(v)
+                    if weight_on:
+                        for k, v in {"loss": value.item(), **step_stats}.items():
+                            stats.setdefault(k, []).append(v)
                 norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.train.grad_clip)
+                norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
                 if not math.isfinite(float(norm)):
                     raise BackendError(
                         f"node '{step.node}': gradient norm is {float(norm)} (diverged); lower train.lr or "
@@ -242,31 +263,80 @@ class LocalModel:
 
     # ------------------------------------------------------------ weights and state
     def export_weights(self) -> dict[str, Tensor]:
+        """The full weights (a sharded model all-gathers them: every rank of the group calls this)."""
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+            return {k: v.detach().cpu() for k, v in full.items()}
         return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
 
     def import_weights(self, weights: Mapping[str, Tensor]) -> None:
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(self.module, dict(weights), options=StateDictOptions(full_state_dict=True))
+            return
         self.module.load_state_dict(dict(weights))
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "weights": self.export_weights(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-            "version": self.version,
-        }
+        optimizer = None
+        if self.optimizer is not None and self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            optimizer = get_optimizer_state_dict(
+                self.module, self.optimizer, options=StateDictOptions(full_state_dict=True)
+            )
+        elif self.optimizer is not None:
+            optimizer = self.optimizer.state_dict()
+        return {"weights": self.export_weights(), "optimizer": optimizer, "version": self.version}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.import_weights(state["weights"])
         if self.optimizer is not None and state.get("optimizer") is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            if self.sharded:
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+                set_optimizer_state_dict(
+                    self.module, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
+                )
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
 
     def save(self, path: Path) -> None:
+        """An HF checkpoint, written by the group's first rank (every rank calls this)."""
+        weights = self.export_weights() if self.sharded else None
+        if self.rank != 0:
+            return
         path.mkdir(parents=True, exist_ok=True)
-        if isinstance(self.module, ValueModel):
-            self.module.save(path)
+        module = self.module
+        if weights is not None:  # a plain copy holding the full weights
+            module = _unsharded_copy(self, weights)
+        if isinstance(module, ValueModel):
+            module.save(path)
         else:
-            self.module.save_pretrained(path)
+            module.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+
+
+def _fully_shard(module: nn.Module, group: Any, device: torch.device) -> None:
+    """FSDP2 over ``group``: each decoder layer one unit, the rest (embeddings, head) the root."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, device.type)
+    layers = next((m for n, m in module.named_modules() if n.endswith("layers") and isinstance(m, nn.ModuleList)), ())
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+
+
+def _unsharded_copy(engine: LocalModel, weights: Mapping[str, Tensor]) -> nn.Module:
+    lm = build_causal_lm(None, engine.hf_config, engine.cfg.seed)
+    module = ValueModel(lm) if engine.decl.scalar_head else lm
+    module.load_state_dict(dict(weights))
+    return module
 
 
 def _widen(t: Tensor, width: int, fill: float) -> Tensor:
@@ -291,7 +361,9 @@ def training_engine(ctx: EngineContext) -> LocalModel:
         tokenizer, hf_config = source.tokenizer, source.hf_config
         lm = copy.deepcopy(_as_lm(source))
     module = ValueModel(lm) if ctx.decl.scalar_head else lm
-    return LocalModel(ctx.decl, module, tokenizer, hf_config, ctx.plan, torch.device(ctx.device))
+    return LocalModel(
+        ctx.decl, module, tokenizer, hf_config, ctx.plan, torch.device(ctx.device), ctx.rank, ctx.world, ctx.group
+    )
 
 
 def generation_engine(ctx: EngineContext) -> LocalModel:

@@ -7,7 +7,7 @@ from flowrl.graph.ir import Graph
 from flowrl.planner.capabilities import Capabilities
 from flowrl.planner.memory import Numerics
 from flowrl.planner.plan import ExecutionPlan
-from flowrl.runtime.executor import InProcessExecutor
+from flowrl.runtime.executor import PlanExecutor
 
 #: fp32 weights, gradients and AdamW moments; activations kept for backward; eager attention;
 #: a replica decodes its whole batch at once; no reserve (the CPU has no allocator pool).
@@ -23,7 +23,7 @@ LOCAL_NUMERICS = Numerics(
 )
 
 
-class LocalExecutor(InProcessExecutor):
+class LocalExecutor(PlanExecutor):
     """Every model in this process on one device (CPU or one GPU), generation in place."""
 
     capabilities = Capabilities(

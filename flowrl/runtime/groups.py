@@ -1,0 +1,178 @@
+"""Worker groups: a model seen from the driver, behind the engine protocols.
+
+A `TrainingGroup` is a `TrainingEngine` and a `GenerationGroup` a `GenerationEngine`; each
+dispatches a call to the ranks of its device group through a `Transport` and collects the
+results by data-parallel rank (see `flowrl.runtime.dispatch`). The local backend's transport
+calls one worker in this process; the Ray backend's calls Ray actors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from flowrl.runtime import dispatch
+from flowrl.runtime.protocols import Rollout
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from flowrl.graph.ir import ModelDecl
+    from flowrl.runtime.batch import Sequences
+    from flowrl.runtime.protocols import Batch, LossFn, TrainStep
+
+
+#: The schedule task a call belongs to (the executor sets it); workers tag their spans with it.
+CURRENT_TASK: ContextVar[str] = ContextVar("flowrl_task", default="")
+
+
+class Transport(Protocol):
+    """How the driver reaches the workers."""
+
+    def call(self, ranks: Sequence[int], method: str, args: Sequence[tuple[Any, ...]], tag: str) -> list[Any]:
+        """Run ``Worker.method(*args[i])`` on ``ranks[i]`` (all at once); results in the same order."""
+        ...
+
+    def spans(self) -> dict[int, list[tuple[str, float, float]]]:
+        """Each rank's recorded (tag, start, end) spans since the last call."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class InProcessTransport:
+    """One worker (rank 0) in this process."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.tag = ""
+
+    def call(self, ranks: Sequence[int], method: str, args: Sequence[tuple[Any, ...]], tag: str) -> list[Any]:
+        return [self.worker.call(method, tag, *a) for a in args]
+
+    def spans(self) -> dict[int, list[tuple[str, float, float]]]:
+        return {0: self.worker.spans()}
+
+    def close(self) -> None:
+        pass
+
+
+def _seed(generator: torch.Generator) -> int:
+    return int(torch.randint(0, 2**62, (1,), generator=generator))
+
+
+class TrainingGroup:
+    """A model's training engine on the ranks of its device group (data parallel)."""
+
+    def __init__(
+        self, decl: ModelDecl, ranks: Sequence[int], transport: Transport, tokenizer: Any, hf_config: Any
+    ) -> None:
+        self.decl, self.ranks, self.transport = decl, tuple(ranks), transport
+        self.tokenizer, self.hf_config = tokenizer, hf_config
+        self.version = 0
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return self.transport.call(self.ranks, method, [(self.decl.name, *args)] * len(self.ranks), CURRENT_TASK.get())
+
+    def forward(self, seqs: Sequences, output: str, micro_batch: int) -> Tensor:
+        """Rows in equal shards (the last real row repeated where a shard is short, so that every
+        rank takes the same steps), results concatenated and the padding dropped."""
+        n, world = len(seqs), len(self.ranks)
+        if world == 1:
+            return self.transport.call(
+                self.ranks, "forward", [(self.decl.name, seqs, output, micro_batch)], CURRENT_TASK.get()
+            )[0]
+        cuts = dispatch.shards(n, world)
+        width = max(s.stop - s.start for s in cuts)
+        args = []
+        for s in cuts:
+            rows = list(range(s.start, s.stop)) or [n - 1]
+            rows += [rows[-1]] * (width - len(rows))
+            args.append((self.decl.name, seqs.select(torch.tensor(rows)), output, micro_batch))
+        parts = self.transport.call(self.ranks, "forward", args, CURRENT_TASK.get())
+        return dispatch.concat_rows([p[: s.stop - s.start] for p, s in zip(parts, cuts)])
+
+    def train(self, loss: LossFn, batch: Batch, step: TrainStep) -> dict[str, float]:
+        stats = dispatch.mean_stats(self._all("train", loss, batch, step))
+        self.version += 1
+        return stats
+
+    def export_weights(self) -> dict[str, Tensor]:
+        return self._all("export_weights")[0]
+
+    def import_weights(self, weights: Mapping[str, Tensor]) -> None:
+        self._all("import_weights", dict(weights))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._all("state_dict")[0]
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._all("load_state_dict", dict(state))
+        self.version = int(state["version"])
+
+    def save(self, path: Path) -> None:
+        self._all("save", path)
+
+
+class GenerationGroup:
+    """A model's generation replicas on the ranks of its generation group: prompts in shards."""
+
+    def __init__(
+        self, model: str, ranks: Sequence[int], transport: Transport, pad_id: int, resumable: bool = True
+    ) -> None:
+        self.model, self.ranks, self.transport, self.pad_id = model, tuple(ranks), transport, pad_id
+        self.version = 0
+        self.resumable = resumable
+
+    def _collect(self, parts: Sequence[Rollout], offsets: Sequence[int]) -> Rollout:
+        if len(parts) == 1 and offsets[0] == 0:
+            return parts[0]
+        seqs = dispatch.concat_sequences([p.sequences for p in parts], self.pad_id, offsets)
+        return Rollout(
+            sequences=seqs,
+            logprobs=dispatch.concat_rows([p.logprobs for p in parts]),
+            finished=torch.cat([p.finished for p in parts]),
+            greedy=parts[0].greedy,
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Any],
+        *,
+        n: int,
+        greedy: bool,
+        generator: torch.Generator,
+        max_new_tokens: int | None = None,
+    ) -> Rollout:
+        seed = _seed(generator)
+        cuts = [s for s in dispatch.shards(len(prompts), len(self.ranks))]
+        used = [(r, s) for r, s in zip(self.ranks, cuts) if s.stop > s.start] or [(self.ranks[0], cuts[0])]
+        args = [(self.model, list(prompts[s]), n, greedy, seed + i, max_new_tokens) for i, (_, s) in enumerate(used)]
+        parts = self.transport.call([r for r, _ in used], "generate", args, CURRENT_TASK.get())
+        return self._collect(parts, [s.start for _, s in used])
+
+    def resume(self, rollout: Rollout, *, generator: torch.Generator, max_new_tokens: int | None = None) -> Rollout:
+        seed = _seed(generator)
+        cuts = dispatch.shards(len(rollout.sequences), len(self.ranks))
+        used = [(r, s) for r, s in zip(self.ranks, cuts) if s.stop > s.start]
+        args = []
+        for i, (_, s) in enumerate(used):
+            part = Rollout(
+                sequences=rollout.sequences.select(s),
+                logprobs=rollout.logprobs[s],
+                finished=rollout.finished[s],
+                greedy=rollout.greedy,
+            )
+            args.append((self.model, part, seed + i, max_new_tokens))
+        parts = self.transport.call([r for r, _ in used], "resume", args, CURRENT_TASK.get())
+        return self._collect(parts, [0] * len(parts))
+
+    def load_weights(self, weights: Mapping[str, Tensor], version: int) -> None:
+        self.transport.call(
+            self.ranks, "load_weights", [(self.model, dict(weights), version)] * len(self.ranks), "load"
+        )
+        self.version = version

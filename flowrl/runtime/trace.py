@@ -1,0 +1,137 @@
+"""Run traces: every task the driver ran (on which groups, when) and every span each worker
+recorded, merged into one Chrome trace (``trace.json``, which Perfetto and chrome://tracing
+open) and drawn as ``timeline.png`` beside the planner's predicted timeline."""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flowrl.graph.ir import Graph
+    from flowrl.planner.plan import ExecutionPlan
+    from flowrl.runtime.schedule import Schedule
+
+
+@dataclass
+class Trace:
+    origin: float  # wall-clock seconds all times are relative to
+    tasks: list[tuple[str, tuple[str, ...], float, float, int]] = field(default_factory=list)  # name, rows, s, e, it
+    workers: list[tuple[int, str, float, float]] = field(default_factory=list)  # rank, tag, start, end
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, task: str, rows: tuple[str, ...], start: float, end: float, iteration: int) -> None:
+        with self._lock:
+            self.tasks.append((task, rows, start - self.origin, end - self.origin, iteration))
+
+    def add_workers(
+        self, spans: dict[int, list[tuple[str, float, float]]], schedule: Schedule, label: str = ""
+    ) -> None:
+        with self._lock:
+            for rank, items in spans.items():
+                for tag, s, e in items:
+                    self.workers.append((rank, label or tag or "call", s - self.origin, e - self.origin))
+
+    # ------------------------------------------------------------ output
+    def chrome(self, schedule: Schedule) -> dict[str, Any]:
+        """Chrome trace events: one process per worker rank (named by its groups) plus the driver."""
+        events: list[dict[str, Any]] = []
+        names = {r: [g.name for g in schedule.groups if r in g.ranks] for r in range(schedule.world)}
+        for rank, groups in names.items():
+            label = f"rank {rank} ({', '.join(groups) or 'idle'})"
+            events.append({"ph": "M", "name": "process_name", "pid": rank + 1, "args": {"name": label}})
+        events.append({"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "driver"}})
+        for rank, tag, s, e in self.workers:
+            events.append(_span(tag, rank + 1, 0, s, e, {}))
+        rows = sorted({r for _, rs, *_ in self.tasks for r in rs})
+        for name, rs, s, e, it in self.tasks:
+            for r in rs:
+                events.append(_span(name, 0, rows.index(r), s, e, {"iteration": it, "group": r}))
+        for i, r in enumerate(rows):
+            events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {"name": r}})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def write(self, out_dir: Path, plan: ExecutionPlan, graph: Graph, schedule: Schedule) -> None:
+        (out_dir / "trace.json").write_text(json.dumps(self.chrome(schedule)))
+        if self.tasks:
+            draw_measured_vs_predicted(self, plan, graph, out_dir / "timeline.png")
+
+
+def _span(name: str, pid: int, tid: int, start: float, end: float, args: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "ph": "X",
+        "pid": pid,
+        "tid": tid,
+        "ts": round(start * 1e6, 1),
+        "dur": round(max(end - start, 0.0) * 1e6, 1),
+        "args": args,
+    }
+
+
+def predicted_spans(
+    plan: ExecutionPlan, graph: Graph
+) -> tuple[list[tuple[str, tuple[str, ...], float, float, int]], float]:
+    """The planner's simulated timeline of ``plan`` (task, groups, start, end, iteration) and its s/iteration."""
+    from flowrl.planner.autotune import Tuner
+
+    if plan.layout is None or plan.target.workload is None:
+        return [], 0.0
+    tuner = Tuner(graph, plan.target.model, plan.target.cluster, plan.workload, numerics=plan.target.numerics)
+    result = tuner.evaluate(plan.layout, iterations=4, max_replicas=None).result
+    spans = [(s.task, s.groups or ("controller",), s.start, s.end, s.iteration) for s in result.spans]
+    return spans, result.iteration_s
+
+
+def draw_measured_vs_predicted(trace: Trace, plan: ExecutionPlan, graph: Graph, path: Path) -> None:
+    """Two timelines on one time axis each: what ran (per device group) and what the planner predicted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    try:
+        predicted, pred_iter = predicted_spans(plan, graph)
+    except Exception:  # a plan the simulator cannot replay still gets its measured timeline
+        predicted, pred_iter = [], 0.0
+    rows = [g.name for g in plan.layout.groups] + ["controller"] if plan.layout else ["controller"]
+    names = sorted({t[0].replace("weight_sync", "sync") for t in trace.tasks + predicted})
+    cmap = plt.get_cmap("tab20")
+    colors = {n: cmap(i % 20) for i, n in enumerate(names)}
+    panels = [("measured", trace.tasks)] + ([("predicted", predicted)] if predicted else [])
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 1.2 + 1.1 * len(rows) * len(panels)), squeeze=False)
+    start = min(t[2] for t in trace.tasks)
+    measured_iter = _iteration_seconds(trace.tasks)
+    for ax, (label, spans) in zip(axes[:, 0], panels):
+        t0 = start if label == "measured" else 0.0
+        for name, groups, s, e, _it in spans:
+            key = name.replace("weight_sync", "sync")
+            key = next((n for n in names if n == key or (key == "sync" and n.startswith("sync"))), key)
+            for g in groups:
+                if g not in rows:
+                    continue
+                ax.barh(rows.index(g), e - s, left=s - t0, color=colors.get(key, "grey"), edgecolor="white", lw=0.4)
+        ax.set_yticks(range(len(rows)), rows)
+        ax.invert_yaxis()
+        secs = measured_iter if label == "measured" else pred_iter
+        ax.set_title(f"{label}: {secs:.3f} s/iteration", fontsize=9)
+        ax.set_xlabel("seconds")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[n]) for n in names]
+    fig.legend(handles, names, fontsize=6, ncol=min(6, len(names)), loc="lower center")
+    fig.suptitle(f"{graph.name}: {plan.layout.summary() if plan.layout else ''}", fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _iteration_seconds(tasks: list[tuple[str, tuple[str, ...], float, float, int]]) -> float:
+    """Median time from one iteration's first task start to its last task end."""
+    by_it: dict[int, list[float]] = {}
+    for _, _, s, e, it in tasks:
+        lo_hi = by_it.setdefault(it, [s, e])
+        lo_hi[0], lo_hi[1] = min(lo_hi[0], s), max(lo_hi[1], e)
+    spans = sorted(e - s for s, e in by_it.values())
+    return spans[len(spans) // 2] if spans else 0.0

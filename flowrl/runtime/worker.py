@@ -1,0 +1,305 @@
+"""A worker is one rank of the cluster: it holds the engines of the models its device group
+hosts (data-parallel shards when the group has several ranks) and the generation replicas
+of the models generated on its group, and runs what the driver dispatches to it.
+
+The local backend runs one worker in this process; the Ray backend runs one per device as a
+Ray actor. Both reach it only through `call(method, tag, *args)`, which also records a span
+(the task's tag, start and end) for the trace.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from flowrl.errors import BackendError
+from flowrl.runtime.protocols import EngineContext, GenerationEngine, TrainingEngine
+
+if TYPE_CHECKING:
+    from flowrl.graph.ir import ModelDecl
+    from flowrl.planner.plan import ExecutionPlan
+    from flowrl.plugins.manager import Entry, Registry
+    from flowrl.runtime.schedule import Schedule
+
+#: How long a collective waits for a peer before it fails (a dead peer otherwise hangs it).
+COLLECTIVE_TIMEOUT_S = 120
+
+
+def init_order(models: Mapping[str, ModelDecl]) -> list[str]:
+    """Models in an order where each comes after the model it initialises from."""
+    done: list[str] = []
+    pending = list(models)
+    while pending:
+        name = next(m for m in pending if models[m].init_from is None or models[m].init_from in done)
+        done.append(name)
+        pending.remove(name)
+    return done
+
+
+def checked(engine: Any, protocol: type, entry: Entry, model: str) -> Any:
+    """``engine`` if it implements ``protocol``; else a BackendError naming the engine and its plugin."""
+    if isinstance(engine, protocol):
+        return engine
+    members = [m for m in protocol.__annotations__ if not m.startswith("_")]
+    members += [m for m, v in vars(protocol).items() if callable(v) and not m.startswith("_")]
+    missing = sorted({m for m in members if not hasattr(engine, m)})
+    raise BackendError(
+        f"{entry.name!r} (plugin '{entry.plugin}') built {type(engine).__name__} for model '{model}', which is not "
+        f"a {protocol.__name__}: it lacks {', '.join(missing) or 'the protocol'} (see flowrl/runtime/protocols.py)."
+    )
+
+
+def _seed_for(seed: int, model: str) -> None:
+    import torch
+
+    torch.manual_seed(seed + zlib.crc32(model.encode()))
+
+
+class Worker:
+    """One rank: engines for the models of its group, generation replicas, sync state, spans."""
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        registry: Registry | None = None,
+        threads: int | None = None,
+        device: str = "cpu",
+    ) -> None:
+        self.rank, self.world, self.device = rank, world, device
+        self._registry = registry
+        self.threads = threads
+        self.trainers: dict[str, TrainingEngine] = {}
+        self.generators: dict[str, GenerationEngine] = {}
+        self.dp_groups: dict[str, Any] = {}  # device group -> process group of its ranks
+        self.channels: dict[str, Any] = {}  # model -> process group (trainer's first rank + generation ranks)
+        self.sparse: dict[str, Any] = {}
+        self.buffers: dict[str, dict[str, Any]] = {}
+        self.schedule: Schedule | None = None
+        self._spans: list[tuple[str, float, float]] = []
+
+    @property
+    def registry(self) -> Registry:
+        if self._registry is None:
+            from flowrl.plugins.manager import registry
+
+            self._registry = registry()
+        return self._registry
+
+    # ------------------------------------------------------------ plumbing
+    def call(self, method: str, tag: str, *args: Any) -> Any:
+        t0 = time.time()
+        try:
+            return getattr(self, method)(*args)
+        finally:
+            self._spans.append((tag, t0, time.time()))
+
+    def spans(self) -> list[tuple[str, float, float]]:
+        out, self._spans = self._spans, []
+        return out
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def setup(
+        self, models: Mapping[str, ModelDecl], plan: ExecutionPlan, schedule: Schedule, init_method: str | None
+    ) -> dict[str, tuple[Any, Any]]:
+        """Join the process group, make the groups' and channels' subgroups, build the engines.
+        Returns (tokenizer, hf_config) of every model built here."""
+        import torch
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        torch.manual_seed(plan.config.seed)
+        self.schedule = schedule
+        channels = {  # model -> ranks that take part in its weight sync (the trainer's first rank sends)
+            m.model: sorted({schedule.ranks_of(m.model)[0], *schedule.generation_ranks(m.model)})
+            for m in schedule.models
+            if m.generation_group is not None and not m.in_place
+        }
+        for model, ranks in channels.items():
+            if self.rank in ranks and len(ranks) == 1:
+                self.channels[model] = None  # the trainer and its one replica share this process
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group(
+                    "nccl" if self.device.startswith("cuda") else "gloo",
+                    init_method=init_method,
+                    rank=self.rank,
+                    world_size=self.world,
+                    timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                )
+            # every rank creates every subgroup, in the same order (new_group is collective)
+            for g in schedule.groups:
+                pg = dist.new_group(list(g.ranks))
+                if self.rank in g.ranks:
+                    self.dp_groups[g.name] = pg
+            for model, ranks in channels.items():
+                if len(ranks) > 1:
+                    pg = dist.new_group(ranks, backend="gloo")  # weights travel host to host
+                    if self.rank in ranks:
+                        self.channels[model] = pg
+        return self._build(models, plan, schedule)
+
+    def _build(
+        self, models: Mapping[str, ModelDecl], plan: ExecutionPlan, schedule: Schedule
+    ) -> dict[str, tuple[Any, Any]]:
+        cfg = plan.config
+        train = self.registry.entry("training_engines", cfg.train.engine, field="train.engine")
+        gen = self.registry.entry("generation_engines", cfg.generation.engine, field="generation.engine")
+        device = self.device
+        built: dict[str, tuple[Any, Any]] = {}
+        for name in init_order(models):
+            place = schedule.placement(name)
+            ranks = schedule.group(place.group).ranks
+            if self.rank not in ranks:
+                continue
+            decl = models[name]
+            _seed_for(plan.config.seed, name)  # the same initial weights wherever the model is placed
+            source = self.trainers.get(decl.init_from) if decl.init_from is not None else None
+            if decl.init_from is not None and source is None:  # the source lives elsewhere: its same initial weights
+                source = self._template(train, models[decl.init_from], plan, device)
+            ctx = EngineContext(
+                decl=decl,
+                plan=plan,
+                device=device,
+                source=source,
+                rank=ranks.index(self.rank),
+                world=len(ranks),
+                group=self.dp_groups.get(place.group),
+            )
+            self.trainers[name] = checked(train.obj(ctx), TrainingEngine, train, name)
+            built[name] = (self.trainers[name].tokenizer, self.trainers[name].hf_config)
+        for place in schedule.models:
+            name = place.model
+            if place.generation_group is None or self.rank not in schedule.group(place.generation_group).ranks:
+                continue
+            trainer = self.trainers.get(name)
+            if place.in_place and isinstance(trainer, GenerationEngine):
+                self.generators[name] = trainer
+                continue
+            # a replica of the model's initial weights; syncs bring it the trained ones
+            _seed_for(plan.config.seed, name)
+            template = self._template(train, models[name], plan, device)
+            if cfg.generation.engine == cfg.train.engine and isinstance(template, GenerationEngine):
+                engine = template
+            else:
+                engine = gen.obj(EngineContext(decl=models[name], plan=plan, device=device, source=template))
+            self.generators[name] = checked(engine, GenerationEngine, gen, name)
+            built.setdefault(name, (template.tokenizer, template.hf_config))
+        return built
+
+    def _template(self, train: Entry, decl: ModelDecl, plan: ExecutionPlan, device: str) -> Any:
+        """A one-rank, frozen copy of ``decl``'s initial weights (models build deterministically from the seed)."""
+        frozen = msgspec.structs.replace(decl, trainable=False, init_from=None)
+        return checked(
+            train.obj(EngineContext(decl=frozen, plan=plan, device=device)), TrainingEngine, train, decl.name
+        )
+
+    # ------------------------------------------------------------ engine calls
+    def trainer(self, model: str) -> TrainingEngine:
+        return self.trainers[model]
+
+    def generator(self, model: str) -> GenerationEngine:
+        return self.generators[model]
+
+    def forward(self, model: str, seqs: Any, output: str, micro: int) -> Any:
+        return self.trainers[model].forward(seqs, output, micro)
+
+    def train(self, model: str, loss: Any, batch: dict[str, Any], step: Any) -> dict[str, float]:
+        return self.trainers[model].train(loss, batch, step)
+
+    def generate(self, model: str, prompts: Sequence[Any], n: int, greedy: bool, seed: int, max_new: int | None) -> Any:
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        return self.generators[model].generate(prompts, n=n, greedy=greedy, generator=g, max_new_tokens=max_new)
+
+    def resume(self, model: str, rollout: Any, seed: int, max_new: int | None) -> Any:
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        return self.generators[model].resume(rollout, generator=g, max_new_tokens=max_new)
+
+    def load_weights(self, model: str, weights: Mapping[str, Any], version: int) -> None:
+        self.generators[model].load_weights(weights, version)
+
+    def export_weights(self, model: str) -> dict[str, Any]:
+        return self.trainers[model].export_weights()
+
+    def import_weights(self, model: str, weights: Mapping[str, Any]) -> None:
+        self.trainers[model].import_weights(weights)
+
+    def state_dict(self, model: str) -> dict[str, Any]:
+        return self.trainers[model].state_dict()
+
+    def load_state_dict(self, model: str, state: Mapping[str, Any]) -> None:
+        self.trainers[model].load_state_dict(state)
+
+    def save(self, model: str, path: Any) -> None:
+        self.trainers[model].save(path)
+
+    def generation_weights(self, model: str) -> dict[str, Any]:
+        """What the generation side samples with (for checks): its engine's exported weights."""
+        engine = self.generators[model]
+        export = getattr(engine, "export_weights", None)
+        if export is None:
+            raise BackendError(f"the generation engine of model '{model}' cannot export its weights.")
+        return export()
+
+    # ------------------------------------------------------------ weight sync
+    def sync(self, model: str, strategy: str, version: int) -> dict[str, float]:
+        """Move ``model``'s trained weights into its generation replicas by ``strategy``. Every rank of
+        the model's group and of its generation group calls this."""
+        from flowrl.runtime import weightsync
+
+        assert self.schedule is not None
+        t0 = time.perf_counter()
+        trainer_ranks = self.schedule.ranks_of(model)
+        weights = self.trainers[model].export_weights() if self.rank in trainer_ranks else None
+        sent = 0
+        if strategy == "reshard":  # colocated: every rank all-gathered the full weights; load them in place
+            if model in self.generators:
+                self.generators[model].load_weights(weights, version)
+                sent = weightsync.state_bytes(weights)
+            return {"bytes": sent, "seconds": time.perf_counter() - t0}
+        src = trainer_ranks[0]
+        if model not in self.channels:
+            return {"bytes": 0, "seconds": time.perf_counter() - t0}
+        group = self.channels[model]
+        if self.rank == src:
+            state = weights
+        else:
+            if model not in self.buffers:
+                self.buffers[model] = {k: v.clone() for k, v in self.generation_weights(model).items()}
+            state = self.buffers[model]
+        if group is None:  # trainer and the one generation rank are the same process
+            self.generators[model].load_weights(state, version)
+            return {"bytes": 0, "seconds": time.perf_counter() - t0}
+        if strategy == "full":
+            sent = weightsync.sync_full(state, src, group)
+        elif strategy == "bucketed":
+            sent = weightsync.sync_bucketed(state, src, group)
+        elif strategy == "sparse":
+            sent = self.sparse.setdefault(model, weightsync.SparseSync())(state, src, group)
+        else:
+            raise BackendError(f"weight sync strategy '{strategy}' is not one this worker runs.")
+        if model in self.generators and self.rank != src:
+            self.generators[model].load_weights(state, version)
+        elif model in self.generators:
+            self.generators[model].load_weights(weights, version)
+        return {"bytes": sent, "seconds": time.perf_counter() - t0}
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,19 @@
+"""flowrl's Ray backend: a plan's device groups as Ray actors (`flowrl run --backend ray`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flowrl.plugins.hookspecs import hookimpl
+
+
+@hookimpl
+def register_executors(register: Any) -> None:
+    from flowrl_ray.executor import RayExecutor, machine  # Ray itself loads only when a run starts
+
+    register(
+        "ray",
+        RayExecutor,
+        machine=machine,
+        description="each device of the plan a Ray actor: FSDP2 data parallel, planned weight sync",
+    )

@@ -1,0 +1,277 @@
+"""The Ray executor: each device of the plan is a Ray actor running one `Worker`.
+
+Without an address it starts a private Ray on this machine (``address="local"``) with the CPUs
+or GPUs the plan needs, and shuts it down at the end (``ray.shutdown()`` only; never ``ray
+stop``, which would stop every Ray on the machine). With an address (``--address``) it joins
+that cluster. Each device group of the plan is a placement group with one bundle per device;
+the workers form one torch.distributed process group (gloo on CPU, NCCL on GPU), with a
+subgroup per device group and a channel per weight sync.
+
+A worker that dies stops the run at once: the driver waits on every call with ``ray.wait`` and
+turns a dead actor into a `BackendError` naming the worker, its group, its pid, the iteration
+and the task; then it kills the other workers (which would otherwise wait in a collective) and
+shuts Ray down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from flowrl.backends.local.device import machine as local_machine
+from flowrl.backends.local.executor import LOCAL_NUMERICS
+from flowrl.errors import BackendError, FlowRLError
+from flowrl.planner.capabilities import Capabilities
+from flowrl.runtime.executor import PlanExecutor
+from flowrl.runtime.worker import Worker
+
+if TYPE_CHECKING:
+    from flowrl.graph.ir import Graph
+    from flowrl.planner.hardware import HardwareSpec
+    from flowrl.planner.plan import ExecutionPlan
+    from flowrl.runtime.schedule import Schedule
+    from flowrl.specs import RunConfig
+
+#: Seconds to wait for the cluster to grant a placement group before saying it lacks the devices.
+PLACEMENT_TIMEOUT_S = 60.0
+#: Seconds between liveness checks while a call runs.
+POLL_S = 0.5
+
+
+def machine(cfg: RunConfig) -> HardwareSpec:
+    """This machine as the planner sees it (``--cluster cpu:N`` cuts it into N devices)."""
+    return local_machine(cfg)
+
+
+class RayWorker(Worker):
+    """A worker as a Ray actor."""
+
+    def endpoint(self) -> tuple[str, int]:
+        """This worker's node address and a free port on it: where the process group meets."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+
+class RayExecutor(PlanExecutor):
+    """Every device group of the plan as Ray actors: FSDP2 data-parallel training, generation
+    replicas, planned weight sync."""
+
+    capabilities = Capabilities(
+        max_devices=None,
+        placements=("colocate", "split", "standalone", "disaggregated"),
+        rollout_modes=("sync",),
+        partial_rollouts=False,
+        weight_sync=("reshard", "full", "bucketed", "sparse"),
+        model_parallel=False,
+        optimizer_offload=False,
+        numerics=LOCAL_NUMERICS,
+    )
+
+    def __init__(self, registry: Any) -> None:
+        super().__init__(registry)
+        self.address: str | None = None  # an existing cluster to join (`flowrl run --address`)
+
+    def device(self, plan: ExecutionPlan) -> str:
+        return "cpu" if plan.target.cluster.on_cpu else "cuda:0"  # Ray gives each GPU actor one visible device
+
+    def launch(
+        self, graph: Graph, plan: ExecutionPlan, schedule: Schedule, out_dir: Path
+    ) -> tuple[RayTransport, dict[str, Any]]:
+        import ray
+        import torch
+
+        gpus = not plan.target.cluster.on_cpu
+        started = _connect(self.address, schedule.world, gpus)
+        transport = RayTransport(schedule, started)
+        try:
+            cores = int(ray.cluster_resources().get("CPU", 1)) if self.address else (os.cpu_count() or 1)
+            threads = plan.config.threads or max(1, cores // schedule.world)
+            torch.set_num_threads(1)  # the driver only routes batches; the cores are the workers'
+            env = {"OMP_NUM_THREADS": str(threads), "RAY_USAGE_STATS_ENABLED": "0"}
+            if "FLOWRL_PLUGINS" in os.environ:
+                env["FLOWRL_PLUGINS"] = os.environ["FLOWRL_PLUGINS"]
+            transport.start(threads, self.device(plan), gpus, env)
+            (out_dir / "workers.json").write_text(json.dumps(transport.describe(), indent=1))
+            host, port = transport.call([0], "endpoint", [()], "setup")[0]
+            init = f"tcp://{host}:{port}"
+            args = [(graph.models, plan, schedule, init)] * schedule.world
+            built_all = transport.call(list(range(schedule.world)), "setup", args, "setup")
+        except BaseException:
+            transport.close()
+            raise
+        built: dict[str, Any] = {}
+        for part in built_all:
+            for model, value in part.items():
+                built.setdefault(model, value)
+        return transport, built
+
+
+def _connect(address: str | None, world: int, gpus: bool) -> bool:
+    """Connect to Ray; returns whether this call started it (and so must shut it down)."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():  # e.g. a test module's shared session
+        return False
+    if address:
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise BackendError(
+                f"no Ray cluster at --address {address} ({type(exc).__name__}: {exc}). Start one (`ray start "
+                "--head` on its head node) or drop --address to run on a private Ray on this machine."
+            ) from None
+        have = ray.cluster_resources()
+        need = {"GPU" if gpus else "CPU": float(world)}
+        short = {k: v for k, v in need.items() if have.get(k, 0.0) < v}
+        if short:
+            ray.shutdown()
+            raise BackendError(
+                f"the Ray cluster at {address} has {', '.join(f'{have.get(k, 0):g} {k}' for k in short)}; the plan "
+                f"needs {', '.join(f'{v:g} {k}' for k, v in short.items())}. Plan for the cluster you have."
+            )
+        return True
+    if gpus:
+        import torch
+
+        have = torch.cuda.device_count()
+        if have < world:
+            raise BackendError(
+                f"the plan needs {world} GPUs; this machine has {have}. Join a cluster with --address, or plan "
+                "--cluster cpu:N to run on this machine's CPU."
+            )
+    ray.init(
+        address="local",
+        num_cpus=max(world, os.cpu_count() or 1) if gpus else world,
+        num_gpus=world if gpus else 0,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    return True
+
+
+class RayTransport:
+    """The driver's handle on the worker actors."""
+
+    def __init__(self, schedule: Schedule, owns_ray: bool) -> None:
+        self.schedule = schedule
+        self.owns_ray = owns_ray
+        self.actors: list[Any] = []
+        self.pids: list[int] = []
+        self.placement_groups: list[Any] = []
+        self.iteration: int | None = None
+        self.closed = False
+
+    def group_of(self, rank: int) -> str:
+        return next(g.name for g in self.schedule.groups if rank in g.ranks)
+
+    def start(self, threads: int, device: str, gpus: bool, env: dict[str, str]) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        remote = ray.remote(RayWorker)
+        bundle = {"CPU": 1.0, "GPU": 1.0} if gpus else {"CPU": 1.0}
+        for g in self.schedule.groups:
+            pg = placement_group([dict(bundle)] * g.size, strategy="PACK", name=f"flowrl-{g.name}")
+            self.placement_groups.append(pg)
+            ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+            if not ready:
+                raise BackendError(
+                    f"Ray could not place device group '{g.name}' ({g.size} x {bundle}) within "
+                    f"{PLACEMENT_TIMEOUT_S:.0f} s; the cluster has {ray.available_resources()} free."
+                )
+            for i, rank in enumerate(g.ranks):
+                actor = remote.options(
+                    num_cpus=1,
+                    num_gpus=1 if gpus else 0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                    runtime_env={"env_vars": env},
+                    max_restarts=0,
+                    name=None,
+                ).remote(rank, self.schedule.world, None, threads, device)
+                self.actors.append(actor)
+        self.pids = self.call(list(range(self.schedule.world)), "pid", [()] * self.schedule.world, "setup")
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"rank": r, "group": self.group_of(r), "pid": pid} for r, pid in enumerate(self.pids)]
+
+    def call(self, ranks: Sequence[int], method: str, args: Sequence[tuple[Any, ...]], tag: str) -> list[Any]:
+        import ray
+
+        refs = [self.actors[r].call.remote(method, tag, *a) for r, a in zip(ranks, args)]
+        rank_of = {ref: r for ref, r in zip(refs, ranks)}
+        results: dict[Any, Any] = {}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+            for ref in ready:
+                try:
+                    results[ref] = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    self._fail(rank_of[ref], tag, "died", exc)
+                except ray.exceptions.RayTaskError as exc:
+                    cause = exc.as_instanceof_cause()
+                    if isinstance(cause, FlowRLError):  # a user-fixable error inside the worker: as it was
+                        self.close()
+                        raise type(cause)(*cause.args) from None
+                    self._fail(rank_of[ref], tag, "failed", exc)
+        return [results[ref] for ref in refs]
+
+    def _fail(self, rank: int, tag: str, what: str, exc: Exception) -> None:
+        pid = self.pids[rank] if rank < len(self.pids) else "?"
+        when = f"in iteration {self.iteration}" if self.iteration is not None else "during setup"
+        cause = str(exc).strip().splitlines()
+        detail = cause[-1] if cause else type(exc).__name__
+        self.close()
+        raise BackendError(
+            f"worker rank {rank} (device group '{self.group_of(rank)}', pid {pid}) {what} {when}, task "
+            f"'{tag}': {detail}. The run is stopped and Ray shut down; metrics.jsonl holds the "
+            "iterations that finished."
+        ) from None
+
+    def spans(self) -> dict[int, list[tuple[str, float, float]]]:
+        import ray
+
+        if self.closed:
+            return {}
+        ranks = list(range(len(self.actors)))
+        return dict(zip(ranks, ray.get([a.spans.remote() for a in self.actors], timeout=30)))
+
+    def close(self) -> None:
+        """Stop the workers and, when this run started Ray, Ray itself. Safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead
+                pass
+        from ray.util.placement_group import remove_placement_group
+
+        for pg in self.placement_groups:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+        if self.owns_ray:
+            deadline = time.time() + 10
+            ray.shutdown()
+            while ray.is_initialized() and time.time() < deadline:  # pragma: no cover - shutdown is synchronous
+                time.sleep(0.1)
