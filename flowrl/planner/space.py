@@ -251,8 +251,8 @@ def layouts(
             if dp * tp * pp != group.devices or batch % dp:
                 continue
             per_rank = batch // dp
-            for mb in (1, 2, 4, 8):
-                if mb > per_rank or per_rank % mb:
+            for mb in _pow2_upto(per_rank):  # memory (checked later) bounds it on accelerators
+                if per_rank % mb:
                     continue
                 for off in (False, True) if trainable else (False,):
                     out.append(

@@ -165,7 +165,8 @@ class Worker:
             decl = models[name]
             _seed_for(plan.config.seed, name)  # the same initial weights wherever the model is placed
             source = self.trainers.get(decl.init_from) if decl.init_from is not None else None
-            if decl.init_from is not None and source is None:  # the source lives elsewhere: its same initial weights
+            if decl.init_from is not None and (source is None or len(schedule.ranks_of(decl.init_from)) > 1):
+                # the source lives elsewhere or is sharded: a one-rank copy of its (identical) initial weights
                 source = self._template(train, models[decl.init_from], plan, device)
             ctx = EngineContext(
                 decl=decl,

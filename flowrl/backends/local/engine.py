@@ -236,7 +236,10 @@ class LocalModel:
                 parts = list(mine.split(micro))
                 # FSDP averages gradients over ranks: scale by world so they sum, as one process would
                 scale = float(self.world)
-                for i in range(lockstep_steps(len(mb), self.world, micro)):
+                steps = lockstep_steps(len(mb), self.world, micro)
+                for i in range(steps):
+                    if self.sharded:  # accumulate locally; reduce-scatter once, at the last micro-step
+                        self.module.set_requires_gradient_sync(i == steps - 1)
                     part, weight_on = (parts[i], 1.0) if i < len(parts) else (mb[:1], 0.0)  # a short rank idles
                     view = to_device(select_rows(batch, part, n_rows), self.device)
                     out = self._outputs(view[step.sequences_key], step.output)
@@ -327,9 +330,11 @@ def _fully_shard(module: nn.Module, group: Any, device: torch.device) -> None:
 
     mesh = DeviceMesh.from_group(group, device.type)
     layers = next((m for n, m in module.named_modules() if n.endswith("layers") and isinstance(m, nn.ModuleList)), ())
+    # parameters stay gathered from a forward until the backward after it: a forward-only loop (scoring)
+    # gathers once, and a train step gathers once per mini-batch (gradients are reduced at its last micro-step)
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(module, mesh=mesh)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(module, mesh=mesh, reshard_after_forward=False)
 
 
 def _unsharded_copy(engine: LocalModel, weights: Mapping[str, Tensor]) -> nn.Module:
