@@ -43,6 +43,26 @@ def _config_args(p: argparse.ArgumentParser, run_out: bool = True) -> None:
     p.add_argument("--backend", help="the executor that runs the plan (default: local; see `flowrl plugins`)")
 
 
+def _pin_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--placement",
+        choices=["colocate", "split", "standalone", "disaggregated"],
+        help="with --cluster: only plans with this placement",
+    )
+    p.add_argument(
+        "--sync",
+        choices=["reshard", "full", "bucketed", "sparse"],
+        help="with --cluster: only plans with this weight-sync strategy",
+    )
+
+
+def _pins(args: argparse.Namespace) -> dict[str, Any]:
+    pins = {"placement": args.placement, "weight_sync": args.sync}
+    if any(pins.values()) and not args.cluster:
+        raise ConfigError("--placement / --sync choose among a cluster's plans; add --cluster (e.g. --cluster cpu:2).")
+    return pins
+
+
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "steps": args.steps,
@@ -82,7 +102,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flowrl.planner.plan import load_plan
 
     if args.plan:
-        if args.config or args.overrides or args.cluster or any(v is not None for v in _flags(args).values()):
+        pinned = args.cluster or args.placement or args.sync
+        if args.config or args.overrides or pinned or any(v is not None for v in _flags(args).values()):
             raise ConfigError("--plan runs a plan exactly as planned; put config changes into `flowrl plan` instead.")
         plan = load_plan(args.plan)
         if args.graph and args.graph != plan.graph.source:
@@ -91,7 +112,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         kwargs = _load_kwargs(args)
         target = _cluster_target(args, kwargs, for_run=True) if args.cluster else None
-        graph, plan = api.plan(_need_graph(args), emit=print, target=target, for_backend=True, **kwargs)
+        graph, plan = api.plan(
+            _need_graph(args), emit=print, target=target, for_backend=True, options=_pins(args), **kwargs
+        )
     executor = api.check(graph, plan)
     if args.address:
         if not hasattr(executor, "address"):
@@ -169,7 +192,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--workload plans for a cluster; add --cluster (e.g. --cluster 16xA100-80G --model llama-7b)."
         )
-    options = {"budget_s": args.budget, "seed": args.seed or 0, "cost_model": args.cost_model}
+    options = {"budget_s": args.budget, "seed": args.seed or 0, "cost_model": args.cost_model, **_pins(args)}
     passes = None
     if args.extra_passes:
         from flowrl.planner.passes import PIPELINE
@@ -320,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ADDR",
         help="join an existing Ray cluster ('auto' or host:port) instead of starting a private one",
     )
+    _pin_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("plan", help="compile a graph into an execution plan")
@@ -362,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--budget", type=float, default=8.0, help="search time budget in seconds (default 8)")
     p.add_argument("--cost-model", default="analytic", help="a registered cost model")
+    _pin_args(p)
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("show", help="print a graph (stages, edges); optionally DOT/PNG")
     _config_args(p, run_out=False)

@@ -42,7 +42,7 @@ class RolloutConfig(Spec):
 
 
 class TrainConfig(Spec):
-    lr: float = 3e-3
+    lr: float = 2e-3
     critic_lr: float | None = None  # None: same as lr
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.99)

@@ -75,6 +75,22 @@ def roles_of(graph: Graph) -> Roles:
     )
 
 
+def _pinned(sks: list[Skeleton], placement: str | None, weight_sync: str | None) -> list[Skeleton]:
+    """The skeletons with the pinned placement and sync strategy; a PlanError naming what exists if none."""
+    for what, value, of in (
+        ("placement", placement, lambda sk: sk.placement),
+        ("weight sync", weight_sync, lambda sk: sk.weight_sync.strategy),
+    ):
+        if value is None:
+            continue
+        kept = [sk for sk in sks if of(sk) == value]
+        if not kept:
+            have = ", ".join(sorted({of(sk) for sk in sks})) or "none"
+            raise PlanError(f"no plan for this graph on this cluster has {what} '{value}'; there are: {have}.")
+        sks = kept
+    return sks
+
+
 class Tuner:
     def __init__(
         self,
@@ -241,11 +257,21 @@ class Tuner:
         return Candidate(plan=plan, result=result, memory=memory)
 
     # ------------------------------------------------------------ search
-    def search(self, *, budget_s: float = 8.0, exhaustive_limit: int = 4000, keep: int = 8) -> TuneResult:
+    def search(
+        self,
+        *,
+        budget_s: float = 8.0,
+        exhaustive_limit: int = 4000,
+        keep: int = 8,
+        placement: str | None = None,
+        weight_sync: str | None = None,
+    ) -> TuneResult:
+        """The ranked plans of the cluster; ``placement`` / ``weight_sync`` pin those choices."""
         t0 = time.perf_counter()
         sks = skeletons(
             self.roles, self.cluster.devices, self.cluster.devices_per_node, self.model.heads, self.model.kv_heads
         )
+        sks = _pinned(sks, placement, weight_sync)
         caps = self.capabilities
         if caps is not None:
             if caps.max_devices is not None and self.cluster.devices > caps.max_devices:

@@ -260,7 +260,12 @@ def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
         numerics=t.numerics,
         capabilities=t.capabilities,
     )
-    result = tuner.single(single) if single is not None else tuner.search(budget_s=float(opts.get("budget_s", 8.0)))
+    pins = {k: opts.get(k) for k in ("placement", "weight_sync")}
+    if single is not None and any(pins.values()):
+        raise PlanError("--placement / --sync choose among cluster plans; this plan is for one device.")
+    result = (
+        tuner.single(single) if single is not None else tuner.search(budget_s=float(opts.get("budget_s", 8.0)), **pins)
+    )
     ctx.cache["tune"] = result
     return _replace(plan, layout=result.best)
 

@@ -166,6 +166,7 @@ class PlanExecutor:
         result = RunResult(out_dir=out_dir)
         dump_plan(plan, out_dir / "plan.yaml")
         transport, built = self.launch(graph, plan, schedule, out_dir)
+        self.transport, self.lowered = transport, schedule  # for tools and checks while the run goes on
         trace = Trace(origin=time.time())
         try:
             trace.add_workers(transport.spans(), schedule, label="setup")

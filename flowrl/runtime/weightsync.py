@@ -9,7 +9,8 @@ receivers pass tensors of the same names, shapes and dtypes, which are overwritt
   bucket: few large messages instead of many small ones.
 - ``sparse``: only the elements that changed since the last sync (compared bit for bit), as
   (index, value) pairs per bucket; the receivers apply them to their copy, which is exact.
-  The first sync of a `SparseSync` sends everything.
+  The first sync of a `SparseSync` sends everything, and so does a bucket in which so many
+  elements changed that pairs would cost more than the bucket.
 """
 
 from __future__ import annotations
@@ -104,18 +105,25 @@ class SparseSync:
             if me == src:
                 new = torch.cat([t.reshape(-1) for t in run])
                 index = (new.view(bits) != old.view(bits)).nonzero().flatten()
-                values = new[index]
                 count[0] = index.numel()
             dist.broadcast(count, src=src, group=group)
             n = int(count[0])
-            if me != src:
-                index = torch.empty(n, dtype=torch.int64)
-                values = torch.empty(n, dtype=old.dtype)
-            if n:
+            sent += 8
+            if n * (8 + old.element_size()) >= old.numel() * old.element_size():  # denser than dense: send it all
+                if me == src:
+                    old.copy_(new)
+                dist.broadcast(old, src=src, group=group)
+                sent += old.numel() * old.element_size()
+            elif n:
+                if me == src:
+                    values = new[index]
+                else:
+                    index = torch.empty(n, dtype=torch.int64)
+                    values = torch.empty(n, dtype=old.dtype)
                 dist.broadcast(index, src=src, group=group)
                 dist.broadcast(values, src=src, group=group)
-            old[index] = values
-            sent += 8 + n * (8 + old.element_size())
+                old[index] = values
+                sent += n * (8 + old.element_size())
             changed_total += n
             total += old.numel()
             if me != src:

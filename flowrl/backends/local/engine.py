@@ -266,13 +266,13 @@ class LocalModel:
 
     # ------------------------------------------------------------ weights and state
     def export_weights(self) -> dict[str, Tensor]:
-        """The full weights (a sharded model all-gathers them: every rank of the group calls this)."""
+        """A copy of the full weights (a sharded model all-gathers them: every rank of the group calls this)."""
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
-            return {k: v.detach().cpu() for k, v in full.items()}
-        return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+            return {k: v.detach().to("cpu", copy=True) for k, v in full.items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
     def import_weights(self, weights: Mapping[str, Tensor]) -> None:
         if self.sharded:

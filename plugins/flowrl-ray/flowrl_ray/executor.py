@@ -213,32 +213,59 @@ class RayTransport:
         refs = [self.actors[r].call.remote(method, tag, *a) for r, a in zip(ranks, args)]
         rank_of = {ref: r for ref, r in zip(refs, ranks)}
         results: dict[Any, Any] = {}
+        errors: list[tuple[int, Exception]] = []
         pending = list(refs)
-        while pending:
+        while pending and not errors:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
             for ref in ready:
                 try:
                     results[ref] = ray.get(ref)
-                except ray.exceptions.RayActorError as exc:
-                    self._fail(rank_of[ref], tag, "died", exc)
-                except ray.exceptions.RayTaskError as exc:
-                    cause = exc.as_instanceof_cause()
-                    if isinstance(cause, FlowRLError):  # a user-fixable error inside the worker: as it was
-                        self.close()
-                        raise type(cause)(*cause.args) from None
-                    self._fail(rank_of[ref], tag, "failed", exc)
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                    errors.append((rank_of[ref], exc))
+        if errors:
+            self._raise(errors, tag)
         return [results[ref] for ref in refs]
 
-    def _fail(self, rank: int, tag: str, what: str, exc: Exception) -> None:
+    def _raise(self, errors: list[tuple[int, Exception]], tag: str) -> None:
+        """Report the root cause: a worker that died (its peers then fail in their collectives), else
+        the first worker's error; a user-fixable error raised inside a worker keeps its type."""
+        import ray
+
+        dead = self._dead()
+        if dead:
+            self._fail(dead[0], tag, "died", None)
+        rank, exc = errors[0]
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            cause = exc.as_instanceof_cause()
+            if isinstance(cause, FlowRLError):
+                self.close()
+                raise type(cause)(*cause.args) from None
+        self._fail(rank, tag, "died" if isinstance(exc, ray.exceptions.RayActorError) else "failed", exc)
+
+    def _dead(self) -> list[int]:
+        """Ranks whose actor is gone (asked with a short timeout)."""
+        import ray
+
+        refs = {a.pid.remote(): r for r, a in enumerate(self.actors)}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=3.0)
+        dead = []
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                dead.append(refs[ref])
+        return sorted(dead)
+
+    def _fail(self, rank: int, tag: str, what: str, exc: Exception | None) -> None:
         pid = self.pids[rank] if rank < len(self.pids) else "?"
         when = f"in iteration {self.iteration}" if self.iteration is not None else "during setup"
-        cause = str(exc).strip().splitlines()
-        detail = cause[-1] if cause else type(exc).__name__
+        cause = str(exc).strip().splitlines() if exc is not None else []
+        detail = f": {cause[-1]}" if cause else ""
+        stopped = "the run is stopped and Ray shut down" if self.owns_ray else "the run and its workers are stopped"
         self.close()
         raise BackendError(
             f"worker rank {rank} (device group '{self.group_of(rank)}', pid {pid}) {what} {when}, task "
-            f"'{tag}': {detail}. The run is stopped and Ray shut down; metrics.jsonl holds the "
-            "iterations that finished."
+            f"'{tag}'{detail}; {stopped}. metrics.jsonl holds the iterations that finished."
         ) from None
 
     def spans(self) -> dict[int, list[tuple[str, float, float]]]:

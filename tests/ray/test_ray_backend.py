@@ -1,0 +1,142 @@
+"""The Ray backend on this machine as two devices: planned weight sync is exact, a 2-rank FSDP2
+train step equals the one-process step, and what the planner chose is what runs.
+
+One Ray session serves the whole module (the executor joins it instead of starting its own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from flowrl import api
+from flowrl.plugins.manager import registry
+from flowrl.runtime.executor import PlanExecutor
+from flowrl.runtime.protocols import TrainStep
+from flowrl.tasks.builtin import Copy
+
+ray = pytest.importorskip("ray")
+
+SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "progress=false", "checkpoint=false"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session():
+    old = os.environ.get("FLOWRL_PLUGINS")
+    os.environ["FLOWRL_PLUGINS"] = "ray"
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+    if old is None:
+        os.environ.pop("FLOWRL_PLUGINS", None)
+    else:
+        os.environ["FLOWRL_PLUGINS"] = old
+
+
+def cpu2_plan(graph: str, tmp_path, *extra: str, **pins: str):
+    """A plan of ``graph`` for this machine as two devices, for the Ray executor."""
+    overrides = [*SMALL, "backend=ray", "device=cpu", f"out={tmp_path}", *extra]
+    _, cfg = api.load(graph, overrides=overrides)
+    target = api.local_target(cfg, registry(), devices=2)
+    return api.plan(graph, overrides=overrides, target=target, for_backend=True, options=pins, emit=lambda s: None)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("strategy", ["full", "bucketed", "sparse"])
+def test_generation_weights_equal_the_trainers_bit_for_bit_after_every_sync(tmp_path, strategy):
+    g, plan = cpu2_plan("grpo", tmp_path, "steps=3", placement="disaggregated", weight_sync=strategy)
+    assert plan.layout.placement == "disaggregated" and plan.layout.weight_sync.strategy == strategy
+    ex = api.check(g, plan)
+    checked = []
+
+    def on_step(record):
+        transport = ex.transport
+        sched = ex.lowered
+        trainer = sched.ranks_of("actor")
+        gen = sched.generation_ranks("actor")
+        assert not set(trainer) & set(gen)  # the replicas live in other processes
+        full = transport.call(list(trainer), "export_weights", [("actor",)] * len(trainer), "check")[0]
+        for rank, held in zip(gen, transport.call(list(gen), "generation_weights", [("actor",)] * len(gen), "check")):
+            assert held.keys() == full.keys()
+            for k in full:
+                assert torch.equal(bits(held[k]), bits(full[k])), f"{strategy}: rank {rank} '{k}' differs"
+        checked.append(record["sync:train_actor/bytes"])
+
+    result = api.run(g, plan, executor=ex, on_step=on_step)
+    assert len(checked) == 3 and all(b > 0 for b in checked)
+    if strategy == "sparse":  # never more than the whole state (plus a count per bucket)
+        assert max(checked[1:]) <= checked[0] + 8 * 16
+    spans = result.metrics[-1]["spans"]
+    assert "sync:train_actor" in spans
+    trace = json.loads((result.out_dir / "trace.json").read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    assert {"driver", "rank 0 (gen)", "rank 1 (train)"} <= names or {
+        "driver",
+        "rank 0 (train)",
+        "rank 1 (gen)",
+    } <= names
+    assert any(e["ph"] == "X" and e["pid"] == 2 for e in trace["traceEvents"])  # rank 1's own spans
+    assert (result.out_dir / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    workers = json.loads((result.out_dir / "workers.json").read_text())
+    assert [w["rank"] for w in workers] == [0, 1] and all(w["pid"] != os.getpid() for w in workers)
+
+
+def test_a_two_rank_fsdp2_train_step_equals_the_one_process_step(tmp_path):
+    g2, plan2 = cpu2_plan("grpo", tmp_path, placement="colocate")
+    assert plan2.layout.layout("actor").parallel.dp == 2
+    ex = api.check(g2, plan2)
+    sched = ex.schedule(g2, plan2)
+    transport, built = ex.launch(g2, plan2, sched, tmp_path)
+    try:
+        trainers, _ = ex.groups(g2, sched, transport, built)
+        sharded = trainers["actor"]
+        g1, plan1 = api.plan("grpo", overrides=[*SMALL, "device=cpu"], emit=lambda s: None)
+        local = PlanExecutor(registry()).engines(g1, plan1)[0]["actor"]
+        start = local.export_weights()
+        same = sharded.export_weights()
+        assert all(torch.equal(same[k], start[k]) for k in start)  # both built the same initial weights
+
+        import random
+
+        prompts = Copy().prompts(random.Random(0), 5)
+        rollout = local.generate(prompts, n=3, greedy=False, generator=torch.Generator().manual_seed(0))
+        seqs = rollout.sequences  # 15 rows: uneven shares, and a rank with a dummy micro-step
+        batch = {
+            "responses": seqs,
+            "old_logprobs": local.forward(seqs, "logprobs", 0),
+            "ref_logprobs": local.forward(seqs, "logprobs", 0) - 0.01,
+            "advantages": torch.randn(len(seqs), 1, generator=torch.Generator().manual_seed(1)),
+        }
+        loss = registry().get("losses", "ppo")
+
+        def step():
+            return TrainStep(
+                node="train_actor",
+                sequences_key="responses",
+                output="logprobs",
+                micro_batch=3,
+                epochs=1,
+                mini_batches=2,
+                algo=plan1.config.algo,
+                generator=torch.Generator().manual_seed(7),
+            )
+
+        stats1 = local.train(loss, batch, step())
+        stats2 = sharded.train(loss, batch, step())
+        after1, after2 = local.export_weights(), sharded.export_weights()
+        moved = max(float((after1[k] - start[k]).abs().max()) for k in start)
+        diff = max(float((after1[k] - after2[k]).abs().max()) for k in start)
+        assert moved > 1e-4  # the step did something
+        assert diff < 1e-5 * max(1.0, moved * 100), (diff, moved)
+        assert abs(stats1["grad_norm"] - stats2["grad_norm"]) < 1e-4 * max(1.0, stats1["grad_norm"])
+    finally:
+        transport.close()
+    assert ray.is_initialized()  # the module's session: the executor did not start it, so it did not stop it
