@@ -1,15 +1,15 @@
-"""The in-process executor: drives iterations of a graph under an ExecutionPlan.
+"""The executor: runs the schedule lowered from a plan on worker groups, the same for every backend.
 
-Engines come from the registry by the names the run config gives per role
-(``train.engine`` for every model, ``generation.engine`` for models that generate); when both
-name the same engine, generation uses the training engine's weights in place, otherwise the
-generation engine takes the new weights after every train step. Each step draws prompts from
-the task, runs the nodes in topological order (a node sees only the keys it declares), records
-a span per node, and logs one metrics line of what the nodes report. At the end it writes a
-checkpoint per trainable model and a reward-curve PNG.
+`PlanExecutor.run` lowers the plan once (`flowrl.runtime.schedule.lower`), starts the workers
+(`launch`: here one `Worker` in this process; the Ray backend one actor per device), wraps each
+model in a `TrainingGroup` / `GenerationGroup`, and then per step draws prompts from the task
+and runs the iteration's tasks as a dataflow: a task starts when its dependencies are done and
+its device groups are free. It logs one metrics line per step (what the nodes report, a span
+per task), writes a checkpoint per trainable model, a reward-curve PNG, and the run's trace
+(trace.json, timeline.png). Nothing re-plans at run time.
 
-A backend registers an executor built on this class with its capabilities; `check` refuses a
-plan it cannot run before any model is built.
+A backend subclasses it with its capabilities; `check` refuses a plan it cannot run before any
+model is built.
 """
 
 from __future__ import annotations

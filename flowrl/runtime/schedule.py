@@ -136,6 +136,11 @@ def lower(graph: Graph, plan: ExecutionPlan, *, same_engine: bool = True) -> Sch
         tasks.append(task)
         if isinstance(node, Train) and node.model in generating and not by_model[node.model].in_place:
             place = by_model[node.model]
+            if layout.weight_sync.strategy == "reshard" and place.group != gen_group:
+                raise PlanError(
+                    f"weight sync 'reshard' moves weights within one device group, but model '{node.model}' trains on "
+                    f"'{place.group}' and generates on '{gen_group}'; plan a full, bucketed or sparse sync."
+                )
             sync = Task(
                 name=f"sync:{name}",
                 kind="sync",
