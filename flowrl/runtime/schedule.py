@@ -88,7 +88,7 @@ def lower(graph: Graph, plan: ExecutionPlan, *, same_engine: bool = True) -> Sch
     for name in graph.models:
         ml = layout.layout(name)
         gen = name in generating
-        in_place = gen and same_engine and ml.group == gen_group and ml.parallel.dp * ml.parallel.tp == 1
+        in_place = gen and same_engine and ml.group == gen_group and ml.parallel.size == 1
         models.append(
             ModelPlacement(
                 model=name,
@@ -107,25 +107,13 @@ def lower(graph: Graph, plan: ExecutionPlan, *, same_engine: bool = True) -> Sch
         deps = tuple(dag.predecessors(name))
         if isinstance(node, Generate):
             task = Task(name=name, kind="generate", groups=(gen_group,), deps=deps, dispatch="rows", model=node.model)
-        elif isinstance(node, Forward):
-            group = by_model[node.model].group
+        elif isinstance(node, (Forward, Train)):  # scoring cuts rows per rank; a train step goes to every rank
             task = Task(
                 name=name,
-                kind="forward",
-                groups=(group,),
+                kind=node.kind,
+                groups=(by_model[node.model].group,),
                 deps=deps,
-                dispatch="rows",
-                model=node.model,
-                micro_batch=micro.get(name, 0),
-            )
-        elif isinstance(node, Train):
-            group = by_model[node.model].group
-            task = Task(
-                name=name,
-                kind="train",
-                groups=(group,),
-                deps=deps,
-                dispatch="replicate",
+                dispatch="rows" if isinstance(node, Forward) else "replicate",
                 model=node.model,
                 micro_batch=micro.get(name, 0),
             )

@@ -24,13 +24,16 @@ def flowrl(*args: str, cwd=None) -> subprocess.CompletedProcess:
 
 def test_plan_for_cpu2_then_run_the_plan_on_ray(tmp_path):
     plan = tmp_path / "plan.yaml"
-    out = flowrl("plan", "graphs/ppo.py", "--cluster", "cpu:2", "--out", str(plan), "--explain", *SMALL)
+    runs = tmp_path / "runs"
+    out = flowrl(
+        "plan", "graphs/ppo.py", "--cluster", "cpu:2", "--out", str(plan), "--explain", "--set", f"out={runs}", *SMALL
+    )
     assert out.returncode == 0, out.stderr
     assert "winner:" in out.stdout and f"run it with `flowrl run --plan {plan}`" in out.stdout
     assert "backend: ray" in plan.read_text()
-    run = flowrl("run", "--plan", str(plan), "--quiet", cwd=tmp_path)
+    run = flowrl("run", "--plan", str(plan), "--quiet")
     assert run.returncode == 0, run.stderr
-    folder = next((tmp_path / "runs").iterdir())
+    folder = next(runs.iterdir())
     lines = (folder / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [0, 1]
     groups = {g["name"] for g in yaml.safe_load(plan.read_text())["layout"]["groups"]}
@@ -39,13 +42,13 @@ def test_plan_for_cpu2_then_run_the_plan_on_ray(tmp_path):
 
 
 def test_cluster_mistakes_exit_2_naming_the_problem(tmp_path):
-    local = flowrl("run", "graphs/grpo.py", "--backend", "local", "--cluster", "cpu:2", *SMALL, cwd=tmp_path)
+    local = flowrl("run", "grpo", "--backend", "local", "--cluster", "cpu:2", *SMALL, cwd=tmp_path)
     assert local.returncode == 2 and "at most 1 device" in local.stderr and "traceback" not in local.stderr.lower()
     pin = flowrl("plan", "graphs/grpo.py", "--placement", "split")
     assert pin.returncode == 2 and "add --cluster" in pin.stderr
     split = flowrl("plan", "graphs/grpo.py", "--cluster", "cpu:2", "--placement", "split")
     assert split.returncode == 2 and "placement 'split'" in split.stderr and "colocate" in split.stderr
-    gpus = flowrl("run", "graphs/grpo.py", "--backend", "ray", "--cluster", "2x8xH100-80G", *SMALL, cwd=tmp_path)
+    gpus = flowrl("run", "grpo", "--backend", "ray", "--cluster", "2x8xH100-80G", *SMALL, cwd=tmp_path)
     assert gpus.returncode == 2 and "16 GPUs" in gpus.stderr
     bad = flowrl("run", "--plan", "nope.yaml", "--address", "auto", "--cluster", "cpu:2", cwd=tmp_path)
     assert bad.returncode == 2

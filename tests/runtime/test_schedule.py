@@ -1,0 +1,99 @@
+"""Lowering a plan to the schedule every backend runs, and dispatch by data-parallel rank."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from flowrl import api
+from flowrl.errors import PlanError
+from flowrl.planner.capabilities import Capabilities
+from flowrl.planner.hardware import HARDWARE_PRESETS, cpu_cluster
+from flowrl.planner.plan import ClusterTarget
+from flowrl.runtime import dispatch
+from flowrl.runtime.batch import Sequences
+from flowrl.runtime.schedule import lower
+
+SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4"]
+
+
+def cluster_plan(graph: str, **pins):
+    _, cfg = api.load(graph, overrides=SMALL)
+    caps = Capabilities(rollout_modes=("sync",), partial_rollouts=False, model_parallel=False)  # data parallel only
+    target = ClusterTarget(
+        cluster=cpu_cluster(HARDWARE_PRESETS["A100-80G"], 2), model=api.model_spec(cfg), capabilities=caps
+    )
+    return api.plan(graph, overrides=SMALL, target=target, options=pins, emit=lambda s: None)
+
+
+def test_the_local_plan_lowers_to_one_rank_with_generation_in_place():
+    g, plan = api.plan("grpo", overrides=SMALL, emit=lambda s: None)
+    s = lower(g, plan)
+    assert s.world == 1 and [x.ranks for x in s.groups] == [(0,)]
+    assert s.placement("actor").in_place and not any(t.kind == "sync" for t in s.tasks)
+    assert [t.name for t in s.tasks] == g.order()
+    train = next(t for t in s.tasks if t.name == "train_actor")
+    assert set(train.deps) == {"rollout", "old_logprobs", "ref_logprobs", "advantages"}
+    assert train.dispatch == "replicate"
+    assert next(t for t in s.tasks if t.name == "reward").groups == ()  # the controller's work
+    # a different generation engine than the trainer takes the weights by a sync task, even on one rank
+    s2 = lower(g, plan, same_engine=False)
+    sync = next(t for t in s2.tasks if t.kind == "sync")
+    assert sync.name == "sync:train_actor" and sync.deps == ("train_actor",) and sync.strategy == "reshard"
+
+
+@pytest.mark.parametrize("strategy", ["full", "bucketed", "sparse"])
+def test_disaggregated_generation_gets_a_sync_task_over_both_groups(strategy):
+    g, plan = cluster_plan("grpo", placement="disaggregated", weight_sync=strategy)
+    s = lower(g, plan)
+    assert s.world == 2 and s.ranks_of("actor") != s.generation_ranks("actor")
+    sync = next(t for t in s.tasks if t.kind == "sync")
+    assert sync.strategy == strategy and set(sync.groups) == {"gen", "train"} and sync.deps == ("train_actor",)
+    gen = next(t for t in s.tasks if t.kind == "generate")
+    assert gen.groups == ("gen",) and gen.dispatch == "rows"
+
+
+def test_colocated_data_parallel_reshards_and_reshard_across_groups_is_refused():
+    g, plan = cluster_plan("grpo", placement="colocate")
+    s = lower(g, plan)
+    assert s.placement("actor").dp == 2 and not s.placement("actor").in_place
+    assert next(t for t in s.tasks if t.kind == "sync").strategy == "reshard"
+    g2, split = cluster_plan("grpo", placement="disaggregated", weight_sync="full")
+    bad = msgspec.structs.replace(
+        split,
+        layout=msgspec.structs.replace(
+            split.layout, weight_sync=msgspec.structs.replace(split.layout.weight_sync, strategy="reshard")
+        ),
+    )
+    with pytest.raises(PlanError, match="reshard.*'actor' trains on 'train' and generates on 'gen'"):
+        lower(g2, bad)
+
+
+def test_shards_rank_rows_and_lockstep_steps():
+    assert [(s.start, s.stop) for s in dispatch.shards(5, 2)] == [(0, 3), (3, 5)]
+    assert [s.stop - s.start for s in dispatch.shards(1, 3)] == [1, 0, 0]
+    rows = torch.arange(7)
+    shares = [dispatch.rank_rows(rows, r, 2).tolist() for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == list(range(7)) and len(shares[0]) - len(shares[1]) == 1
+    assert dispatch.lockstep_steps(7, 2, 3) == 2 and dispatch.lockstep_steps(1, 2, 4) == 1
+
+
+def test_concat_sequences_repads_and_shifts_prompt_index():
+    def seqs(prompt_width, response_width, rows, index):
+        return Sequences(
+            prompt_ids=torch.ones(rows, prompt_width, dtype=torch.long),
+            prompt_mask=torch.ones(rows, prompt_width, dtype=torch.long),
+            response_ids=torch.full((rows, response_width), 2, dtype=torch.long),
+            response_mask=torch.ones(rows, response_width),
+            prompt_index=torch.tensor(index),
+            texts=("x",) * rows,
+            version=3,
+        )
+
+    out = dispatch.concat_sequences([seqs(2, 3, 2, [0, 0]), seqs(4, 1, 1, [0])], pad_id=0, index_offsets=[0, 1])
+    assert out.prompt_ids.shape == (3, 4) and out.response_ids.shape == (3, 3)
+    assert out.prompt_mask[0].tolist() == [0, 0, 1, 1]  # prompts stay right-aligned
+    assert out.response_mask[2].tolist() == [1.0, 0.0, 0.0]
+    assert out.prompt_index.tolist() == [0, 0, 1] and out.version == 3
+    assert dispatch.mean_stats([{"loss": 1.0}, {"loss": 3.0, "kl": 2.0}]) == {"loss": 2.0, "kl": 2.0}
