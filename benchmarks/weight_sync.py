@@ -2,12 +2,12 @@
 
 Two processes (a trainer rank and a generation rank) join a gloo process group, as the Ray
 backend's workers do. Both hold the state dict of a real HF causal LM of >= 100 M parameters
-(random init; the receiver starts from other weights). Before each timed sync the trainer
-changes ``--density`` of the elements (what a train step touches), then the strategy runs:
+(random init; the receiver starts from other weights). Before each round of syncs the trainer
+changes ``--density`` of the elements (what a train step touches), then each strategy runs:
 
 - ``raw``: one broadcast of a flat buffer of the state's size (the yardstick);
 - ``full``: a broadcast per tensor;
-- ``bucketed``: 64 MiB flat buckets (flowrl.runtime.weightsync.sync_bucketed);
+- ``bucketed``: 64 MiB flat buckets, kept between syncs and pipelined (flowrl.runtime.weightsync.BucketedSync);
 - ``sparse``: only changed elements as (index, value) pairs (after a first full sync).
 
 After every sync the receiver's tensors are checked bit for bit against the trainer's. Bytes/s
@@ -67,20 +67,22 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue: mp.Queue) -> 
     params = sum(t.numel() for t in state.values())
     gen = torch.Generator().manual_seed(0)
     sparse = weightsync.SparseSync()
+    bucketed = weightsync.BucketedSync()
+    raw = torch.zeros(nbytes, dtype=torch.uint8)  # allocated once, as the strategies' tensors are
     results: dict[str, list[float]] = {}
     sent: dict[str, int] = {}
     run = {
-        "raw": lambda: weightsync.sync_raw(nbytes, 0, group),
+        "raw": lambda: weightsync.sync_raw(raw, 0, group),
         "full": lambda: weightsync.sync_full(state, 0, group),
-        "bucketed": lambda: weightsync.sync_bucketed(state, 0, group),
+        "bucketed": lambda: bucketed(state, 0, group),
         "sparse": lambda: sparse(state, 0, group),
     }
     exact = True
     sparse(state, 0, group)  # the first sparse sync sends everything; later ones send changes
     for _ in range(args.repeats):
+        if rank == 0:  # one train step's changes; every strategy then moves them
+            _perturb(state, args.density, gen)
         for name, fn in run.items():  # interleaved, so drift on a noisy box hits every strategy alike
-            if rank == 0 and name != "raw":
-                _perturb(state, args.density, gen)
             dist.barrier(group)
             t0 = time.perf_counter()
             sent[name] = fn()

@@ -6,7 +6,8 @@ receivers pass tensors of the same names, shapes and dtypes, which are overwritt
 
 - ``full``: one broadcast per tensor.
 - ``bucketed``: tensors packed into fixed-size flat buckets (per dtype), one broadcast per
-  bucket: few large messages instead of many small ones.
+  bucket, pipelined: few large messages instead of many small ones, packing overlapped with
+  sending.
 - ``sparse``: only the elements that changed since the last sync (compared bit for bit), as
   (index, value) pairs per bucket; the receivers apply them to their copy, which is exact.
   The first sync of a `SparseSync` sends everything, and so does a bucket in which so many
@@ -60,24 +61,45 @@ def _buckets(state: Mapping[str, Tensor], bucket_bytes: int) -> list[list[Tensor
     return out
 
 
+class BucketedSync:
+    """Bucketed sync with flat buffers kept between syncs and a pipeline: while bucket i travels
+    (an async broadcast on gloo's own thread), the sender packs bucket i + 1 and the receivers
+    unpack bucket i - 1."""
+
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.flats: list[Tensor] = []
+
+    def __call__(self, state: Mapping[str, Tensor], src: int, group: Any) -> int:
+        me = dist.get_rank()
+        runs = _buckets(state, self.bucket_bytes)
+        shapes = [(sum(t.numel() for t in run), run[0].dtype) for run in runs]
+        if [(f.numel(), f.dtype) for f in self.flats] != shapes:
+            self.flats = [torch.empty(n, dtype=dtype) for n, dtype in shapes]
+        works = []
+        for run, flat in zip(runs, self.flats):
+            if me == src:
+                torch.cat([t.reshape(-1) for t in run], out=flat)
+            works.append(dist.broadcast(flat, src=src, group=group, async_op=True))
+        sent = 0
+        for run, flat, work in zip(runs, self.flats, works):
+            work.wait()
+            sent += flat.numel() * flat.element_size()
+            if me != src:
+                _unpack(flat, run)
+        return sent
+
+
+def _unpack(flat: Tensor, run: list[Tensor]) -> None:
+    at = 0
+    for t in run:
+        t.copy_(flat[at : at + t.numel()].view_as(t))
+        at += t.numel()
+
+
 def sync_bucketed(state: Mapping[str, Tensor], src: int, group: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
-    """Pack tensors into flat buckets, broadcast each, unpack on the receivers; returns bytes sent."""
-    sent = 0
-    me = dist.get_rank()
-    for run in _buckets(state, bucket_bytes):
-        flat = (
-            torch.cat([t.reshape(-1) for t in run])
-            if me == src
-            else torch.empty(sum(t.numel() for t in run), dtype=run[0].dtype)
-        )
-        dist.broadcast(flat, src=src, group=group)
-        sent += flat.numel() * flat.element_size()
-        if me != src:
-            at = 0
-            for t in run:
-                t.copy_(flat[at : at + t.numel()].view_as(t))
-                at += t.numel()
-    return sent
+    """One bucketed sync with fresh buffers (see `BucketedSync` to keep them); returns bytes sent."""
+    return BucketedSync(bucket_bytes)(state, src, group)
 
 
 class SparseSync:
@@ -127,19 +149,15 @@ class SparseSync:
             changed_total += n
             total += old.numel()
             if me != src:
-                at = 0
-                for t in run:
-                    t.copy_(old[at : at + t.numel()].view_as(t))
-                    at += t.numel()
+                _unpack(old, run)
         self.density = changed_total / max(total, 1)
         return sent
 
 
-def sync_raw(nbytes: int, src: int, group: Any) -> int:
-    """A raw broadcast of ``nbytes`` in one message: the yardstick the strategies are measured against."""
-    flat = torch.zeros(nbytes, dtype=torch.uint8)
+def sync_raw(flat: Tensor, src: int, group: Any) -> int:
+    """A raw broadcast of one preallocated flat buffer: the yardstick the strategies are measured against."""
     dist.broadcast(flat, src=src, group=group)
-    return nbytes
+    return flat.numel() * flat.element_size()
 
 
 def state_bytes(state: Mapping[str, Tensor]) -> int:

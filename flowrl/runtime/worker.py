@@ -79,7 +79,8 @@ class Worker:
         self.generators: dict[str, GenerationEngine] = {}
         self.dp_groups: dict[str, Any] = {}  # device group -> process group of its ranks
         self.channels: dict[str, Any] = {}  # model -> process group (trainer's first rank + generation ranks)
-        self.sparse: dict[str, Any] = {}
+        self.sparse: dict[str, Any] = {}  # model -> its SparseSync (what the last sync sent)
+        self.bucketed: dict[str, Any] = {}  # model -> its BucketedSync (flat buffers kept between syncs)
         self.buffers: dict[str, dict[str, Any]] = {}
         self.schedule: Schedule | None = None
         self._spans: list[tuple[str, float, float]] = []
@@ -288,7 +289,7 @@ class Worker:
         if strategy == "full":
             sent = weightsync.sync_full(state, src, group)
         elif strategy == "bucketed":
-            sent = weightsync.sync_bucketed(state, src, group)
+            sent = self.bucketed.setdefault(model, weightsync.BucketedSync())(state, src, group)
         elif strategy == "sparse":
             sent = self.sparse.setdefault(model, weightsync.SparseSync())(state, src, group)
         else:
