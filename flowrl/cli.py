@@ -248,6 +248,12 @@ def _cluster_target(args: argparse.Namespace, load_kwargs: dict[str, Any], for_r
         if getattr(args, "workload", None):
             raise ConfigError("--cluster cpu:N runs the run config's workload; drop --workload (use --set rollout...).")
         if args.backend is None and devices > 1:
+            if "ray" not in {e.name for e in registry().entries("executors")}:
+                raise ConfigError(
+                    f"--cluster {args.cluster} runs on the Ray backend, which is not installed (`pip install -e "
+                    "./plugins/flowrl-ray`, as in README's setup) or not enabled (FLOWRL_PLUGINS); or name another "
+                    "executor with --backend."
+                )
             args.backend = load_kwargs["flags"]["backend"] = "ray"
         load_kwargs["overrides"] = [*load_kwargs["overrides"], "device=cpu"]
         _, cfg = api.load(_need_graph(args), **load_kwargs)

@@ -201,18 +201,20 @@ class ClusterSpec(CheckedSpec, kw_only=True):
     @property
     def label(self) -> str:
         """``2x8xA100-80G``: the cluster string that names this cluster's shape (``cpu:N`` for this machine's CPU)."""
-        if self.on_cpu:
+        if self.hardware.name == CPU_DEVICES:
             return f"cpu:{self.devices}"
         return f"{self.nodes}x{self.devices_per_node}x{self.hardware.name}"
 
     @property
     def on_cpu(self) -> bool:
-        """Whether this is this machine's CPU cut into devices (``cpu:N``), not accelerators."""
-        return self.hardware.name == CPU_DEVICES
+        """Whether this is this machine's CPU (``cpu:N``, or the local CPU device), not accelerators."""
+        return self.hardware.name == CPU_DEVICES or self.hardware.name.startswith(LOCAL_CPU)
 
 
 #: The hardware name of one device of ``cpu:N``.
 CPU_DEVICES = "cpu"
+#: How this machine's CPU is named as one device (the local backend, `flowrl profile`).
+LOCAL_CPU = "local-cpu"
 #: Bytes/s of a gloo broadcast between two local processes (FACTS.md: 40 MiB in ~12 ms).
 LOOPBACK_BANDWIDTH = 3e9
 _CPU_SPLIT = re.compile(r"^cpu\s*:\s*(\d+)$", re.IGNORECASE)

@@ -165,9 +165,10 @@ class PlanExecutor:
         schedule = self.schedule(graph, plan)
         result = RunResult(out_dir=out_dir)
         dump_plan(plan, out_dir / "plan.yaml")
+        trace = Trace(origin=time.time())  # before the workers start: their setup spans come after it
+        CURRENT_TASK.set("setup")
         transport, built = self.launch(graph, plan, schedule, out_dir)
         self.transport, self.lowered = transport, schedule  # for tools and checks while the run goes on
-        trace = Trace(origin=time.time())
         try:
             trace.add_workers(transport.spans(), schedule, label="setup")
             trainers, generators = self.groups(graph, schedule, transport, built)
@@ -199,6 +200,7 @@ class PlanExecutor:
                     if on_step is not None:
                         on_step(record)
             if cfg.checkpoint:
+                CURRENT_TASK.set("checkpoint")
                 for name, engine in trainers.items():
                     if engine.decl.trainable:
                         path = out_dir / ("checkpoint" if engine.decl.role == "actor" else f"checkpoint-{name}")

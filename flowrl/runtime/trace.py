@@ -56,8 +56,7 @@ class Trace:
 
     def write(self, out_dir: Path, plan: ExecutionPlan, graph: Graph, schedule: Schedule) -> None:
         (out_dir / "trace.json").write_text(json.dumps(self.chrome(schedule)))
-        if self.tasks:
-            draw_measured_vs_predicted(self, plan, graph, out_dir / "timeline.png")
+        draw_measured_vs_predicted(self, plan, graph, out_dir / "timeline.png")
 
 
 def _span(name: str, pid: int, tid: int, start: float, end: float, args: dict[str, Any]) -> dict[str, Any]:
@@ -98,18 +97,17 @@ def draw_measured_vs_predicted(trace: Trace, plan: ExecutionPlan, graph: Graph, 
     except Exception:  # a plan the simulator cannot replay still gets its measured timeline
         predicted, pred_iter = [], 0.0
     rows = [g.name for g in plan.layout.groups] + ["controller"] if plan.layout else ["controller"]
-    names = sorted({t[0].replace("weight_sync", "sync") for t in trace.tasks + predicted})
+    names = sorted({_legend(t[0]) for t in trace.tasks + predicted})
     cmap = plt.get_cmap("tab20")
     colors = {n: cmap(i % 20) for i, n in enumerate(names)}
     panels = [("measured", trace.tasks)] + ([("predicted", predicted)] if predicted else [])
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 1.2 + 1.1 * len(rows) * len(panels)), squeeze=False)
-    start = min(t[2] for t in trace.tasks)
+    start = min((t[2] for t in trace.tasks), default=0.0)
     measured_iter = _iteration_seconds(trace.tasks)
     for ax, (label, spans) in zip(axes[:, 0], panels):
         t0 = start if label == "measured" else 0.0
         for name, groups, s, e, _it in spans:
-            key = name.replace("weight_sync", "sync")
-            key = next((n for n in names if n == key or (key == "sync" and n.startswith("sync"))), key)
+            key = _legend(name)
             for g in groups:
                 if g not in rows:
                     continue
@@ -125,6 +123,11 @@ def draw_measured_vs_predicted(trace: Trace, plan: ExecutionPlan, graph: Graph, 
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _legend(task: str) -> str:
+    """One legend entry for weight syncs, measured (``sync:<train node>``) or predicted (``weight_sync``)."""
+    return "weight sync" if task == "weight_sync" or task.startswith("sync:") else task
 
 
 def _iteration_seconds(tasks: list[tuple[str, tuple[str, ...], float, float, int]]) -> float:

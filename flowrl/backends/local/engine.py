@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from flowrl.backends.local.generation import sample
-from flowrl.backends.local.models import ValueModel, build_causal_lm, load_tokenizer, model_config
+from flowrl.backends.local.models import ValueModel, build_causal_lm, load_tokenizer, model_config, save_hf
 from flowrl.errors import BackendError
 from flowrl.graph.ir import ModelDecl
 from flowrl.planner.plan import ExecutionPlan
@@ -319,7 +319,7 @@ class LocalModel:
         if isinstance(module, ValueModel):
             module.save(path)
         else:
-            module.save_pretrained(path)
+            save_hf(module, path)
         self.tokenizer.save_pretrained(path)
 
 

@@ -127,5 +127,26 @@ class ValueModel(nn.Module):
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
 
-        self.backbone.save_pretrained(path)
+        save_hf(self.backbone, path)
         save_file({k: v.contiguous() for k, v in self.head.state_dict().items()}, str(path / VALUE_HEAD_FILE))
+
+
+def save_hf(model: nn.Module, path: Path) -> None:
+    """Write ``model`` (an HF PreTrainedModel) as an HF directory: config.json, generation_config.json
+    and model.safetensors, from any process. (transformers' ``save_pretrained`` writes nothing on
+    a process whose torch.distributed rank is not 0, which a trainer's first rank need not be.)
+    A weight tied to an earlier one (lm_head to the embeddings) is stored once, as HF does."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(path)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and model.can_generate():
+        generation.save_pretrained(path)
+    state, seen = {}, set()
+    for key, value in model.state_dict().items():
+        if value.data_ptr() in seen:
+            continue
+        seen.add(value.data_ptr())
+        state[key] = value.detach().to("cpu").contiguous()
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})

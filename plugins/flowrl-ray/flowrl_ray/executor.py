@@ -236,7 +236,7 @@ class RayTransport:
             self._fail(dead[0], tag, "died", None)
         rank, exc = errors[0]
         if isinstance(exc, ray.exceptions.RayTaskError):
-            cause = exc.as_instanceof_cause()
+            cause = exc.cause  # the worker's own exception, without Ray's traceback text
             if isinstance(cause, FlowRLError):
                 self.close()
                 raise type(cause)(*cause.args) from None
