@@ -135,9 +135,7 @@ class PlanExecutor:
             for m in schedule.models
         }
         generators = {
-            m.model: GenerationGroup(
-                m.model, schedule.generation_ranks(m.model), transport, built[m.model][0].pad_token_id
-            )
+            m.model: GenerationGroup(m.model, schedule.generation_ranks(m.model), transport, _pad_id(built[m.model][0]))
             for m in schedule.models
             if m.generation_group is not None
         }
@@ -247,6 +245,12 @@ class PlanExecutor:
         record["spans"] = spans
         trace.add_workers(transport.spans(), schedule)
         return record
+
+
+def _pad_id(tokenizer: Any) -> int:
+    """The token rows from several ranks are padded with (0 when an engine has no tokenizer: masks say what is real)."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return 0 if pad is None else int(pad)
 
 
 def run_task(rt: NodeRuntime, task: Task, batch: dict[str, Any], version: int) -> tuple[dict[str, Any], dict[str, Any]]:
