@@ -23,19 +23,7 @@ ray = pytest.importorskip("ray")
 SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "progress=false", "checkpoint=false"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    old = os.environ.get("FLOWRL_PLUGINS")
-    os.environ["FLOWRL_PLUGINS"] = "ray"
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-    if old is None:
-        os.environ.pop("FLOWRL_PLUGINS", None)
-    else:
-        os.environ["FLOWRL_PLUGINS"] = old
+pytestmark = pytest.mark.usefixtures("ray_session")  # one private Ray for the module (tests/conftest.py)
 
 
 def cpu2_plan(graph: str, tmp_path, *extra: str, **pins: str):

@@ -31,19 +31,7 @@ SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "progress
 CLI_SMALL = ["--steps", "2", "--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=4", "--quiet"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    old = os.environ.get("FLOWRL_PLUGINS")
-    os.environ["FLOWRL_PLUGINS"] = "ray"
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-    if old is None:
-        os.environ.pop("FLOWRL_PLUGINS", None)
-    else:
-        os.environ["FLOWRL_PLUGINS"] = old
+pytestmark = pytest.mark.usefixtures("ray_session")  # one private Ray for the module (tests/conftest.py)
 
 
 def plan_for(graph: str, out: Path, *extra: str, devices: int = 2, **pins: str):
