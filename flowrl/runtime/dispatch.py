@@ -7,12 +7,13 @@ Modes (the schedule names one per task):
 - ``replicate``: every rank receives the whole call (a train step: each rank takes its own
   share of every mini-batch, see `rank_rows`), and stats are averaged over ranks.
 - ``driver``: the task runs on the controller (rewards, advantages).
+- ``sync``: a weight sync; every rank of the trainer's and the generation's groups takes part.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -90,7 +91,3 @@ def mean_stats(parts: Sequence[dict[str, float]]) -> dict[str, float]:
     """Stats of the ranks averaged (keys any rank reported)."""
     keys = dict.fromkeys(k for p in parts for k in p)
     return {k: sum(p[k] for p in parts if k in p) / sum(1 for p in parts if k in p) for k in keys}
-
-
-def first(parts: Sequence[Any]) -> Any:
-    return parts[0]

@@ -207,12 +207,6 @@ class Worker:
         )
 
     # ------------------------------------------------------------ engine calls
-    def trainer(self, model: str) -> TrainingEngine:
-        return self.trainers[model]
-
-    def generator(self, model: str) -> GenerationEngine:
-        return self.generators[model]
-
     def forward(self, model: str, seqs: Any, output: str, micro: int) -> Any:
         return self.trainers[model].forward(seqs, output, micro)
 
