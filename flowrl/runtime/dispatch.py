@@ -23,6 +23,11 @@ from flowrl.runtime.batch import Sequences
 Dispatch = Literal["rows", "replicate", "driver", "sync"]
 
 
+def draw_seed(generator: torch.Generator) -> int:
+    """A seed drawn from ``generator``: what travels to a rank instead of the generator itself."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator))
+
+
 def shards(n: int, parts: int) -> list[slice]:
     """``n`` rows cut into ``parts`` contiguous slices whose sizes differ by at most one."""
     base, extra = divmod(n, parts)

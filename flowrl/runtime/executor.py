@@ -168,7 +168,7 @@ class PlanExecutor:
         transport, built = self.launch(graph, plan, schedule, out_dir)
         self.transport, self.lowered = transport, schedule  # for tools and checks while the run goes on
         try:
-            trace.add_workers(transport.spans(), schedule, label="setup")
+            trace.add_workers(transport.spans())
             trainers, generators = self.groups(graph, schedule, transport, built)
             options = {}
             for name, node in graph.nodes.items():
@@ -206,7 +206,7 @@ class PlanExecutor:
                         result.checkpoints[name] = path
         finally:
             try:
-                trace.add_workers(transport.spans(), schedule)
+                trace.add_workers(transport.spans())
             except Exception:  # a dead worker keeps its spans
                 pass
             transport.close()
@@ -243,7 +243,7 @@ class PlanExecutor:
         record["tokens_per_s"] = round(tokens / max(gen_seconds, 1e-9), 1)
         record["step_seconds"] = round(time.perf_counter() - t0, 5)
         record["spans"] = spans
-        trace.add_workers(transport.spans(), schedule)
+        trace.add_workers(transport.spans())
         return record
 
 
@@ -253,26 +253,20 @@ def _pad_id(tokenizer: Any) -> int:
     return 0 if pad is None else int(pad)
 
 
-def run_task(rt: NodeRuntime, task: Task, batch: dict[str, Any], version: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def run_task(rt: NodeRuntime, task: Task, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """One task of the schedule: a graph node, or a weight sync (workers move the weights)."""
     from flowrl.runtime.nodes import run_node
 
     if task.kind == "sync":
         trainer = rt.trainers[task.model]
         gen = rt.generators[task.model]
+        ranks = sorted({*trainer.ranks, *gen.ranks})
         stats = trainer.transport.call(
-            _sync_ranks(trainer, gen),
-            "sync",
-            [(task.model, task.strategy, trainer.version)] * len(_sync_ranks(trainer, gen)),
-            task.name,
+            ranks, "sync", [(task.model, task.strategy, trainer.version)] * len(ranks), task.name
         )
         gen.version = trainer.version
         return {}, {"bytes": max(s["bytes"] for s in stats), "strategy": task.strategy}
     return run_node(rt, task.name, batch)
-
-
-def _sync_ranks(trainer: TrainingGroup, gen: GenerationGroup) -> list[int]:
-    return sorted({*trainer.ranks, *gen.ranks})
 
 
 def run_iteration(
@@ -292,7 +286,7 @@ def run_iteration(
         with lock:
             view = {k: batch[k] for k in rt.graph.nodes[task.name].reads} if task.kind != "sync" else {}
         start = time.time()
-        out, metrics = run_task(rt, task, view, step)
+        out, metrics = run_task(rt, task, view)
         end = time.time()
         with lock:
             batch.update(out)

@@ -61,10 +61,6 @@ class InProcessTransport:
         pass
 
 
-def _seed(generator: torch.Generator) -> int:
-    return int(torch.randint(0, 2**62, (1,), generator=generator))
-
-
 class TrainingGroup:
     """A model's training engine on the ranks of its device group (data parallel)."""
 
@@ -148,15 +144,15 @@ class GenerationGroup:
         generator: torch.Generator,
         max_new_tokens: int | None = None,
     ) -> Rollout:
-        seed = _seed(generator)
-        cuts = [s for s in dispatch.shards(len(prompts), len(self.ranks))]
+        seed = dispatch.draw_seed(generator)
+        cuts = dispatch.shards(len(prompts), len(self.ranks))
         used = [(r, s) for r, s in zip(self.ranks, cuts) if s.stop > s.start] or [(self.ranks[0], cuts[0])]
         args = [(self.model, list(prompts[s]), n, greedy, seed + i, max_new_tokens) for i, (_, s) in enumerate(used)]
         parts = self.transport.call([r for r, _ in used], "generate", args, CURRENT_TASK.get())
         return self._collect(parts, [s.start for _, s in used])
 
     def resume(self, rollout: Rollout, *, generator: torch.Generator, max_new_tokens: int | None = None) -> Rollout:
-        seed = _seed(generator)
+        seed = dispatch.draw_seed(generator)
         cuts = dispatch.shards(len(rollout.sequences), len(self.ranks))
         used = [(r, s) for r, s in zip(self.ranks, cuts) if s.stop > s.start]
         args = []

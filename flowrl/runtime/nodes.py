@@ -18,6 +18,7 @@ import torch
 from flowrl.errors import BackendError, FlowRLError, GraphError
 from flowrl.graph.ir import Compute, Forward, Generate, Graph, Reward, Train
 from flowrl.runtime.batch import Sequences, sequences_in
+from flowrl.runtime.dispatch import draw_seed
 from flowrl.runtime.protocols import GenerationEngine, TrainingEngine, TrainStep
 from flowrl.specs import AlgoConfig
 
@@ -49,7 +50,7 @@ class NodeRuntime:
 
     def fresh_generator(self, node: str) -> torch.Generator:
         """A new generator seeded from the node's stream (one per call: it may travel to workers)."""
-        return torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.rng(node))))
+        return torch.Generator().manual_seed(draw_seed(self.rng(node)))
 
 
 def run_node(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

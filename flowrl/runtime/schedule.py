@@ -57,7 +57,6 @@ class Schedule(Spec):
     groups: tuple[GroupRanks, ...]
     models: tuple[ModelPlacement, ...]
     tasks: tuple[Task, ...]  # one iteration, in a topological order
-    sync_strategy: str
 
     def group(self, name: str) -> GroupRanks:
         return next(g for g in self.groups if g.name == name)
@@ -139,5 +138,4 @@ def lower(graph: Graph, plan: ExecutionPlan, *, same_engine: bool = True) -> Sch
                 strategy=layout.weight_sync.strategy,
             )
             tasks.append(sync)
-    strategy = layout.weight_sync.strategy
-    return Schedule(world=world, groups=groups, models=tuple(models), tasks=tuple(tasks), sync_strategy=strategy)
+    return Schedule(world=world, groups=groups, models=tuple(models), tasks=tuple(tasks))

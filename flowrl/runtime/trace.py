@@ -27,13 +27,11 @@ class Trace:
         with self._lock:
             self.tasks.append((task, rows, start - self.origin, end - self.origin, iteration))
 
-    def add_workers(
-        self, spans: dict[int, list[tuple[str, float, float]]], schedule: Schedule, label: str = ""
-    ) -> None:
+    def add_workers(self, spans: dict[int, list[tuple[str, float, float]]]) -> None:
         with self._lock:
             for rank, items in spans.items():
                 for tag, s, e in items:
-                    self.workers.append((rank, label or tag or "call", s - self.origin, e - self.origin))
+                    self.workers.append((rank, tag or "call", s - self.origin, e - self.origin))
 
     # ------------------------------------------------------------ output
     def chrome(self, schedule: Schedule) -> dict[str, Any]:

@@ -288,10 +288,8 @@ class Worker:
             sent = self.sparse.setdefault(model, weightsync.SparseSync())(state, src, group)
         else:
             raise BackendError(f"weight sync strategy '{strategy}' is not one this worker runs.")
-        if model in self.generators and self.rank != src:
+        if model in self.generators:  # on the sender, state is its exported weights
             self.generators[model].load_weights(state, version)
-        elif model in self.generators:
-            self.generators[model].load_weights(weights, version)
         return {"bytes": sent, "seconds": time.perf_counter() - t0}
 
     def shutdown(self) -> None:

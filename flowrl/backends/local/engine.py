@@ -52,7 +52,7 @@ class LocalModel:
         group: Any = None,
     ) -> None:
         self.decl = decl
-        self.rank, self.world, self.group = rank, world, group
+        self.rank, self.world = rank, world
         self.module = module.to(device)
         self.sharded = world > 1 and decl.trainable
         if self.sharded:

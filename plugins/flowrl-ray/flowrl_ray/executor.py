@@ -90,7 +90,8 @@ class RayExecutor(PlanExecutor):
         import ray
         import torch
 
-        gpus = not plan.target.cluster.on_cpu
+        device = self.device(plan)
+        gpus = device != "cpu"
         started = _connect(self.address, schedule.world, gpus)
         transport = RayTransport(schedule, started)
         try:
@@ -100,7 +101,7 @@ class RayExecutor(PlanExecutor):
             env = {"OMP_NUM_THREADS": str(threads), "RAY_USAGE_STATS_ENABLED": "0"}
             if "FLOWRL_PLUGINS" in os.environ:
                 env["FLOWRL_PLUGINS"] = os.environ["FLOWRL_PLUGINS"]
-            transport.start(threads, self.device(plan), gpus, env)
+            transport.start(threads, device, gpus, env)
             (out_dir / "workers.json").write_text(json.dumps(transport.describe(), indent=1))
             host, port = transport.call([0], "endpoint", [()], "setup")[0]
             init = f"tcp://{host}:{port}"
