@@ -39,6 +39,14 @@ class RolloutConfig(Spec):
     temperature: float = 1.0
     top_p: float = 1.0
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
+    # How rollouts flow (None: the planner chooses; one device: sync). '+'-joined parts of
+    # sync | one_step_off | async (when generation may start) and partial, streaming:
+    # e.g. "one_step_off", "async", "partial", "partial+async", "streaming".
+    mode: str | None = None
+    staleness: int | None = None  # eta: the oldest token a trained sample may hold, in versions (None: the mode's)
+    overprovision: float = 0.25  # partial: extra prompts launched per step (APRIL)
+    chunk_tokens: int = 8  # partial/async/streaming: tokens decoded between checks (batch full, new weights)
+    stream_groups: int = 8  # streaming: prompt groups per micro-batch sent downstream while generation goes on
 
 
 class TrainConfig(Spec):
@@ -68,6 +76,10 @@ class AlgoConfig(Spec):
     vf_clip: float | None = 0.2
     vf_coef: float = 1.0
     whiten_advantages: bool = True
+    # importance weights between the proximal (old_logprobs) and behaviour (sampling) policy for
+    # tokens sampled by older weights (decoupled PPO): clip at is_cap, mask those tokens, or off
+    is_correction: Literal["clip", "mask", "off"] = "clip"
+    is_cap: float = 5.0
 
 
 class RunConfig(Spec):
@@ -110,11 +122,41 @@ class RunConfig(Spec):
                 "train.micro_batch_size",
                 "must be >= 1",
             ),
+            (self.rollout.staleness is None or self.rollout.staleness >= 0, "rollout.staleness", "must be >= 0"),
+            (self.rollout.overprovision >= 0, "rollout.overprovision", "must be >= 0"),
+            (self.rollout.chunk_tokens >= 1, "rollout.chunk_tokens", "must be >= 1"),
+            (self.rollout.stream_groups >= 1, "rollout.stream_groups", "must be >= 1"),
+            (self.algo.is_cap >= 1, "algo.is_cap", "must be >= 1"),
             (self.memory_limit_gib is None or self.memory_limit_gib > 0, "memory_limit_gib", "must be > 0"),
         ]
         for ok, field, why in checks:
             if not ok:
                 raise ConfigError(f"config field '{field}' {why}.")
+        if self.rollout.mode is not None:
+            rollout_parts(self.rollout.mode)
+
+
+ROLLOUT_STARTS = ("sync", "one_step_off", "async")  # when generation of a step may start
+ROLLOUT_FLAGS = ("partial", "streaming")
+
+
+def rollout_parts(mode: str) -> tuple[str, set[str]]:
+    """``"partial+async"`` -> ("async", {"partial"}); a ConfigError naming what is wrong."""
+    parts = [p.strip() for p in mode.split("+") if p.strip()]
+    known = (*ROLLOUT_STARTS, *ROLLOUT_FLAGS)
+    for p in parts:
+        if p not in known:
+            raise ConfigError(
+                f"config field 'rollout.mode': unknown part '{p}'.{did_you_mean(p, known)} A mode joins with '+' one "
+                f"of {', '.join(ROLLOUT_STARTS)} and any of {', '.join(ROLLOUT_FLAGS)} (e.g. 'partial+async')."
+            )
+    starts = [p for p in parts if p in ROLLOUT_STARTS]
+    if len(starts) > 1 or not parts:
+        raise ConfigError(
+            f"config field 'rollout.mode' is '{mode}': name at most one of {', '.join(ROLLOUT_STARTS)} "
+            "(plus partial and/or streaming)."
+        )
+    return (starts[0] if starts else "sync"), {p for p in parts if p in ROLLOUT_FLAGS}
 
 
 # ------------------------------------------------------------------ loading

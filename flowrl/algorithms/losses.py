@@ -22,6 +22,7 @@ from flowrl.algorithms.advantages import masked_mean
 __all__ = [
     "KL_KINDS",
     "kl_penalty",
+    "behaviour_weights",
     "ppo_policy_loss",
     "value_loss",
 ]
@@ -63,8 +64,13 @@ def ppo_policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped PPO surrogate loss, token-mean aggregated.
+
+    ``weights`` ([B, T], no gradient): a per-token factor on loss_t, e.g. the importance weight
+    between the proximal policy (``old_logprobs``) and the behaviour policy that sampled the
+    token (decoupled PPO); 0 drops a token from the sum but not from the token count.
 
     ratio  = exp(logprobs - old_logprobs)
     pg1    = -A * ratio
@@ -93,6 +99,8 @@ def ppo_policy_loss(
     if dual_clip is not None:
         pg3 = -adv * dual_clip
         loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, pg3), loss_tok)
+    if weights is not None:
+        loss_tok = loss_tok * _zero_pad(weights.to(loss_tok.dtype), m)
     loss = masked_mean(loss_tok, m)
 
     with torch.no_grad():
@@ -102,6 +110,45 @@ def ppo_policy_loss(
             "ratio_mean": masked_mean(ratio, m).item(),
         }
     return loss, stats
+
+
+def behaviour_weights(
+    old_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    versions: Tensor,
+    version: int,
+    mask: Tensor,
+    correction: str = "clip",
+    cap: float = 5.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """Importance weights pi_prox / pi_behav for tokens sampled by older weights (decoupled PPO,
+    as AReaL): tokens whose ``versions`` entry equals the policy's ``version`` are on-policy and
+    weigh exactly 1; the others weigh exp(old - behaviour), clipped at ``cap`` (``clip``), or 0
+    (``mask``: off-policy tokens dropped), or 1 (``off``).
+
+    Stats: ``offpolicy_frac`` (fraction of valid tokens sampled by older weights), ``is_mean`` and
+    ``is_max`` (over valid tokens, before clipping), ``is_clipfrac`` (tokens whose weight was changed).
+    """
+    m = _as_bool(mask)
+    stale = m & (versions.to(old_logprobs.device) != version)
+    raw = torch.exp(_zero_pad(old_logprobs - behaviour_logprobs.to(old_logprobs.dtype), stale))
+    raw = torch.where(stale, raw, torch.ones_like(raw))
+    if correction == "clip":
+        w = torch.clamp(raw, max=cap)
+    elif correction == "mask":
+        w = torch.where(stale, torch.zeros_like(raw), raw)
+    elif correction == "off":
+        w = torch.ones_like(raw)
+    else:
+        raise ValueError(f"unknown importance-weight correction {correction!r}; valid: clip, mask, off")
+    valid = m.to(raw.dtype)
+    stats = {
+        "offpolicy_frac": masked_mean(stale.to(raw.dtype), m).item(),
+        "is_mean": masked_mean(raw, m).item(),
+        "is_max": float((raw * valid).max()) if bool(m.any()) else 1.0,
+        "is_clipfrac": masked_mean((w != raw).to(raw.dtype), m).item(),
+    }
+    return w.detach(), stats
 
 
 def value_loss(

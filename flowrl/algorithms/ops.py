@@ -102,8 +102,21 @@ def reinforce_pp_op(
 
 
 def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
-    """PPO-clip (clip-higher, dual-clip) + beta * KL(pi || ref) when the node reads ref_logprobs (metric ``kl``)."""
-    mask = sequences_in(batch, "loss 'ppo'").response_mask
+    """PPO-clip (clip-higher, dual-clip) + beta * KL(pi || ref) when the node reads ref_logprobs (metric ``kl``);
+    tokens sampled by older weights weigh pi_prox / pi_behav (``algo.is_correction``, decoupled PPO)."""
+    seqs = sequences_in(batch, "loss 'ppo'")
+    mask = seqs.response_mask
+    weights, is_stats = None, {}
+    if seqs.logprobs is not None and seqs.versions is not None and "policy_version" in batch:
+        weights, is_stats = losses.behaviour_weights(
+            batch["old_logprobs"],
+            seqs.logprobs,
+            seqs.versions,
+            int(batch["policy_version"]),
+            mask,
+            algo.is_correction,
+            algo.is_cap,
+        )
     loss, stats = losses.ppo_policy_loss(
         logprobs,
         batch["old_logprobs"],
@@ -112,7 +125,9 @@ def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, 
         clip_low=algo.clip_low,
         clip_high=algo.clip_high,
         dual_clip=algo.dual_clip,
+        weights=weights,
     )
+    stats.update(is_stats)
     if "ref_logprobs" in batch:
         kl = adv.masked_mean(losses.kl_penalty(logprobs, batch["ref_logprobs"], algo.kl_estimator), mask)
         stats["kl"] = float(kl.detach())

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -27,7 +28,16 @@ from flowrl.planner.cost import CostModel
 from flowrl.planner.hardware import ClusterSpec
 from flowrl.planner.modelspec import ModelSpec
 from flowrl.planner.simulate import SimResult, simulate
-from flowrl.planner.space import ClusterPlan, ModelLayout, Prediction, Roles, Skeleton, layouts, skeletons
+from flowrl.planner.space import (
+    ClusterPlan,
+    ModelLayout,
+    Prediction,
+    Roles,
+    RolloutPolicy,
+    Skeleton,
+    layouts,
+    skeletons,
+)
 from flowrl.planner.workload import WorkloadSpec, mean_length
 
 RAW_FACTOR = 25  # exhaustive search checks at most this many combinations per fitting plan it may keep
@@ -75,8 +85,13 @@ def roles_of(graph: Graph) -> Roles:
     )
 
 
-def _pinned(sks: list[Skeleton], placement: str | None, weight_sync: str | None) -> list[Skeleton]:
-    """The skeletons with the pinned placement and sync strategy; a PlanError naming what exists if none."""
+def _pinned(
+    sks: list[Skeleton], placement: str | None, weight_sync: str | None, rollout: RolloutPolicy | None = None
+) -> list[Skeleton]:
+    """The skeletons with the pinned placement and sync strategy (a PlanError naming what exists if
+    none), and with the pinned rollout policy in place of the space's."""
+    if rollout is not None:
+        sks = list({dataclasses.replace(sk, rollout=rollout): None for sk in sks})
     for what, value, of in (
         ("placement", placement, lambda sk: sk.placement),
         ("weight sync", weight_sync, lambda sk: sk.weight_sync.strategy),
@@ -265,13 +280,14 @@ class Tuner:
         keep: int = 8,
         placement: str | None = None,
         weight_sync: str | None = None,
+        rollout: RolloutPolicy | None = None,
     ) -> TuneResult:
-        """The ranked plans of the cluster; ``placement`` / ``weight_sync`` pin those choices."""
+        """The ranked plans of the cluster; ``placement`` / ``weight_sync`` / ``rollout`` pin those choices."""
         t0 = time.perf_counter()
         sks = skeletons(
             self.roles, self.cluster.devices, self.cluster.devices_per_node, self.model.heads, self.model.kv_heads
         )
-        sks = _pinned(sks, placement, weight_sync)
+        sks = _pinned(sks, placement, weight_sync, rollout)
         caps = self.capabilities
         if caps is not None:
             if caps.max_devices is not None and self.cluster.devices > caps.max_devices:

@@ -21,6 +21,7 @@ class Capabilities(Spec):
     placements: tuple[Placement, ...] = ("colocate", "split", "standalone", "disaggregated")
     rollout_modes: tuple[RolloutMode, ...] = ("sync", "one_step_off", "async")
     partial_rollouts: bool = True
+    streaming: bool = True  # scoring nodes on finished groups while generation goes on
     weight_sync: tuple[SyncStrategy, ...] = ("reshard", "full", "bucketed", "sparse")
     model_parallel: bool = True  # tp or pp > 1
     optimizer_offload: bool = True
@@ -35,6 +36,7 @@ def supports(
         placement in caps.placements
         and rollout.mode in caps.rollout_modes
         and (caps.partial_rollouts or not rollout.partial)
+        and (caps.streaming or not rollout.streaming)
         and sync.strategy in caps.weight_sync
         and (caps.model_parallel or generation_tp == 1)
     )
@@ -57,6 +59,8 @@ def unsupported(caps: Capabilities, layout: ClusterPlan, devices: int) -> list[s
         out.append(f"rollout mode '{layout.rollout.mode}' (runs: {', '.join(caps.rollout_modes)})")
     if layout.rollout.partial and not caps.partial_rollouts:
         out.append("partial rollouts")
+    if layout.rollout.streaming and not caps.streaming:
+        out.append("streaming rollouts")
     if layout.weight_sync.strategy not in caps.weight_sync:
         out.append(f"weight sync '{layout.weight_sync.strategy}' (runs: {', '.join(caps.weight_sync)})")
     for m in layout.models:

@@ -35,7 +35,7 @@ from flowrl.planner.space import (
     WeightSync,
 )
 from flowrl.planner.workload import Fixed, WorkloadSpec
-from flowrl.specs import AlgoConfig
+from flowrl.specs import AlgoConfig, RolloutConfig, rollout_parts
 
 if TYPE_CHECKING:
     from flowrl.plugins.manager import Registry
@@ -228,6 +228,29 @@ def colocated(graph: Graph, workload: WorkloadSpec, micro_batch: int | None = No
     )
 
 
+def rollout_policy(rollout: RolloutConfig) -> RolloutPolicy | None:
+    """The policy ``rollout.mode`` asks for (None: the tuner chooses)."""
+    if rollout.mode is None:
+        return None
+    start, flags = rollout_parts(rollout.mode)
+    partial = "partial" in flags
+    eta = rollout.staleness
+    if eta is None:  # the mode's own: on-policy when sync, else one version, and one more when partial
+        eta = (start != "sync") + partial
+    if partial and eta < 1:
+        raise PlanError(
+            "rollout.mode has 'partial': unfinished responses continue under the next weights, so their oldest "
+            "tokens are one version old; set rollout.staleness >= 1 (or leave it unset)."
+        )
+    return RolloutPolicy(
+        mode=start,  # type: ignore[arg-type]
+        staleness=eta,
+        partial=partial,
+        overprovision=rollout.overprovision if partial else 0.0,
+        streaming="streaming" in flags,
+    )
+
+
 def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     """Place models on device groups (for a backend's one device: the colocated layout; else: the tuner's best).
 
@@ -263,8 +286,13 @@ def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     pins = {k: opts.get(k) for k in ("placement", "weight_sync")}
     if single is not None and any(pins.values()):
         raise PlanError("--placement / --sync choose among cluster plans; this plan is for one device.")
+    policy = rollout_policy(plan.config.rollout)
+    if single is not None and policy is not None:
+        single = msgspec.structs.replace(single, rollout=policy)
     result = (
-        tuner.single(single) if single is not None else tuner.search(budget_s=float(opts.get("budget_s", 8.0)), **pins)
+        tuner.single(single)
+        if single is not None
+        else tuner.search(budget_s=float(opts.get("budget_s", 8.0)), rollout=policy, **pins)
     )
     ctx.cache["tune"] = result
     return _replace(plan, layout=result.best)

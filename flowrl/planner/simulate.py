@@ -5,7 +5,7 @@ time (colocated models time-share), different groups run concurrently. Response 
 sampled from the workload every iteration, so a long tail costs what it costs: a replica
 decodes until its longest response ends, with its live batch shrinking as responses finish.
 Rollout policies change the dependencies: generation of step k needs the weights of step
-k-1-staleness, and partial rollouts stop once the batch is full and resume the rest later.
+k-1-lead (the policy's lead: 0 sync, 1 one-step-off, eta async), and partial rollouts stop once the batch is full and resume the rest later.
 """
 
 from __future__ import annotations
@@ -157,8 +157,8 @@ def simulate(
     rng = np.random.default_rng(seed)
     order = graph.order()
     gen = Generator(plan, cost, workload, static_gen_bytes, rng, sampled_replicas, numerics)
-    stale = plan.rollout.staleness
-    warm = 1 + stale  # iterations before the pipeline of rollouts is full
+    lead = plan.rollout.lead
+    warm = 1 + lead  # iterations before the pipeline of rollouts is full
     iterations = max(iterations, warm + 2)
     free: dict[str, float] = {g.name: 0.0 for g in plan.groups}
     busy: dict[str, float] = {g.name: 0.0 for g in plan.groups}
@@ -201,13 +201,13 @@ def simulate(
             gen_flops += count * workload.prompt_length * cost.model.flops_per_token(
                 workload.prompt_length // 2
             ) + tokens * cost.model.flops_per_token(seq_len)
-            need = it - 1 - stale
+            need = it - 1 - lead
             deps = [finish[(need, "weight_sync")]] if need >= 0 and (need, "weight_sync") in finish else []
             run(it, name, node_group(plan, graph, name), deps, seconds)
 
     launched = 0
     for it in range(iterations):
-        while launched <= it + stale:  # rollouts run ahead by the staleness bound
+        while launched <= it + lead:  # rollouts run ahead of training by the policy's lead
             generation(launched)
             launched += 1
         for name in order:

@@ -50,10 +50,34 @@ class GenerationLayout(Spec):
 
 
 class RolloutPolicy(Spec):
+    """How rollouts flow. ``mode`` says when generation of step k may start: ``sync`` after the
+    weights of step k-1, ``one_step_off`` one version earlier (overlapping training of step k-1),
+    ``async`` up to ``staleness`` versions earlier (one fewer when partial: continued responses
+    need that one), picking up new weights between decode chunks.
+    ``staleness`` (eta) bounds how old a trained sample's oldest token may be, in versions."""
+
     mode: RolloutMode = "sync"
-    staleness: int = 0  # generation may use weights this many versions old (0 = on-policy)
+    staleness: int = 0  # eta: generation may use weights this many versions old (0 = on-policy)
     partial: bool = False  # stop once the batch is full; unfinished responses resume next step
     overprovision: float = 0.0  # extra prompts launched when partial (APRIL)
+    streaming: bool = False  # scoring nodes start on finished groups while generation goes on
+
+    @property
+    def lead(self) -> int:
+        """How many versions ahead of training generation may start."""
+        if self.mode == "sync":
+            return 0
+        if self.mode == "one_step_off":
+            return min(self.staleness, 1)
+        return max(self.staleness - self.partial, 0)  # partial keeps one version for the responses it continues
+
+    def describe(self) -> str:
+        return (
+            self.mode
+            + (f" eta={self.staleness}" if self.staleness else "")
+            + (f" partial+{self.overprovision:.0%}" if self.partial else "")
+            + (" streaming" if self.streaming else "")
+        )
 
 
 class WeightSync(Spec):
@@ -96,11 +120,7 @@ class ClusterPlan(Spec):
             )
             gen = f" gen tp{self.generation.tp}x{self.generation.replicas}" if self.generation.group == g.name else ""
             parts.append(f"[{g.name}:{g.devices}] {descr}{gen}".rstrip())
-        roll = (
-            self.rollout.mode
-            + (f" eta={self.rollout.staleness}" if self.rollout.staleness else "")
-            + (f" partial+{self.rollout.overprovision:.0%}" if self.rollout.partial else "")
-        )
+        roll = self.rollout.describe()
         sync = self.weight_sync.strategy + (
             f"({self.weight_sync.density:.0%})" if self.weight_sync.strategy == "sparse" else ""
         )
@@ -173,7 +193,7 @@ def skeletons(
         for tp in tp_options(heads, kv_heads, per_node, g.devices):
             gen = GenerationLayout(group=gen_group, tp=tp, replicas=g.devices // tp)
             policies = [RolloutPolicy()]
-            policies.append(RolloutPolicy(partial=True, overprovision=0.25))
+            policies.append(RolloutPolicy(staleness=1, partial=True, overprovision=0.25))
             if overlap:
                 policies += [
                     RolloutPolicy(mode="one_step_off", staleness=1),

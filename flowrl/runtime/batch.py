@@ -24,7 +24,9 @@ class Sequences:
     response_mask: Tensor  # [B, R] float, 1 for generated tokens (EOS included)
     prompt_index: Tensor  # [B] long: which prompt of the step this row answers (the group)
     texts: tuple[str, ...]  # decoded responses (special tokens removed)
-    version: int = 0  # weight version of the model that generated them
+    version: int = 0  # weight version of the model that generated them (the oldest, when they span several)
+    logprobs: Tensor | None = None  # [B, R] behaviour log-prob of each response token (None: not generated here)
+    versions: Tensor | None = None  # [B, R] long: the weight version that sampled each response token
 
     def __len__(self) -> int:
         return int(self.prompt_ids.shape[0])
@@ -49,7 +51,7 @@ class Sequences:
         return int(self.response_mask.sum().item())
 
     def to(self, device: torch.device | str) -> Sequences:
-        move = lambda t: t.to(device)  # noqa: E731
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Sequences(
             prompt_ids=move(self.prompt_ids),
             prompt_mask=move(self.prompt_mask),
@@ -58,6 +60,8 @@ class Sequences:
             prompt_index=move(self.prompt_index),
             texts=self.texts,
             version=self.version,
+            logprobs=move(self.logprobs),
+            versions=move(self.versions),
         )
 
     def select(self, idx: Tensor | slice) -> Sequences:
@@ -70,6 +74,8 @@ class Sequences:
             prompt_index=self.prompt_index[idx],
             texts=tuple(self.texts[i] for i in rows),
             version=self.version,
+            logprobs=None if self.logprobs is None else self.logprobs[idx],
+            versions=None if self.versions is None else self.versions[idx],
         )
 
 

@@ -88,8 +88,18 @@ def concat_sequences(parts: Sequence[Sequences], pad_id: int, index_offsets: Seq
         response_mask=torch.cat([_pad_right(s.response_mask, r_width, 0.0) for s in parts]),
         prompt_index=torch.cat([s.prompt_index + off for s, off in zip(parts, index_offsets)]),
         texts=tuple(t for s in parts for t in s.texts),
-        version=parts[0].version,
+        version=min(s.version for s in parts),
+        logprobs=_both(parts, "logprobs", r_width, 0.0),
+        versions=_both(parts, "versions", r_width, 0),
     )
+
+
+def _both(parts: Sequence[Sequences], field: str, width: int, fill: float) -> Tensor | None:
+    """A per-token field of every part, right-padded and concatenated (None unless all have it)."""
+    values = [getattr(s, field) for s in parts]
+    if any(v is None for v in values):
+        return None
+    return torch.cat([_pad_right(v, width, fill) for v in values])
 
 
 def mean_stats(parts: Sequence[dict[str, float]]) -> dict[str, float]:

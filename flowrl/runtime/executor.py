@@ -14,24 +14,24 @@ model is built.
 
 from __future__ import annotations
 
-import contextvars
 import random
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from flowrl.errors import PlanError
-from flowrl.graph.ir import Graph, Train
+from flowrl.graph.ir import Generate, Graph, Train
 from flowrl.planner.capabilities import Capabilities, unsupported
 from flowrl.planner.passes import node_options, verify_plan
 from flowrl.planner.plan import ExecutionPlan, dump_plan
+from flowrl.planner.space import RolloutPolicy
 from flowrl.runtime.groups import CURRENT_TASK, GenerationGroup, InProcessTransport, TrainingGroup, Transport
+from flowrl.runtime.pipeline import Pipeline, StepState
 from flowrl.runtime.protocols import RunResult
+from flowrl.runtime.rollout import StepRollout
 from flowrl.runtime.schedule import Schedule, Task, lower
 from flowrl.runtime.trace import Trace
 from flowrl.runtime.worker import Worker
@@ -188,15 +188,30 @@ class PlanExecutor:
                 micro_batch={n.node: n.micro_batch_size for n in plan.nodes},
                 seed=cfg.seed,
             )
+            policy = plan.layout.rollout if plan.layout is not None else RolloutPolicy()
+            sources = {
+                t.name: self._source(graph, t.name, generators[t.model], policy, cfg, task, prompt_rng, built)
+                for t in schedule.tasks
+                if t.kind == "generate"
+            }
+            self.sources = sources  # for tools and tests: the rollout buffers
+            last = [time.perf_counter()]
             with (out_dir / "metrics.jsonl").open("w") as fh:
-                for step in range(cfg.steps):
-                    prompts = task.prompts(prompt_rng, cfg.rollout.prompts_per_step)
-                    record = self._step(rt, schedule, transport, trace, step, prompts)
+
+                def on_done(step: int, state: StepState) -> None:
+                    record = _record(schedule, step, state.outputs, time.perf_counter() - last[0])
+                    last[0] = time.perf_counter()
+                    trace.add_workers(transport.spans())
                     fh.write(msgspec.json.encode(record).decode() + "\n")
                     fh.flush()
                     result.metrics.append(record)
                     if on_step is not None:
                         on_step(record)
+
+                def prompts(step: int) -> list[Any] | None:
+                    return None if policy.partial else task.prompts(prompt_rng, cfg.rollout.prompts_per_step)
+
+                Pipeline(rt, schedule, policy, sources, prompts, trace, transport, run_task).run(cfg.steps, on_done)
             if cfg.checkpoint:
                 CURRENT_TASK.set("checkpoint")
                 for name, engine in trainers.items():
@@ -217,34 +232,59 @@ class PlanExecutor:
             plot_rewards(result.metrics, out_dir / "reward.png", title=f"{graph.name} on {cfg.task}")
         return result
 
-    def _step(
-        self, rt: NodeRuntime, schedule: Schedule, transport: Transport, trace: Trace, step: int, prompts: list[Any]
-    ) -> dict[str, Any]:
-        from flowrl.runtime.nodes import HEADLINE
+    def _source(
+        self,
+        graph: Graph,
+        node: str,
+        generator: GenerationGroup,
+        policy: RolloutPolicy,
+        cfg: Any,
+        task: Any,
+        prompt_rng: random.Random,
+        built: dict[str, Any],
+    ) -> StepRollout:
+        gen = graph.nodes[node]
+        assert isinstance(gen, Generate)
+        return StepRollout(
+            model=gen.model,
+            generator=generator,
+            n=1 if gen.greedy else gen.n,
+            greedy=gen.greedy,
+            policy=policy,
+            prompts_per_step=cfg.rollout.prompts_per_step,
+            chunk_tokens=cfg.rollout.chunk_tokens,
+            stream_groups=cfg.rollout.stream_groups,
+            pad_id=_pad_id(built[gen.model][0]),
+            draw=lambda n: task.prompts(prompt_rng, n),
+        )
 
-        t0 = time.perf_counter()
-        transport.iteration = step
-        outputs = run_iteration(rt, schedule, {"prompts": prompts}, trace, step)
-        record: dict[str, Any] = {"step": step}
-        spans: dict[str, float] = {}
-        tokens, gen_seconds = 0, 0.0
-        for task in schedule.tasks:  # metrics in schedule order, so headline metrics do not depend on timing
-            seconds, metrics = outputs[task.name]
-            spans[task.name] = round(seconds, 5)
-            if task.kind == "generate":
-                tokens += int(metrics["tokens"])
-                gen_seconds += seconds
-            for key, value in metrics.items():
-                record[f"{task.name}/{key}"] = value
-                if key in HEADLINE:
-                    record.setdefault(key, value)
-        record.setdefault("reward", None)
-        record["tokens"] = tokens
-        record["tokens_per_s"] = round(tokens / max(gen_seconds, 1e-9), 1)
-        record["step_seconds"] = round(time.perf_counter() - t0, 5)
-        record["spans"] = spans
-        trace.add_workers(transport.spans())
-        return record
+
+def _record(
+    schedule: Schedule, step: int, outputs: dict[str, tuple[float, dict[str, Any]]], seconds: float
+) -> dict[str, Any]:
+    """One step's metrics line: every task's metrics (prefixed by its name), the headline metrics,
+    generated tokens and the step's wall-clock (since the step before it ended)."""
+    from flowrl.runtime.nodes import HEADLINE
+
+    record: dict[str, Any] = {"step": step}
+    spans: dict[str, float] = {}
+    tokens, gen_seconds = 0, 0.0
+    for task in schedule.tasks:  # metrics in schedule order, so headline metrics do not depend on timing
+        took, metrics = outputs[task.name]
+        spans[task.name] = round(took, 5)
+        if task.kind == "generate":
+            tokens += int(metrics["tokens"])
+            gen_seconds += took
+        for key, value in metrics.items():
+            record[f"{task.name}/{key}"] = value
+            if key in HEADLINE:
+                record.setdefault(key, value)
+    record.setdefault("reward", None)
+    record["tokens"] = tokens
+    record["tokens_per_s"] = round(tokens / max(gen_seconds, 1e-9), 1)
+    record["step_seconds"] = round(seconds, 5)
+    record["spans"] = spans
+    return record
 
 
 def _pad_id(tokenizer: Any) -> int:
@@ -267,45 +307,3 @@ def run_task(rt: NodeRuntime, task: Task, batch: dict[str, Any]) -> tuple[dict[s
         gen.version = trainer.version
         return {}, {"bytes": max(s["bytes"] for s in stats), "strategy": task.strategy}
     return run_node(rt, task.name, batch)
-
-
-def run_iteration(
-    rt: NodeRuntime, schedule: Schedule, batch: dict[str, Any], trace: Trace, step: int
-) -> dict[str, tuple[float, dict[str, Any]]]:
-    """Run one iteration's tasks as a dataflow: a task starts once its dependencies are done and
-    its device groups are free; tasks on different groups (and controller tasks) run at once.
-    Returns (seconds, metrics) per task. The first failure stops the iteration."""
-    pending = list(schedule.tasks)
-    done: dict[str, tuple[float, dict[str, Any]]] = {}
-    busy: set[str] = set()
-    running: dict[Future, Task] = {}
-    lock = threading.Lock()
-
-    def work(task: Task) -> tuple[float, dict[str, Any]]:
-        CURRENT_TASK.set(task.name)
-        with lock:
-            view = {k: batch[k] for k in rt.graph.nodes[task.name].reads} if task.kind != "sync" else {}
-        start = time.time()
-        out, metrics = run_task(rt, task, view)
-        end = time.time()
-        with lock:
-            batch.update(out)
-        trace.add(task.name, task.groups or ("controller",), start, end, step)
-        return end - start, metrics
-
-    pool = ThreadPoolExecutor(max_workers=len(schedule.groups) + 2, thread_name_prefix="flowrl-task")
-    try:
-        while pending or running:
-            for task in list(pending):
-                if all(d in done for d in task.deps) and not busy.intersection(task.groups):
-                    pending.remove(task)
-                    busy.update(task.groups)
-                    running[pool.submit(contextvars.copy_context().run, work, task)] = task
-            finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
-            for fut in finished:
-                task = running.pop(fut)
-                busy.difference_update(task.groups)
-                done[task.name] = fut.result()  # raises the task's error
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-    return done

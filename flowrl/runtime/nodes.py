@@ -121,12 +121,15 @@ def _generate(rt: NodeRuntime, node: Generate, inputs: dict[str, Any]) -> tuple[
     )
     seqs = rollout.sequences
     out = dict(zip(node.writes, (seqs, rollout.logprobs)))
-    metrics = {
-        "tokens": seqs.num_tokens(),
-        "response_length": round(float(seqs.response_lengths.float().mean()), 3),
+    return out, {"tokens": seqs.num_tokens(), **generate_metrics(prompts, seqs)}
+
+
+def generate_metrics(prompts: list[Any], seqs: Sequences) -> dict[str, Any]:
+    """What a generate node reports about its responses: mean length and one sample."""
+    return {
+        "response_length": round(float(seqs.response_lengths.float().mean()), 3) if len(seqs) else 0.0,
         "sample": f"{prompts[int(seqs.prompt_index[0])].text}{seqs.texts[0]}" if len(seqs) else "",
     }
-    return out, metrics
 
 
 def _forward(rt: NodeRuntime, node: Forward, inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -182,6 +185,9 @@ def _train(
         algo=algo,
         generator=rt.fresh_generator(node.name),
     )
-    stats = rt.trainers[node.model].train(rt.functions["losses"][node.loss], inputs, step)
+    trainer = rt.trainers[node.model]
+    # the version the batch's proximal log-probs were computed with: tokens it sampled are on-policy
+    inputs = {**inputs, "policy_version": trainer.version}
+    stats = trainer.train(rt.functions["losses"][node.loss], inputs, step)
     stats = {k: round(v, 6) for k, v in stats.items()}
     return ({node.writes[0]: stats} if node.writes else {}), stats

@@ -29,8 +29,9 @@ class LocalExecutor(PlanExecutor):
     capabilities = Capabilities(
         max_devices=1,
         placements=("colocate",),
-        rollout_modes=("sync",),
-        partial_rollouts=False,
+        rollout_modes=("sync", "one_step_off", "async"),
+        partial_rollouts=True,
+        streaming=True,
         weight_sync=("reshard",),
         model_parallel=False,
         optimizer_offload=False,

@@ -69,8 +69,9 @@ class RayExecutor(PlanExecutor):
     capabilities = Capabilities(
         max_devices=None,
         placements=("colocate", "split", "standalone", "disaggregated"),
-        rollout_modes=("sync",),
-        partial_rollouts=False,
+        rollout_modes=("sync", "one_step_off", "async"),
+        partial_rollouts=True,
+        streaming=True,
         weight_sync=("reshard", "full", "bucketed", "sparse"),
         model_parallel=False,
         optimizer_offload=False,

@@ -1,0 +1,328 @@
+"""The steps of a schedule run as one dataflow across iterations, under the plan's rollout policy.
+
+Each step instantiates the schedule's tasks as units. Within a step a unit waits for the tasks
+it reads from; across steps:
+
+- the training side (every task but generation) of step k runs after that of step k-1, so
+  each train step sees the weights the one before it made;
+- generation of step k runs after generation of step k-1 and after the weights of step
+  k-1-lead are published (the sync task, or the train step when generation uses the trained
+  weights in place). The policy's lead is 0 when sync, 1 one-step-off, eta async: rollouts run
+  ahead of training by that many versions.
+
+A device group runs one unit at a time; when several are ready, weight publication goes first,
+then the earliest step (generation of step k counts as step k-lead). Generation decodes in
+chunks when the policy needs it (partial, async, streaming): after each chunk the unit yields;
+async generation then gives its groups back, so a weight sync can slip in and later chunks
+sample with the new weights (interruptible generation); streaming starts the scoring nodes
+(reward, forward) on each part of finished groups while generation goes on, and gathers their
+outputs once generation is done.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flowrl.graph.ir import Forward, Generate, Graph, Reward
+from flowrl.planner.space import RolloutPolicy
+from flowrl.runtime.batch import Sequences
+from flowrl.runtime.dispatch import concat_rows, concat_sequences
+from flowrl.runtime.groups import CURRENT_TASK
+from flowrl.runtime.nodes import NodeRuntime, generate_metrics, run_node
+from flowrl.runtime.rollout import Chunk, StepRollout
+from flowrl.runtime.schedule import Schedule, Task
+from flowrl.runtime.trace import Trace
+
+
+def streamed_nodes(graph: Graph) -> set[str]:
+    """Nodes that can run on parts of a step's responses: reward and forward (scoring) nodes
+    reading only graph inputs, what generation writes, and what other such nodes write."""
+    gen_keys = {k for n in graph.nodes.values() if isinstance(n, Generate) for k in n.writes}
+    known = set(graph.inputs) | gen_keys
+    out: set[str] = set()
+    for name in graph.order():
+        node = graph.nodes[name]
+        if (
+            isinstance(node, (Forward, Reward))
+            and set(node.reads) <= known
+            and set(node.reads) & (gen_keys | {k for m in out for k in graph.nodes[m].writes})
+        ):
+            out.add(name)
+            known |= set(node.writes)
+    return out
+
+
+@dataclass(eq=False)
+class Unit:
+    step: int
+    task: Task
+    name: str  # the task's name, "<node>#<part>" for a streamed part
+    key: tuple[Any, ...]  # priority (lowest first)
+    deps: list[tuple[int, str]]
+    part: int | None = None
+    gather: bool = False  # collects a streamed node's parts (on the controller)
+    coro: Iterator[Chunk] | None = None
+    seconds: float = 0.0
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        return () if self.gather else self.task.groups
+
+
+@dataclass
+class StepState:
+    batch: dict[str, Any]
+    units: int = 0
+    done: int = 0
+    outputs: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
+    parts: dict[str, dict[int, Any]] = field(default_factory=dict)  # key -> part -> value (streaming)
+    part_metrics: dict[str, dict[int, tuple[int, dict[str, Any]]]] = field(default_factory=dict)
+    end: float = 0.0
+
+
+class Pipeline:
+    """Runs the steps of ``schedule``; ``on_step(step, state)`` is called in step order."""
+
+    def __init__(
+        self,
+        rt: NodeRuntime,
+        schedule: Schedule,
+        policy: RolloutPolicy,
+        sources: dict[str, StepRollout],
+        prompts: Callable[[int], list[Any] | None],
+        trace: Trace,
+        transport: Any,
+        run_task: Callable[[NodeRuntime, Task, dict[str, Any]], tuple[dict[str, Any], dict[str, Any]]],
+    ) -> None:
+        self.rt, self.schedule, self.policy, self.sources = rt, schedule, policy, sources
+        self.prompts, self.trace, self.transport, self.run_task = prompts, trace, transport, run_task
+        graph = rt.graph
+        self.order = {t.name: i for i, t in enumerate(schedule.tasks)}
+        self.streamed = streamed_nodes(graph) if policy.streaming else set()
+        self.training_side = [t.name for t in schedule.tasks if t.kind != "generate"]
+        self.publish: dict[str, str] = {}  # model -> the task after which generation can read its new weights
+        for t in schedule.tasks:
+            if t.kind == "train" and t.model is not None:
+                self.publish.setdefault(t.model, t.name)
+            if t.kind == "sync" and t.model is not None:
+                self.publish[t.model] = t.name
+        in_place = {m.model for m in schedule.models if m.in_place}
+        self.urgent = {
+            t.name for t in schedule.tasks if t.kind == "sync" or (t.kind == "train" and t.model in in_place)
+        }
+        # partial rollouts choose a step's prompts while generating: readers of the inputs wait for generation
+        self.after_generation = (
+            {
+                t.name
+                for t in schedule.tasks
+                if t.kind != "generate" and set(graph.nodes[t.name].reads) & set(graph.inputs)
+            }
+            if policy.partial
+            else set()
+        )
+        self.version0 = {m: rt.trainers[m].version for m in rt.trainers}
+        self.sources_of = {s.model for s in sources.values()}
+
+    # ------------------------------------------------------------ units
+    def _units(self, step: int) -> list[Unit]:
+        lead = self.policy.lead
+        units = []
+        for t in self.schedule.tasks:
+            deps = [(step, d) for d in t.deps]
+            if t.kind == "generate":
+                if step > 0:
+                    deps.append((step - 1, t.name))
+                weights = step - 1 - lead
+                if t.model in self.publish and weights >= 0:
+                    deps.append((weights, self.publish[t.model]))
+                key: tuple[Any, ...] = (1, step - lead, self.order[t.name])
+            else:
+                if step > 0:
+                    deps += [(step - 1, n) for n in self.training_side]
+                if t.name in self.after_generation:
+                    deps += [(step, g.name) for g in self.schedule.tasks if g.kind == "generate"]
+                key = (0 if t.name in self.urgent else 1, step, self.order[t.name])
+            units.append(Unit(step, t, t.name, key, deps, gather=t.name in self.streamed))
+        return units
+
+    def _part_unit(self, step: int, task: Task, part: int) -> Unit:
+        deps = [(step - 1, n) for n in self.training_side] if step > 0 else []
+        deps += [(step, f"{d}#{part}") for d in task.deps if d in self.streamed]
+        return Unit(step, task, f"{task.name}#{part}", (1, step, self.order[task.name], part), deps, part=part)
+
+    # ------------------------------------------------------------ the loop
+    def run(self, steps: int, on_step: Callable[[int, StepState], None]) -> None:
+        states: dict[int, StepState] = {}
+        done: set[tuple[int, str]] = set()
+        pending: list[Unit] = []
+        running: dict[Future, Unit] = {}
+        busy: set[str] = set()
+        next_step, finished = 0, 0
+        window = self.policy.lead + 2  # steps in flight: generation runs ahead by the lead
+        pool = ThreadPoolExecutor(max_workers=len(self.schedule.groups) + 4, thread_name_prefix="flowrl-task")
+
+        def submit(unit: Unit) -> None:
+            view = self._view(unit, states[unit.step])
+            running[pool.submit(contextvars.copy_context().run, self._work, unit, view)] = unit
+
+        try:
+            while finished < steps:
+                while next_step < steps and next_step < finished + window:
+                    prompts = self.prompts(next_step)
+                    state = StepState(batch={} if prompts is None else {"prompts": prompts})
+                    units = self._units(next_step)
+                    state.units = len(units)
+                    states[next_step] = state
+                    pending += units
+                    next_step += 1
+                pending.sort(key=lambda u: u.key)
+                for unit in list(pending):
+                    if all(d in done for d in unit.deps) and not busy.intersection(unit.groups):
+                        pending.remove(unit)
+                        busy.update(unit.groups)
+                        self.transport.iteration = unit.step
+                        submit(unit)
+                if not running:  # pragma: no cover - the dependencies form no cycle
+                    raise RuntimeError(f"the pipeline stalled with {len(pending)} units waiting")
+                finished_futures, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                for fut in finished_futures:
+                    unit = running.pop(fut)
+                    state = states[unit.step]
+                    kind, value, start, end = fut.result()  # raises the unit's error
+                    unit.seconds += end - start
+                    if not unit.gather:
+                        self.trace.add(unit.task.name, unit.task.groups or ("controller",), start, end, unit.step)
+                    if kind == "chunk":
+                        self._add_parts(unit, state, value.parts, pending)
+                        if self.policy.mode == "async":  # interruptible: give the groups back between chunks
+                            busy.difference_update(unit.groups)
+                            pending.append(unit)
+                        else:
+                            submit(unit)
+                        continue
+                    busy.difference_update(unit.groups)
+                    self._finish(unit, state, value, pending)
+                    done.add((unit.step, unit.name))
+                    if unit.part is None:
+                        state.done += 1
+                while finished < next_step and states[finished].done == states[finished].units:
+                    state = states.pop(finished)
+                    state.end = time.time()
+                    on_step(finished, state)
+                    finished += 1
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------ one unit
+    def _view(self, unit: Unit, state: StepState) -> dict[str, Any]:
+        if unit.task.kind == "sync" or unit.gather:
+            return {}
+        reads = self.rt.graph.nodes[unit.task.name].reads
+        if unit.part is not None:
+            return {k: state.parts[k][unit.part] if k in state.parts else state.batch[k] for k in reads}
+        return {k: state.batch[k] for k in reads if k in state.batch}
+
+    def _work(self, unit: Unit, view: dict[str, Any]) -> tuple[str, Any, float, float]:
+        CURRENT_TASK.set(unit.task.name)
+        start = time.time()
+        if unit.task.kind == "generate":
+            if unit.coro is None:
+                source = self.sources[unit.task.name]
+                version = self.version0.get(source.model, 0) + unit.step
+                prompts = view.get(self.rt.graph.nodes[unit.task.name].reads[0])
+                unit.coro = source.run(unit.step, version, prompts, self.rt.rng(unit.task.name))
+            try:
+                chunk = next(unit.coro)
+            except StopIteration as stop:
+                return "done", stop.value, start, time.time()
+            return "chunk", chunk, start, time.time()
+        if unit.gather:
+            return "done", None, start, time.time()
+        if unit.part is not None:
+            return "done", run_node(self.rt, unit.task.name, view), start, time.time()
+        return "done", self.run_task(self.rt, unit.task, view), start, time.time()
+
+    def _add_parts(self, unit: Unit, state: StepState, parts: list[Any], pending: list[Unit]) -> None:
+        """Streamed parts of a step's responses: keep them and start the scoring nodes on them."""
+        if not self.streamed:
+            return
+        node = self.rt.graph.nodes[unit.task.name]
+        for part in parts:
+            j = len(state.parts.get(node.writes[0], {}))
+            for key, value in zip(node.writes, part):
+                state.parts.setdefault(key, {})[j] = value
+            for t in self.schedule.tasks:
+                if t.name in self.streamed:
+                    sub = self._part_unit(unit.step, t, j)
+                    pending.append(sub)
+                    gather = next(u for u in pending if u.gather and u.step == unit.step and u.name == t.name)
+                    gather.deps.append((unit.step, sub.name))
+
+    def _finish(self, unit: Unit, state: StepState, value: Any, pending: list[Unit]) -> None:
+        task = unit.task
+        if task.kind == "generate":
+            prompts, seqs, logprobs, metrics, parts = value
+            node = self.rt.graph.nodes[task.name]
+            self._add_parts(unit, state, parts[len(state.parts.get(node.writes[0], {})) :], pending)
+            if prompts is not None:
+                state.batch[node.reads[0]] = prompts
+            state.batch.update(zip(node.writes, (seqs, logprobs)))
+            state.outputs[task.name] = (
+                unit.seconds,
+                {**generate_metrics(state.batch[node.reads[0]], seqs), **metrics},
+            )
+        elif unit.part is not None:
+            out, metrics = value
+            for key, v in out.items():
+                state.parts.setdefault(key, {})[unit.part] = v
+            state.part_metrics.setdefault(task.name, {})[unit.part] = (unit.seconds, metrics)
+        elif unit.gather:
+            self._gather(task, state)
+        else:
+            out, metrics = value
+            state.batch.update(out)
+            state.outputs[task.name] = (unit.seconds, metrics)
+            if (
+                task.kind == "train"
+                and self.publish.get(task.model or "") == task.name
+                and task.model in self.sources_of
+            ):
+                # generation samples with these weights in place: they are the next version
+                self.rt.generators[task.model].version = self.rt.trainers[task.model].version
+
+    def _gather(self, task: Task, state: StepState) -> None:
+        """A streamed node's outputs: its parts' values concatenated in part order; numeric metrics
+        averaged over parts weighted by their rows; seconds summed."""
+        node = self.rt.graph.nodes[task.name]
+        first = node.writes[0]
+        order = sorted(state.parts[first])
+        for key in node.writes:
+            values = [state.parts[key][j] for j in order]
+            state.batch[key] = _concat(values, self.rt)
+        sizes = [len(state.parts[first][j]) for j in order]
+        runs = state.part_metrics.get(task.name, {})
+        seconds = sum(runs[j][0] for j in order)
+        metrics: dict[str, Any] = {}
+        for name in dict.fromkeys(k for j in order for k in runs[j][1]):
+            vals = [(runs[j][1][name], n) for j, n in zip(order, sizes) if name in runs[j][1]]
+            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v, _ in vals):
+                metrics[name] = round(sum(v * n for v, n in vals) / max(sum(n for _, n in vals), 1), 6)
+            else:
+                metrics[name] = vals[0][0]
+        metrics["parts"] = len(order)
+        state.outputs[task.name] = (seconds, metrics)
+
+
+def _concat(values: list[Any], rt: NodeRuntime) -> Any:
+    if isinstance(values[0], Sequences):
+        return concat_sequences(values, 0, [0] * len(values))
+    if isinstance(values[0], torch.Tensor):
+        return concat_rows(values)
+    return [x for v in values for x in v]

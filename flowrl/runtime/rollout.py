@@ -1,0 +1,322 @@
+"""Rollouts under a rollout policy: the versioned rollout buffer and the generation of one step.
+
+Every generated token carries the weight version that sampled it and its behaviour log-prob
+(`Sequences.versions`, `Sequences.logprobs`), so a response may span versions: generation
+picks up new weights between decode chunks (async), and a partial rollout continues next step
+from the tokens it has (APRIL). `RolloutBuffer` holds the responses in flight and enforces the
+staleness bound eta: a sample trained at version v never holds a token older than v - eta; a
+row that would is restarted from its prompt (its prompt is kept: none is lost or used twice).
+
+`StepRollout.run` is one generate node's work for one step, as a coroutine: it yields after
+each decode chunk (with the groups that finished, for streaming) and returns the step's batch.
+Without partial, async or streaming it is one plain `generate` call, exactly as before.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from flowrl.errors import BackendError
+from flowrl.planner.space import RolloutPolicy
+from flowrl.runtime.batch import Sequences
+from flowrl.runtime.dispatch import concat_sequences
+from flowrl.runtime.protocols import Rollout
+from flowrl.tasks.builtin import Prompt
+
+
+@dataclass
+class Row:
+    """One response in flight: its prompt's group and its tokens so far, each with the version
+    that sampled it and its behaviour log-prob."""
+
+    group: int  # the prompt's number in the run's prompt stream
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    done_at: int = -1  # when it finished (the buffer's chunk clock): batches take groups in finish order
+    started: int = 0  # the step whose generation sampled its first token
+
+    def oldest(self) -> int | None:
+        return min(self.versions) if self.versions else None
+
+    def restart(self, step: int) -> None:
+        self.tokens, self.logprobs, self.versions = [], [], []
+        self.text, self.finished, self.done_at, self.started = "", False, -1, step
+
+
+@dataclass
+class RolloutBuffer:
+    """The rows in flight of one generate node, grouped by prompt (``samples`` rows a group)."""
+
+    eta: int  # staleness bound
+    samples: int
+    rows: list[Row] = field(default_factory=list)
+    prompts: dict[int, Prompt] = field(default_factory=dict)  # group -> prompt, while in flight
+    drawn: int = 0  # prompts taken from the stream so far (group numbers 0 .. drawn-1)
+    taken: list[int] = field(default_factory=list)  # groups handed to training, in order
+    restarts: int = 0
+    clock: int = 0
+
+    def add(self, prompts: Sequence[Prompt]) -> list[int]:
+        """New groups for ``prompts`` (their rows come from the engine); their group numbers."""
+        groups = list(range(self.drawn, self.drawn + len(prompts)))
+        self.prompts.update(zip(groups, prompts))
+        self.drawn += len(prompts)
+        return groups
+
+    def groups(self) -> list[int]:
+        return list(dict.fromkeys(r.group for r in self.rows))
+
+    def enforce(self, version: int, step: int) -> int:
+        """Restart every unfinished or untaken row holding a token older than ``version - eta``
+        (rows trained at ``version`` may be at most eta versions old); how many restarted."""
+        n = 0
+        for row in self.rows:
+            oldest = row.oldest()
+            if oldest is not None and oldest < version - self.eta:
+                row.restart(step)
+                n += 1
+        self.restarts += n
+        return n
+
+    def tick(self) -> None:
+        """A decode chunk ended: stamp the rows that finished in it."""
+        self.clock += 1
+        for row in self.rows:
+            if row.finished and row.done_at < 0:
+                row.done_at = self.clock
+
+    def finished_groups(self) -> list[int]:
+        """Groups whose every row has finished, in the order they finished (then by number)."""
+        by: dict[int, list[Row]] = {}
+        for row in self.rows:
+            by.setdefault(row.group, []).append(row)
+        done = [(max(r.done_at for r in rs), g) for g, rs in by.items() if all(r.finished for r in rs)]
+        return [g for _, g in sorted(done)]
+
+    def take(self, groups: Sequence[int], version: int) -> tuple[list[Prompt], list[Row]]:
+        """Hand ``groups`` to training at ``version``: their prompts and rows (grouped, in order),
+        removed from the buffer. Raises if any token is older than the bound allows."""
+        chosen = set(groups)
+        order = {g: i for i, g in enumerate(groups)}
+        rows = sorted((r for r in self.rows if r.group in chosen), key=lambda r: order[r.group])
+        for row in rows:
+            oldest = row.oldest()
+            if oldest is not None and oldest < version - self.eta:
+                raise BackendError(
+                    f"rollout buffer: a sample of prompt {row.group} holds a token of version {oldest}, older than "
+                    f"the staleness bound {self.eta} allows at version {version}."
+                )
+        self.rows = [r for r in self.rows if r.group not in chosen]
+        self.taken.extend(groups)
+        return [self.prompts.pop(g) for g in groups], rows
+
+
+# ------------------------------------------------------------------ rows <-> engine rollouts
+
+
+def rows_to_rollout(rows: Sequence[Row], pad_id: int, greedy: bool) -> Rollout:
+    """Rows as one engine `Rollout`: prompts left-padded, responses right-padded."""
+    p_width = max(len(r.prompt_ids) for r in rows)
+    r_width = max((len(r.tokens) for r in rows), default=0)
+    n = len(rows)
+    prompt_ids = torch.full((n, p_width), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((n, p_width), dtype=torch.long)
+    response_ids = torch.full((n, r_width), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((n, r_width))
+    logprobs = torch.zeros((n, r_width))
+    versions = torch.zeros((n, r_width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        p, k = len(r.prompt_ids), len(r.tokens)
+        prompt_ids[i, p_width - p :] = torch.tensor(r.prompt_ids, dtype=torch.long)
+        prompt_mask[i, p_width - p :] = 1
+        if k:
+            response_ids[i, :k] = torch.tensor(r.tokens, dtype=torch.long)
+            response_mask[i, :k] = 1.0
+            logprobs[i, :k] = torch.tensor(r.logprobs)
+            versions[i, :k] = torch.tensor(r.versions, dtype=torch.long)
+    seqs = Sequences(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        prompt_index=torch.arange(n),
+        texts=tuple(r.text for r in rows),
+        version=min((r.oldest() for r in rows if r.versions), default=0),
+        logprobs=logprobs,
+        versions=versions,
+    )
+    return Rollout(sequences=seqs, logprobs=logprobs, finished=torch.tensor([r.finished for r in rows]), greedy=greedy)
+
+
+def absorb(rows: Sequence[Row], out: Rollout, version: int) -> int:
+    """Append what the engine generated for ``rows`` (``out`` has them in order); returns the new tokens."""
+    seqs, new = out.sequences, 0
+    lengths = seqs.response_mask.sum(-1).long().tolist()
+    for i, row in enumerate(rows):
+        have, now = len(row.tokens), lengths[i]
+        if now > have:
+            row.tokens += seqs.response_ids[i, have:now].tolist()
+            row.logprobs += out.logprobs[i, have:now].tolist()
+            row.versions += [version] * (now - have)
+            new += now - have
+        row.text = seqs.texts[i]
+        row.finished = bool(out.finished[i])
+    return new
+
+
+def fresh_rows(groups: Sequence[int], out: Rollout, n: int, version: int, step: int) -> list[Row]:
+    """Rows for new groups from the engine's first call (``n`` rows a group, in order)."""
+    seqs = out.sequences
+    rows = []
+    for i in range(len(seqs)):
+        ids = seqs.prompt_ids[i][seqs.prompt_mask[i].bool()].tolist()
+        rows.append(Row(group=groups[i // n], prompt_ids=ids, started=step))
+    absorb(rows, out, version)
+    return rows
+
+
+# ------------------------------------------------------------------ one step of a generate node
+
+
+@dataclass
+class Chunk:
+    """What a generate coroutine yields after a decode chunk: parts ready for streaming."""
+
+    parts: list[tuple[Sequences, Any]]  # (responses, behaviour log-probs) of groups that finished
+
+
+@dataclass
+class StepRollout:
+    """The rollouts of one generate node across steps, under the plan's rollout policy."""
+
+    model: str
+    generator: Any  # the model's GenerationGroup
+    n: int  # samples per prompt
+    greedy: bool
+    policy: RolloutPolicy
+    prompts_per_step: int
+    chunk_tokens: int
+    stream_groups: int
+    pad_id: int
+    draw: Callable[[int], list[Prompt]]  # the next prompts of the run's stream
+    buffer: RolloutBuffer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.buffer = RolloutBuffer(eta=self.policy.staleness, samples=self.n)
+
+    @property
+    def chunked(self) -> bool:
+        """Decode in chunks (check the batch, pick up weights, stream between them)?"""
+        p = self.policy
+        return p.partial or p.streaming or p.mode == "async"
+
+    def run(self, step: int, version: int, prompts: Sequence[Prompt] | None, rng: torch.Generator) -> Iterator[Chunk]:
+        """Generate the batch trained at ``version`` (step ``step``). Yields a `Chunk` after each
+        decode chunk; returns (prompts of the batch, responses, behaviour log-probs, metrics).
+        ``prompts``: the step's prompts (None when partial: the buffer draws its own)."""
+        gen = self.generator
+        if not self.chunked:  # one call, one version
+            assert prompts is not None
+            out = gen.generate(prompts, n=self.n, greedy=self.greedy, generator=rng)
+            seqs = out.sequences
+            seqs = replace(
+                seqs,
+                version=gen.version,
+                logprobs=out.logprobs,
+                versions=torch.full_like(seqs.response_ids, gen.version) * seqs.response_mask.long(),
+            )
+            self.buffer.taken.extend(self.buffer.add(prompts))
+            self.buffer.prompts.clear()
+            metrics = self._metrics(seqs, seqs.num_tokens(), version, 0, 0)
+            return None, seqs, out.logprobs, metrics, [(seqs, out.logprobs)]
+        buf = self.buffer
+        restarted = buf.enforce(version, step)
+        carried = len(buf.groups())
+        before = {id(r): len(r.tokens) for r in buf.rows}  # tokens sampled in earlier steps (recycled)
+        want = self.prompts_per_step
+        if self.policy.partial:
+            launch = math.ceil(self.prompts_per_step * (1 + self.policy.overprovision))
+            new_prompts = self.draw(max(launch - carried, 0))
+        else:
+            new_prompts = list(prompts or ())
+        new_groups = buf.add(new_prompts)
+        mine = set(new_groups)
+        generated = 0
+        emitted: list[int] = []
+        parts: list[tuple[Sequences, Any]] = []
+        while True:
+            todo = [r for r in buf.rows if not r.finished]
+            if new_prompts:  # the first chunk of new prompts: the engine tokenises them
+                out = gen.generate(
+                    new_prompts, n=self.n, greedy=self.greedy, generator=rng, max_new_tokens=self.chunk_tokens
+                )
+                fresh = fresh_rows(new_groups, out, self.n, gen.version, step)
+                generated += sum(len(r.tokens) for r in fresh)
+                buf.rows.extend(fresh)
+                new_prompts = []
+            if todo:
+                out = gen.resume(
+                    rows_to_rollout(todo, self.pad_id, self.greedy), generator=rng, max_new_tokens=self.chunk_tokens
+                )
+                generated += absorb(todo, out, gen.version)
+            buf.tick()
+            taken = set(emitted)
+            done = [g for g in buf.finished_groups() if g not in taken and (self.policy.partial or g in mine)]
+            ready = done[: want - len(emitted)]
+            full = len(emitted) + len(ready) >= want
+            new_parts = []
+            if ready and (full or (self.policy.streaming and len(ready) >= self.stream_groups)):
+                new_parts = [self._part(ready, len(emitted), new_groups)]
+                parts += new_parts
+                emitted += ready
+            if full:
+                break
+            if all(r.finished for r in buf.rows):
+                raise BackendError(
+                    f"rollout of model '{self.model}': every response finished, but the batch is not full."
+                )
+            yield Chunk(parts=new_parts)
+        batch_prompts, rows = buf.take(emitted, version)
+        seqs = concat_sequences([p[0] for p in parts], self.pad_id, [0] * len(parts))
+        recycled = sum(before.get(id(r), 0) for r in rows)
+        metrics = self._metrics(seqs, generated, version, restarted, recycled)
+        metrics.update(carried=carried, in_flight=len(buf.groups()))
+        return (batch_prompts if self.policy.partial else None), seqs, seqs.logprobs, metrics, parts
+
+    def _part(self, groups: Sequence[int], first: int, new_groups: Sequence[int]) -> tuple[Sequences, Any]:
+        """The rows of finished ``groups`` as Sequences whose prompt_index numbers the batch's
+        prompts (partial: in the order groups are taken) or the step's own prompts (otherwise)."""
+        rows = [r for g in groups for r in self.buffer.rows if r.group == g]
+        rollout = rows_to_rollout(rows, self.pad_id, self.greedy)
+        if self.policy.partial:
+            index = {g: first + i for i, g in enumerate(groups)}
+        else:
+            index = {g: i for i, g in enumerate(new_groups)}
+        seqs = replace(rollout.sequences, prompt_index=torch.tensor([index[r.group] for r in rows]))
+        return seqs, seqs.logprobs
+
+    def _metrics(self, seqs: Sequences, generated: int, version: int, restarted: int, recycled: int) -> dict[str, Any]:
+        tokens = max(seqs.num_tokens(), 1)
+        ages = torch.zeros(len(seqs), dtype=torch.long)
+        if seqs.versions is not None and seqs.versions.numel():
+            ages = version - torch.where(seqs.response_mask.bool(), seqs.versions, version).min(-1).values
+        out: dict[str, Any] = {
+            "tokens": generated,
+            "samples": len(seqs),
+            "staleness_mean": round(float(ages.float().mean()) if len(seqs) else 0.0, 4),
+            "staleness_max": int(ages.max()) if len(seqs) else 0,
+            "recycled_tokens": round(recycled / tokens, 4),
+            "restarted": restarted,
+        }
+        for age in range(self.policy.staleness + 1):  # the staleness histogram: fraction of samples per age
+            out[f"staleness_{age}"] = round(float((ages == age).float().mean()) if len(seqs) else 0.0, 4)
+        return out
