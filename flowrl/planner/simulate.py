@@ -5,7 +5,8 @@ time (colocated models time-share), different groups run concurrently. Response 
 sampled from the workload every iteration, so a long tail costs what it costs: a replica
 decodes until its longest response ends, with its live batch shrinking as responses finish.
 Rollout policies change the dependencies: generation of step k needs the weights of step
-k-1-lead (the policy's lead: 0 sync, 1 one-step-off, eta async), and partial rollouts stop once the batch is full and resume the rest later.
+k-1-lead (the policy's lead: 0 sync, 1 one-step-off, eta async), and partial rollouts stop
+once the batch is full and resume the rest later.
 """
 
 from __future__ import annotations

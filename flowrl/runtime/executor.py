@@ -99,6 +99,13 @@ class PlanExecutor:
                 f"parameters), but its config builds '{builds.name}' ({builds.parameters() / 1e6:.1f}M); re-plan "
                 "with the model you run (--model DIR)."
             )
+        policy = plan.layout.rollout
+        generates = [n.name for n in graph.nodes.values() if isinstance(n, Generate)]
+        if (policy.partial or policy.streaming or policy.mode == "async") and len(generates) > 1:
+            raise PlanError(
+                f"rollout '{policy.describe()}' decodes in chunks for one generate node; graph '{graph.name}' has "
+                f"{len(generates)} ({', '.join(generates)}). Use rollout.mode=sync or one_step_off."
+            )
         self.registry.entry("generation_engines", cfg.generation.engine, field="generation.engine")
         self.registry.entry("training_engines", cfg.train.engine, field="train.engine")
 

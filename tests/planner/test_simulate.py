@@ -41,7 +41,7 @@ MODEL = MODEL_PRESETS["qwen2.5-1.5b"]
 CLUSTER = parse_cluster("16xA100-80G")
 
 SYNC = RolloutPolicy()
-PARTIAL = RolloutPolicy(partial=True, overprovision=0.25)
+PARTIAL = RolloutPolicy(staleness=1, partial=True, overprovision=0.25)
 ONE_STEP_OFF = RolloutPolicy(mode="one_step_off", staleness=1)
 ASYNC = RolloutPolicy(mode="async", staleness=2, partial=True, overprovision=0.25)
 BUCKETED = WeightSync(strategy="bucketed")
@@ -225,17 +225,18 @@ def test_overlapped_rollouts_are_not_faster_than_their_generation_work(policy, i
 
 
 def test_generation_waits_for_the_weights_it_is_allowed_to_use():
-    """Rollout k needs the weights of step k-1-staleness: its span starts after that weight sync."""
+    """Rollout k needs the weights of step k-1-lead (lead: the staleness bound, one less when partial
+    continues responses): its span starts after that weight sync."""
     for policy in (SYNC, ONE_STEP_OFF, ASYNC):
         res = run(disaggregated(policy), iterations=6)
         sync_end = {s.iteration: s.end for s in res.spans if s.task == "weight_sync"}
         rollouts = [s for s in res.spans if s.task == "rollout"]
-        assert len(rollouts) == 6 + policy.staleness and len(sync_end) == 6  # rollouts run ahead by the staleness bound
+        assert len(rollouts) == 6 + policy.lead and len(sync_end) == 6  # rollouts run ahead by the policy's lead
         for s in rollouts:
-            need = s.iteration - 1 - policy.staleness
+            need = s.iteration - 1 - policy.lead
             if need >= 0:
                 assert s.start >= sync_end[need] - 1e-9, (policy, s)
-        if policy.staleness:  # and it does not wait for more than that
+        if policy.lead:  # and it does not wait for more than that
             assert any(s.start < sync_end[s.iteration - 1] for s in rollouts if s.iteration >= 1), policy
 
 
