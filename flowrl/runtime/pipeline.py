@@ -122,7 +122,7 @@ class Pipeline:
             {
                 t.name
                 for t in schedule.tasks
-                if t.kind != "generate" and set(graph.nodes[t.name].reads) & set(graph.inputs)
+                if t.kind not in ("generate", "sync") and set(graph.nodes[t.name].reads) & set(graph.inputs)
             }
             if policy.partial
             else set()
