@@ -452,6 +452,21 @@ class Graph:
                 )
 
 
+def streamed_nodes(graph: Graph) -> set[str]:
+    """Nodes that can run on parts of a step's responses while generation goes on (streaming):
+    reward and forward (scoring) nodes that read what generation writes and otherwise only graph
+    inputs and what other such nodes write."""
+    gen_keys = {k for n in graph.nodes.values() if isinstance(n, Generate) for k in n.writes}
+    known = set(graph.inputs) | gen_keys
+    out: set[str] = set()
+    for name in graph.order():
+        node = graph.nodes[name]
+        if isinstance(node, (Forward, Reward)) and set(node.reads) <= known and set(node.reads) - set(graph.inputs):
+            out.add(name)
+            known |= set(node.writes)
+    return out
+
+
 def _known(models: dict[str, ModelDecl]) -> str:
     return "declared: " + (", ".join(models) if models else "none")
 

@@ -34,13 +34,12 @@ from flowrl.planner.space import (
     RolloutPolicy,
     WeightSync,
 )
-from flowrl.planner.workload import Fixed, WorkloadSpec
+from flowrl.planner.workload import Fixed, Histogram, Lengths, WorkloadSpec
 from flowrl.specs import AlgoConfig, RolloutConfig, rollout_parts
 
 if TYPE_CHECKING:
     from flowrl.plugins.manager import Registry
 
-PROMPT_LENGTH = 16  # tokens a toy-task prompt is planned with
 TRAIN_OPTIONS = ("epochs", "mini_batches")
 ALGO_FIELDS = frozenset(AlgoConfig.__struct_fields__)
 
@@ -167,16 +166,32 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     cfg = msgspec.structs.replace(cfg, rollout=rollout)
     target = plan.target
     if target.workload is None:
+        prompt_length, lengths = task_lengths(task, cfg.rollout.max_new_tokens, cfg.rollout.ignore_eos)
         workload = WorkloadSpec(
             prompts_per_step=cfg.rollout.prompts_per_step,
             samples_per_prompt=cfg.rollout.samples_per_prompt,
-            prompt_length=PROMPT_LENGTH,
-            response_length=Fixed(value=cfg.rollout.max_new_tokens),
+            prompt_length=prompt_length,
+            response_length=lengths,
             ppo_epochs=cfg.train.epochs,
             mini_batches=min(cfg.train.mini_batches, cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt),
         )
         target = msgspec.structs.replace(target, workload=workload)
     return _replace(plan, config=cfg, target=target)
+
+
+def task_lengths(task: Any, budget: int, ignore_eos: bool) -> tuple[int, Lengths]:
+    """The prompt length (tokens, with BOS) and response lengths a policy that solves ``task``
+    produces: its answers plus EOS, capped at the budget, as a histogram over 2000 drawn prompts
+    (the budget itself when EOS is ignored)."""
+    import random
+    from collections import Counter
+
+    drawn = task.prompts(random.Random(0), 2000)
+    prompt = max(len(p.text) for p in drawn) + 1
+    if ignore_eos:
+        return prompt, Fixed(value=budget)
+    counts = Counter(min(len(p.answer) + 1, budget) for p in drawn)
+    return prompt, Histogram(lengths=sorted(counts), weights=[float(counts[k]) for k in sorted(counts)])
 
 
 def _check_keys(node: str, what: str, reads: tuple[str, ...], writes: tuple[str, ...], meta: dict[str, Any]) -> None:

@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flowrl.graph.ir import Forward, Generate, Graph, Train
+from flowrl.graph.ir import Forward, Generate, Graph, Train, streamed_nodes
 from flowrl.planner.cost import CostModel
 from flowrl.planner.memory import Numerics, kv_capacity
 from flowrl.planner.space import ClusterPlan, Roles
 from flowrl.planner.workload import WorkloadSpec, mean_length, sample_lengths
 
 DRIVER_SECONDS_PER_SEQ = 2e-5  # rule-based rewards and advantage math on the controller
+STREAM_PARTS = 4  # streaming: parts a step's responses reach the scoring nodes in
 
 
 @dataclass
@@ -179,9 +180,17 @@ def simulate(
     seq_len = workload.prompt_length + int(lengths_mean)
     sequences = workload.sequences
 
+    streamed = streamed_nodes(graph) if plan.rollout.streaming else set()
+
     def run(it: int, task: str, groups: tuple[str, ...], deps: list[float], seconds: float) -> float:
         start = max([0.0, *deps, *(free[g] for g in groups)])
         end = start + seconds
+        if task in streamed and (it, "rollout_start") in finish:
+            # streaming: starts on the first finished groups and ends a part after generation
+            gen_start, gen_end = finish[(it, "rollout_start")], finish[(it, "rollout_end")]
+            others = [d for d in deps if d != gen_end]
+            start = max([gen_start, *others, *(free[g] for g in groups)])
+            end = max(start + seconds, gen_end + seconds / STREAM_PARTS)
         for g in groups:
             free[g] = end
             busy[g] += seconds
@@ -204,7 +213,8 @@ def simulate(
             ) + tokens * cost.model.flops_per_token(seq_len)
             need = it - 1 - lead
             deps = [finish[(need, "weight_sync")]] if need >= 0 and (need, "weight_sync") in finish else []
-            run(it, name, node_group(plan, graph, name), deps, seconds)
+            end = run(it, name, node_group(plan, graph, name), deps, seconds)
+            finish[(it, "rollout_start")], finish[(it, "rollout_end")] = end - seconds, end
 
     launched = 0
     for it in range(iterations):

@@ -196,6 +196,7 @@ def skeletons(
             policies.append(RolloutPolicy(staleness=1, partial=True, overprovision=0.25))
             if overlap:
                 policies += [
+                    RolloutPolicy(streaming=True),
                     RolloutPolicy(mode="one_step_off", staleness=1),
                     RolloutPolicy(mode="async", staleness=2, partial=True, overprovision=0.25),
                 ]

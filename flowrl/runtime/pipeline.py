@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from flowrl.graph.ir import Forward, Generate, Graph, Reward
+from flowrl.graph.ir import streamed_nodes
 from flowrl.planner.space import RolloutPolicy
 from flowrl.runtime.batch import Sequences
 from flowrl.runtime.dispatch import concat_rows, concat_sequences
@@ -39,24 +39,6 @@ from flowrl.runtime.nodes import NodeRuntime, generate_metrics, run_node
 from flowrl.runtime.rollout import Chunk, StepRollout
 from flowrl.runtime.schedule import Schedule, Task
 from flowrl.runtime.trace import Trace
-
-
-def streamed_nodes(graph: Graph) -> set[str]:
-    """Nodes that can run on parts of a step's responses: reward and forward (scoring) nodes
-    reading only graph inputs, what generation writes, and what other such nodes write."""
-    gen_keys = {k for n in graph.nodes.values() if isinstance(n, Generate) for k in n.writes}
-    known = set(graph.inputs) | gen_keys
-    out: set[str] = set()
-    for name in graph.order():
-        node = graph.nodes[name]
-        if (
-            isinstance(node, (Forward, Reward))
-            and set(node.reads) <= known
-            and set(node.reads) & (gen_keys | {k for m in out for k in graph.nodes[m].writes})
-        ):
-            out.add(name)
-            known |= set(node.writes)
-    return out
 
 
 @dataclass(eq=False)

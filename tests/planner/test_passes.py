@@ -201,14 +201,21 @@ def test_resolve_derives_the_workload_from_the_config(registry: Registry) -> Non
     with pytest.raises(ConfigError, match="no workload yet"):
         _ = p0.workload
     p = run_passes(graph, p0, registry, passes=("resolve",), emit=QUIET)
+    # the copy task: prompts '<s>' + at most 4 letters + '>'; answers of 1-4 letters + EOS, capped at the budget
+    assert p.workload.response_length.lengths == [2, 3, 4, 5]
     assert p.workload == WorkloadSpec(
         prompts_per_step=4,
         samples_per_prompt=3,
-        prompt_length=16,
-        response_length=Fixed(value=5),
+        prompt_length=6,
+        response_length=p.workload.response_length,
         ppo_epochs=3,
         mini_batches=2,
     )
+    graph, cfg = api.load(
+        "grpo", registry=registry, overrides=[*SMALL, "rollout.max_new_tokens=5", "rollout.ignore_eos=true"]
+    )
+    p = run_passes(graph, local_plan(graph, cfg, registry), registry, passes=("resolve",), emit=QUIET)
+    assert p.workload.response_length == Fixed(value=5)  # every response runs to the budget
     # more mini-batches than sequences is refused, naming the train node
     graph, cfg = api.load("grpo", registry=registry, overrides=[*SMALL, "train.mini_batches=50"])
     message = "^pass 'resolve': node 'train_actor': 50 mini-batches but only 12 rows per step"

@@ -1,0 +1,250 @@
+"""Rollout modes side by side on this machine as ``cpu:2`` (Ray): what each buys on a long tail.
+
+For each task (the long-tailed ``repeat`` and a heavier-tailed variant of it) and each rollout
+mode (sync, one-step-off, async eta = 1 and 2, partial, partial + async, streaming), this plans
+GRPO with the tuner for the mode (``--set rollout.mode=...``: the tuner picks placement, sizes
+and weight sync), runs the plan for real on the Ray backend with the same model, samples per
+step and seed, and reports:
+
+- samples/s over the whole run (trained samples / wall-clock of all steps),
+- wall-clock until the reward (mean over a trailing window of 5 steps) first reaches 0.8,
+- final reward (mean of the last 10 % of steps),
+- the plan's predicted iteration time beside the measured one (median step time over the
+  second half of the run, when responses have the trained policy's lengths the planner
+  plans with), and whether the predicted ranking of the modes matches the measured one.
+
+With ``--trl PYTHON`` it also runs ``benchmarks/trl_grpo.py`` (TRL's GRPOTrainer, same task,
+model, sizes, learning rate, KL and clip settings) with that interpreter and reports the best
+flowrl mode's samples/s over TRL's. The machine is profiled first (``flowrl profile``'s
+measurement) so the planner predicts for this CPU. The last line is JSON.
+
+    python benchmarks/rollout_modes.py [--steps 120] [--trl /work/trl-venv/bin/python]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MODES = [
+    ("sync", "sync", None),
+    ("one_step_off", "one_step_off", None),
+    ("async eta=1", "async", 1),
+    ("async eta=2", "async", 2),
+    ("partial", "partial", None),
+    ("partial+async", "partial+async", None),
+    ("streaming", "streaming", None),
+]
+TASKS = {
+    "repeat": {},
+    "repeat-heavy": {"sigma": 1.0, "max_count": 32},  # a heavier length tail: p99 ~ 4x the p50 of repeat
+}
+TARGET = 0.8
+WINDOW = 5
+
+
+def seconds_to(records: list[dict], target: float) -> float | None:
+    """Wall-clock from the run's start to the end of the first step whose trailing mean reward reaches ``target``."""
+    elapsed, rewards = 0.0, []
+    for r in records:
+        elapsed += r["step_seconds"]
+        rewards.append(r["reward"])
+        window = rewards[-WINDOW:]
+        if sum(window) / len(window) >= target:
+            return round(elapsed, 2)
+    return None
+
+
+def summarise(records: list[dict], samples_per_step: int) -> dict:
+    late = records[len(records) // 2 :]
+    tail = records[-max(len(records) // 10, 1) :]
+    total = sum(r["step_seconds"] for r in records)
+    return {
+        "samples_per_s": round(samples_per_step * len(records) / total, 1),
+        "seconds_to_target": seconds_to(records, TARGET),
+        "final_reward": round(sum(r["reward"] for r in tail) / len(tail), 4),
+        "measured_s": round(statistics.median(r["step_seconds"] for r in late), 4),
+        "total_s": round(total, 1),
+        "response_length": round(statistics.mean(r["response_length"] for r in late), 2),
+        "staleness_mean": round(statistics.mean(r.get("rollout/staleness_mean", 0.0) for r in late), 3),
+        "recycled_tokens": round(statistics.mean(r.get("rollout/recycled_tokens", 0.0) for r in late), 3),
+    }
+
+
+def run_trl(python: str, task: str, options: dict, args: argparse.Namespace) -> dict:
+    cmd = [
+        python,
+        str(HERE / "trl_grpo.py"),
+        "--task",
+        "repeat",
+        *[x for k, v in options.items() for x in ("--task-option", f"{k}={v}")],
+        "--prompts",
+        str(args.prompts),
+        "--samples",
+        str(args.samples),
+        "--eos",
+        "--lr",
+        "2e-3",
+        "--beta",
+        "0.05",
+        "--epsilon",
+        "0.2",
+        "--epsilon-high",
+        "0.28",
+        "--mini-batches",
+        "2",
+        "--steps",
+        str(args.steps),
+        "--threads",
+        "1",
+        "--target-reward",
+        str(TARGET),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"trl_grpo.py failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    out = json.loads(lines[-1])
+    return {k: out[k] for k in ("samples_per_s", "seconds_to_target", "final_reward", "median_step_s", "total_s")}
+
+
+def ranking(rows: list[dict], key: str) -> list[str]:
+    return [r["mode"] for r in sorted(rows, key=lambda r: r[key])]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--tasks", nargs="*", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--only", action="append", default=[], help="run only modes whose name contains this")
+    parser.add_argument("--trl", default=None, help="a Python with TRL installed: also run benchmarks/trl_grpo.py")
+    parser.add_argument("--out", default=None, help="where the runs go (default: a temporary folder)")
+    args = parser.parse_args()
+    os.environ["FLOWRL_PLUGINS"] = os.environ.get("FLOWRL_PLUGINS") or "ray"
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    import torch
+
+    from flowrl import api
+    from flowrl.backends.local.profile import profile
+    from flowrl.planner.hardware import cpu_cluster
+    from flowrl.planner.plan import ClusterTarget
+
+    tmp = Path(args.out or tempfile.mkdtemp(prefix="flowrl-rollout-modes-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    hw = profile(tmp / "cpu.yaml")
+    cluster = cpu_cluster(hw, 2)
+    torch.set_num_threads(1)
+    samples_per_step = args.prompts * args.samples
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    results: dict[str, dict] = {}
+    try:
+        for task_name in args.tasks:
+            options = TASKS[task_name]
+            rows = []
+            for name, mode, eta in MODES:
+                if args.only and not any(o in name for o in args.only):
+                    continue
+                overrides = [
+                    f"steps={args.steps}",
+                    "seed=0",
+                    "backend=ray",
+                    "device=cpu",
+                    "checkpoint=false",
+                    "progress=false",
+                    "task=repeat",
+                    *[f"task_options.{k}={v}" for k, v in options.items()],
+                    f"rollout.prompts_per_step={args.prompts}",
+                    f"rollout.samples_per_prompt={args.samples}",
+                    f"rollout.mode={mode}",
+                    *([f"rollout.staleness={eta}"] if eta is not None else []),
+                    f"out={tmp / 'runs'}",
+                    f"name={task_name}-{name.replace(' ', '-').replace('=', '')}",
+                ]
+                _, cfg = api.load("graphs/grpo.py", overrides=overrides)
+                target = ClusterTarget(cluster=cluster, model=api.model_spec(cfg))
+                graph, plan = api.plan(
+                    "graphs/grpo.py", overrides=overrides, target=target, for_backend=True, emit=lambda s: None
+                )
+                result = api.run(graph, plan)
+                row = {
+                    "mode": name,
+                    "plan": plan.layout.summary(),
+                    **summarise(result.metrics, samples_per_step),
+                    "predicted_s": round(plan.layout.predicted.iteration_s, 4),
+                    "run": str(result.out_dir),
+                }
+                row["error"] = round(row["predicted_s"] / row["measured_s"] - 1, 3)
+                rows.append(row)
+                print(
+                    f"{task_name:<13} {name:<14} {row['samples_per_s']:7.1f} samples/s  to {TARGET}: "
+                    f"{row['seconds_to_target']} s  final {row['final_reward']:.3f}  step measured "
+                    f"{row['measured_s']:.3f} s predicted {row['predicted_s']:.3f} s ({row['error']:+.0%})  "
+                    f"[{row['plan']}]",
+                    flush=True,
+                )
+            sync = next(r for r in rows if r["mode"] == "sync")
+            for r in rows:
+                r["speedup"] = round(r["samples_per_s"] / sync["samples_per_s"], 3)
+            best = max(rows, key=lambda r: r["samples_per_s"])
+            entry = {
+                "best": best["mode"],
+                "best_speedup": best["speedup"],
+                "best_reaches_target_no_later": best["seconds_to_target"] is not None
+                and (sync["seconds_to_target"] is None or best["seconds_to_target"] <= sync["seconds_to_target"]),
+                "best_final_reward_gap": round(best["final_reward"] - sync["final_reward"], 4),
+                "predicted_ranking": ranking(rows, "predicted_s"),
+                "measured_ranking": ranking(rows, "measured_s"),
+                "median_abs_error": round(statistics.median(abs(r["error"]) for r in rows), 3),
+                "max_abs_error": round(max(abs(r["error"]) for r in rows), 3),
+                "modes": {
+                    r["mode"]: {
+                        k: r[k]
+                        for k in (
+                            "speedup",
+                            "samples_per_s",
+                            "seconds_to_target",
+                            "final_reward",
+                            "measured_s",
+                            "predicted_s",
+                            "error",
+                        )
+                    }
+                    for r in rows
+                },
+            }
+            entry["ranking_matches"] = entry["predicted_ranking"] == entry["measured_ranking"]
+            entry["best_predicted_is_best_measured"] = entry["predicted_ranking"][0] == entry["measured_ranking"][0]
+            if args.trl:
+                trl = run_trl(args.trl, task_name, options, args)
+                entry["trl"] = trl
+                entry["best_over_trl_samples_per_s"] = round(best["samples_per_s"] / trl["samples_per_s"], 3)
+                print(f"{task_name:<13} TRL            {trl}", flush=True)
+            results[task_name] = entry
+    finally:
+        ray.shutdown()
+    print(
+        json.dumps(
+            {
+                "benchmark": "rollout_modes",
+                "cluster": cluster.label,
+                "steps": args.steps,
+                "samples_per_step": samples_per_step,
+                "tasks": results,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
