@@ -79,6 +79,45 @@ class Sequences:
         )
 
 
+def by_length(seqs: Sequences, rows: Tensor | None = None) -> Tensor:
+    """``rows`` (default: all) ordered by response length, so that micro-batches cut from them
+    hold responses of similar length and little padding."""
+    rows = torch.arange(len(seqs)) if rows is None else rows
+    return rows[torch.argsort(seqs.response_lengths[rows], stable=True)]
+
+
+def trim(batch: dict[str, Any], key: str) -> dict[str, Any]:
+    """``batch`` with the padding columns its sequences (``batch[key]``) do not use cut off: left
+    prompt padding and right response padding, and the same response columns of every [B, R]
+    value aligned with the responses."""
+    seqs: Sequences = batch[key]
+    width = seqs.response_ids.shape[1]
+    keep_r = int(seqs.response_lengths.max()) if len(seqs) else 0
+    keep_p = int(seqs.prompt_mask.sum(-1).max()) if len(seqs) else 0
+    if keep_r == width and keep_p == seqs.prompt_len:
+        return batch
+    cut = lambda t: None if t is None else t[:, :keep_r]  # noqa: E731
+    out = {}
+    for k, v in batch.items():
+        if k == key:
+            out[k] = Sequences(
+                prompt_ids=v.prompt_ids[:, v.prompt_len - keep_p :],
+                prompt_mask=v.prompt_mask[:, v.prompt_len - keep_p :],
+                response_ids=cut(v.response_ids),
+                response_mask=cut(v.response_mask),
+                prompt_index=v.prompt_index,
+                texts=v.texts,
+                version=v.version,
+                logprobs=cut(v.logprobs),
+                versions=cut(v.versions),
+            )
+        elif isinstance(v, Tensor) and v.dim() >= 2 and v.shape[0] == len(seqs) and v.shape[1] == width:
+            out[k] = v[:, :keep_r]
+        else:
+            out[k] = v
+    return out
+
+
 def position_ids(attention_mask: Tensor) -> Tensor:
     """Positions that skip left padding: 0 at each row's first real token."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

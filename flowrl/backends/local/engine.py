@@ -28,7 +28,7 @@ from flowrl.backends.local.models import ValueModel, build_causal_lm, load_token
 from flowrl.errors import BackendError
 from flowrl.graph.ir import ModelDecl
 from flowrl.planner.plan import ExecutionPlan
-from flowrl.runtime.batch import Sequences, pack_left, position_ids, select_rows, to_device
+from flowrl.runtime.batch import Sequences, by_length, pack_left, position_ids, select_rows, to_device, trim
 from flowrl.runtime.dispatch import lockstep_steps, rank_rows
 from flowrl.runtime.protocols import Batch, EngineContext, LossFn, Rollout, TrainStep
 from flowrl.tasks.builtin import Prompt
@@ -213,9 +213,22 @@ class LocalModel:
 
     @torch.no_grad()
     def forward(self, seqs: Sequences, output: str, micro_batch: int) -> Tensor:
+        """Micro-batches of rows of similar response length, each without the padding it does not
+        need; results in the rows' order, [B, R] right-padded with 0 (or [B] scores)."""
         micro = micro_batch or len(seqs)
-        parts = [self._outputs(seqs.select(slice(i, i + micro)), output) for i in range(0, len(seqs), micro)]
-        return torch.cat(parts, 0).cpu()
+        order = by_length(seqs)
+        width = seqs.response_ids.shape[1]
+        out: Tensor | None = None
+        for rows in order.split(micro):
+            part = self._outputs(trim({"s": seqs.select(rows)}, "s")["s"], output).cpu()
+            if out is None:
+                out = torch.zeros((len(seqs), width) if part.dim() == 2 else (len(seqs),), dtype=part.dtype)
+            if part.dim() == 2:
+                out[rows, : part.shape[1]] = part
+            else:
+                out[rows] = part
+        assert out is not None
+        return out
 
     # ------------------------------------------------------------ training
     def train(self, loss: LossFn, batch: Batch, step: TrainStep) -> dict[str, float]:
@@ -232,7 +245,7 @@ class LocalModel:
             for mb in order.chunk(step.mini_batches):
                 mb_tokens = max(float(seqs.response_mask[mb].sum()), 1.0)  # seqs live on the host
                 self.optimizer.zero_grad(set_to_none=True)
-                mine = rank_rows(mb, self.rank, self.world)
+                mine = by_length(seqs, rank_rows(mb, self.rank, self.world))  # similar lengths share a micro-batch
                 parts = list(mine.split(micro))
                 # FSDP averages gradients over ranks: scale by world so they sum, as one process would
                 scale = float(self.world)
@@ -241,7 +254,7 @@ class LocalModel:
                     if self.sharded:  # accumulate locally; reduce-scatter once, at the last micro-step
                         self.module.set_requires_gradient_sync(i == steps - 1)
                     part, weight_on = (parts[i], 1.0) if i < len(parts) else (mb[:1], 0.0)  # a short rank idles
-                    view = to_device(select_rows(batch, part, n_rows), self.device)
+                    view = to_device(trim(select_rows(batch, part, n_rows), step.sequences_key), self.device)
                     out = self._outputs(view[step.sequences_key], step.output)
                     value, step_stats = loss(out, view, step.algo)
                     weight = (

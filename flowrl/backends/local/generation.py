@@ -60,7 +60,9 @@ def sample(
     cache = getattr(out, field)
     logits = out.logits[:, -1, :]
     next_pos = mask.sum(-1, keepdim=True)  # position of the first generated token
-    done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
+    device = prompt_ids.device
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    active = torch.arange(batch, device=device)  # the rows still decoding (finished rows leave the batch)
     tokens, logprobs, alive = [], [], []
     for step in range(max_new_tokens):
         scaled = logits.float() / temperature
@@ -70,15 +72,22 @@ def sample(
         else:
             probs = torch.softmax(top_p_filter(scaled, top_p), dim=-1)
             tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        tok = tok.masked_fill(done, pad_id)
-        tokens.append(tok)
-        logprobs.append(logp.gather(-1, tok[:, None]).squeeze(-1).masked_fill(done, 0.0))
+        full = torch.full((batch,), pad_id, dtype=tok.dtype, device=device)
+        full[active] = tok
+        lp = torch.zeros(batch, dtype=logp.dtype, device=device)
+        lp[active] = logp.gather(-1, tok[:, None]).squeeze(-1)
+        tokens.append(full)
+        logprobs.append(lp)
         alive.append(~done)
         if not ignore_eos:
-            done = done | (tok == eos_id)
+            done = done | (full == eos_id)
         if bool(done.all()) or step == max_new_tokens - 1:
             break
-        mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=mask.device)], dim=1)
+        keep = (~done[active]).nonzero().flatten()
+        if len(keep) < len(active):  # drop finished rows from the batch and the KV cache
+            cache.batch_select_indices(keep)
+            active, tok, mask, next_pos = active[keep], tok[keep], mask[keep], next_pos[keep]
+        mask = torch.cat([mask, torch.ones(len(active), 1, dtype=mask.dtype, device=device)], dim=1)
         out = model(
             input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos + step, use_cache=True, **{kwarg: cache}
         )
