@@ -45,7 +45,7 @@ class RolloutConfig(Spec):
     mode: str | None = None
     staleness: int | None = None  # eta: the oldest token a trained sample may hold, in versions (None: the mode's)
     overprovision: float = 0.25  # partial: extra prompts launched per step (APRIL)
-    chunk_tokens: int = 8  # partial/async/streaming: tokens decoded between checks (batch full, new weights)
+    chunk_tokens: int | None = None  # partial/async/streaming: tokens decoded between checks (None: budget/4, >= 8)
     stream_groups: int = 8  # streaming: prompt groups per micro-batch sent downstream while generation goes on
 
 
@@ -124,7 +124,11 @@ class RunConfig(Spec):
             ),
             (self.rollout.staleness is None or self.rollout.staleness >= 0, "rollout.staleness", "must be >= 0"),
             (self.rollout.overprovision >= 0, "rollout.overprovision", "must be >= 0"),
-            (self.rollout.chunk_tokens >= 1, "rollout.chunk_tokens", "must be >= 1"),
+            (
+                self.rollout.chunk_tokens is None or self.rollout.chunk_tokens >= 1,
+                "rollout.chunk_tokens",
+                "must be >= 1",
+            ),
             (self.rollout.stream_groups >= 1, "rollout.stream_groups", "must be >= 1"),
             (self.algo.is_cap >= 1, "algo.is_cap", "must be >= 1"),
             (self.memory_limit_gib is None or self.memory_limit_gib > 0, "memory_limit_gib", "must be > 0"),

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Forward, Graph
@@ -27,7 +28,7 @@ from flowrl.planner.capabilities import Capabilities, supports, supports_layout
 from flowrl.planner.cost import CostModel
 from flowrl.planner.hardware import ClusterSpec
 from flowrl.planner.modelspec import ModelSpec
-from flowrl.planner.simulate import SimResult, simulate
+from flowrl.planner.simulate import SimResult, padded_length, simulate
 from flowrl.planner.space import (
     ClusterPlan,
     ModelLayout,
@@ -38,7 +39,7 @@ from flowrl.planner.space import (
     layouts,
     skeletons,
 )
-from flowrl.planner.workload import WorkloadSpec, mean_length
+from flowrl.planner.workload import WorkloadSpec, mean_length, sample_lengths
 
 RAW_FACTOR = 25  # exhaustive search checks at most this many combinations per fitting plan it may keep
 QUICK = {"iterations": 3, "max_replicas": 8}  # first pass over every candidate
@@ -128,6 +129,8 @@ class Tuner:
         self.cost = factory(model, cluster.hardware)
         self.roles = roles_of(graph)
         self.seq_len = workload.prompt_length + int(mean_length(workload.response_length))
+        # a batch of response lengths: forward and train passes pay for their micro-batches' padding
+        self.lengths = sample_lengths(workload.response_length, workload.sequences, np.random.default_rng(seed))
         self.max_len = workload.prompt_length + workload.max_response()
         self.forwards = {
             m: sum(1 for n in graph.nodes.values() if isinstance(n, Forward) and n.model == m) for m in graph.models
@@ -172,10 +175,11 @@ class Tuner:
     def score(self, lay: ModelLayout) -> tuple[ModelLayout, float, int, int]:
         """(layout, seconds per iteration of its forward and train nodes, static bytes, activation bytes)."""
         trainable = lay.model in self.roles.trainable
-        seconds = self.forwards[lay.model] * self.cost.forward(lay, self.w.sequences, self.seq_len, backward=False)
+        seq = int(round(padded_length(self.lengths, self.w.prompt_length, lay.micro_batch * lay.parallel.dp)))
+        seconds = self.forwards[lay.model] * self.cost.forward(lay, self.w.sequences, seq, backward=False)
         if trainable:
             seconds += self.w.ppo_epochs * (
-                self.cost.forward(lay, self.w.sequences, self.seq_len, backward=True)
+                self.cost.forward(lay, self.w.sequences, seq, backward=True)
                 + self.w.mini_batches * self.cost.optimizer_step(lay)
             )
         states = mem.state_bytes(self.model, self.numerics, lay, trainable)

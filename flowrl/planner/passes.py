@@ -263,6 +263,7 @@ def rollout_policy(rollout: RolloutConfig) -> RolloutPolicy | None:
         partial=partial,
         overprovision=rollout.overprovision if partial else 0.0,
         streaming="streaming" in flags,
+        chunk_tokens=rollout.chunk_tokens,
     )
 
 

@@ -84,29 +84,66 @@ class Generator:
         self.cap = kv_capacity(cost.model, numerics or Numerics(), cost.hw, gen.tp, static_bytes, context)
         # Replicas are i.i.d.: simulate a sample of them (each with its real share of the batch).
         self.simulated = min(gen.replicas, sampled_replicas or gen.replicas)
-        self.carry: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(self.simulated)]
+        self.carry: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(self.simulated)]  # left to decode
+        self.carried: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(self.simulated)]  # decoded
         self.longest = 0
 
-    def iteration(self, sequences: int) -> tuple[float, float]:
-        """(seconds, generated tokens over all replicas) for one batch of ``sequences`` responses."""
+    def iteration(self, sequences: int) -> tuple[float, float, np.ndarray]:
+        """(seconds, generated tokens over all replicas, the response lengths of the batch trained)
+        for one batch of ``sequences`` responses."""
         gen, pol = self.plan.generation, self.plan.rollout
         per_replica = int(np.ceil(sequences / gen.replicas))
         launch = int(np.ceil(per_replica * (1 + pol.overprovision))) if pol.partial else per_replica
-        slowest, tokens = 0.0, 0.0
+        chunked = pol.partial or pol.streaming or pol.mode == "async"
+        slowest, tokens, batch = 0.0, 0.0, []
         for r in range(self.simulated):
             fresh = sample_lengths(self.w.response_length, max(launch - self.carry[r].size, 0), self.rng)
             active = np.concatenate([self.carry[r], fresh])
+            before = np.concatenate([self.carried[r], np.zeros(fresh.size, dtype=np.int64)])
             if pol.partial and active.size > per_replica:
                 stop = int(np.sort(active)[per_replica - 1])  # decode until the batch is full
                 done = np.minimum(active, stop)
-                self.carry[r] = (active - stop)[active > stop]
+                ends = active <= stop
+                self.carry[r], self.carried[r] = (active - stop)[~ends], (before + stop)[~ends]
+                batch.append((before + active)[ends])
             else:
                 done, self.carry[r] = active, np.zeros(0, dtype=np.int64)
+                self.carried[r] = np.zeros(0, dtype=np.int64)
+                batch.append(before + active)
             seconds = decode_seconds(self.cost, done, self.w.prompt_length, gen.tp, self.cap)
+            if chunked:  # every chunk boundary re-reads prompt + response so far for the rows still going
+                chunk = pol.chunk(self.w.max_response())
+                seconds += restart_seconds(self.cost, done, before, self.w.prompt_length, gen.tp, chunk)
             slowest = max(slowest, seconds)
             tokens += float(done.sum())
             self.longest = max(self.longest, int(done.max()) if done.size else 0)
-        return slowest, tokens * gen.replicas / self.simulated
+        return slowest, tokens * gen.replicas / self.simulated, np.concatenate(batch)
+
+
+def restart_seconds(
+    cost: CostModel, lengths: np.ndarray, before: np.ndarray, prompt: int, tp: int, chunk: int
+) -> float:
+    """The prefills a chunked decode adds: at each chunk boundary the rows still decoding start
+    again from their prompt and the tokens they have."""
+    total = 0.0
+    for at in range(chunk, int(lengths.max()) if lengths.size else 0, chunk):
+        live = lengths > at
+        if live.any():
+            total += cost.prefill(int(live.sum()), prompt + int(np.mean(before[live])) + at, tp)
+    return total
+
+
+def padded_length(lengths: np.ndarray, prompt: int, rows: int) -> float:
+    """Mean sequence length a forward or train pass computes: the runtime cuts micro-batches of
+    ``rows`` rows of similar response length, each padded to its longest."""
+    if lengths.size == 0:
+        return float(prompt)
+    ordered = np.sort(lengths)
+    rows = max(rows, 1)
+    padded = sum(
+        min(rows, ordered.size - i) * ordered[min(i + rows, ordered.size) - 1] for i in range(0, ordered.size, rows)
+    )
+    return prompt + float(padded) / ordered.size
 
 
 # ------------------------------------------------------------------ the schedule
@@ -199,6 +236,8 @@ def simulate(
         durations.setdefault(task, []).append(seconds)
         return end
 
+    lengths: dict[int, np.ndarray] = {}  # the response lengths each iteration trains on
+
     def generation(it: int) -> None:
         nonlocal gen_flops, gen_tokens
         for name in order:
@@ -206,7 +245,7 @@ def simulate(
             if not isinstance(node, Generate):
                 continue
             count = sequences if not node.greedy else max(sequences // max(workload.samples_per_prompt, 1), 1)
-            seconds, tokens = gen.iteration(count)
+            seconds, tokens, lengths[it] = gen.iteration(count)
             gen_tokens += tokens
             gen_flops += count * workload.prompt_length * cost.model.flops_per_token(
                 workload.prompt_length // 2
@@ -226,13 +265,17 @@ def simulate(
             if isinstance(node, Generate):
                 continue
             deps = [finish[(it, p)] for p in dag.predecessors(name)]
+            if isinstance(node, (Forward, Train)):
+                lay = plan.layout(node.model)
+                rows = max(1, lay.micro_batch * lay.parallel.dp * lengths[it].size // max(sequences, 1))
+                padded = int(round(padded_length(lengths[it], workload.prompt_length, rows)))
             if isinstance(node, Forward):
-                seconds = cost.forward(plan.layout(node.model), sequences, seq_len, backward=False)
+                seconds = cost.forward(plan.layout(node.model), sequences, padded, backward=False)
                 flops_total += sequences * seq_len * cost.model.flops_per_token(seq_len // 2)
             elif isinstance(node, Train):
                 layout = plan.layout(node.model)
                 seconds = epochs * cost.forward(
-                    layout, sequences, seq_len, backward=True
+                    layout, sequences, padded, backward=True
                 ) + epochs * minis * cost.optimizer_step(layout)
                 flops_total += 3 * epochs * sequences * seq_len * cost.model.flops_per_token(seq_len // 2)
             else:

@@ -61,6 +61,12 @@ class RolloutPolicy(Spec):
     partial: bool = False  # stop once the batch is full; unfinished responses resume next step
     overprovision: float = 0.0  # extra prompts launched when partial (APRIL)
     streaming: bool = False  # scoring nodes start on finished groups while generation goes on
+    chunk_tokens: int | None = None  # partial/async/streaming: tokens decoded between checks (None: see chunk())
+
+    def chunk(self, budget: int) -> int:
+        """Tokens decoded between checks (batch full, new weights, parts to stream): the policy's,
+        or a quarter of the response budget (at least 8), so a response restarts at most ~4 times."""
+        return self.chunk_tokens or max(8, budget // 4)
 
     @property
     def lead(self) -> int:

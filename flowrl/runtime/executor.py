@@ -259,7 +259,7 @@ class PlanExecutor:
             greedy=gen.greedy,
             policy=policy,
             prompts_per_step=cfg.rollout.prompts_per_step,
-            chunk_tokens=cfg.rollout.chunk_tokens,
+            chunk_tokens=policy.chunk(cfg.rollout.max_new_tokens or 16),
             stream_groups=cfg.rollout.stream_groups,
             pad_id=_pad_id(built[gen.model][0]),
             draw=lambda n: task.prompts(prompt_rng, n),

@@ -150,8 +150,8 @@ def test_partial_rollouts_with_overprovision_beat_sync_under_a_heavy_tail():
     sync, partial = run(disaggregated(SYNC)), run(disaggregated(PARTIAL))
     assert partial.breakdown["rollout"] < 0.8 * sync.breakdown["rollout"], (partial.breakdown, sync.breakdown)
     assert partial.iteration_s < sync.iteration_s
-    # what is not generation does not change
-    assert off_generation(partial) == pytest.approx(off_generation(sync), rel=1e-9)
+    # training sees other lengths (continued responses are long), but not more padding than sync's batch
+    assert off_generation(partial) <= 1.25 * off_generation(sync)
 
 
 def test_overprovision_buys_nothing_without_a_tail():
@@ -354,7 +354,8 @@ def test_simulation_is_deterministic_for_a_seed_and_the_seed_only_moves_sampled_
     assert a.iteration_s == b.iteration_s and a.breakdown == b.breakdown and timeline_json(a) == timeline_json(b)
     c = run(plan, seed=8)
     assert c.iteration_s != a.iteration_s  # lognormal lengths are sampled
-    assert c.breakdown["train_actor"] == a.breakdown["train_actor"]  # training does not sample
+    # training samples nothing, but its padding follows the sampled lengths
+    assert c.breakdown["train_actor"] == pytest.approx(a.breakdown["train_actor"], rel=0.05)
     fixed = workload(None)
     assert run(plan, fixed, seed=1).iteration_s == run(plan, fixed, seed=2).iteration_s
 

@@ -182,7 +182,8 @@ def test_the_greedy_path_finds_the_optimum_when_memory_does_not_bind(space):
     t, _, best = solved(space)
     greedy = t.search(budget_s=60, exhaustive_limit=0)
     assert greedy.considered < best.pruned_fitting  # the greedy path: one plan per skeleton
-    assert greedy.ranked[0].result.iteration_s == pytest.approx(best.raw, rel=1e-9), greedy.best.summary()
+    # within 1%: a layout's score pays the padding of one sampled batch, the simulator each iteration's
+    assert greedy.ranked[0].result.iteration_s == pytest.approx(best.raw, rel=0.01), greedy.best.summary()
 
 
 @pytest.mark.parametrize("space", list(MEMORY_BOUND_PPO_RM))
@@ -300,9 +301,11 @@ def test_other_seeds_only_move_the_sampled_times():
         return make_tuner("grpo", MODEL_PRESETS["qwen2.5-7b"], "16xA100-80G", workload, seed=seed).search(budget_s=30)
 
     lognormal = [signature(search(TAIL, s)) for s in (0, 1)]
-    assert set(lognormal[0]) == set(lognormal[1])  # the same candidates ...
-    assert all(lognormal[0][k][0] == lognormal[1][k][0] for k in lognormal[0])  # ... with the same memory
-    assert any(lognormal[0][k][1] != lognormal[1][k][1] for k in lognormal[0])  # the seed reaches the sampler
+    # the seed reaches the sampler (and, through micro-batch padding, which layouts win); a shared
+    # candidate keeps its memory
+    shared = set(lognormal[0]) & set(lognormal[1])
+    assert all(lognormal[0][k][0] == lognormal[1][k][0] for k in shared)
+    assert lognormal[0] != lognormal[1]
     fixed = msgspec.structs.replace(TAIL, response_length=Fixed(value=512))
     a, b = (search(fixed, s) for s in (0, 1))
     assert a.best == b.best and signature(a) == signature(b)  # nothing sampled: the seed changes nothing
