@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import tempfile
-from pathlib import Path
 
 # (name, graph, placement, weight sync)
 VARIANTS = [
@@ -38,24 +35,14 @@ def main() -> None:
     parser.add_argument("--only", action="append", default=[], help="run only variants whose name contains this")
     parser.add_argument("--out", default=None, help="where the runs go (default: a temporary folder)")
     args = parser.parse_args()
-    os.environ["FLOWRL_PLUGINS"] = os.environ.get("FLOWRL_PLUGINS") or "ray"
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
-    import torch
+    from cpu2 import start
 
     from flowrl import api
-    from flowrl.backends.local.profile import profile
-    from flowrl.planner.hardware import cpu_cluster
     from flowrl.planner.plan import ClusterTarget
     from flowrl.planner.workload import Fixed, WorkloadSpec
 
-    tmp = Path(args.out or tempfile.mkdtemp(prefix="flowrl-cluster-fidelity-"))
-    tmp.mkdir(parents=True, exist_ok=True)
-    hw = profile(tmp / "cpu.yaml")  # this machine, all cores
-    cluster = cpu_cluster(hw, 2)
-    torch.set_num_threads(1)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    tmp, hw, cluster = start(args.out, "flowrl-cluster-fidelity-")
     rows = []
     try:
         for name, graph_src, placement, sync in VARIANTS:

@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -129,24 +127,14 @@ def main() -> None:
     parser.add_argument("--trl", default=None, help="a Python with TRL installed: also run benchmarks/trl_grpo.py")
     parser.add_argument("--out", default=None, help="where the runs go (default: a temporary folder)")
     args = parser.parse_args()
-    os.environ["FLOWRL_PLUGINS"] = os.environ.get("FLOWRL_PLUGINS") or "ray"
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
-    import torch
+    from cpu2 import start
 
     from flowrl import api
-    from flowrl.backends.local.profile import profile
-    from flowrl.planner.hardware import cpu_cluster
     from flowrl.planner.plan import ClusterTarget
 
-    tmp = Path(args.out or tempfile.mkdtemp(prefix="flowrl-rollout-modes-"))
-    tmp.mkdir(parents=True, exist_ok=True)
-    hw = profile(tmp / "cpu.yaml")
-    cluster = cpu_cluster(hw, 2)
-    torch.set_num_threads(1)
+    tmp, hw, cluster = start(args.out, "flowrl-rollout-modes-")
     samples_per_step = args.prompts * args.samples
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     results: dict[str, dict] = {}
     try:
         for task_name in args.tasks:

@@ -176,10 +176,12 @@ class Tuner:
         """(layout, seconds per iteration of its forward and train nodes, static bytes, activation bytes)."""
         trainable = lay.model in self.roles.trainable
         seq = int(round(padded_length(self.lengths, self.w.prompt_length, lay.micro_batch * lay.parallel.dp)))
-        seconds = self.forwards[lay.model] * self.cost.forward(lay, self.w.sequences, seq, backward=False)
+        seconds = self.forwards[lay.model] * self.cost.forward(
+            lay, self.w.sequences, seq, backward=False, sharded=trainable
+        )
         if trainable:
             seconds += self.w.ppo_epochs * (
-                self.cost.forward(lay, self.w.sequences, seq, backward=True)
+                self.cost.forward(lay, self.w.sequences, seq, backward=True, sharded=trainable)
                 + self.w.mini_batches * self.cost.optimizer_step(lay)
             )
         states = mem.state_bytes(self.model, self.numerics, lay, trainable)

@@ -76,10 +76,18 @@ class CostModel:
         )
 
     # ------------------------------------------------------------ training / inference
-    def forward(self, layout: ModelLayout, sequences: int, seq_len: int, *, backward: bool) -> float:
+    @property
+    def param_tensors(self) -> int:
+        """Weight tensors of a Llama-style model: 9 per decoder layer, embeddings, final norm, head."""
+        return self.model.layers * 9 + 3
+
+    def forward(
+        self, layout: ModelLayout, sequences: int, seq_len: int, *, backward: bool, sharded: bool = False
+    ) -> float:
         """Forward (x3 with backward) of ``sequences`` on one model in its layout.
 
-        Pipeline bubble: (pp - 1) / (micro-batches + pp - 1) of the step is idle.
+        Pipeline bubble: (pp - 1) / (micro-batches + pp - 1) of the step is idle. ``sharded`` (a
+        trainable model over dp > 1, FSDP): every micro-batch all-gathers each layer's weights.
         """
         p = layout.parallel
         per_rank = max(sequences // p.dp, 1)
@@ -101,13 +109,17 @@ class CostModel:
                 micro * (p.pp - 1) * (2 if backward else 1) * (tokens_mb * self.model.hidden * BF16 / p.tp / bw + lat)
             )
         overhead = micro * (self.model.layers // p.pp) * self.hw.kernel_overhead * (2 if backward else 1)
+        if sharded and p.dp > 1:  # one FSDP unit per decoder layer and the root
+            units = self.model.layers // p.pp + 1
+            comm += micro * units * self.allreduce(self.param_bytes / (p.tp * p.pp) / units, p.dp, span=p.size) / 2
         return compute + comm + overhead
 
     def optimizer_step(self, layout: ModelLayout) -> float:
         """Gradient all-reduce over dp (ZeRO-1 reduce-scatter + all-gather) and the AdamW update."""
         p = layout.parallel
         shard = self.params / (p.tp * p.pp)
-        grads = self.allreduce(shard * BF16, p.dp, span=p.size)
+        units = self.model.layers // p.pp + 1  # one reduce-scatter per FSDP unit
+        grads = self.allreduce(shard * BF16, p.dp, span=p.size) + (units - 1) * p.dp * self.link(p.size)[1] * (p.dp > 1)
         update = self.stream(shard / p.dp * (ADAM_STATE_BYTES * 2 + BF16 * 2))
         offload = 2 * shard / p.dp * ADAM_STATE_BYTES / self.hw.host_bandwidth if layout.offload_optimizer else 0.0
         return grads + update + offload

@@ -21,7 +21,7 @@ from flowrl.planner.memory import Numerics, kv_capacity
 from flowrl.planner.space import ClusterPlan, Roles
 from flowrl.planner.workload import WorkloadSpec, mean_length, sample_lengths
 
-DRIVER_SECONDS_PER_SEQ = 2e-5  # rule-based rewards and advantage math on the controller
+DRIVER_SECONDS_PER_SEQ = 2e-6  # rule-based rewards and advantage math on the controller (~1 ms / 512 here)
 STREAM_PARTS = 4  # streaming: parts a step's responses reach the scoring nodes in
 
 
@@ -163,21 +163,23 @@ def sync_seconds(plan: ClusterPlan, cost: CostModel, roles: Roles) -> float:
     actor = plan.layout(roles.actor)
     volume = cost.sync_volume()
     ws = plan.weight_sync
+    # a trainer sharded over dp (FSDP) gathers its full weights first: one all-gather per tensor
+    gather = cost.param_tensors * cost.link(actor.parallel.size)[1] if actor.parallel.dp > 1 else 0.0
     if ws.strategy == "reshard":  # 3D-HybridEngine: all-gather within the group, no cross-group copy
         tp_train, tp_gen = actor.parallel.tp * actor.parallel.pp, plan.generation.tp
         bw, lat = cost.link(max(tp_train, tp_gen))
         gathered = volume / tp_gen * (1 - min(tp_gen, tp_train) / max(tp_gen, tp_train))
-        return gathered / bw + cost.model.layers * lat + cost.stream(volume / tp_gen)
+        return gather + gathered / bw + cost.model.layers * lat + cost.stream(volume / tp_gen)
     src = plan.group(actor.group)
     dst = plan.group(plan.generation.group)
     bw, lat = cost.link(src.devices + dst.devices)
     links = min(src.devices, dst.devices)  # parallel streams between the groups
-    if ws.strategy == "full":  # gather on the trainer, then broadcast to every replica
-        return 2 * volume / (bw * links) + plan.generation.replicas * lat
-    if ws.strategy == "bucketed":  # pipelined buckets: one pass over the links
-        return volume / (bw * links) + 64 * lat
+    if ws.strategy == "full":  # gather on the trainer, then one broadcast per tensor to every replica
+        return gather + 2 * volume / (bw * links) + cost.param_tensors * lat
+    if ws.strategy == "bucketed":  # pipelined 64 MiB buckets: one pass over the links
+        return gather + volume / (bw * links) + (volume // (64 * 2**20) + 1) * lat
     # sparse delta: only changed weights, values + indices, plus encode/decode passes
-    return ws.density * volume * 1.5 / (bw * links) + 2 * cost.stream(volume / src.devices) + 16 * lat
+    return gather + ws.density * volume * 1.5 / (bw * links) + 2 * cost.stream(volume / src.devices) + 16 * lat
 
 
 def simulate(
@@ -269,13 +271,14 @@ def simulate(
                 lay = plan.layout(node.model)
                 rows = max(1, lay.micro_batch * lay.parallel.dp * lengths[it].size // max(sequences, 1))
                 padded = int(round(padded_length(lengths[it], workload.prompt_length, rows)))
+            sharded = node.model in roles.trainable if node.model is not None else False
             if isinstance(node, Forward):
-                seconds = cost.forward(plan.layout(node.model), sequences, padded, backward=False)
+                seconds = cost.forward(plan.layout(node.model), sequences, padded, backward=False, sharded=sharded)
                 flops_total += sequences * seq_len * cost.model.flops_per_token(seq_len // 2)
             elif isinstance(node, Train):
                 layout = plan.layout(node.model)
                 seconds = epochs * cost.forward(
-                    layout, sequences, padded, backward=True
+                    layout, sequences, padded, backward=True, sharded=sharded
                 ) + epochs * minis * cost.optimizer_step(layout)
                 flops_total += 3 * epochs * sequences * seq_len * cost.model.flops_per_token(seq_len // 2)
             else:
