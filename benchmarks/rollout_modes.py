@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--tasks", nargs="*", default=list(TASKS), choices=list(TASKS))
-    parser.add_argument("--only", action="append", default=[], help="run only modes whose name contains this")
+    parser.add_argument("--modes", nargs="*", default=[m for m, _, _ in MODES], help="modes to run (default: all)")
     parser.add_argument("--trl", default=None, help="a Python with TRL installed: also run benchmarks/trl_grpo.py")
     parser.add_argument("--out", default=None, help="where the runs go (default: a temporary folder)")
     args = parser.parse_args()
@@ -141,7 +141,7 @@ def main() -> None:
             options = TASKS[task_name]
             rows = []
             for name, mode, eta in MODES:
-                if args.only and not any(o in name for o in args.only):
+                if name not in args.modes:
                     continue
                 overrides = [
                     f"steps={args.steps}",

@@ -88,29 +88,39 @@ class Generator:
         self.carried: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(self.simulated)]  # decoded
         self.longest = 0
 
-    def iteration(self, sequences: int) -> tuple[float, float, np.ndarray]:
+    def iteration(self, sequences: int, group: int = 1) -> tuple[float, float, np.ndarray]:
         """(seconds, generated tokens over all replicas, the response lengths of the batch trained)
-        for one batch of ``sequences`` responses."""
+        for one batch of ``sequences`` responses in groups of ``group`` (the samples of a prompt).
+
+        Partial rollouts launch (1 + overprovision) x the groups, decode until the batch has its
+        groups (a group is done when its longest response is), and carry the other groups over:
+        their remaining tokens, and the tokens they have, which training later pays for."""
         gen, pol = self.plan.generation, self.plan.rollout
-        per_replica = int(np.ceil(sequences / gen.replicas))
+        group = max(group, 1)
+        per_replica = int(np.ceil(sequences / gen.replicas / group))  # groups
         launch = int(np.ceil(per_replica * (1 + pol.overprovision))) if pol.partial else per_replica
         chunked = pol.partial or pol.streaming or pol.mode == "async"
         slowest, tokens, batch = 0.0, 0.0, []
         for r in range(self.simulated):
-            fresh = sample_lengths(self.w.response_length, max(launch - self.carry[r].size, 0), self.rng)
-            active = np.concatenate([self.carry[r], fresh])
-            before = np.concatenate([self.carried[r], np.zeros(fresh.size, dtype=np.int64)])
-            if pol.partial and active.size > per_replica:
-                stop = int(np.sort(active)[per_replica - 1])  # decode until the batch is full
+            carry, carried = self.carry[r].reshape(-1, group), self.carried[r].reshape(-1, group)
+            new = max(launch - carry.shape[0], 0)
+            fresh = sample_lengths(self.w.response_length, new * group, self.rng).reshape(new, group)
+            active = np.concatenate([carry, fresh])
+            before = np.concatenate([carried, np.zeros_like(fresh)])
+            if pol.partial and active.shape[0] > per_replica:
+                longest = active.max(1)
+                stop = int(np.sort(longest)[per_replica - 1])  # decode until the batch has its groups
+                ends = longest <= stop
                 done = np.minimum(active, stop)
-                ends = active <= stop
-                self.carry[r], self.carried[r] = (active - stop)[~ends], (before + stop)[~ends]
-                batch.append((before + active)[ends])
+                self.carry[r] = np.maximum(active - stop, 0)[~ends].ravel()
+                self.carried[r] = (before + done)[~ends].ravel()
+                batch.append((before + active)[ends].ravel())
             else:
-                done, self.carry[r] = active, np.zeros(0, dtype=np.int64)
-                self.carried[r] = np.zeros(0, dtype=np.int64)
-                batch.append(before + active)
-            seconds = decode_seconds(self.cost, done, self.w.prompt_length, gen.tp, self.cap)
+                done = active
+                self.carry[r] = self.carried[r] = np.zeros(0, dtype=np.int64)
+                batch.append((before + active).ravel())
+            done, before = done.ravel(), before.ravel()
+            seconds = decode_seconds(self.cost, done[done > 0], self.w.prompt_length, gen.tp, self.cap)
             if chunked:  # every chunk boundary re-reads prompt + response so far for the rows still going
                 chunk = pol.chunk(self.w.max_response())
                 seconds += restart_seconds(self.cost, done, before, self.w.prompt_length, gen.tp, chunk)
@@ -247,7 +257,7 @@ def simulate(
             if not isinstance(node, Generate):
                 continue
             count = sequences if not node.greedy else max(sequences // max(workload.samples_per_prompt, 1), 1)
-            seconds, tokens, lengths[it] = gen.iteration(count)
+            seconds, tokens, lengths[it] = gen.iteration(count, 1 if node.greedy else workload.samples_per_prompt)
             gen_tokens += tokens
             gen_flops += count * workload.prompt_length * cost.model.flops_per_token(
                 workload.prompt_length // 2

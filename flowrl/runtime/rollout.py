@@ -123,32 +123,38 @@ class RolloutBuffer:
 # ------------------------------------------------------------------ rows <-> engine rollouts
 
 
+def _padded(values: list[list[Any]], width: int, fill: float, dtype: torch.dtype, left: bool = False) -> torch.Tensor:
+    """Ragged rows as one [len(values), width] tensor (right-padded, or left-padded), built in one go."""
+    n = len(values)
+    out = torch.full((n, width), fill, dtype=dtype)
+    lengths = torch.tensor([len(v) for v in values], dtype=torch.long)
+    total = int(lengths.sum())
+    if total:
+        rows = torch.repeat_interleave(torch.arange(n), lengths)
+        starts = torch.cumsum(lengths, 0) - lengths
+        cols = torch.arange(total) - torch.repeat_interleave(starts, lengths)
+        if left:
+            cols = cols + torch.repeat_interleave(width - lengths, lengths)
+        out[rows, cols] = torch.tensor([x for v in values for x in v], dtype=dtype)
+    return out
+
+
 def rows_to_rollout(rows: Sequence[Row], pad_id: int, greedy: bool) -> Rollout:
     """Rows as one engine `Rollout`: prompts left-padded, responses right-padded."""
     p_width = max(len(r.prompt_ids) for r in rows)
     r_width = max((len(r.tokens) for r in rows), default=0)
-    n = len(rows)
-    prompt_ids = torch.full((n, p_width), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((n, p_width), dtype=torch.long)
-    response_ids = torch.full((n, r_width), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((n, r_width))
-    logprobs = torch.zeros((n, r_width))
-    versions = torch.zeros((n, r_width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        p, k = len(r.prompt_ids), len(r.tokens)
-        prompt_ids[i, p_width - p :] = torch.tensor(r.prompt_ids, dtype=torch.long)
-        prompt_mask[i, p_width - p :] = 1
-        if k:
-            response_ids[i, :k] = torch.tensor(r.tokens, dtype=torch.long)
-            response_mask[i, :k] = 1.0
-            logprobs[i, :k] = torch.tensor(r.logprobs)
-            versions[i, :k] = torch.tensor(r.versions, dtype=torch.long)
+    prompt_ids = _padded([r.prompt_ids for r in rows], p_width, pad_id, torch.long, left=True)
+    prompt_mask = _padded([[1] * len(r.prompt_ids) for r in rows], p_width, 0, torch.long, left=True)
+    response_ids = _padded([r.tokens for r in rows], r_width, pad_id, torch.long)
+    response_mask = _padded([[1.0] * len(r.tokens) for r in rows], r_width, 0.0, torch.float32)
+    logprobs = _padded([r.logprobs for r in rows], r_width, 0.0, torch.float32)
+    versions = _padded([r.versions for r in rows], r_width, 0, torch.long)
     seqs = Sequences(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
         response_ids=response_ids,
         response_mask=response_mask,
-        prompt_index=torch.arange(n),
+        prompt_index=torch.arange(len(rows)),
         texts=tuple(r.text for r in rows),
         version=min((r.oldest() for r in rows if r.versions), default=0),
         logprobs=logprobs,
@@ -161,24 +167,26 @@ def absorb(rows: Sequence[Row], out: Rollout, version: int) -> int:
     """Append what the engine generated for ``rows`` (``out`` has them in order); returns the new tokens."""
     seqs, new = out.sequences, 0
     lengths = seqs.response_mask.sum(-1).long().tolist()
+    ids, logprobs, finished = seqs.response_ids.tolist(), out.logprobs.tolist(), out.finished.tolist()
     for i, row in enumerate(rows):
         have, now = len(row.tokens), lengths[i]
         if now > have:
-            row.tokens += seqs.response_ids[i, have:now].tolist()
-            row.logprobs += out.logprobs[i, have:now].tolist()
+            row.tokens += ids[i][have:now]
+            row.logprobs += logprobs[i][have:now]
             row.versions += [version] * (now - have)
             new += now - have
         row.text = seqs.texts[i]
-        row.finished = bool(out.finished[i])
+        row.finished = bool(finished[i])
     return new
 
 
 def fresh_rows(groups: Sequence[int], out: Rollout, n: int, version: int, step: int) -> list[Row]:
     """Rows for new groups from the engine's first call (``n`` rows a group, in order)."""
     seqs = out.sequences
+    prompt_ids, prompt_mask = seqs.prompt_ids.tolist(), seqs.prompt_mask.tolist()
     rows = []
     for i in range(len(seqs)):
-        ids = seqs.prompt_ids[i][seqs.prompt_mask[i].bool()].tolist()
+        ids = [t for t, m in zip(prompt_ids[i], prompt_mask[i]) if m]
         rows.append(Row(group=groups[i // n], prompt_ids=ids, started=step))
     absorb(rows, out, version)
     return rows

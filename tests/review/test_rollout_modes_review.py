@@ -505,11 +505,14 @@ def ray_plugin(monkeypatch):
     set_registry(None)
 
 
-def cluster_plan(graph: str, *extra: str):
+def cluster_plan(graph: str, *extra: str, cache: dict[str, Any] | None = None, **pins: str):
     overrides = [*TINY, "backend=ray", "device=cpu", *extra]
     _, cfg = api.load(graph, overrides=overrides)
     target = api.local_target(cfg, registry(), devices=2)
-    return api.plan(graph, overrides=overrides, target=target, for_backend=True, options={"budget_s": 1}, emit=quiet)
+    options = {"budget_s": 1, **pins}
+    return api.plan(
+        graph, overrides=overrides, target=target, for_backend=True, options=options, cache=cache, emit=quiet
+    )
 
 
 def test_cluster_explain_shows_the_pinned_mode(ray_plugin):
@@ -524,14 +527,21 @@ def test_cluster_explain_shows_the_pinned_mode(ray_plugin):
 
 @pytest.mark.xfail(
     reason="BUG: flowrl/planner/space.py skeletons offers chunked rollout policies (partial, streaming, "
-    "async) for a graph with two generate nodes; the tuner picks 'sync eta=1 partial+25%' for remax on cpu:2 "
-    "and PlanExecutor.check then refuses the plan the user never pinned (`flowrl run graphs/remax.py "
-    "--cluster cpu:2` fails)",
+    "async) for a graph with two generate nodes; the tuner ranks them for remax on cpu:2 and with --placement "
+    "colocate picks 'sync eta=1 partial+25%', which PlanExecutor.check then refuses although the user pinned "
+    "no mode (`flowrl run graphs/remax.py --cluster cpu:2 --placement colocate` exits 2)",
     strict=True,
 )
 def test_the_tuner_only_picks_modes_the_executor_runs(ray_plugin):
-    g, plan = cluster_plan("remax")
-    api.check(g, plan)  # raises PlanError: "decodes in chunks for one generate node"
+    cache: dict[str, Any] = {}
+    g, plan = cluster_plan("remax", cache=cache, placement="colocate")
+    chunked = {
+        c.plan.rollout.describe()
+        for c in cache["tune"].ranked
+        if c.plan.rollout.partial or c.plan.rollout.streaming or c.plan.rollout.mode == "async"
+    }
+    assert not chunked, chunked  # the executor refuses every one of these for remax
+    api.check(g, plan)  # today: PlanError "decodes in chunks for one generate node"
 
 
 @pytest.mark.xfail(
