@@ -77,8 +77,8 @@ class AlgoConfig(Spec):
     vf_coef: float = 1.0
     whiten_advantages: bool = True
     # importance weights between the proximal (old_logprobs) and behaviour (sampling) policy for
-    # tokens sampled by older weights (decoupled PPO): clip at is_cap, mask those tokens, or off
-    is_correction: Literal["clip", "mask", "off"] = "clip"
+    # tokens sampled by older weights (decoupled PPO): clip at is_cap, mask those tokens, or none
+    is_correction: Literal["clip", "mask", "none"] = "clip"
     is_cap: float = 5.0
 
 
@@ -155,6 +155,9 @@ def rollout_parts(mode: str) -> tuple[str, set[str]]:
                 f"of {', '.join(ROLLOUT_STARTS)} and any of {', '.join(ROLLOUT_FLAGS)} (e.g. 'partial+async')."
             )
     starts = [p for p in parts if p in ROLLOUT_STARTS]
+    twice = sorted({p for p in parts if parts.count(p) > 1})
+    if twice:
+        raise ConfigError(f"config field 'rollout.mode' is '{mode}': '{twice[0]}' appears twice.")
     if len(starts) > 1 or not parts:
         raise ConfigError(
             f"config field 'rollout.mode' is '{mode}': name at most one of {', '.join(ROLLOUT_STARTS)} "

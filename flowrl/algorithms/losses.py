@@ -124,7 +124,7 @@ def behaviour_weights(
     """Importance weights pi_prox / pi_behav for tokens sampled by older weights (decoupled PPO,
     as AReaL): tokens whose ``versions`` entry equals the policy's ``version`` are on-policy and
     weigh exactly 1; the others weigh exp(old - behaviour), clipped at ``cap`` (``clip``), or 0
-    (``mask``: off-policy tokens dropped), or 1 (``off``).
+    (``mask``: off-policy tokens dropped), or 1 (``none``).
 
     Stats: ``offpolicy_frac`` (fraction of valid tokens sampled by older weights), ``is_mean`` and
     ``is_max`` (over valid tokens, before clipping), ``is_clipfrac`` (tokens whose weight was changed).
@@ -137,10 +137,10 @@ def behaviour_weights(
         w = torch.clamp(raw, max=cap)
     elif correction == "mask":
         w = torch.where(stale, torch.zeros_like(raw), raw)
-    elif correction == "off":
+    elif correction == "none":
         w = torch.ones_like(raw)
     else:
-        raise ValueError(f"unknown importance-weight correction {correction!r}; valid: clip, mask, off")
+        raise ValueError(f"unknown importance-weight correction {correction!r}; valid: clip, mask, none")
     valid = m.to(raw.dtype)
     stats = {
         "offpolicy_frac": masked_mean(stale.to(raw.dtype), m).item(),

@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 
 from flowrl.errors import PlanError
-from flowrl.graph.ir import Forward, Graph
+from flowrl.graph.ir import Forward, Generate, Graph
 from flowrl.planner import memory as mem
 from flowrl.planner.capabilities import Capabilities, supports, supports_layout
 from flowrl.planner.cost import CostModel
@@ -287,13 +287,32 @@ class Tuner:
         placement: str | None = None,
         weight_sync: str | None = None,
         rollout: RolloutPolicy | None = None,
+        chunk_tokens: int | None = None,
     ) -> TuneResult:
-        """The ranked plans of the cluster; ``placement`` / ``weight_sync`` / ``rollout`` pin those choices."""
+        """The ranked plans of the cluster; ``placement`` / ``weight_sync`` / ``rollout`` pin those
+        choices; ``chunk_tokens`` sets the decode chunk of chunked rollout policies."""
         t0 = time.perf_counter()
         sks = skeletons(
             self.roles, self.cluster.devices, self.cluster.devices_per_node, self.model.heads, self.model.kv_heads
         )
         sks = _pinned(sks, placement, weight_sync, rollout)
+        generates = [n for n, node in self.graph.nodes.items() if isinstance(node, Generate)]
+        if len(generates) > 1:  # chunked decoding serves one generate node
+            if rollout is not None and rollout.chunked:
+                raise PlanError(
+                    f"rollout '{rollout.describe()}' decodes in chunks for one generate node; graph "
+                    f"'{self.graph.name}' has {len(generates)} ({', '.join(generates)}). Use sync or one_step_off."
+                )
+            sks = [sk for sk in sks if not sk.rollout.chunked]
+        if chunk_tokens is not None:
+            sks = list(
+                {
+                    dataclasses.replace(
+                        sk, rollout=msgspec.structs.replace(sk.rollout, chunk_tokens=chunk_tokens)
+                    ): None
+                    for sk in sks
+                }
+            )
         caps = self.capabilities
         if caps is not None:
             if caps.max_devices is not None and self.cluster.devices > caps.max_devices:

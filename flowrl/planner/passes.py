@@ -308,7 +308,12 @@ def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     result = (
         tuner.single(single)
         if single is not None
-        else tuner.search(budget_s=float(opts.get("budget_s", 8.0)), rollout=policy, **pins)
+        else tuner.search(
+            budget_s=float(opts.get("budget_s", 8.0)),
+            rollout=policy,
+            chunk_tokens=plan.config.rollout.chunk_tokens,
+            **pins,
+        )
     )
     ctx.cache["tune"] = result
     return _replace(plan, layout=result.best)

@@ -84,8 +84,10 @@ class Generator:
         self.cap = kv_capacity(cost.model, numerics or Numerics(), cost.hw, gen.tp, static_bytes, context)
         # Replicas are i.i.d.: simulate a sample of them (each with its real share of the batch).
         self.simulated = min(gen.replicas, sampled_replicas or gen.replicas)
-        self.carry: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(self.simulated)]  # left to decode
-        self.carried: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(self.simulated)]  # decoded
+        # partial rollouts carried over, per group size (a generate node's samples per prompt) and replica:
+        # the tokens each response has left to decode, and those it has
+        self.carry: dict[int, list[np.ndarray]] = {}
+        self.carried: dict[int, list[np.ndarray]] = {}
         self.longest = 0
 
     def iteration(self, sequences: int, group: int = 1) -> tuple[float, float, np.ndarray]:
@@ -101,8 +103,10 @@ class Generator:
         launch = int(np.ceil(per_replica * (1 + pol.overprovision))) if pol.partial else per_replica
         chunked = pol.partial or pol.streaming or pol.mode == "async"
         slowest, tokens, batch = 0.0, 0.0, []
+        empty = [np.zeros(0, dtype=np.int64) for _ in range(self.simulated)]
+        carry_of, carried_of = self.carry.setdefault(group, list(empty)), self.carried.setdefault(group, list(empty))
         for r in range(self.simulated):
-            carry, carried = self.carry[r].reshape(-1, group), self.carried[r].reshape(-1, group)
+            carry, carried = carry_of[r].reshape(-1, group), carried_of[r].reshape(-1, group)
             new = max(launch - carry.shape[0], 0)
             fresh = sample_lengths(self.w.response_length, new * group, self.rng).reshape(new, group)
             active = np.concatenate([carry, fresh])
@@ -112,12 +116,12 @@ class Generator:
                 stop = int(np.sort(longest)[per_replica - 1])  # decode until the batch has its groups
                 ends = longest <= stop
                 done = np.minimum(active, stop)
-                self.carry[r] = np.maximum(active - stop, 0)[~ends].ravel()
-                self.carried[r] = (before + done)[~ends].ravel()
+                carry_of[r] = np.maximum(active - stop, 0)[~ends].ravel()
+                carried_of[r] = (before + done)[~ends].ravel()
                 batch.append((before + active)[ends].ravel())
             else:
                 done = active
-                self.carry[r] = self.carried[r] = np.zeros(0, dtype=np.int64)
+                carry_of[r] = carried_of[r] = np.zeros(0, dtype=np.int64)
                 batch.append((before + active).ravel())
             done, before = done.ravel(), before.ravel()
             seconds = decode_seconds(self.cost, done[done > 0], self.w.prompt_length, gen.tp, self.cap)

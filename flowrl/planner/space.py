@@ -73,9 +73,13 @@ class RolloutPolicy(Spec):
         """How many versions ahead of training generation may start."""
         if self.mode == "sync":
             return 0
-        if self.mode == "one_step_off":
-            return min(self.staleness, 1)
-        return max(self.staleness - self.partial, 0)  # partial keeps one version for the responses it continues
+        room = max(self.staleness - self.partial, 0)  # partial keeps one version for the responses it continues
+        return min(room, 1) if self.mode == "one_step_off" else room
+
+    @property
+    def chunked(self) -> bool:
+        """Whether generation decodes in chunks (to check the batch, take new weights, stream)."""
+        return self.partial or self.streaming or self.mode == "async"
 
     def describe(self) -> str:
         return (

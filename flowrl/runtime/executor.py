@@ -101,7 +101,7 @@ class PlanExecutor:
             )
         policy = plan.layout.rollout
         generates = [n.name for n in graph.nodes.values() if isinstance(n, Generate)]
-        if (policy.partial or policy.streaming or policy.mode == "async") and len(generates) > 1:
+        if policy.chunked and len(generates) > 1:
             raise PlanError(
                 f"rollout '{policy.describe()}' decodes in chunks for one generate node; graph '{graph.name}' has "
                 f"{len(generates)} ({', '.join(generates)}). Use rollout.mode=sync or one_step_off."
@@ -259,7 +259,9 @@ class PlanExecutor:
             greedy=gen.greedy,
             policy=policy,
             prompts_per_step=cfg.rollout.prompts_per_step,
-            chunk_tokens=policy.chunk(cfg.rollout.max_new_tokens or 16),
+            chunk_tokens=policy.chunk_tokens
+            or cfg.rollout.chunk_tokens
+            or policy.chunk(cfg.rollout.max_new_tokens or 16),
             stream_groups=cfg.rollout.stream_groups,
             pad_id=_pad_id(built[gen.model][0]),
             draw=lambda n: task.prompts(prompt_rng, n),

@@ -236,10 +236,12 @@ class Pipeline:
         if not self.streamed:
             return
         node = self.rt.graph.nodes[unit.task.name]
-        for part in parts:
+        for seqs, logprobs, prompts in parts:
             j = len(state.parts.get(node.writes[0], {}))
-            for key, value in zip(node.writes, part):
+            for key, value in zip(node.writes, (seqs, logprobs)):
                 state.parts.setdefault(key, {})[j] = value
+            if self.policy.partial:  # the batch's prompts grow with its parts (prompt_index numbers them)
+                state.batch.setdefault(node.reads[0], []).extend(prompts)
             for t in self.schedule.tasks:
                 if t.name in self.streamed:
                     sub = self._part_unit(unit.step, t, j)

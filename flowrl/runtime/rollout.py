@@ -199,7 +199,7 @@ def fresh_rows(groups: Sequence[int], out: Rollout, n: int, version: int, step: 
 class Chunk:
     """What a generate coroutine yields after a decode chunk: parts ready for streaming."""
 
-    parts: list[tuple[Sequences, Any]]  # (responses, behaviour log-probs) of groups that finished
+    parts: list[tuple[Sequences, Any, list[Prompt]]]  # (responses, behaviour log-probs, prompts) of finished groups
 
 
 @dataclass
@@ -224,8 +224,7 @@ class StepRollout:
     @property
     def chunked(self) -> bool:
         """Decode in chunks (check the batch, pick up weights, stream between them)?"""
-        p = self.policy
-        return p.partial or p.streaming or p.mode == "async"
+        return self.policy.chunked
 
     def run(self, step: int, version: int, prompts: Sequence[Prompt] | None, rng: torch.Generator) -> Iterator[Chunk]:
         """Generate the batch trained at ``version`` (step ``step``). Yields a `Chunk` after each
@@ -244,8 +243,8 @@ class StepRollout:
             )
             self.buffer.taken.extend(self.buffer.add(prompts))
             self.buffer.prompts.clear()
-            metrics = self._metrics(seqs, seqs.num_tokens(), version, 0, 0)
-            return None, seqs, out.logprobs, metrics, [(seqs, out.logprobs)]
+            metrics = {**self._metrics(seqs, seqs.num_tokens(), version, 0, 0), "carried": 0, "in_flight": 0}
+            return None, seqs, out.logprobs, metrics, [(seqs, out.logprobs, list(prompts))]
         buf = self.buffer
         restarted = buf.enforce(version, step)
         carried = len(buf.groups())
@@ -260,7 +259,7 @@ class StepRollout:
         mine = set(new_groups)
         generated = 0
         emitted: list[int] = []
-        parts: list[tuple[Sequences, Any]] = []
+        parts: list[tuple[Sequences, Any, list[Prompt]]] = []
         while True:
             todo = [r for r in buf.rows if not r.finished]
             if new_prompts:  # the first chunk of new prompts: the engine tokenises them
@@ -300,9 +299,12 @@ class StepRollout:
         metrics.update(carried=carried, in_flight=len(buf.groups()))
         return (batch_prompts if self.policy.partial else None), seqs, seqs.logprobs, metrics, parts
 
-    def _part(self, groups: Sequence[int], first: int, new_groups: Sequence[int]) -> tuple[Sequences, Any]:
+    def _part(
+        self, groups: Sequence[int], first: int, new_groups: Sequence[int]
+    ) -> tuple[Sequences, Any, list[Prompt]]:
         """The rows of finished ``groups`` as Sequences whose prompt_index numbers the batch's
-        prompts (partial: in the order groups are taken) or the step's own prompts (otherwise)."""
+        prompts (partial: in the order groups are taken) or the step's own prompts (otherwise),
+        their behaviour log-probs and their groups' prompts."""
         rows = [r for g in groups for r in self.buffer.rows if r.group == g]
         rollout = rows_to_rollout(rows, self.pad_id, self.greedy)
         if self.policy.partial:
@@ -310,7 +312,7 @@ class StepRollout:
         else:
             index = {g: i for i, g in enumerate(new_groups)}
         seqs = replace(rollout.sequences, prompt_index=torch.tensor([index[r.group] for r in rows]))
-        return seqs, seqs.logprobs
+        return seqs, seqs.logprobs, [self.buffer.prompts[g] for g in groups]
 
     def _metrics(self, seqs: Sequences, generated: int, version: int, restarted: int, recycled: int) -> dict[str, Any]:
         tokens = max(seqs.num_tokens(), 1)

