@@ -152,23 +152,30 @@ class LocalModel:
         eos = ((tokens == self.tokenizer.eos_token_id) & alive.bool()).any(-1) & (not roll.ignore_eos)
         if done_len == 0 and len(rows) == len(seqs):  # a fresh batch: the samples are the responses
             response_ids, response_mask, all_logprobs = tokens, alive, new_logprobs
+            texts = self._decode(response_ids, response_mask)
         else:
             width = done_len + tokens.shape[1]
             response_ids = _widen(seqs.response_ids, width, self.tokenizer.pad_token_id)
             response_mask = _widen(seqs.response_mask, width, 0.0)
             all_logprobs = _widen(logprobs, width, 0.0)
-            for j, r in enumerate(rows.tolist()):  # append each row's new tokens after its own last token
-                at = int(seqs.response_mask[r].sum())
-                k = int(alive[j].sum())
-                response_ids[r, at : at + k] = tokens[j, :k]
-                response_mask[r, at : at + k] = 1.0
-                all_logprobs[r, at : at + k] = new_logprobs[j, :k]
+            # append each row's new tokens after its own last token (all rows at once)
+            k = alive.sum(-1).long()
+            at = seqs.response_mask[rows].sum(-1).long()
+            src = torch.repeat_interleave(torch.arange(len(rows)), k)
+            col = torch.arange(int(k.sum())) - torch.repeat_interleave(torch.cumsum(k, 0) - k, k)
+            dst_row, dst_col = rows[src], at[src] + col
+            response_ids[dst_row, dst_col] = tokens[src, col]
+            response_mask[dst_row, dst_col] = 1.0
+            all_logprobs[dst_row, dst_col] = new_logprobs[src, col]
             used = int(response_mask.sum(-1).max())
             response_ids, response_mask, all_logprobs = (
                 response_ids[:, :used],
                 response_mask[:, :used],
                 all_logprobs[:, :used],
             )
+            texts = list(seqs.texts)  # only the rows that went on change their text
+            for r, text in zip(rows.tolist(), self._decode(response_ids[rows], response_mask[rows])):
+                texts[r] = text
         finished[rows] = eos | (response_mask[rows].sum(-1) >= limit)
         out = Sequences(
             prompt_ids=seqs.prompt_ids,
@@ -176,7 +183,7 @@ class LocalModel:
             response_ids=response_ids,
             response_mask=response_mask,
             prompt_index=seqs.prompt_index,
-            texts=tuple(self._decode(response_ids, response_mask)),
+            texts=tuple(texts),
             version=self.version,
         )
         return Rollout(sequences=out, logprobs=all_logprobs, finished=finished, greedy=greedy)
