@@ -118,6 +118,22 @@ def trim(batch: dict[str, Any], key: str) -> dict[str, Any]:
     return out
 
 
+def ragged(values: list[list[Any]], width: int, fill: float, dtype: torch.dtype, left: bool = False) -> torch.Tensor:
+    """Ragged rows as one [len(values), width] tensor (right-padded, or left-padded), built in one go."""
+    n = len(values)
+    out = torch.full((n, width), fill, dtype=dtype)
+    lengths = torch.tensor([len(v) for v in values], dtype=torch.long)
+    total = int(lengths.sum())
+    if total:
+        rows = torch.repeat_interleave(torch.arange(n), lengths)
+        starts = torch.cumsum(lengths, 0) - lengths
+        cols = torch.arange(total) - torch.repeat_interleave(starts, lengths)
+        if left:
+            cols = cols + torch.repeat_interleave(width - lengths, lengths)
+        out[rows, cols] = torch.tensor([x for v in values for x in v], dtype=dtype)
+    return out
+
+
 def position_ids(attention_mask: Tensor) -> Tensor:
     """Positions that skip left padding: 0 at each row's first real token."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

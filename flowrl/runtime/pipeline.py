@@ -65,8 +65,7 @@ class StepState:
     done: int = 0
     outputs: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
     parts: dict[str, dict[int, Any]] = field(default_factory=dict)  # key -> part -> value (streaming)
-    part_metrics: dict[str, dict[int, tuple[int, dict[str, Any]]]] = field(default_factory=dict)
-    end: float = 0.0
+    part_metrics: dict[str, dict[int, tuple[float, dict[str, Any]]]] = field(default_factory=dict)  # (seconds, metrics)
 
 
 class Pipeline:
@@ -195,9 +194,7 @@ class Pipeline:
                     if unit.part is None:
                         state.done += 1
                 while finished < next_step and states[finished].done == states[finished].units:
-                    state = states.pop(finished)
-                    state.end = time.time()
-                    on_step(finished, state)
+                    on_step(finished, states.pop(finished))
                     finished += 1
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -289,7 +286,7 @@ class Pipeline:
         order = sorted(state.parts[first])
         for key in node.writes:
             values = [state.parts[key][j] for j in order]
-            state.batch[key] = _concat(values, self.rt)
+            state.batch[key] = _concat(values)
         sizes = [len(state.parts[first][j]) for j in order]
         runs = state.part_metrics.get(task.name, {})
         seconds = sum(runs[j][0] for j in order)
@@ -304,7 +301,8 @@ class Pipeline:
         state.outputs[task.name] = (seconds, metrics)
 
 
-def _concat(values: list[Any], rt: NodeRuntime) -> Any:
+def _concat(values: list[Any]) -> Any:
+    """Parts of one value, concatenated by rows in part order."""
     if isinstance(values[0], Sequences):
         return concat_sequences(values, 0, [0] * len(values))
     if isinstance(values[0], torch.Tensor):

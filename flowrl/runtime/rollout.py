@@ -23,7 +23,7 @@ import torch
 
 from flowrl.errors import BackendError
 from flowrl.planner.space import RolloutPolicy
-from flowrl.runtime.batch import Sequences
+from flowrl.runtime.batch import Sequences, ragged
 from flowrl.runtime.dispatch import concat_sequences
 from flowrl.runtime.protocols import Rollout
 from flowrl.tasks.builtin import Prompt
@@ -123,32 +123,16 @@ class RolloutBuffer:
 # ------------------------------------------------------------------ rows <-> engine rollouts
 
 
-def _padded(values: list[list[Any]], width: int, fill: float, dtype: torch.dtype, left: bool = False) -> torch.Tensor:
-    """Ragged rows as one [len(values), width] tensor (right-padded, or left-padded), built in one go."""
-    n = len(values)
-    out = torch.full((n, width), fill, dtype=dtype)
-    lengths = torch.tensor([len(v) for v in values], dtype=torch.long)
-    total = int(lengths.sum())
-    if total:
-        rows = torch.repeat_interleave(torch.arange(n), lengths)
-        starts = torch.cumsum(lengths, 0) - lengths
-        cols = torch.arange(total) - torch.repeat_interleave(starts, lengths)
-        if left:
-            cols = cols + torch.repeat_interleave(width - lengths, lengths)
-        out[rows, cols] = torch.tensor([x for v in values for x in v], dtype=dtype)
-    return out
-
-
 def rows_to_rollout(rows: Sequence[Row], pad_id: int, greedy: bool) -> Rollout:
     """Rows as one engine `Rollout`: prompts left-padded, responses right-padded."""
     p_width = max(len(r.prompt_ids) for r in rows)
     r_width = max((len(r.tokens) for r in rows), default=0)
-    prompt_ids = _padded([r.prompt_ids for r in rows], p_width, pad_id, torch.long, left=True)
-    prompt_mask = _padded([[1] * len(r.prompt_ids) for r in rows], p_width, 0, torch.long, left=True)
-    response_ids = _padded([r.tokens for r in rows], r_width, pad_id, torch.long)
-    response_mask = _padded([[1.0] * len(r.tokens) for r in rows], r_width, 0.0, torch.float32)
-    logprobs = _padded([r.logprobs for r in rows], r_width, 0.0, torch.float32)
-    versions = _padded([r.versions for r in rows], r_width, 0, torch.long)
+    prompt_ids = ragged([r.prompt_ids for r in rows], p_width, pad_id, torch.long, left=True)
+    prompt_mask = ragged([[1] * len(r.prompt_ids) for r in rows], p_width, 0, torch.long, left=True)
+    response_ids = ragged([r.tokens for r in rows], r_width, pad_id, torch.long)
+    response_mask = ragged([[1.0] * len(r.tokens) for r in rows], r_width, 0.0, torch.float32)
+    logprobs = ragged([r.logprobs for r in rows], r_width, 0.0, torch.float32)
+    versions = ragged([r.versions for r in rows], r_width, 0, torch.long)
     seqs = Sequences(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,

@@ -26,7 +26,7 @@ from flowrl.cli import main
 from flowrl.errors import ConfigError, PlanError
 from flowrl.planner.space import RolloutPolicy
 from flowrl.plugins.manager import registry, set_registry
-from flowrl.runtime.batch import Sequences
+from flowrl.runtime.batch import Sequences, ragged
 from flowrl.runtime.executor import PlanExecutor, run_dir
 from flowrl.runtime.protocols import Rollout
 from flowrl.runtime.rollout import StepRollout
@@ -267,11 +267,8 @@ class TaggingEngine:
                 done = self.rng.random() < 0.3 or len(toks) >= self.limit
             rows.append((toks, done))
         width = max([len(t) for t, _ in rows] + [0])
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width)
-        for i, (t, _) in enumerate(rows):
-            ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-            mask[i, : len(t)] = 1
+        ids = ragged([t for t, _ in rows], width, 0, torch.long)
+        mask = ragged([[1.0] * len(t) for t, _ in rows], width, 0.0, torch.float32)
         out = Sequences(
             prompt_ids=seqs.prompt_ids,
             prompt_mask=seqs.prompt_mask,

@@ -17,7 +17,7 @@ from flowrl.algorithms.losses import behaviour_weights
 from flowrl.errors import ConfigError, PlanError
 from flowrl.planner.space import RolloutPolicy
 from flowrl.plugins.manager import registry
-from flowrl.runtime.batch import Sequences
+from flowrl.runtime.batch import Sequences, ragged
 from flowrl.runtime.executor import PlanExecutor, run_dir
 from flowrl.runtime.protocols import Rollout
 from flowrl.runtime.rollout import StepRollout
@@ -71,11 +71,8 @@ class ScriptedEngine:
                 done = self.rng.random() < self.eos_chance
             rows.append((toks, done or len(toks) >= self.limit))
         width = max(len(t) for t, _ in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width)
-        for i, (t, _) in enumerate(rows):
-            ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-            mask[i, : len(t)] = 1
+        ids = ragged([t for t, _ in rows], width, 0, torch.long)
+        mask = ragged([[1.0] * len(t) for t, _ in rows], width, 0.0, torch.float32)
         out = Sequences(
             prompt_ids=seqs.prompt_ids,
             prompt_mask=seqs.prompt_mask,
