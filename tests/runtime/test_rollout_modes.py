@@ -105,7 +105,7 @@ class ScriptedEngine:
         return self._extend(rollout.sequences, rollout.logprobs, rollout.finished, max_new_tokens or 99)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
     seed=st.integers(0, 10_000),
     eta=st.integers(1, 3),
