@@ -307,8 +307,6 @@ def test_a_plan_for_a_relative_graph_file_runs_from_another_directory(tmp_path, 
     ("field", "value", "feature"),
     [
         ("placement", "split", "placement 'split'"),
-        ("rollout.mode", "async", "rollout mode 'async'"),
-        ("rollout.partial", True, "partial rollouts"),
         ("weight_sync.strategy", "sparse", "weight sync 'sparse'"),
         ("models.0.offload_optimizer", True, "optimizer offloaded"),
     ],
