@@ -6,6 +6,7 @@ Precedence, lowest first: struct defaults < the graph module's ``DEFAULTS`` < ``
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -132,6 +133,23 @@ class RunConfig(Spec):
             (self.rollout.stream_groups >= 1, "rollout.stream_groups", "must be >= 1"),
             (self.algo.is_cap >= 1, "algo.is_cap", "must be >= 1"),
             (self.memory_limit_gib is None or self.memory_limit_gib > 0, "memory_limit_gib", "must be > 0"),
+            (self.threads is None or self.threads >= 1, "threads", "must be >= 1"),
+            (0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)"),
+            (math.isfinite(self.rollout.temperature), "rollout.temperature", "must be finite"),
+            (all(0 <= b < 1 for b in self.train.betas), "train.betas", "must both be in [0, 1)"),
+            (self.train.grad_clip > 0, "train.grad_clip", "must be > 0"),
+            (0 <= self.train.weight_decay < math.inf, "train.weight_decay", "must be >= 0"),
+            (math.isfinite(self.train.lr), "train.lr", "must be finite"),
+            (self.train.critic_lr is None or 0 < self.train.critic_lr < math.inf, "train.critic_lr", "must be > 0"),
+            (0 < self.algo.clip_low < 1, "algo.clip_low", "must be in (0, 1)"),
+            (0 < self.algo.clip_high < math.inf, "algo.clip_high", "must be > 0"),
+            (self.algo.dual_clip is None or 1 < self.algo.dual_clip < math.inf, "algo.dual_clip", "must be > 1"),
+            (0 <= self.algo.kl_coef < math.inf, "algo.kl_coef", "must be >= 0"),
+            (0 <= self.algo.gamma <= 1, "algo.gamma", "must be in [0, 1]"),
+            (0 <= self.algo.lam <= 1, "algo.lam", "must be in [0, 1]"),
+            (self.algo.vf_clip is None or 0 < self.algo.vf_clip < math.inf, "algo.vf_clip", "must be > 0"),
+            (0 <= self.algo.vf_coef < math.inf, "algo.vf_coef", "must be >= 0"),
+            (math.isfinite(self.algo.is_cap), "algo.is_cap", "must be finite"),
         ]
         for ok, field, why in checks:
             if not ok:
