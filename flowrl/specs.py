@@ -150,6 +150,11 @@ class RunConfig(Spec):
             (self.algo.vf_clip is None or 0 < self.algo.vf_clip < math.inf, "algo.vf_clip", "must be > 0"),
             (0 <= self.algo.vf_coef < math.inf, "algo.vf_coef", "must be >= 0"),
             (math.isfinite(self.algo.is_cap), "algo.is_cap", "must be finite"),
+            (
+                self.name is None or (self.name not in ("", ".", "..") and not set(self.name) & {"/", "\\"}),
+                "name",
+                "must be one plain folder name (no '/', '\\' or '..')",
+            ),
         ]
         for ok, field, why in checks:
             if not ok:

@@ -124,6 +124,10 @@ class Graph:
     """An RL algorithm as a dataflow graph. Build it with the methods below, then `verify()`."""
 
     def __init__(self, name: str, inputs: Iterable[str] = ("prompts",)) -> None:
+        if not isinstance(name, str) or name in ("", ".", "..") or set(name) & {"/", "\\"}:
+            raise GraphError(
+                f"graph name {name!r} must be one plain folder name (no '/', '\\' or '..'): runs go in it."
+            )
         self.name = name
         self.inputs = _keys(inputs, "input", "<graph inputs>")
         self.models: dict[str, ModelDecl] = {}

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from flowrl.errors import PlanError
+from flowrl.errors import ConfigError, PlanError
 from flowrl.graph.ir import Generate, Graph, Train
 from flowrl.planner.capabilities import Capabilities, unsupported
 from flowrl.planner.passes import node_options, verify_plan
@@ -43,7 +43,12 @@ if TYPE_CHECKING:
 
 
 def run_dir(base: str, name: str) -> Path:
-    """runs/<name>, or runs/<name>-2, -3, ... so an earlier run is never overwritten."""
+    """runs/<name>, or runs/<name>-2, -3, ... so an earlier run is never overwritten. ``name`` is
+    one plain folder name: nothing is written outside ``base``."""
+    if not name or name in (".", "..") or Path(name).name != name or "\\" in name:
+        raise ConfigError(
+            f"run name '{name}' must be one plain folder name (no '/', '\\' or '..'); set --set name=NAME."
+        )
     root = Path(base)
     path, i = root / name, 1
     while path.exists():

@@ -194,6 +194,9 @@ def test_wrong_type_names_the_path(layer: dict, path: str) -> None:
         ({"algo": {"is_cap": float("inf")}}, "algo.is_cap"),
         ({"rollout": {"staleness": -1}}, "rollout.staleness"),
         ({"rollout": {"chunk_tokens": 0}}, "rollout.chunk_tokens"),
+        ({"name": "../x"}, "name"),
+        ({"name": ".."}, "name"),
+        ({"name": "a/b"}, "name"),
     ],
 )
 def test_range_checks_name_the_field(layer: dict, field: str) -> None:
@@ -285,3 +288,12 @@ def test_yaml_never_executes_tags(tmp_path: Path) -> None:
     path.write_text("seed: !!python/object/apply:os.system ['true']\n")
     with pytest.raises(ConfigError, match="is not valid YAML"):
         read_document(path)
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "..", ""])
+def test_a_graph_name_that_would_leave_the_run_folder_is_refused(name: str) -> None:
+    from flowrl.errors import GraphError
+    from flowrl.graph import Graph
+
+    with pytest.raises(GraphError, match="plain folder name"):
+        Graph(name)

@@ -40,7 +40,7 @@ def load_tokenizer(path: str | None) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as exc:
         raise BackendError(
             f"model directory '{path}' has no usable tokenizer ({type(exc).__name__}: {exc}). Save one with "
@@ -83,7 +83,7 @@ def model_config(path: str | None, tiny: TinyModelConfig, tokenizer: Any) -> Any
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as exc:
         raise BackendError(f"'{path}/config.json' is not a usable HF model config: {exc}") from None
 
@@ -98,7 +98,7 @@ def build_causal_lm(path: str | None, config: Any, seed: int) -> nn.Module:
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                path, local_files_only=True, dtype=torch.float32, attn_implementation="eager"
+                path, local_files_only=True, dtype=torch.float32, attn_implementation="eager", trust_remote_code=False
             )
         except Exception as exc:
             raise BackendError(f"could not load a causal LM from '{path}': {type(exc).__name__}: {exc}") from None
