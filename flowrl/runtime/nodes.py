@@ -65,6 +65,17 @@ def run_node(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[dict
     return out, {key: _plain(value, name, key) for key, value in metrics.items()}
 
 
+def _user(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call a user's (registered) function; what it raises becomes an error naming it (the node is
+    added by `run_node`), not a traceback."""
+    try:
+        return fn(*args, **kwargs)
+    except FlowRLError:
+        raise
+    except Exception as exc:
+        raise GraphError(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+
 def _plain(value: Any, node: str, key: str) -> Any:
     """A metric as a JSON value: numbers (one-element tensors and numpy scalars too), text, bool, None."""
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -91,8 +102,9 @@ def _run(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[dict[str
     elif isinstance(node, Reward):
         out, metrics = _reward(rt, node, inputs, options)
     elif isinstance(node, Compute):
+        fn = rt.functions["advantage_estimators"][node.fn]
         with torch.no_grad():
-            out, metrics = _split(rt.functions["advantage_estimators"][node.fn](inputs, algo, **options), name)
+            out, metrics = _split(_user(f"compute function '{node.fn}'", fn, inputs, algo, **options), name)
     elif isinstance(node, Train):
         out, metrics = _train(rt, node, inputs, algo, options)
     else:  # pragma: no cover - the IR is a closed set
@@ -154,7 +166,8 @@ def _reward(
             "they answer."
         )
     rows = [prompts[i] for i in seqs.prompt_index.tolist()]
-    result = rt.functions["reward_functions"][node.fn](rows, list(seqs.texts), rt.task, **options)
+    fn = rt.functions["reward_functions"][node.fn]
+    result = _user(f"reward function '{node.fn}'", fn, rows, list(seqs.texts), rt.task, **options)
     scores, metrics = result if isinstance(result, tuple) else (result, {})
     try:
         scores = torch.as_tensor(scores, dtype=torch.float32).flatten()
@@ -163,6 +176,12 @@ def _reward(
             f"node '{node.name}': reward function '{node.fn}' must return one number per response; got "
             f"{type(scores).__name__} ({exc})."
         ) from None
+    if scores.numel() == len(seqs) and not bool(torch.isfinite(scores).all()):
+        bad = int((~torch.isfinite(scores)).nonzero()[0])
+        raise GraphError(
+            f"node '{node.name}': reward function '{node.fn}' returned {float(scores[bad])} for response {bad} "
+            f"({seqs.texts[bad]!r}); rewards must be finite."
+        )
     if scores.numel() != len(seqs):
         raise GraphError(
             f"node '{node.name}': reward function '{node.fn}' returned {scores.numel()} scores for {len(seqs)} "

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from flowrl.errors import FlowRLError
 from flowrl.graph.ir import streamed_nodes
 from flowrl.planner.space import RolloutPolicy
 from flowrl.runtime.batch import Sequences
@@ -209,6 +210,12 @@ class Pipeline:
         return {k: state.batch[k] for k in reads if k in state.batch}
 
     def _work(self, unit: Unit, view: dict[str, Any]) -> tuple[str, Any, float, float]:
+        try:
+            return self._run_unit(unit, view)
+        except FlowRLError as exc:
+            raise type(exc)(f"step {unit.step}: {exc}") from exc.__cause__
+
+    def _run_unit(self, unit: Unit, view: dict[str, Any]) -> tuple[str, Any, float, float]:
         CURRENT_TASK.set(unit.task.name)
         start = time.time()
         if unit.task.kind == "generate":
