@@ -301,11 +301,14 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     graph, _ = api.load(_need_graph(args), **_load_kwargs(args))
     print(to_text(graph), end="")
-    if args.dot:
-        Path(args.dot).write_text(to_dot(graph))
-        print(f"flowrl: DOT written to {args.dot}")
-    if args.png:
-        print(f"flowrl: drawing written to {draw_png(graph, args.png)}")
+    try:
+        if args.dot:
+            Path(args.dot).write_text(to_dot(graph))
+            print(f"flowrl: DOT written to {args.dot}")
+        if args.png:
+            print(f"flowrl: drawing written to {draw_png(graph, args.png)}")
+    except OSError as exc:
+        raise ConfigError(f"cannot write '{exc.filename or args.dot or args.png}': {exc.strerror or exc}.") from None
     return 0
 
 

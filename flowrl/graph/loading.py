@@ -30,6 +30,11 @@ def _import_file(path: Path) -> ModuleType:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
+    except SystemExit as exc:  # a graph file must not end the process
+        raise GraphError(
+            f"graph file '{path}' called sys.exit({exc.code!r}) while being imported; a graph file only defines "
+            "build(cfg) (and DEFAULTS)."
+        ) from None
     except Exception as exc:
         line = ""
         tb = exc.__traceback__

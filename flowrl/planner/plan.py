@@ -90,13 +90,17 @@ class ExecutionPlan(Spec, kw_only=True):
 
 def dump_plan(plan: ExecutionPlan, path: str | Path) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix in (".yaml", ".yml"):
-        path.write_bytes(msgspec.yaml.encode(plan))
+        data = msgspec.yaml.encode(plan)
     elif path.suffix == ".json":
-        path.write_bytes(msgspec.json.format(msgspec.json.encode(plan)))
+        data = msgspec.json.format(msgspec.json.encode(plan))
     else:
         raise ConfigError(f"plan file '{path}': use a .yaml or .json name.")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    except OSError as exc:
+        raise ConfigError(f"cannot write plan file '{path}': {exc.strerror or exc}.") from None
     return path
 
 

@@ -54,7 +54,12 @@ def run_dir(base: str, name: str) -> Path:
     while path.exists():
         i += 1
         path = root / f"{name}-{i}"
-    path.mkdir(parents=True)
+    try:
+        path.mkdir(parents=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot create the run folder '{path}' under --out '{base}': {exc.strerror or exc}."
+        ) from None
     return path
 
 

@@ -212,8 +212,9 @@ class Pipeline:
     def _work(self, unit: Unit, view: dict[str, Any]) -> tuple[str, Any, float, float]:
         try:
             return self._run_unit(unit, view)
-        except FlowRLError as exc:
-            raise type(exc)(f"step {unit.step}: {exc}") from exc.__cause__
+        except FlowRLError as exc:  # say which step, after the first line (which names the node)
+            first, nl, rest = str(exc).partition("\n")
+            raise type(exc)(f"{first.rstrip('.')} (step {unit.step}).{nl}{rest}") from exc.__cause__
 
     def _run_unit(self, unit: Unit, view: dict[str, Any]) -> tuple[str, Any, float, float]:
         CURRENT_TASK.set(unit.task.name)

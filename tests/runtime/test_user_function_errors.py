@@ -50,8 +50,8 @@ def _registry(fn_name: str) -> Any:
 @pytest.mark.parametrize(
     ("fn", "match"),
     [
-        ("boom", r"step 0: node 'score': reward function 'boom' raised ValueError: my reward broke"),
-        ("nan_reward", r"step 0: node 'score': reward function 'nan_reward' returned nan .*must be finite"),
+        ("boom", r"^node 'score': reward function 'boom' raised ValueError: my reward broke \(step 0\)\."),
+        ("nan_reward", r"^node 'score': reward function 'nan_reward' returned nan .*must be finite \(step 0\)\."),
     ],
 )
 def test_a_failing_reward_names_node_function_and_step(tmp_path, fn, match):
