@@ -38,3 +38,9 @@ def did_you_mean(name: str, known: list[str]) -> str:
     lowered = {k.lower(): k for k in known}
     hit = difflib.get_close_matches(str(name).lower(), list(lowered), n=1)
     return f" Did you mean '{lowered[hit[0]]}'?" if hit else ""
+
+
+def plain_name(name: object) -> bool:
+    """Whether ``name`` is one plain folder name (no '/', '\\', '.' or '..'), so a folder made from
+    it stays inside its parent."""
+    return isinstance(name, str) and name not in ("", ".", "..") and not set(name) & {"/", "\\"}

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import msgspec
 import yaml
 
-from flowrl.errors import ConfigError, did_you_mean
+from flowrl.errors import ConfigError, did_you_mean, plain_name
 
 
 class Spec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -151,7 +151,7 @@ class RunConfig(Spec):
             (0 <= self.algo.vf_coef < math.inf, "algo.vf_coef", "must be >= 0"),
             (math.isfinite(self.algo.is_cap), "algo.is_cap", "must be finite"),
             (
-                self.name is None or (self.name not in ("", ".", "..") and not set(self.name) & {"/", "\\"}),
+                self.name is None or plain_name(self.name),
                 "name",
                 "must be one plain folder name (no '/', '\\' or '..')",
             ),

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import msgspec
 import networkx as nx
 
-from flowrl.errors import GraphError, did_you_mean
+from flowrl.errors import GraphError, did_you_mean, plain_name
 from flowrl.specs import Spec
 
 Role = Literal["actor", "critic", "reference", "reward", "cost"]
@@ -124,7 +124,7 @@ class Graph:
     """An RL algorithm as a dataflow graph. Build it with the methods below, then `verify()`."""
 
     def __init__(self, name: str, inputs: Iterable[str] = ("prompts",)) -> None:
-        if not isinstance(name, str) or name in ("", ".", "..") or set(name) & {"/", "\\"}:
+        if not plain_name(name):
             raise GraphError(
                 f"graph name {name!r} must be one plain folder name (no '/', '\\' or '..'): runs go in it."
             )

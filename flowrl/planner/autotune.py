@@ -22,9 +22,9 @@ import msgspec
 import numpy as np
 
 from flowrl.errors import PlanError
-from flowrl.graph.ir import Forward, Generate, Graph
+from flowrl.graph.ir import Forward, Graph
 from flowrl.planner import memory as mem
-from flowrl.planner.capabilities import Capabilities, supports, supports_layout
+from flowrl.planner.capabilities import Capabilities, rollout_conflict, supports, supports_layout
 from flowrl.planner.cost import CostModel
 from flowrl.planner.hardware import ClusterSpec
 from flowrl.planner.modelspec import ModelSpec
@@ -296,14 +296,10 @@ class Tuner:
             self.roles, self.cluster.devices, self.cluster.devices_per_node, self.model.heads, self.model.kv_heads
         )
         sks = _pinned(sks, placement, weight_sync, rollout)
-        generates = [n for n, node in self.graph.nodes.items() if isinstance(node, Generate)]
-        if len(generates) > 1:  # chunked decoding serves one generate node
-            if rollout is not None and rollout.chunked:
-                raise PlanError(
-                    f"rollout '{rollout.describe()}' decodes in chunks for one generate node; graph "
-                    f"'{self.graph.name}' has {len(generates)} ({', '.join(generates)}). Use sync or one_step_off."
-                )
-            sks = [sk for sk in sks if not sk.rollout.chunked]
+        conflict = rollout_conflict(self.graph, rollout) if rollout is not None else None
+        if conflict:
+            raise PlanError(conflict)
+        sks = [sk for sk in sks if rollout_conflict(self.graph, sk.rollout) is None]
         if chunk_tokens is not None:
             sks = list(
                 {

@@ -3,6 +3,7 @@ executor refuses any other plan before it builds a model."""
 
 from __future__ import annotations
 
+from flowrl.graph.ir import Generate, Graph
 from flowrl.planner.memory import Numerics
 from flowrl.planner.space import (
     ClusterPlan,
@@ -71,3 +72,15 @@ def unsupported(caps: Capabilities, layout: ClusterPlan, devices: int) -> list[s
     if not caps.model_parallel and layout.generation.tp > 1:
         out.append(f"generation tp {layout.generation.tp} (no model parallelism)")
     return out
+
+
+def rollout_conflict(graph: Graph, rollout: RolloutPolicy) -> str | None:
+    """Why ``graph`` cannot run ``rollout`` (chunked rollouts, partial, async and streaming, serve
+    one generate node), in words; None when it can."""
+    generates = [n.name for n in graph.nodes.values() if isinstance(n, Generate)]
+    if rollout.chunked and len(generates) > 1:
+        return (
+            f"rollout '{rollout.describe()}' decodes in chunks for one generate node; graph '{graph.name}' has "
+            f"{len(generates)} ({', '.join(generates)}). Use rollout.mode=sync or one_step_off."
+        )
+    return None

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from flowrl.errors import ConfigError, PlanError
+from flowrl.errors import ConfigError, PlanError, plain_name
 from flowrl.graph.ir import Generate, Graph, Train
-from flowrl.planner.capabilities import Capabilities, unsupported
+from flowrl.planner.capabilities import Capabilities, rollout_conflict, unsupported
 from flowrl.planner.passes import node_options, verify_plan
 from flowrl.planner.plan import ExecutionPlan, dump_plan
 from flowrl.planner.space import RolloutPolicy
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 def run_dir(base: str, name: str) -> Path:
     """runs/<name>, or runs/<name>-2, -3, ... so an earlier run is never overwritten. ``name`` is
     one plain folder name: nothing is written outside ``base``."""
-    if not name or name in (".", "..") or Path(name).name != name or "\\" in name:
+    if not plain_name(name):
         raise ConfigError(
             f"run name '{name}' must be one plain folder name (no '/', '\\' or '..'); set --set name=NAME."
         )
@@ -109,13 +109,9 @@ class PlanExecutor:
                 f"parameters), but its config builds '{builds.name}' ({builds.parameters() / 1e6:.1f}M); re-plan "
                 "with the model you run (--model DIR)."
             )
-        policy = plan.layout.rollout
-        generates = [n.name for n in graph.nodes.values() if isinstance(n, Generate)]
-        if policy.chunked and len(generates) > 1:
-            raise PlanError(
-                f"rollout '{policy.describe()}' decodes in chunks for one generate node; graph '{graph.name}' has "
-                f"{len(generates)} ({', '.join(generates)}). Use rollout.mode=sync or one_step_off."
-            )
+        conflict = rollout_conflict(graph, plan.layout.rollout)
+        if conflict:
+            raise PlanError(conflict)
         self.registry.entry("generation_engines", cfg.generation.engine, field="generation.engine")
         self.registry.entry("training_engines", cfg.train.engine, field="train.engine")
 

@@ -54,10 +54,9 @@ class Row:
 
 @dataclass
 class RolloutBuffer:
-    """The rows in flight of one generate node, grouped by prompt (``samples`` rows a group)."""
+    """The rows in flight of one generate node, grouped by prompt."""
 
     eta: int  # staleness bound
-    samples: int
     rows: list[Row] = field(default_factory=list)
     prompts: dict[int, Prompt] = field(default_factory=dict)  # group -> prompt, while in flight
     drawn: int = 0  # prompts taken from the stream so far (group numbers 0 .. drawn-1)
@@ -80,12 +79,16 @@ class RolloutBuffer:
         (rows trained at ``version`` may be at most eta versions old); how many restarted."""
         n = 0
         for row in self.rows:
-            oldest = row.oldest()
-            if oldest is not None and oldest < version - self.eta:
+            if self.too_old(row, version):
                 row.restart(step)
                 n += 1
         self.restarts += n
         return n
+
+    def too_old(self, row: Row, version: int) -> bool:
+        """Whether ``row`` holds a token older than a sample trained at ``version`` may (eta)."""
+        oldest = row.oldest()
+        return oldest is not None and oldest < version - self.eta
 
     def tick(self) -> None:
         """A decode chunk ended: stamp the rows that finished in it."""
@@ -109,11 +112,10 @@ class RolloutBuffer:
         order = {g: i for i, g in enumerate(groups)}
         rows = sorted((r for r in self.rows if r.group in chosen), key=lambda r: order[r.group])
         for row in rows:
-            oldest = row.oldest()
-            if oldest is not None and oldest < version - self.eta:
+            if self.too_old(row, version):
                 raise BackendError(
-                    f"rollout buffer: a sample of prompt {row.group} holds a token of version {oldest}, older than "
-                    f"the staleness bound {self.eta} allows at version {version}."
+                    f"rollout buffer: a sample of prompt {row.group} holds a token of version {row.oldest()}, older "
+                    f"than the staleness bound {self.eta} allows at version {version}."
                 )
         self.rows = [r for r in self.rows if r.group not in chosen]
         self.taken.extend(groups)
@@ -203,19 +205,14 @@ class StepRollout:
     buffer: RolloutBuffer = field(init=False)
 
     def __post_init__(self) -> None:
-        self.buffer = RolloutBuffer(eta=self.policy.staleness, samples=self.n)
-
-    @property
-    def chunked(self) -> bool:
-        """Decode in chunks (check the batch, pick up weights, stream between them)?"""
-        return self.policy.chunked
+        self.buffer = RolloutBuffer(eta=self.policy.staleness)
 
     def run(self, step: int, version: int, prompts: Sequence[Prompt] | None, rng: torch.Generator) -> Iterator[Chunk]:
         """Generate the batch trained at ``version`` (step ``step``). Yields a `Chunk` after each
         decode chunk; returns (prompts of the batch, responses, behaviour log-probs, metrics).
         ``prompts``: the step's prompts (None when partial: the buffer draws its own)."""
         gen = self.generator
-        if not self.chunked:  # one call, one version
+        if not self.policy.chunked:  # one call, one version
             assert prompts is not None
             out = gen.generate(prompts, n=self.n, greedy=self.greedy, generator=rng)
             seqs = out.sequences
