@@ -155,11 +155,33 @@ def run(
     out_dir: Path | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
     executor: Executor | None = None,
+    resume: bool = False,
 ) -> RunResult:
     """Run ``p`` on its executor: ``executor`` when it has already checked the plan (``check``), else
-    the one ``check`` returns, before the run folder is made."""
+    the one ``check`` returns, before the run folder is made. With ``resume``, ``out_dir`` is an
+    earlier run's folder, continued from its newest checkpoint.
+
+    A run that fails before its first step completes leaves no folder behind; one that fails
+    later keeps its folder, and the error says how to continue from its last checkpoint."""
+    import shutil
+
+    from flowrl.runtime.checkpoint import latest
     from flowrl.runtime.executor import run_dir
 
     ex = executor or check(graph, p, registry)
+    if resume and out_dir is None:
+        raise PlanError("resume needs the run folder to continue (out_dir).")
     out = out_dir or run_dir(p.config.out, p.config.name or graph.name)
-    return ex.run(graph, p, out, on_step=on_step)
+    try:
+        return ex.run(graph, p, out, on_step=on_step, resume=resume)
+    except BaseException as exc:
+        metrics = out / "metrics.jsonl"
+        if not resume and (not metrics.is_file() or metrics.stat().st_size == 0):
+            shutil.rmtree(out, ignore_errors=True)  # nothing completed: no half-made run folder
+        elif isinstance(exc, FlowRLError) and latest(out) is not None:
+            step, _ = latest(out)  # type: ignore[misc]
+            raise type(exc)(
+                f"{exc}\nThe run folder {out} keeps a checkpoint after step {step}; continue it with "
+                f"`flowrl run --resume {out}` (naming its graph file first if it has one)."
+            ) from exc.__cause__
+        raise

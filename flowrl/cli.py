@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from flowrl.errors import ConfigError, FlowRLError
+from flowrl.specs import writable
 
 EXIT_USER_ERROR = 2
 
@@ -72,6 +73,7 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
         "out": getattr(args, "run_out", None),
         "name": args.name,
         "backend": args.backend,
+        "save_every": getattr(args, "save_every", None),
     }
 
 
@@ -97,18 +99,62 @@ def _need_graph(args: argparse.Namespace) -> str:
 # ------------------------------------------------------------------ commands
 
 
+def _graph_of_plan(args: argparse.Namespace, plan: Any, flag: str, where: str) -> Any:
+    """The graph a plan (or a run folder's plan) names. A graph *file* is code: it runs only when
+    the command line names it too, so a plan someone sends cannot run a file you did not choose."""
+    from flowrl import api
+
+    source = plan.graph.source
+    is_file = source.endswith(".py") or "/" in source or "\\" in source
+    if args.graph and (Path(args.graph).resolve() != Path(source).resolve() if is_file else args.graph != source):
+        raise ConfigError(f"{flag} '{where}' was made for graph '{source}', not '{args.graph}'.")
+    if is_file and not args.graph:
+        raise ConfigError(
+            f"{flag} '{where}' would run the graph file '{source}', which is Python code; flowrl runs a graph "
+            f"file only when you name it: `flowrl run {source} {flag} {where}`."
+        )
+    return api.graph_for_plan(plan)
+
+
+def _resume(args: argparse.Namespace) -> tuple[Any, Any, Path]:
+    """The graph, plan and folder of ``--resume DIR`` (``--steps`` may extend the run)."""
+    import msgspec
+
+    from flowrl.planner.plan import load_plan
+
+    folder = Path(args.resume)
+    others = [n for n, v in _flags(args).items() if v is not None and n != "steps"]
+    if args.plan or args.config or args.overrides or args.cluster or args.placement or args.sync or others:
+        raise ConfigError(
+            "--resume continues a run exactly as it was planned; only --steps (to extend it) may change. Start "
+            "a new run for other settings."
+        )
+    if not (folder / "plan.yaml").is_file():
+        what = "does not exist" if not folder.exists() else "is not a run folder (it has no plan.yaml)"
+        raise ConfigError(f"--resume '{folder}' {what}; name a folder a run wrote, e.g. runs/grpo.")
+    plan = load_plan(folder / "plan.yaml")
+    graph = _graph_of_plan(args, plan, "--resume", str(folder))
+    if args.steps is not None and args.steps != plan.config.steps:
+        if args.steps < 0:
+            raise ConfigError("config field 'steps' must be >= 0.")
+        plan = msgspec.structs.replace(plan, config=msgspec.structs.replace(plan.config, steps=args.steps))
+        plan = msgspec.structs.replace(plan, id=plan.content_id())
+    return graph, plan, folder
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from flowrl import api
     from flowrl.planner.plan import load_plan
 
-    if args.plan:
+    folder = None
+    if args.resume:
+        graph, plan, folder = _resume(args)
+    elif args.plan:
         pinned = args.cluster or args.placement or args.sync
         if args.config or args.overrides or pinned or any(v is not None for v in _flags(args).values()):
             raise ConfigError("--plan runs a plan exactly as planned; put config changes into `flowrl plan` instead.")
         plan = load_plan(args.plan)
-        if args.graph and args.graph != plan.graph.source:
-            raise ConfigError(f"--plan '{args.plan}' was made for graph '{plan.graph.source}', not '{args.graph}'.")
-        graph = api.graph_for_plan(plan)
+        graph = _graph_of_plan(args, plan, "--plan", args.plan)
     else:
         kwargs = _load_kwargs(args)
         target = _cluster_target(args, kwargs, for_run=True) if args.cluster else None
@@ -123,13 +169,24 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
         executor.address = args.address
     cfg = plan.config
+    doing = f"resuming {folder}" if folder is not None else "running"
     print(
-        f"flowrl: running {graph.name} ({plan.graph.source}) on task '{cfg.task}' for {cfg.steps} steps, plan {plan.id}"
+        f"flowrl: {doing} {graph.name} ({plan.graph.source}) on task '{cfg.task}' for {cfg.steps} steps, plan {plan.id}"
     )
     bar = _progress(cfg.steps, enabled=cfg.progress and not args.quiet)
-    result = api.run(graph, plan, on_step=bar.update, executor=executor)
+    result = api.run(graph, plan, on_step=bar.update, executor=executor, out_dir=folder, resume=folder is not None)
     bar.close()
+    if result.resumed_from is not None:
+        bar_note = "nothing left to run" if result.resumed_from >= cfg.steps else f"continued at step {result.resumed_from}"
+        print(f"flowrl: resumed from the checkpoint after step {result.resumed_from - 1} ({bar_note}).")
     summary = _summary(result.metrics)
+    again = f"flowrl run {plan.graph.source if plan.graph.source.endswith('.py') else ''} --resume {result.out_dir}"
+    again = " ".join(again.split())
+    if result.stopped is not None:
+        print(f"flowrl: stopped after step {result.stopped}. {summary}")
+        print(f"  checkpoint: {result.last_checkpoint}")
+        print(f"  continue with: {again}")
+        return 130
     print(f"flowrl: done. {summary}")
     print(f"  metrics:    {result.out_dir / 'metrics.jsonl'}")
     if result.metrics:
@@ -137,6 +194,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     for model, path in result.checkpoints.items():
         hint = f"; continue from it with --model {path}" if path.name == "checkpoint" else ""
         print(f"  checkpoint: {path}  (model '{model}'{hint})")
+    if result.last_checkpoint is not None:
+        print(f"  resumable:  {result.last_checkpoint}  (extend with `{again} --steps N`)")
     return 0
 
 
@@ -214,9 +273,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         print(explain(cache["tune"], plan.target.model, plan.target.cluster))
     if args.timeline and "tune" in cache:
+        writable(args.timeline, args.force, "--timeline")
+        writable(Path(args.timeline).with_suffix(".json"), args.force, "--timeline (its .json)")
         _timeline(args.timeline, cache["tune"], graph.name)
     if args.out:
-        path = dump_plan(plan, args.out)
+        if args.config and Path(args.out).resolve() == Path(args.config).resolve():
+            raise ConfigError(f"--out '{args.out}' is the --config file; write the plan to another file.")
+        path = dump_plan(plan, writable(args.out, args.force, "--out"))
         runnable = plan.target.capabilities is not None and not unsupported(
             api.executor_entry(plan.config, registry()).obj.capabilities, plan.layout, plan.target.cluster.devices
         )
@@ -300,6 +363,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     from flowrl.graph.printer import draw_png, to_dot, to_text
 
     graph, _ = api.load(_need_graph(args), **_load_kwargs(args))
+    for flag, out in (("--dot", args.dot), ("--png", args.png)):
+        if out:
+            writable(out, args.force, flag)
     print(to_text(graph), end="")
     try:
         if args.dot:
@@ -340,7 +406,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("run", help="plan and run a graph (trains a real model)")
     _config_args(p)
-    p.add_argument("--plan", metavar="FILE", help="run a plan written by `flowrl plan --out`")
+    p.add_argument(
+        "--plan",
+        metavar="FILE",
+        help="run a plan written by `flowrl plan --out` (a plan naming a graph file runs only if you name it too)",
+    )
+    p.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue the run in DIR (e.g. runs/grpo) from its newest checkpoint; --steps N extends it",
+    )
+    p.add_argument(
+        "--save-every",
+        metavar="N",
+        type=int,
+        dest="save_every",
+        help="write a checkpoint every N steps (default: about ten per run; 0: only at the end)",
+    )
     p.add_argument(
         "--cluster",
         metavar="SPEC",
@@ -395,12 +477,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--budget", type=float, default=8.0, help="search time budget in seconds (default 8)")
     p.add_argument("--cost-model", default="analytic", help="a registered cost model")
+    p.add_argument("--force", action="store_true", help="replace --out / --timeline files that already exist")
     _pin_args(p)
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("show", help="print a graph (stages, edges); optionally DOT/PNG")
     _config_args(p, run_out=False)
     p.add_argument("--dot", metavar="FILE")
     p.add_argument("--png", metavar="FILE")
+    p.add_argument("--force", action="store_true", help="replace --dot / --png files that already exist")
     p.set_defaults(func=cmd_show)
     p = sub.add_parser("plugins", help="list plugins and what they register")
     p.set_defaults(func=cmd_plugins)

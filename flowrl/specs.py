@@ -60,6 +60,9 @@ class TrainConfig(Spec):
     mini_batches: int = 2  # optimizer steps per epoch
     micro_batch_size: int | None = None  # None: the planner chooses
     engine: str = "local"  # the training engine (a registered plugin) for every model
+    # a non-finite loss or gradient: False stops the run naming the node; True skips that
+    # optimizer step (counted in the node's `skipped` metric)
+    skip_nonfinite: bool = False
 
 
 class GenerationConfig(Spec):
@@ -100,8 +103,17 @@ class RunConfig(Spec):
     device: str = "cpu"
     threads: int | None = None  # torch intra-op threads; None: torch's default
     memory_limit_gib: float | None = None  # None: what the device reports
-    checkpoint: bool = True
+    checkpoint: bool = True  # False: no checkpoints at all
+    save_every: int | None = None  # steps between checkpoints; None: about ten per run; 0: only at the end
+    keep_checkpoints: int = 2  # the newest K step checkpoints kept in runs/<name>/checkpoints
     progress: bool = True
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether a checkpoint is written after ``step`` (0-based): every save_every steps and at the end."""
+        if not self.checkpoint:
+            return False
+        every = self.save_every if self.save_every is not None else max(1, math.ceil(self.steps / 10))
+        return step + 1 == self.steps or (every > 0 and (step + 1) % every == 0)
 
     def __post_init__(self) -> None:
         checks = [
@@ -134,6 +146,8 @@ class RunConfig(Spec):
             (self.algo.is_cap >= 1, "algo.is_cap", "must be >= 1"),
             (self.memory_limit_gib is None or self.memory_limit_gib > 0, "memory_limit_gib", "must be > 0"),
             (self.threads is None or self.threads >= 1, "threads", "must be >= 1"),
+            (self.save_every is None or self.save_every >= 0, "save_every", "must be >= 0 (0: only at the end)"),
+            (self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1"),
             (0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)"),
             (math.isfinite(self.rollout.temperature), "rollout.temperature", "must be finite"),
             (all(0 <= b < 1 for b in self.train.betas), "train.betas", "must both be in [0, 1)"),
@@ -190,6 +204,17 @@ def rollout_parts(mode: str) -> tuple[str, set[str]]:
 
 
 # ------------------------------------------------------------------ loading
+
+
+def writable(path: str | Path, force: bool, flag: str) -> Path:
+    """``path`` for a new output file: refused when a file is already there, unless --force."""
+    path = Path(path)
+    if path.exists() and not force:
+        kind = "folder" if path.is_dir() else "file"
+        raise ConfigError(f"{flag} '{path}': a {kind} is already there; pick another name, or add --force to replace it.")
+    if path.is_dir():
+        raise ConfigError(f"{flag} '{path}' is a folder; name a file.")
+    return path
 
 
 def read_document(path: str | Path) -> dict[str, Any]:

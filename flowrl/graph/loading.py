@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
+import signal
 import sys
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -21,6 +25,38 @@ class GraphSource:
     defaults: dict[str, Any]
 
 
+class _ImportTimeout(BaseException):
+    """Raised into a graph file's import that runs past the limit (a BaseException, so the file's
+    own ``except Exception`` cannot swallow it)."""
+
+
+def _import_timeout() -> float:
+    try:
+        return max(float(os.environ.get("FLOWRL_IMPORT_TIMEOUT", "60")), 0.0)
+    except ValueError:
+        return 60.0
+
+
+@contextlib.contextmanager
+def _time_limit(path: Path) -> Iterator[None]:
+    """Stop importing ``path`` after FLOWRL_IMPORT_TIMEOUT seconds (main thread only: signals)."""
+    limit = _import_timeout()
+    if not limit or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise _ImportTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def _import_file(path: Path) -> ModuleType:
     name = f"flowrl_user_graph_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(name, path)
@@ -29,7 +65,13 @@ def _import_file(path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        with _time_limit(path):
+            spec.loader.exec_module(module)
+    except _ImportTimeout:
+        raise GraphError(
+            f"graph file '{path}' did not finish importing within {_import_timeout():g} s (does it loop or wait at "
+            "import time?); a graph file only defines build(cfg). Raise the limit with FLOWRL_IMPORT_TIMEOUT=SECONDS."
+        ) from None
     except SystemExit as exc:  # a graph file must not end the process
         raise GraphError(
             f"graph file '{path}' called sys.exit({exc.code!r}) while being imported; a graph file only defines "

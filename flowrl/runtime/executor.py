@@ -14,9 +14,15 @@ model is built.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import shutil
+import signal
+import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -162,9 +168,14 @@ class PlanExecutor:
         out_dir: Path,
         *,
         on_step: Callable[[dict[str, Any]], None] | None = None,
+        resume: bool = False,
     ) -> RunResult:
+        """Run the plan in ``out_dir``, writing a checkpoint after every ``save_every`` steps; with
+        ``resume``, continue the run in ``out_dir`` from its newest checkpoint. Ctrl-C or SIGTERM
+        stops after the current step with a checkpoint (``RunResult.stopped``)."""
         import torch
 
+        from flowrl.runtime import runstate
         from flowrl.runtime.nodes import NodeRuntime
 
         cfg = plan.config
@@ -172,9 +183,13 @@ class PlanExecutor:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
-        prompt_rng = random.Random(cfg.seed)
+        stream = runstate.PromptStream(task, random.Random(cfg.seed))
         schedule = self.schedule(graph, plan)
         result = RunResult(out_dir=out_dir)
+        manifest = {"plan_graph": plan.graph.fingerprint, "model": plan.target.model.name, "seed": cfg.seed}
+        saved = runstate.read(out_dir, manifest) if resume else None
+        if resume and saved is None:
+            raise ConfigError(f"run folder '{out_dir}' has no complete checkpoint to resume from.")
         dump_plan(plan, out_dir / "plan.yaml")
         trace = Trace(origin=time.time())  # before the workers start: their setup spans come after it
         CURRENT_TASK.set("setup")
@@ -200,19 +215,37 @@ class PlanExecutor:
                 options=options,
                 micro_batch={n.node: n.micro_batch_size for n in plan.nodes},
                 seed=cfg.seed,
+                skip_nonfinite=cfg.train.skip_nonfinite,
             )
             policy = plan.layout.rollout if plan.layout is not None else RolloutPolicy()
             sources = {
-                t.name: self._source(graph, t.name, generators[t.model], policy, cfg, task, prompt_rng, built)
+                t.name: self._source(graph, t.name, generators[t.model], policy, cfg, stream, built)
                 for t in schedule.tasks
                 if t.kind == "generate"
             }
             self.sources = sources  # for tools and tests: the rollout buffers
-            last = [time.perf_counter()]
-            with (out_dir / "metrics.jsonl").open("w") as fh:
+            state = runstate.RunState(trainers, generators, rt, sources, stream)
+            snapshot = None
+            metrics_path = out_dir / "metrics.jsonl"
+            if saved is not None:
+                CURRENT_TASK.set("restore")
+                path, driver = saved
 
-                def on_done(step: int, state: StepState) -> None:
-                    record = _record(schedule, step, state.outputs, time.perf_counter() - last[0])
+                def sync() -> None:
+                    for t in schedule.tasks:
+                        if t.kind == "sync":
+                            run_task(rt, t, {})
+
+                snapshot = runstate.restore(path, driver, state, sync)
+                result.metrics = runstate.completed_metrics(metrics_path, snapshot.step)
+                result.resumed_from = snapshot.step + 1
+            last = [time.perf_counter()]
+            stop = _StopRequest()
+            with metrics_path.open("a" if resume else "w") as fh, stop.installed():
+
+                def on_done(step: int, st: StepState) -> None:
+                    record = _record(schedule, step, st.outputs, time.perf_counter() - last[0])
+                    record["prompts_drawn"] = stream.drawn
                     last[0] = time.perf_counter()
                     trace.add_workers(transport.spans())
                     fh.write(msgspec.json.encode(record).decode() + "\n")
@@ -221,16 +254,29 @@ class PlanExecutor:
                     if on_step is not None:
                         on_step(record)
 
-                def prompts(step: int) -> list[Any] | None:
-                    return None if policy.partial else task.prompts(prompt_rng, cfg.rollout.prompts_per_step)
+                def on_barrier(snap: Any) -> bool:
+                    CURRENT_TASK.set("checkpoint")
+                    os.fsync(fh.fileno())
+                    result.last_checkpoint = runstate.write(out_dir, snap, state, manifest, cfg.keep_checkpoints)
+                    if stop.signal is not None:
+                        result.stopped = snap.step
+                    return stop.signal is not None
 
-                Pipeline(rt, schedule, policy, sources, prompts, trace, transport, run_task).run(cfg.steps, on_done)
-            if cfg.checkpoint:
-                CURRENT_TASK.set("checkpoint")
+                def prompts(step: int) -> list[Any] | None:
+                    return None if policy.partial else stream(cfg.rollout.prompts_per_step)
+
+                Pipeline(rt, schedule, policy, sources, prompts, trace, transport, run_task).run(
+                    cfg.steps,
+                    on_done,
+                    barrier=lambda step: cfg.checkpoint_due(step) or (cfg.checkpoint and stop.signal is not None),
+                    on_barrier=on_barrier,
+                    resume=snapshot,
+                )
+            if cfg.checkpoint and result.stopped is None and result.last_checkpoint is not None:
                 for name, engine in trainers.items():
                     if engine.decl.trainable:
                         path = out_dir / ("checkpoint" if engine.decl.role == "actor" else f"checkpoint-{name}")
-                        engine.save(path)
+                        _publish(result.last_checkpoint / "models" / name, path)
                         result.checkpoints[name] = path
         finally:
             try:
@@ -252,8 +298,7 @@ class PlanExecutor:
         generator: GenerationGroup,
         policy: RolloutPolicy,
         cfg: Any,
-        task: Any,
-        prompt_rng: random.Random,
+        stream: Callable[[int], list[Any]],
         built: dict[str, Any],
     ) -> StepRollout:
         gen = graph.nodes[node]
@@ -270,8 +315,53 @@ class PlanExecutor:
             or policy.chunk(cfg.rollout.max_new_tokens or 16),
             stream_groups=cfg.rollout.stream_groups,
             pad_id=_pad_id(built[gen.model][0]),
-            draw=lambda n: task.prompts(prompt_rng, n),
+            draw=stream,
         )
+
+
+class _StopRequest:
+    """Ctrl-C or SIGTERM during a run: stop after the current step, with a checkpoint. A second
+    Ctrl-C interrupts at once."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signum
+        print(
+            "\nflowrl: stopping after the current step and writing a checkpoint (Ctrl-C again to abort without one)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+def _publish(source: Path, path: Path) -> None:
+    """The model folder of the last checkpoint as ``path`` (hard links where the filesystem allows),
+    replacing an older one atomically."""
+    from flowrl.runtime.checkpoint import atomic_dir
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    with atomic_dir(path) as tmp:
+        shutil.copytree(source, tmp, dirs_exist_ok=True, copy_function=link)
 
 
 def _record(

@@ -103,12 +103,11 @@ class TrainingGroup:
     def import_weights(self, weights: Mapping[str, Tensor]) -> None:
         self._all("import_weights", dict(weights))
 
-    def state_dict(self) -> dict[str, Any]:
-        return self._all("state_dict")[0]
+    def save_state(self, path: Path) -> None:
+        self._all("save_state", path)
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._all("load_state_dict", dict(state))
-        self.version = int(state["version"])
+    def load_state(self, path: Path) -> None:
+        self.version = self._all("load_state", path)[0]
 
     def save(self, path: Path) -> None:
         self._all("save", path)

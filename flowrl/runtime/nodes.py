@@ -39,6 +39,7 @@ class NodeRuntime:
     options: Mapping[str, tuple[AlgoConfig, dict[str, Any]]]  # node -> (algo, options); train: epochs, mini_batches
     micro_batch: Mapping[str, int]  # node -> micro-batch size
     seed: int
+    skip_nonfinite: bool = False  # train.skip_nonfinite: let non-finite values reach the trainer, which skips
     _rngs: dict[str, torch.Generator] = field(default_factory=dict, repr=False)
 
     def rng(self, node: str) -> torch.Generator:
@@ -47,6 +48,14 @@ class NodeRuntime:
         if node not in self._rngs:
             self._rngs[node] = torch.Generator().manual_seed(self.seed + zlib.crc32(node.encode()))
         return self._rngs[node]
+
+    def rng_states(self) -> dict[str, torch.Tensor]:
+        """Every node stream's state (for checkpoints)."""
+        return {name: g.get_state() for name, g in self._rngs.items()}
+
+    def restore_rngs(self, states: Mapping[str, torch.Tensor]) -> None:
+        for name, state in states.items():
+            self.rng(name).set_state(state)
 
     def fresh_generator(self, node: str) -> torch.Generator:
         """A new generator seeded from the node's stream (one per call: it may travel to workers)."""
@@ -112,6 +121,16 @@ def _run(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[dict[str
     missing = [k for k in node.writes if k not in out]
     if missing:
         raise GraphError(f"node '{name}' did not produce its declared key(s) {', '.join(missing)}.")
+    if isinstance(node, (Compute, Forward)) and not rt.skip_nonfinite:
+        for key in node.writes:
+            value = out[key]
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                what = f"compute function '{node.fn}'" if isinstance(node, Compute) else f"model '{node.model}'"
+                raise GraphError(
+                    f"node '{name}': {what} produced a non-finite value in '{key}' "
+                    f"({int((~torch.isfinite(value)).sum())} of {value.numel()}). Set train.skip_nonfinite=true "
+                    "to skip the train steps it poisons instead."
+                )
     return {k: out[k] for k in node.writes}, metrics
 
 

@@ -62,15 +62,35 @@ class Unit:
 @dataclass
 class StepState:
     batch: dict[str, Any]
+    prompts: list[Any] | None = None  # drawn for this step when it was created (None: generation draws)
     units: int = 0
     done: int = 0
+    generated: dict[str, tuple[float, Any]] = field(default_factory=dict)  # generate task -> (seconds, result)
     outputs: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
     parts: dict[str, dict[int, Any]] = field(default_factory=dict)  # key -> part -> value (streaming)
     part_metrics: dict[str, dict[int, tuple[float, dict[str, Any]]]] = field(default_factory=dict)  # (seconds, metrics)
 
 
+@dataclass
+class Snapshot:
+    """The pipeline at a checkpoint after step ``step``: every unit of steps up to it is done,
+    nothing of a later step has started but whole generate units (rollouts run ahead), whose
+    results are kept here with the later steps' prompts."""
+
+    step: int
+    next_step: int  # the first step not created yet
+    version0: dict[str, int]
+    steps: dict[int, dict[str, Any]]  # later step -> {"prompts": ..., "generated": {task: (seconds, result)}}
+
+
 class Pipeline:
-    """Runs the steps of ``schedule``; ``on_step(step, state)`` is called in step order."""
+    """Runs the steps of ``schedule``; ``on_step(step, state)`` is called in step order.
+
+    After a step k for which ``barrier(k)`` is true the pipeline drains: units of later steps
+    wait, except generate units that may run ahead (of steps up to k + lead, or already begun),
+    which finish. Then ``on_barrier(snapshot)`` is called (a checkpoint is written) and the run
+    goes on, or stops when it returns True. ``resume`` continues from such a snapshot.
+    """
 
     def __init__(
         self,
@@ -140,13 +160,22 @@ class Pipeline:
         return Unit(step, task, f"{task.name}#{part}", (1, step, self.order[task.name], part), deps, part=part)
 
     # ------------------------------------------------------------ the loop
-    def run(self, steps: int, on_step: Callable[[int, StepState], None]) -> None:
+    def run(
+        self,
+        steps: int,
+        on_step: Callable[[int, StepState], None],
+        *,
+        barrier: Callable[[int], bool] = lambda step: False,
+        on_barrier: Callable[[Snapshot], bool] = lambda snapshot: False,
+        resume: Snapshot | None = None,
+    ) -> None:
         states: dict[int, StepState] = {}
         done: set[tuple[int, str]] = set()
         pending: list[Unit] = []
         running: dict[Future, Unit] = {}
         busy: set[str] = set()
         next_step, finished = 0, 0
+        draining: int | None = None  # the step of the checkpoint the pipeline drains for
         window = self.policy.lead + 2  # steps in flight: generation runs ahead by the lead
         pool = ThreadPoolExecutor(max_workers=len(self.schedule.groups) + 4, thread_name_prefix="flowrl-task")
 
@@ -154,23 +183,58 @@ class Pipeline:
             view = self._view(unit, states[unit.step])
             running[pool.submit(contextvars.copy_context().run, self._work, unit, view)] = unit
 
+        def create(step: int, prompts: list[Any] | None) -> None:
+            state = StepState(batch={} if prompts is None else {"prompts": prompts}, prompts=prompts)
+            units = self._units(step)
+            state.units = len(units)
+            states[step] = state
+            pending.extend(units)
+
+        def may_run(unit: Unit) -> bool:
+            if draining is None or unit.step <= draining:
+                return True
+            return unit.task.kind == "generate" and (unit.step <= draining + self.policy.lead or unit.coro is not None)
+
+        restored = -1  # the steps before a resumed run's first (done in the run it continues)
+        if resume is not None:
+            restored = resume.step
+            next_step, finished = resume.next_step, resume.step + 1
+            self.version0 = dict(resume.version0)
+            for step in sorted(resume.steps):
+                create(step, resume.steps[step]["prompts"])
+            for step in sorted(resume.steps):
+                for name, (seconds, value) in resume.steps[step]["generated"].items():
+                    unit = next(u for u in pending if u.step == step and u.name == name)
+                    pending.remove(unit)
+                    unit.seconds = seconds
+                    self._finish(unit, states[step], value, pending)
+                    done.add((step, name))
+                    states[step].done += 1
+
         try:
-            while finished < steps:
-                while next_step < steps and next_step < finished + window:
-                    prompts = self.prompts(next_step)
-                    state = StepState(batch={} if prompts is None else {"prompts": prompts})
-                    units = self._units(next_step)
-                    state.units = len(units)
-                    states[next_step] = state
-                    pending += units
+            while finished < steps or draining is not None:
+                while draining is None and next_step < steps and next_step < finished + window:
+                    create(next_step, self.prompts(next_step))
                     next_step += 1
                 pending.sort(key=lambda u: u.key)
                 for unit in list(pending):
-                    if all(d in done for d in unit.deps) and not busy.intersection(unit.groups):
+                    ready = all(d[0] <= restored or d in done for d in unit.deps)
+                    if ready and not busy.intersection(unit.groups) and may_run(unit):
                         pending.remove(unit)
                         busy.update(unit.groups)
                         self.transport.iteration = unit.step
                         submit(unit)
+                if not running and draining is not None:  # drained: every unit that may run has run
+                    later = {
+                        step: {"prompts": st.prompts, "generated": dict(st.generated)}
+                        for step, st in states.items()
+                        if step > draining
+                    }
+                    stop = on_barrier(Snapshot(draining, next_step, dict(self.version0), later))
+                    draining = None
+                    if stop:
+                        return
+                    continue
                 if not running:  # pragma: no cover - the dependencies form no cycle
                     raise RuntimeError(f"the pipeline stalled with {len(pending)} units waiting")
                 finished_futures, _ = wait(list(running), return_when=FIRST_COMPLETED)
@@ -194,9 +258,11 @@ class Pipeline:
                     done.add((unit.step, unit.name))
                     if unit.part is None:
                         state.done += 1
-                while finished < next_step and states[finished].done == states[finished].units:
+                while draining is None and finished < next_step and states[finished].done == states[finished].units:
                     on_step(finished, states.pop(finished))
                     finished += 1
+                    if barrier(finished - 1):
+                        draining = finished - 1
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
@@ -257,6 +323,7 @@ class Pipeline:
     def _finish(self, unit: Unit, state: StepState, value: Any, pending: list[Unit]) -> None:
         task = unit.task
         if task.kind == "generate":
+            state.generated[task.name] = (unit.seconds, value)
             prompts, seqs, logprobs, metrics, parts = value
             node = self.rt.graph.nodes[task.name]
             self._add_parts(unit, state, parts[len(state.parts.get(node.writes[0], {})) :], pending)

@@ -101,11 +101,14 @@ class TrainingEngine(Protocol):
 
     def import_weights(self, weights: Mapping[str, Tensor]) -> None: ...
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume: weights, optimizer state, version."""
+    def save_state(self, path: Path) -> None:
+        """Everything needed to resume into folder ``path`` (safetensors and JSON, no pickle): the
+        HF checkpoint, optimizer state, version. Every rank of the group calls it."""
         ...
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+    def load_state(self, path: Path) -> int:
+        """Restore what `save_state` wrote (each rank its shard); returns the version."""
+        ...
 
     def save(self, path: Path) -> None:
         """An HF-format checkpoint (model and tokenizer) a later run can start from."""
@@ -143,7 +146,10 @@ class GenerationEngine(Protocol):
 class RunResult:
     out_dir: Path
     metrics: list[dict[str, Any]] = field(default_factory=list)
-    checkpoints: dict[str, Path] = field(default_factory=dict)
+    checkpoints: dict[str, Path] = field(default_factory=dict)  # model -> its final HF checkpoint
+    last_checkpoint: Path | None = None  # the newest step checkpoint (what --resume continues from)
+    resumed_from: int | None = None  # the first step this invocation ran, when it resumed
+    stopped: int | None = None  # the last step run when Ctrl-C / SIGTERM stopped the run early
 
 
 @runtime_checkable
@@ -161,6 +167,8 @@ class Executor(Protocol):
         out_dir: Path,
         *,
         on_step: Callable[[dict[str, Any]], None] | None = None,
+        resume: bool = False,
     ) -> RunResult:
-        """Run a plan that passed ``check``."""
+        """Run a plan that passed ``check`` in ``out_dir``; with ``resume``, continue the run there
+        from its newest checkpoint."""
         ...

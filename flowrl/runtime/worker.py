@@ -234,11 +234,11 @@ class Worker:
     def import_weights(self, model: str, weights: Mapping[str, Any]) -> None:
         self.trainers[model].import_weights(weights)
 
-    def state_dict(self, model: str) -> dict[str, Any]:
-        return self.trainers[model].state_dict()
+    def save_state(self, model: str, path: Any) -> None:
+        self.trainers[model].save_state(path)
 
-    def load_state_dict(self, model: str, state: Mapping[str, Any]) -> None:
-        self.trainers[model].load_state_dict(state)
+    def load_state(self, model: str, path: Any) -> int:
+        return self.trainers[model].load_state(path)
 
     def save(self, model: str, path: Any) -> None:
         self.trainers[model].save(path)

@@ -227,16 +227,16 @@ def test_resume_leaves_finished_rows_alone_and_keeps_grouping(ppo):
     assert (done.sequences.response_lengths >= part.sequences.response_lengths).all()
 
 
-def test_weights_export_import_round_trip_and_state_dict(ppo):
+def test_weights_export_import_round_trip_and_saved_state(ppo, tmp_path):
     g, plan, engines = ppo
     actor, ref = engines["actor"], engines["ref"]
     seqs, _ = gen(actor, [Prompt(text="ab>", answer="ab")], n=2)
-    saved = copy.deepcopy(actor.state_dict())
+    actor.save_state(tmp_path / "actor")
     with torch.no_grad():
         for p in actor.module.parameters():
             p.add_(0.01)
     assert not torch.allclose(actor.forward(seqs, "logprobs", 0), ref.forward(seqs, "logprobs", 0))
-    actor.load_state_dict(saved)
-    assert torch.allclose(actor.forward(seqs, "logprobs", 0), ref.forward(seqs, "logprobs", 0))
+    assert actor.load_state(tmp_path / "actor") == actor.version
+    assert torch.equal(actor.forward(seqs, "logprobs", 0), ref.forward(seqs, "logprobs", 0))
     ref.import_weights(actor.export_weights())
     assert torch.equal(ref.forward(seqs, "logprobs", 0), actor.forward(seqs, "logprobs", 0))

@@ -98,11 +98,13 @@ class FakeEngine:
     def import_weights(self, weights) -> None:
         pass
 
-    def state_dict(self):
-        return {"version": self.version}
+    def save_state(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "version").write_text(str(self.version))
 
-    def load_state_dict(self, state) -> None:
-        self.version = int(state["version"])
+    def load_state(self, path: Path) -> int:
+        self.version = int((path / "version").read_text())
+        return self.version
 
     def save(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from flowrl.backends.local.generation import sample
-from flowrl.backends.local.models import ValueModel, build_causal_lm, load_tokenizer, model_config, save_hf
+from flowrl.backends.local.models import VALUE_HEAD_FILE, ValueModel, build_causal_lm, load_tokenizer, model_config, save_hf
 from flowrl.errors import BackendError
 from flowrl.graph.ir import ModelDecl
 from flowrl.planner.plan import ExecutionPlan
@@ -246,6 +246,7 @@ class LocalModel:
         n_rows = len(seqs)
         micro = step.micro_batch or n_rows
         stats: dict[str, list[float]] = {}
+        skipped = 0  # optimizer steps skipped for a non-finite gradient (train.skip_nonfinite)
         self.module.train()
         for _ in range(step.epochs):
             order = torch.randperm(n_rows, generator=step.generator)  # the same on every rank
@@ -273,16 +274,26 @@ class LocalModel:
                             stats.setdefault(k, []).append(v)
                 norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.train.grad_clip)
                 norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-                if not math.isfinite(float(norm)):
-                    raise BackendError(
-                        f"node '{step.node}': gradient norm is {float(norm)} (diverged); lower train.lr or "
-                        "check the rewards."
-                    )
+                if not math.isfinite(float(norm)):  # the same on every rank: the norm is global
+                    if not self.cfg.train.skip_nonfinite:
+                        loss_now = stats.get("loss", [math.nan])[-1]
+                        raise BackendError(
+                            f"node '{step.node}': the loss ({loss_now}) or its gradient (norm {float(norm)}) is not "
+                            f"finite, so model '{self.decl.name}' was not updated. Lower train.lr, check the rewards "
+                            "and advantages, or set train.skip_nonfinite=true to skip such steps."
+                        )
+                    self.optimizer.zero_grad(set_to_none=True)
+                    skipped += 1
+                    continue
                 stats.setdefault("grad_norm", []).append(float(norm))
                 self.optimizer.step()
         self.module.eval()
         self.version += 1
-        return {k: sum(v) / len(v) for k, v in stats.items()}
+        finite = {k: [x for x in v if math.isfinite(x)] for k, v in stats.items()}  # a skipped step's loss is not
+        out = {k: sum(v) / len(v) for k, v in finite.items() if v}
+        if self.cfg.train.skip_nonfinite:
+            out["skipped"] = float(skipped)
+        return out
 
     # ------------------------------------------------------------ weights and state
     def export_weights(self) -> dict[str, Tensor]:
@@ -302,45 +313,106 @@ class LocalModel:
             return
         self.module.load_state_dict(dict(weights))
 
-    def state_dict(self) -> dict[str, Any]:
-        optimizer = None
-        if self.optimizer is not None and self.sharded:
+    def save_state(self, path: Path) -> None:
+        """Everything to resume this model into ``path`` (every rank calls this; the first writes):
+        the HF checkpoint, the optimizer state (safetensors + JSON) and the version."""
+        from flowrl.runtime.checkpoint import save_tree
+
+        weights = self.export_weights()
+        bad = [k for k, v in weights.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+        if bad:
+            raise BackendError(
+                f"model '{self.decl.name}' holds non-finite weights ({bad[0]}"
+                f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); no checkpoint is written from them."
+            )
+        optimizer = self._optimizer_state()
+        self.save(path, weights)
+        if self.rank != 0:
+            return
+        if optimizer is not None:
+            save_tree(path / "optimizer", optimizer)
+        (path / "engine.json").write_text(msgspec.json.encode({"version": self.version}).decode())
+
+    def load_state(self, path: Path) -> int:
+        """Restore what `save_state` wrote (each rank keeps its shard); returns the version."""
+        from safetensors.torch import load_file
+
+        from flowrl.runtime.checkpoint import load_tree
+
+        try:
+            version = int(msgspec.json.decode((path / "engine.json").read_bytes())["version"])
+            weights = load_file(str(path / "model.safetensors"))
+            if isinstance(self.module, ValueModel):
+                weights = {f"backbone.{k}": v for k, v in weights.items()}
+                weights |= {f"head.{k}": v for k, v in load_file(str(path / VALUE_HEAD_FILE)).items()}
+        except Exception as exc:
+            raise BackendError(
+                f"checkpoint of model '{self.decl.name}' in '{path}' is unreadable: {type(exc).__name__}: {exc}."
+            ) from None
+        expected = _untied_keys(self.module)
+        missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - set(self.module.state_dict()))
+        if missing or unexpected:
+            raise BackendError(
+                f"checkpoint of model '{self.decl.name}' in '{path}' does not fit the model: missing "
+                f"{missing[:3]}, unexpected {unexpected[:3]}."
+            )
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(self.module, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+        else:
+            self.module.load_state_dict(weights, strict=False)
+        if self.optimizer is not None and (path / "optimizer.json").is_file():
+            self._load_optimizer_state(load_tree(path / "optimizer"))
+        self.version = version
+        return version
+
+    def _optimizer_state(self) -> dict[str, Any] | None:
+        if self.optimizer is None:
+            return None
+        if self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-            optimizer = get_optimizer_state_dict(
-                self.module, self.optimizer, options=StateDictOptions(full_state_dict=True)
-            )
-        elif self.optimizer is not None:
-            optimizer = self.optimizer.state_dict()
-        return {"weights": self.export_weights(), "optimizer": optimizer, "version": self.version}
+            return get_optimizer_state_dict(self.module, self.optimizer, options=StateDictOptions(full_state_dict=True))
+        return self.optimizer.state_dict()
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.import_weights(state["weights"])
-        if self.optimizer is not None and state.get("optimizer") is not None:
-            if self.sharded:
-                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    def _load_optimizer_state(self, state: dict[str, Any]) -> None:
+        assert self.optimizer is not None
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-                set_optimizer_state_dict(
-                    self.module, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
-                )
-            else:
-                self.optimizer.load_state_dict(state["optimizer"])
-        self.version = int(state["version"])
+            set_optimizer_state_dict(self.module, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+        else:
+            self.optimizer.load_state_dict(state)
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path, weights: Mapping[str, Tensor] | None = None) -> None:
         """An HF checkpoint, written by the group's first rank (every rank calls this)."""
-        weights = self.export_weights() if self.sharded else None
+        if weights is None and self.sharded:
+            weights = self.export_weights()
         if self.rank != 0:
             return
         path.mkdir(parents=True, exist_ok=True)
         module = self.module
-        if weights is not None:  # a plain copy holding the full weights
+        if self.sharded:  # a plain copy holding the full weights
+            assert weights is not None
             module = _unsharded_copy(self, weights)
         if isinstance(module, ValueModel):
             module.save(path)
         else:
             save_hf(module, path)
         self.tokenizer.save_pretrained(path)
+
+
+def _untied_keys(module: nn.Module) -> set[str]:
+    """State-dict keys, less those sharing storage with an earlier key (tied weights, stored once)."""
+    keys, seen = set(), set()
+    for key, value in module.state_dict().items():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        if local.numel() and local.data_ptr() in seen:
+            continue
+        seen.add(local.data_ptr())
+        keys.add(key)
+    return keys
 
 
 def _fully_shard(module: nn.Module, group: Any, device: torch.device) -> None:

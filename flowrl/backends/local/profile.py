@@ -152,12 +152,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", metavar="FILE", help="where to write the HardwareSpec YAML (also saved for --cluster local)"
     )
+    p.add_argument("--force", action="store_true", help="replace --out if it already exists")
 
 
 def run(args: argparse.Namespace) -> int:
     from flowrl.planner.hardware import default_profile_path
 
-    out = Path(args.out) if args.out else default_profile_path()
+    from flowrl.specs import writable
+
+    out = writable(args.out, args.force, "--out") if args.out else default_profile_path()
     hw = profile(out, progress=lambda s: print(f"  {s}", flush=True))
     if args.out and Path(args.out).resolve() != default_profile_path().resolve():
         save_hardware(hw, default_profile_path())
