@@ -105,7 +105,7 @@ def _graph_of_plan(args: argparse.Namespace, plan: Any, flag: str, where: str) -
     from flowrl import api
 
     source = plan.graph.source
-    is_file = source.endswith(".py") or "/" in source or "\\" in source
+    is_file = bool(_file_arg(plan))
     if args.graph and (Path(args.graph).resolve() != Path(source).resolve() if is_file else args.graph != source):
         raise ConfigError(f"{flag} '{where}' was made for graph '{source}', not '{args.graph}'.")
     if is_file and not args.graph:
@@ -114,6 +114,12 @@ def _graph_of_plan(args: argparse.Namespace, plan: Any, flag: str, where: str) -
             f"file only when you name it: `flowrl run {source} {flag} {where}`."
         )
     return api.graph_for_plan(plan)
+
+
+def _file_arg(plan: Any) -> list[str]:
+    """The graph file a plan names, as the command line must name it to run the plan ([] for an algorithm)."""
+    source = plan.graph.source
+    return [source] if source.endswith(".py") or "/" in source or "\\" in source else []
 
 
 def _resume(args: argparse.Namespace) -> tuple[Any, Any, Path]:
@@ -173,15 +179,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(
         f"flowrl: {doing} {graph.name} ({plan.graph.source}) on task '{cfg.task}' for {cfg.steps} steps, plan {plan.id}"
     )
-    bar = _progress(cfg.steps, enabled=cfg.progress and not args.quiet)
+    done = 0
+    if folder is not None:
+        from flowrl.runtime.checkpoint import latest
+
+        found = latest(folder)
+        done = found[0] + 1 if found else 0
+    bar = _progress(cfg.steps, enabled=cfg.progress and not args.quiet, initial=done)
     result = api.run(graph, plan, on_step=bar.update, executor=executor, out_dir=folder, resume=folder is not None)
     bar.close()
-    if result.resumed_from is not None:
-        bar_note = "nothing left to run" if result.resumed_from >= cfg.steps else f"continued at step {result.resumed_from}"
-        print(f"flowrl: resumed from the checkpoint after step {result.resumed_from - 1} ({bar_note}).")
+    if result.resumed_from == 0:
+        print(f"flowrl: {folder} had no checkpoint yet; the run started over at step 0.")
+    elif result.resumed_from is not None:
+        note = "nothing left to run" if result.resumed_from >= cfg.steps else f"continued at step {result.resumed_from}"
+        print(f"flowrl: resumed from the checkpoint after step {result.resumed_from - 1} ({note}).")
     summary = _summary(result.metrics)
-    again = f"flowrl run {plan.graph.source if plan.graph.source.endswith('.py') else ''} --resume {result.out_dir}"
-    again = " ".join(again.split())
+    again = " ".join(["flowrl run", *_file_arg(plan), "--resume", str(result.out_dir)])
     if result.stopped is not None:
         print(f"flowrl: stopped after step {result.stopped}. {summary}")
         print(f"  checkpoint: {result.last_checkpoint}")
@@ -210,12 +223,12 @@ def _summary(metrics: list[dict[str, Any]]) -> str:
 
 
 class _Progress:
-    def __init__(self, total: int, enabled: bool) -> None:
+    def __init__(self, total: int, enabled: bool, initial: int = 0) -> None:
         self.bar = None
         if enabled:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
 
     def update(self, record: dict[str, Any]) -> None:
         if self.bar is None:
@@ -232,8 +245,8 @@ class _Progress:
             self.bar.close()
 
 
-def _progress(total: int, enabled: bool) -> _Progress:
-    return _Progress(total, enabled)
+def _progress(total: int, enabled: bool, initial: int = 0) -> _Progress:
+    return _Progress(total, enabled, initial)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -284,7 +297,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             api.executor_entry(plan.config, registry()).obj.capabilities, plan.layout, plan.target.cluster.devices
         )
         hint = (
-            f"; run it with `flowrl run --plan {path}`"
+            f"; run it with `{' '.join(['flowrl run', *_file_arg(plan), '--plan', str(path)])}`"
             if runnable
             else f" (a forecast: executor '{plan.config.backend}' cannot run it)"
         )
@@ -513,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except FlowRLError as exc:
         first, _, rest = str(exc).partition("\n")
-        print("flowrl: error: " + textwrap.fill(first, width=100, subsequent_indent="  "), file=sys.stderr)
+        print("flowrl: error: " + textwrap.fill(first, width=100, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False), file=sys.stderr)
         if rest:
             print(rest, file=sys.stderr)
         return EXIT_USER_ERROR

@@ -98,7 +98,9 @@ def dump_plan(plan: ExecutionPlan, path: str | Path) -> Path:
         raise ConfigError(f"plan file '{path}': use a .yaml or .json name.")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)  # whole or absent, even if the process dies while writing
     except OSError as exc:
         raise ConfigError(f"cannot write plan file '{path}': {exc.strerror or exc}.") from None
     return path

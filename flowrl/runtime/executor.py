@@ -188,8 +188,8 @@ class PlanExecutor:
         result = RunResult(out_dir=out_dir)
         manifest = {"plan_graph": plan.graph.fingerprint, "model": plan.target.model.name, "seed": cfg.seed}
         saved = runstate.read(out_dir, manifest) if resume else None
-        if resume and saved is None:
-            raise ConfigError(f"run folder '{out_dir}' has no complete checkpoint to resume from.")
+        if resume and saved is None:  # killed before its first checkpoint: nothing to keep, start over
+            resume, result.resumed_from = False, 0
         dump_plan(plan, out_dir / "plan.yaml")
         trace = Trace(origin=time.time())  # before the workers start: their setup spans come after it
         CURRENT_TASK.set("setup")

@@ -33,7 +33,17 @@ import msgspec
 import torch
 
 from flowrl.errors import ConfigError
-from flowrl.runtime.checkpoint import STATE, atomic_dir, latest, load_tree, prune, save_tree, step_dir
+from flowrl.runtime.checkpoint import (
+    CHECKPOINTS,
+    STATE,
+    atomic_dir,
+    clean_partial,
+    latest,
+    load_tree,
+    prune,
+    save_tree,
+    step_dir,
+)
 from flowrl.runtime.pipeline import Snapshot
 
 FORMAT = 1
@@ -97,6 +107,8 @@ def write(run: Path, snapshot: Snapshot, st: RunState, manifest: Mapping[str, An
 def read(run: Path, manifest: Mapping[str, Any]) -> tuple[Path, dict[str, Any]] | None:
     """The newest complete checkpoint of ``run`` and its controller state, checked against
     ``manifest`` (the plan and graph it must come from); None when the run has none."""
+    clean_partial(run / CHECKPOINTS)  # what a killed write left
+    clean_partial(run)
     found = latest(run)
     if found is None:
         return None

@@ -160,3 +160,32 @@ def test_rollout_modes_overlap_generation_with_training_on_two_groups(tmp_path, 
     assert any(g0 < t1 and t0 < g1 for g0, g1 in gen for t0, t1 in train), (gen, train)
     if "partial" in mode:
         assert any(r["rollout/recycled_tokens"] > 0 for r in result.metrics)
+
+
+def test_a_resumed_fsdp2_run_restores_every_shard_and_equals_the_uninterrupted_run(tmp_path):
+    from flowrl.planner.plan import load_plan
+    from flowrl.runtime.executor import run_dir
+
+    g, plan = cpu2_plan("grpo", tmp_path, "steps=4", "save_every=2", "checkpoint=true", placement="colocate")
+    assert plan.layout.placement == "colocate" and plan.layout.layout("actor").parallel.dp == 2  # FSDP2 over 2 ranks
+
+    class Crash(Exception):
+        pass
+
+    def crash(record):
+        if record["step"] == 2:
+            raise Crash
+
+    whole = api.run(g, plan, out_dir=run_dir(str(tmp_path), "whole"))
+    part = run_dir(str(tmp_path), "part")
+    with pytest.raises(Crash):
+        api.run(g, plan, out_dir=part, on_step=crash)
+    resumed = api.run(g, load_plan(part / "plan.yaml"), out_dir=part, resume=True)
+    assert resumed.resumed_from == 2
+
+    def stripped(metrics):
+        return [{k: v for k, v in r.items() if k not in ("step_seconds", "tokens_per_s", "spans")} for r in metrics]
+
+    same = [{k: v for k, v in r.items() if not k.endswith("/seconds")} for r in stripped(whole.metrics)]
+    again = [{k: v for k, v in r.items() if not k.endswith("/seconds")} for r in stripped(resumed.metrics)]
+    assert [r["step"] for r in again] == [0, 1, 2, 3] and same == again

@@ -457,7 +457,7 @@ def test_a_plan_file_with_a_mode_runs_as_planned(tmp_path):
     assert rc == 0, err
     saved = yaml.safe_load(path.read_text())
     assert saved["layout"]["rollout"]["mode"] == "async" and saved["layout"]["rollout"]["partial"] is True
-    rc, out, err = cli(["run", "--plan", str(path), "--quiet"])
+    rc, out, err = cli(["run", str(ROOT / "graphs/grpo.py"), "--plan", str(path), "--quiet"])
     assert rc == 0, err
     (run,) = (tmp_path / "runs").iterdir()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
