@@ -264,6 +264,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--workload plans for a cluster; add --cluster (e.g. --cluster 16xA100-80G --model llama-7b)."
         )
+    if not 0 < args.budget < float("inf"):
+        raise ConfigError(f"--budget is {args.budget}; give the search time in seconds (> 0), e.g. --budget 8.")
     options = {"budget_s": args.budget, "seed": args.seed or 0, "cost_model": args.cost_model, **_pins(args)}
     passes = None
     if args.extra_passes:
@@ -526,7 +528,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except FlowRLError as exc:
         first, _, rest = str(exc).partition("\n")
-        print("flowrl: error: " + textwrap.fill(first, width=100, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False), file=sys.stderr)
+        print(
+            "flowrl: error: "
+            + textwrap.fill(first, width=100, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False),
+            file=sys.stderr,
+        )
         if rest:
             print(rest, file=sys.stderr)
         return EXIT_USER_ERROR

@@ -86,6 +86,14 @@ class AlgoConfig(Spec):
     is_cap: float = 5.0
 
 
+#: Bounds beyond which a number is a typo rather than a run (each would take years or petabytes).
+MAX_STEPS = 10**9
+MAX_PROMPTS = 1 << 20
+MAX_SAMPLES = 1 << 16
+MAX_STALENESS = 1024
+MAX_TOKENS = 1 << 20
+
+
 class RunConfig(Spec):
     task: str = "copy"
     task_options: dict[str, Any] = {}
@@ -117,13 +125,21 @@ class RunConfig(Spec):
 
     def __post_init__(self) -> None:
         checks = [
-            (self.steps >= 0, "steps", "must be >= 0"),
-            (self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1"),
-            (self.rollout.samples_per_prompt >= 1, "rollout.samples_per_prompt", "must be >= 1"),
+            (0 <= self.steps <= MAX_STEPS, "steps", f"must be in [0, {MAX_STEPS}]"),
             (
-                self.rollout.max_new_tokens is None or self.rollout.max_new_tokens >= 1,
+                1 <= self.rollout.prompts_per_step <= MAX_PROMPTS,
+                "rollout.prompts_per_step",
+                f"must be in [1, {MAX_PROMPTS}]",
+            ),
+            (
+                1 <= self.rollout.samples_per_prompt <= MAX_SAMPLES,
+                "rollout.samples_per_prompt",
+                f"must be in [1, {MAX_SAMPLES}]",
+            ),
+            (
+                self.rollout.max_new_tokens is None or 1 <= self.rollout.max_new_tokens <= MAX_TOKENS,
                 "rollout.max_new_tokens",
-                "must be >= 1",
+                f"must be in [1, {MAX_TOKENS}]",
             ),
             (self.rollout.temperature > 0, "rollout.temperature", "must be > 0"),
             (0 < self.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]"),
@@ -135,8 +151,12 @@ class RunConfig(Spec):
                 "train.micro_batch_size",
                 "must be >= 1",
             ),
-            (self.rollout.staleness is None or self.rollout.staleness >= 0, "rollout.staleness", "must be >= 0"),
-            (self.rollout.overprovision >= 0, "rollout.overprovision", "must be >= 0"),
+            (
+                self.rollout.staleness is None or 0 <= self.rollout.staleness <= MAX_STALENESS,
+                "rollout.staleness",
+                f"must be in [0, {MAX_STALENESS}]",
+            ),
+            (0 <= self.rollout.overprovision <= 16, "rollout.overprovision", "must be in [0, 16]"),
             (
                 self.rollout.chunk_tokens is None or self.rollout.chunk_tokens >= 1,
                 "rollout.chunk_tokens",
@@ -144,7 +164,11 @@ class RunConfig(Spec):
             ),
             (self.rollout.stream_groups >= 1, "rollout.stream_groups", "must be >= 1"),
             (self.algo.is_cap >= 1, "algo.is_cap", "must be >= 1"),
-            (self.memory_limit_gib is None or self.memory_limit_gib > 0, "memory_limit_gib", "must be > 0"),
+            (
+                self.memory_limit_gib is None or 1 / 1024 <= self.memory_limit_gib <= 2**20,
+                "memory_limit_gib",
+                "must be between 1 MiB and 1 PiB (in GiB: 0.001 to 1048576)",
+            ),
             (self.threads is None or self.threads >= 1, "threads", "must be >= 1"),
             (self.save_every is None or self.save_every >= 0, "save_every", "must be >= 0 (0: only at the end)"),
             (self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1"),
@@ -211,7 +235,9 @@ def writable(path: str | Path, force: bool, flag: str) -> Path:
     path = Path(path)
     if path.exists() and not force:
         kind = "folder" if path.is_dir() else "file"
-        raise ConfigError(f"{flag} '{path}': a {kind} is already there; pick another name, or add --force to replace it.")
+        raise ConfigError(
+            f"{flag} '{path}': a {kind} is already there; pick another name, or add --force to replace it."
+        )
     if path.is_dir():
         raise ConfigError(f"{flag} '{path}' is a folder; name a file.")
     return path
@@ -222,16 +248,21 @@ def read_document(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file '{path}' does not exist.")
-    raw = path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"config file '{path}' cannot be read: {exc.strerror or exc}.") from None
     try:
         if path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(raw) or {}
+            data = yaml.load(raw, Loader=_UniqueKeyLoader) or {}
         elif path.suffix == ".toml":
             import tomllib
 
             data = tomllib.loads(raw.decode())
         elif path.suffix == ".json":
-            data = msgspec.json.decode(raw)
+            import json
+
+            data = json.loads(raw, object_pairs_hook=_unique_pairs)
         else:
             raise ConfigError(f"config file '{path}': unknown format '{path.suffix}' (use .yaml, .toml or .json).")
     except ConfigError:
@@ -240,7 +271,56 @@ def read_document(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file '{path}' is not valid {path.suffix[1:].upper()}: {_one_line(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping at the top level, found {type(data).__name__}.")
+    bad = _non_text_key(data)
+    if bad is not None:
+        raise ConfigError(f"config file '{path}': key {bad} is not text; field names are words such as train.lr.")
     return data
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (YAML keeps the last silently)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                if key in seen:
+                    raise _DuplicateKey(f"key '{key}' is given twice (line {key_node.start_mark.line + 1})")
+                seen.add(key)
+            except TypeError:  # an unhashable key: the base class reports it
+                pass
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(f"key '{key}' is given twice")
+        out[key] = value
+    return out
+
+
+def _non_text_key(data: Any, where: str = "") -> str | None:
+    """The dotted path of the first mapping key that is not a string, if any."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if not isinstance(key, str):
+                return f"{where}{key!r}"
+            found = _non_text_key(value, f"{where}{key}.")
+            if found is not None:
+                return found
+    elif isinstance(data, list):
+        for item in data:
+            found = _non_text_key(item, where)
+            if found is not None:
+                return found
+    return None
 
 
 def _one_line(exc: Exception) -> str:

@@ -24,7 +24,7 @@ import msgspec
 import networkx as nx
 
 from flowrl.errors import GraphError, did_you_mean, plain_name
-from flowrl.specs import Spec
+from flowrl.specs import MAX_SAMPLES, Spec
 
 Role = Literal["actor", "critic", "reference", "reward", "cost"]
 ForwardOutput = Literal["logprobs", "values", "scores"]
@@ -138,6 +138,8 @@ class Graph:
         self, name: str, role: Role = "actor", *, trainable: bool | None = None, init_from: str | None = None
     ) -> str:
         """Declare a model. Actors and critics are trainable by default; others are frozen."""
+        if not isinstance(name, str) or not name:
+            raise GraphError(f"graph '{self.name}': a model name must be a non-empty string, got {name!r}.")
         if name in self.models:
             raise GraphError(f"model '{name}' is declared twice in graph '{self.name}'.")
         if role not in ("actor", "critic", "reference", "reward", "cost"):
@@ -148,6 +150,8 @@ class Graph:
         return name
 
     def _add(self, node: Node) -> str:
+        if not isinstance(node.name, str) or not node.name:
+            raise GraphError(f"graph '{self.name}': a node name must be a non-empty string, got {node.name!r}.")
         if node.name in self.nodes:
             raise GraphError(f"node '{node.name}' is declared twice in graph '{self.name}'.")
         self.nodes[node.name] = node
@@ -164,8 +168,8 @@ class Graph:
         greedy: bool = False,
         **options: Any,
     ) -> str:
-        if n < 1:
-            raise GraphError(f"node '{name}': n must be >= 1, got {n}.")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
+            raise GraphError(f"node '{name}': n must be >= 1 and <= {MAX_SAMPLES} (a whole number), got {n!r}.")
         return self._add(
             Generate(
                 name=name,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import os
 import signal
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from flowrl.errors import GraphError, did_you_mean
+from flowrl.errors import ConfigError, GraphError, did_you_mean
 from flowrl.graph.ir import Graph
 
 
@@ -31,10 +32,14 @@ class _ImportTimeout(BaseException):
 
 
 def _import_timeout() -> float:
+    raw = os.environ.get("FLOWRL_IMPORT_TIMEOUT", "60")
     try:
-        return max(float(os.environ.get("FLOWRL_IMPORT_TIMEOUT", "60")), 0.0)
+        value = float(raw)
     except ValueError:
-        return 60.0
+        value = math.nan
+    if not value >= 0 or math.isinf(value):
+        raise ConfigError(f"environment variable FLOWRL_IMPORT_TIMEOUT is {raw!r}; set it to seconds (0: no limit).")
+    return value
 
 
 @contextlib.contextmanager
@@ -77,7 +82,9 @@ def _import_file(path: Path) -> ModuleType:
             f"graph file '{path}' called sys.exit({exc.code!r}) while being imported; a graph file only defines "
             "build(cfg) (and DEFAULTS)."
         ) from None
-    except Exception as exc:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # Exception, and what a file may raise beyond it (GeneratorExit, its own)
         line = ""
         tb = exc.__traceback__
         while tb is not None:
@@ -121,7 +128,13 @@ def build_graph(src: GraphSource, cfg: Any) -> Graph:
         graph = src.build(cfg)
     except GraphError:
         raise
-    except Exception as exc:
+    except KeyboardInterrupt:
+        raise
+    except SystemExit as exc:
+        raise GraphError(
+            f"graph '{src.source}': build(cfg) called sys.exit({exc.code!r}); it must return a Graph."
+        ) from None
+    except BaseException as exc:
         raise GraphError(f"graph '{src.source}': build(cfg) raised {type(exc).__name__}: {exc}") from None
     if not isinstance(graph, Graph):
         raise GraphError(f"graph '{src.source}': build(cfg) returned {type(graph).__name__}, not a flowrl Graph.")

@@ -79,9 +79,11 @@ def _user(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     added by `run_node`), not a traceback."""
     try:
         return fn(*args, **kwargs)
-    except FlowRLError:
+    except (FlowRLError, KeyboardInterrupt):
         raise
-    except Exception as exc:
+    except SystemExit as exc:
+        raise GraphError(f"{what} called sys.exit({exc.code!r})") from None
+    except BaseException as exc:
         raise GraphError(f"{what} raised {type(exc).__name__}: {exc}") from exc
 
 
@@ -187,7 +189,12 @@ def _reward(
     rows = [prompts[i] for i in seqs.prompt_index.tolist()]
     fn = rt.functions["reward_functions"][node.fn]
     result = _user(f"reward function '{node.fn}'", fn, rows, list(seqs.texts), rt.task, **options)
-    scores, metrics = result if isinstance(result, tuple) else (result, {})
+    scores, metrics = result if isinstance(result, tuple) and len(result) == 2 else (result, {})
+    if not isinstance(metrics, Mapping):
+        raise GraphError(
+            f"node '{node.name}': reward function '{node.fn}' returned (scores, {type(metrics).__name__}); the "
+            "second item must be a dict of metrics."
+        )
     try:
         scores = torch.as_tensor(scores, dtype=torch.float32).flatten()
     except (TypeError, ValueError, RuntimeError) as exc:
@@ -209,6 +216,22 @@ def _reward(
     return {node.writes[0]: scores}, {"reward": round(float(scores.mean()), 6), **dict(metrics)}
 
 
+def _checked_loss(loss: Any, name: str) -> Any:
+    """``loss`` returning what the engine backpropagates: (a scalar tensor, a dict of stats)."""
+
+    def checked(out: Any, batch: Any, algo: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        result = _user(f"loss '{name}'", loss, out, batch, algo)
+        value, stats = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1 or not isinstance(stats, Mapping):
+            raise GraphError(
+                f"loss '{name}' returned {type(result).__name__}; a loss returns (a one-element tensor, a dict of "
+                "float stats)."
+            )
+        return value, dict(stats)
+
+    return checked
+
+
 def _train(
     rt: NodeRuntime, node: Train, inputs: dict[str, Any], algo: AlgoConfig, options: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -226,6 +249,7 @@ def _train(
     trainer = rt.trainers[node.model]
     # the version the batch's proximal log-probs were computed with: tokens it sampled are on-policy
     inputs = {**inputs, "policy_version": trainer.version}
-    stats = trainer.train(rt.functions["losses"][node.loss], inputs, step)
+    loss = rt.functions["losses"][node.loss]
+    stats = _user(f"training with loss '{node.loss}'", trainer.train, _checked_loss(loss, node.loss), inputs, step)
     stats = {k: round(v, 6) for k, v in stats.items()}
     return ({node.writes[0]: stats} if node.writes else {}), stats

@@ -24,7 +24,14 @@ import torch
 from torch import Tensor, nn
 
 from flowrl.backends.local.generation import sample
-from flowrl.backends.local.models import VALUE_HEAD_FILE, ValueModel, build_causal_lm, load_tokenizer, model_config, save_hf
+from flowrl.backends.local.models import (
+    VALUE_HEAD_FILE,
+    ValueModel,
+    build_causal_lm,
+    load_tokenizer,
+    model_config,
+    save_hf,
+)
 from flowrl.errors import BackendError
 from flowrl.graph.ir import ModelDecl
 from flowrl.planner.plan import ExecutionPlan

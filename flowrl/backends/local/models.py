@@ -42,8 +42,15 @@ def load_tokenizer(path: str | None) -> Any:
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as exc:
+        files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        hint = (
+            " The folder has weights but no tokenizer files: it looks incomplete (a copy or a write that was "
+            "interrupted?)."
+            if not any((Path(path) / f).is_file() for f in files)
+            else ""
+        )
         raise BackendError(
-            f"model directory '{path}' has no usable tokenizer ({type(exc).__name__}: {exc}). Save one with "
+            f"model directory '{path}' has no usable tokenizer ({type(exc).__name__}: {exc}).{hint} Save one with "
             f"tokenizer.save_pretrained('{path}')."
         ) from None
     tok.padding_side = "left"
@@ -83,9 +90,16 @@ def model_config(path: str | None, tiny: TinyModelConfig, tokenizer: Any) -> Any
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as exc:
         raise BackendError(f"'{path}/config.json' is not a usable HF model config: {exc}") from None
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and vocab < len(tokenizer):
+        raise BackendError(
+            f"model directory '{path}': its config.json has vocab_size {vocab}, smaller than its tokenizer "
+            f"({len(tokenizer)} tokens); the tokenizer belongs to another model."
+        )
+    return config
 
 
 def build_causal_lm(path: str | None, config: Any, seed: int) -> nn.Module:
@@ -96,6 +110,18 @@ def build_causal_lm(path: str | None, config: Any, seed: int) -> nn.Module:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     else:
+        weights = (
+            "model.safetensors",
+            "model.safetensors.index.json",
+            "pytorch_model.bin",
+            "pytorch_model.bin.index.json",
+        )
+        if not any((Path(path) / w).is_file() for w in weights):
+            raise BackendError(
+                f"model directory '{path}' has a config.json but no weights (model.safetensors); it looks incomplete "
+                "(a copy or a checkpoint write that was interrupted?). flowrl's own checkpoints are written whole or "
+                "not at all: use the newest runs/<name>/checkpoints/step-*/models/<model>."
+            )
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 path, local_files_only=True, dtype=torch.float32, attn_implementation="eager", trust_remote_code=False

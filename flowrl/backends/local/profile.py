@@ -157,7 +157,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from flowrl.planner.hardware import default_profile_path
-
     from flowrl.specs import writable
 
     out = writable(args.out, args.force, "--out") if args.out else default_profile_path()
