@@ -246,6 +246,8 @@ def writable(path: str | Path, force: bool, flag: str) -> Path:
 def read_document(path: str | Path) -> dict[str, Any]:
     """Read a YAML, TOML or JSON file into a plain mapping (never executes anything)."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file '{path}' is a folder; name a YAML, TOML or JSON file.")
     if not path.is_file():
         raise ConfigError(f"config file '{path}' does not exist.")
     try:

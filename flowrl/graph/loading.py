@@ -43,9 +43,8 @@ def _import_timeout() -> float:
 
 
 @contextlib.contextmanager
-def _time_limit(path: Path) -> Iterator[None]:
-    """Stop importing ``path`` after FLOWRL_IMPORT_TIMEOUT seconds (main thread only: signals)."""
-    limit = _import_timeout()
+def _time_limit(limit: float) -> Iterator[None]:
+    """Stop what the block runs after ``limit`` seconds (0: never; main thread only: signals)."""
     if not limit or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -69,12 +68,13 @@ def _import_file(path: Path) -> ModuleType:
         raise GraphError(f"graph file '{path}' cannot be imported (is it a .py file?).")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    limit = _import_timeout()
     try:
-        with _time_limit(path):
+        with _time_limit(limit):
             spec.loader.exec_module(module)
     except _ImportTimeout:
         raise GraphError(
-            f"graph file '{path}' did not finish importing within {_import_timeout():g} s (does it loop or wait at "
+            f"graph file '{path}' did not finish importing within {limit:g} s (does it loop or wait at "
             "import time?); a graph file only defines build(cfg). Raise the limit with FLOWRL_IMPORT_TIMEOUT=SECONDS."
         ) from None
     except SystemExit as exc:  # a graph file must not end the process

@@ -116,6 +116,7 @@ def _run(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[dict[str
         fn = rt.functions["advantage_estimators"][node.fn]
         with torch.no_grad():
             out, metrics = _split(_user(f"compute function '{node.fn}'", fn, inputs, algo, **options), name)
+        _check_rows(node, inputs, out)
     elif isinstance(node, Train):
         out, metrics = _train(rt, node, inputs, algo, options)
     else:  # pragma: no cover - the IR is a closed set
@@ -134,6 +135,28 @@ def _run(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[dict[str
                     "to skip the train steps it poisons instead."
                 )
     return {k: out[k] for k in node.writes}, metrics
+
+
+def _check_rows(node: Compute, inputs: Mapping[str, Any], out: Mapping[str, Any]) -> None:
+    """A compute function's outputs for the rows it read: tensors with one row per sequence and,
+    when per token, the responses' width."""
+    seqs = next((v for v in inputs.values() if isinstance(v, Sequences)), None)
+    if seqs is None:
+        return
+    rows, width = len(seqs), int(seqs.response_ids.shape[1])
+    for key in node.writes:
+        value = out.get(key)
+        if value is None or isinstance(value, Sequences):
+            continue
+        what = f"node '{node.name}': compute function '{node.fn}' wrote '{key}'"
+        if not isinstance(value, torch.Tensor):
+            raise GraphError(f"{what} as {type(value).__name__}; it must be a tensor ([{rows}] or [{rows}, {width}]).")
+        shape = tuple(value.shape)
+        if not shape or shape[0] != rows or (len(shape) == 2 and shape[1] not in (width, 1)) or len(shape) > 2:
+            raise GraphError(
+                f"{what} with shape {list(shape)}; it reads {rows} responses of {width} tokens, so it must be "
+                f"[{rows}] (one value per response) or [{rows}, {width}] (one per token)."
+            )
 
 
 def _split(result: Any, node: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -223,10 +246,12 @@ def _checked_loss(loss: Any, name: str) -> Any:
         result = _user(f"loss '{name}'", loss, out, batch, algo)
         value, stats = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
         if not isinstance(value, torch.Tensor) or value.numel() != 1 or not isinstance(stats, Mapping):
-            raise GraphError(
-                f"loss '{name}' returned {type(result).__name__}; a loss returns (a one-element tensor, a dict of "
-                "float stats)."
+            got = (
+                f"({type(value).__name__}, {type(stats).__name__})"
+                if isinstance(result, tuple) and len(result) == 2
+                else type(result).__name__
             )
+            raise GraphError(f"loss '{name}' returned {got}; a loss returns (a one-element tensor, a dict of stats).")
         return value, dict(stats)
 
     return checked
