@@ -154,9 +154,9 @@ class RunConfig(Spec):
             (
                 self.rollout.staleness is None or 0 <= self.rollout.staleness <= MAX_STALENESS,
                 "rollout.staleness",
-                f"must be in [0, {MAX_STALENESS}]",
+                f"must be >= 0 and <= {MAX_STALENESS}",
             ),
-            (0 <= self.rollout.overprovision <= 16, "rollout.overprovision", "must be in [0, 16]"),
+            (0 <= self.rollout.overprovision <= 16, "rollout.overprovision", "must be >= 0 and <= 16"),
             (
                 self.rollout.chunk_tokens is None or self.rollout.chunk_tokens >= 1,
                 "rollout.chunk_tokens",

@@ -272,11 +272,11 @@ class PlanExecutor:
                     on_barrier=on_barrier,
                     resume=snapshot,
                 )
-            if cfg.checkpoint and result.stopped is None and result.last_checkpoint is not None:
+            if cfg.checkpoint and result.stopped is None and (result.last_checkpoint is not None or cfg.steps == 0):
                 for name, engine in trainers.items():
                     if engine.decl.trainable:
                         path = out_dir / ("checkpoint" if engine.decl.role == "actor" else f"checkpoint-{name}")
-                        _publish(result.last_checkpoint / "models" / name, path)
+                        _publish(engine, result.last_checkpoint, path)
                         result.checkpoints[name] = path
         finally:
             try:
@@ -349,9 +349,9 @@ class _StopRequest:
                 signal.signal(s, handler)
 
 
-def _publish(source: Path, path: Path) -> None:
-    """The model folder of the last checkpoint as ``path`` (hard links where the filesystem allows),
-    replacing an older one atomically."""
+def _publish(engine: TrainingGroup, step_checkpoint: Path | None, path: Path) -> None:
+    """The model's HF checkpoint at ``path``: its folder in the last step checkpoint (hard links
+    where the filesystem allows), or written now when no step ran; replaces an older one atomically."""
     from flowrl.runtime.checkpoint import atomic_dir
 
     def link(src: str, dst: str) -> None:
@@ -361,7 +361,10 @@ def _publish(source: Path, path: Path) -> None:
             shutil.copy2(src, dst)
 
     with atomic_dir(path) as tmp:
-        shutil.copytree(source, tmp, dirs_exist_ok=True, copy_function=link)
+        if step_checkpoint is None:
+            engine.save(tmp.resolve())
+        else:
+            shutil.copytree(step_checkpoint / "models" / engine.decl.name, tmp, dirs_exist_ok=True, copy_function=link)
 
 
 def _record(

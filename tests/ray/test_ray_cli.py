@@ -29,9 +29,9 @@ def test_plan_for_cpu2_then_run_the_plan_on_ray(tmp_path):
         "plan", "graphs/ppo.py", "--cluster", "cpu:2", "--out", str(plan), "--explain", "--set", f"out={runs}", *SMALL
     )
     assert out.returncode == 0, out.stderr
-    assert "winner:" in out.stdout and f"run it with `flowrl run --plan {plan}`" in out.stdout
+    assert "winner:" in out.stdout and f"run it with `flowrl run graphs/ppo.py --plan {plan}`" in out.stdout
     assert "backend: ray" in plan.read_text()
-    run = flowrl("run", "--plan", str(plan), "--quiet")
+    run = flowrl("run", "graphs/ppo.py", "--plan", str(plan), "--quiet")
     assert run.returncode == 0, run.stderr
     folder = next(runs.iterdir())
     lines = (folder / "metrics.jsonl").read_text().splitlines()
