@@ -127,10 +127,16 @@ def plan(
     )
 
 
-def graph_for_plan(p: ExecutionPlan, registry: Registry | None = None) -> Graph:
-    """Rebuild the graph a plan names, with the plan's config, and re-check the plan on it."""
+def graph_for_plan(p: ExecutionPlan, registry: Registry | None = None, source: str | None = None) -> Graph:
+    """Rebuild the graph a plan names (or the graph file ``source``), with the plan's config, and
+    re-check the plan on it: a graph other than the planned one is refused."""
     reg = registry or default_registry()
-    graph = build_graph(find_graph(p.graph.source, _algorithms(reg)), p.config)
+    graph = build_graph(find_graph(source or p.graph.source, _algorithms(reg)), p.config)
+    if graph.fingerprint() != p.graph.fingerprint:
+        raise PlanError(
+            f"the plan was made for graph '{p.graph.name}' {p.graph.fingerprint} ('{p.graph.source}'), but "
+            f"'{source or p.graph.source}' builds '{graph.name}' {graph.fingerprint()}. Re-run `flowrl plan`."
+        )
     verify_plan(graph, p)
     return graph
 
@@ -172,16 +178,19 @@ def run(
     if resume and out_dir is None:
         raise PlanError("resume needs the run folder to continue (out_dir).")
     out = out_dir or run_dir(p.config.out, p.config.name or graph.name)
+    before = latest(out) if resume else None
     try:
         return ex.run(graph, p, out, on_step=on_step, resume=resume)
     except BaseException as exc:
         metrics = out / "metrics.jsonl"
+        now = latest(out)
         if not resume and (not metrics.is_file() or metrics.stat().st_size == 0):
             shutil.rmtree(out, ignore_errors=True)  # nothing completed: no half-made run folder
-        elif isinstance(exc, FlowRLError) and latest(out) is not None:
-            step, _ = latest(out)  # type: ignore[misc]
+        elif isinstance(exc, FlowRLError) and now is not None and now != before:  # it got further: say how on
+            source = p.graph.source
+            graph_file = f"{source} " if source.endswith(".py") or "/" in source else ""
             raise type(exc)(
-                f"{exc}\nThe run folder {out} keeps a checkpoint after step {step}; continue it with "
-                f"`flowrl run --resume {out}` (naming its graph file first if it has one)."
+                f"{exc}\nThe run folder {out} keeps a checkpoint after step {now[0]}; continue it with "
+                f"`flowrl run {graph_file}--resume {out}`."
             ) from exc.__cause__
         raise

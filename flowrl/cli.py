@@ -65,10 +65,13 @@ def _pins(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
+    model = args.model
+    if model is not None and Path(model).is_dir():  # a folder: kept absolute in the plan, so it resumes anywhere
+        model = str(Path(model).resolve())
     return {
         "steps": args.steps,
         "seed": args.seed,
-        "model": args.model,
+        "model": model,
         "task": args.task,
         "out": getattr(args, "run_out", None),
         "name": args.name,
@@ -106,14 +109,15 @@ def _graph_of_plan(args: argparse.Namespace, plan: Any, flag: str, where: str) -
 
     source = plan.graph.source
     is_file = bool(_file_arg(plan))
-    if args.graph and (Path(args.graph).resolve() != Path(source).resolve() if is_file else args.graph != source):
-        raise ConfigError(f"{flag} '{where}' was made for graph '{source}', not '{args.graph}'.")
+    if args.graph and not is_file and args.graph != source:
+        raise ConfigError(f"{flag} '{where}' was made for graph '{source}' (an algorithm), not '{args.graph}'.")
     if is_file and not args.graph:
         raise ConfigError(
             f"{flag} '{where}' would run the graph file '{source}', which is Python code; flowrl runs a graph "
             f"file only when you name it: `flowrl run {source} {flag} {where}`."
         )
-    return api.graph_for_plan(plan)
+    # the file named here (from any directory); it must build the graph the plan was made for
+    return api.graph_for_plan(plan, source=args.graph if is_file else None)
 
 
 def _file_arg(plan: Any) -> list[str]:
@@ -141,8 +145,15 @@ def _resume(args: argparse.Namespace) -> tuple[Any, Any, Path]:
     plan = load_plan(folder / "plan.yaml")
     graph = _graph_of_plan(args, plan, "--resume", str(folder))
     if args.steps is not None and args.steps != plan.config.steps:
-        if args.steps < 0:
-            raise ConfigError("config field 'steps' must be >= 0.")
+        from flowrl.runtime.checkpoint import latest
+
+        found = latest(folder)
+        done = found[0] + 1 if found else 0
+        if args.steps < done:
+            raise ConfigError(
+                f"--steps {args.steps}: the run in '{folder}' has done {done} steps already; --steps sets the "
+                "total, so give at least that many (or omit it to finish the planned run)."
+            )
         plan = msgspec.structs.replace(plan, config=msgspec.structs.replace(plan.config, steps=args.steps))
         plan = msgspec.structs.replace(plan, id=plan.content_id())
     return graph, plan, folder

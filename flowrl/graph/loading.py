@@ -99,7 +99,10 @@ def find_graph(source: str, algorithms: Mapping[str, Callable[[Any], Graph]]) ->
     """A graph file defines ``build(cfg) -> Graph`` and may define ``DEFAULTS`` (config overrides);
     a name is looked up in ``algorithms`` (the registered algorithm builders)."""
     path = Path(source)
-    if path.suffix == ".py" or path.exists() or "/" in source:
+    # a bare name is an algorithm even where a folder of that name exists (runs/grpo from inside runs/)
+    if path.suffix == ".py" or path.is_file() or "/" in source or (path.is_dir() and source not in algorithms):
+        if path.is_dir():
+            raise GraphError(f"'{source}' is a folder, not a graph file or an algorithm name.")
         if not path.is_file():
             raise GraphError(
                 f"graph file '{source}' does not exist. Pass a graph file (e.g. graphs/grpo.py) or an "

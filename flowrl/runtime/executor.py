@@ -34,6 +34,7 @@ from flowrl.planner.capabilities import Capabilities, rollout_conflict, unsuppor
 from flowrl.planner.passes import node_options, verify_plan
 from flowrl.planner.plan import ExecutionPlan, dump_plan
 from flowrl.planner.space import RolloutPolicy
+from flowrl.runtime import checkpoint
 from flowrl.runtime.groups import CURRENT_TASK, GenerationGroup, InProcessTransport, TrainingGroup, Transport
 from flowrl.runtime.pipeline import Pipeline, StepState
 from flowrl.runtime.protocols import RunResult
@@ -171,8 +172,30 @@ class PlanExecutor:
         resume: bool = False,
     ) -> RunResult:
         """Run the plan in ``out_dir``, writing a checkpoint after every ``save_every`` steps; with
-        ``resume``, continue the run in ``out_dir`` from its newest checkpoint. Ctrl-C or SIGTERM
-        stops after the current step with a checkpoint (``RunResult.stopped``)."""
+        ``resume``, continue the run in ``out_dir`` from its newest usable checkpoint. Ctrl-C or
+        SIGTERM stops after the current step, with a checkpoint (``RunResult.stopped``); during
+        setup they interrupt at once. One process at a time holds a run folder."""
+        from flowrl.runtime import runstate
+
+        cfg = plan.config
+        stop = _StopRequest(cfg.checkpoint)
+        with runstate.holding(out_dir), stop.installed():
+            if resume and not runstate.resumable(out_dir, cfg.checkpoint):
+                resume = False  # killed before its first checkpoint: nothing to keep, start over
+                result = self._run(graph, plan, out_dir, on_step, stop, False)
+                result.resumed_from = 0
+                return result
+            return self._run(graph, plan, out_dir, on_step, stop, resume)
+
+    def _run(
+        self,
+        graph: Graph,
+        plan: ExecutionPlan,
+        out_dir: Path,
+        on_step: Callable[[dict[str, Any]], None] | None,
+        stop: _StopRequest,
+        resume: bool,
+    ) -> RunResult:
         import torch
 
         from flowrl.runtime import runstate
@@ -186,11 +209,9 @@ class PlanExecutor:
         stream = runstate.PromptStream(task, random.Random(cfg.seed))
         schedule = self.schedule(graph, plan)
         result = RunResult(out_dir=out_dir)
-        manifest = {"plan_graph": plan.graph.fingerprint, "model": plan.target.model.name, "seed": cfg.seed}
-        saved = runstate.read(out_dir, manifest) if resume else None
-        if resume and saved is None:  # killed before its first checkpoint: nothing to keep, start over
-            resume, result.resumed_from = False, 0
-        dump_plan(plan, out_dir / "plan.yaml")
+        manifest = runstate.manifest(plan)
+        if not resume:
+            dump_plan(plan, out_dir / "plan.yaml")  # first: a run killed during setup can be resumed
         trace = Trace(origin=time.time())  # before the workers start: their setup spans come after it
         CURRENT_TASK.set("setup")
         transport, built = self.launch(graph, plan, schedule, out_dir)
@@ -227,21 +248,21 @@ class PlanExecutor:
             state = runstate.RunState(trainers, generators, rt, sources, stream)
             snapshot = None
             metrics_path = out_dir / "metrics.jsonl"
-            if saved is not None:
+            if resume:
                 CURRENT_TASK.set("restore")
-                path, driver = saved
 
                 def sync() -> None:
                     for t in schedule.tasks:
                         if t.kind == "sync":
                             run_task(rt, t, {})
 
-                snapshot = runstate.restore(path, driver, state, sync)
+                snapshot = runstate.resume(out_dir, manifest, state, sync)
                 result.metrics = runstate.completed_metrics(metrics_path, snapshot.step)
                 result.resumed_from = snapshot.step + 1
+                result.last_checkpoint = checkpoint.step_dir(out_dir, snapshot.step)
+                dump_plan(plan, out_dir / "plan.yaml")  # only now: a resume that fails changes nothing
             last = [time.perf_counter()]
-            stop = _StopRequest()
-            with metrics_path.open("a" if resume else "w") as fh, stop.installed():
+            with metrics_path.open("a" if resume else "w") as fh:
 
                 def on_done(step: int, st: StepState) -> None:
                     record = _record(schedule, step, st.outputs, time.perf_counter() - last[0])
@@ -256,35 +277,42 @@ class PlanExecutor:
 
                 def on_barrier(snap: Any) -> bool:
                     CURRENT_TASK.set("checkpoint")
-                    os.fsync(fh.fileno())
-                    result.last_checkpoint = runstate.write(out_dir, snap, state, manifest, cfg.keep_checkpoints)
-                    if stop.signal is not None:
+                    if cfg.checkpoint:
+                        os.fsync(fh.fileno())
+                        result.last_checkpoint = runstate.write(out_dir, snap, state, manifest, cfg.keep_checkpoints)
+                    if stop.signal is not None and snap.step < cfg.steps - 1:
                         result.stopped = snap.step
                     return stop.signal is not None
 
                 def prompts(step: int) -> list[Any] | None:
                     return None if policy.partial else stream(cfg.rollout.prompts_per_step)
 
+                stop.armed = True
                 Pipeline(rt, schedule, policy, sources, prompts, trace, transport, run_task).run(
                     cfg.steps,
                     on_done,
-                    barrier=lambda step: cfg.checkpoint_due(step) or (cfg.checkpoint and stop.signal is not None),
+                    barrier=lambda step: cfg.checkpoint_due(step) or stop.signal is not None,
                     on_barrier=on_barrier,
                     resume=snapshot,
                 )
-            if cfg.checkpoint and result.stopped is None and (result.last_checkpoint is not None or cfg.steps == 0):
+            finished = cfg.steps == 0 or (bool(result.metrics) and result.metrics[-1]["step"] == cfg.steps - 1)
+            if cfg.checkpoint and finished and result.stopped is None:
                 for name, engine in trainers.items():
                     if engine.decl.trainable:
                         path = out_dir / ("checkpoint" if engine.decl.role == "actor" else f"checkpoint-{name}")
                         _publish(engine, result.last_checkpoint, path)
                         result.checkpoints[name] = path
         finally:
+            stop.armed = False
             try:
                 trace.add_workers(transport.spans())
             except Exception:  # a dead worker keeps its spans
                 pass
             transport.close()
-            trace.write(out_dir, plan, graph, schedule)
+            ran = result.resumed_from is None or result.resumed_from < cfg.steps
+            if ran:  # a resumed run keeps the trace of the session before it
+                runstate.archive_trace(out_dir, result.resumed_from)
+                trace.write(out_dir, plan, graph, schedule)
         if result.metrics:
             from flowrl.runtime.report import plot_rewards
 
@@ -320,18 +348,21 @@ class PlanExecutor:
 
 
 class _StopRequest:
-    """Ctrl-C or SIGTERM during a run: stop after the current step, with a checkpoint. A second
-    Ctrl-C interrupts at once."""
+    """Ctrl-C or SIGTERM: while steps run (``armed``), stop after the current step with a
+    checkpoint; before (setup), or a second time, interrupt at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, checkpoint: bool) -> None:
         self.signal: int | None = None
+        self.armed = False
+        self.checkpoint = checkpoint
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.signal is not None:
+        if self.signal is not None or not self.armed:
             raise KeyboardInterrupt
         self.signal = signum
+        what = "and writing a checkpoint " if self.checkpoint else "(checkpoint=false: no checkpoint) "
         print(
-            "\nflowrl: stopping after the current step and writing a checkpoint (Ctrl-C again to abort without one)",
+            f"\nflowrl: stopping after the current step {what}- Ctrl-C again to abort at once",
             file=sys.stderr,
             flush=True,
         )

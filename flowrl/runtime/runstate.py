@@ -23,8 +23,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -32,13 +34,14 @@ from typing import Any
 import msgspec
 import torch
 
-from flowrl.errors import ConfigError
+from flowrl.errors import ConfigError, FlowRLError
 from flowrl.runtime.checkpoint import (
     CHECKPOINTS,
     STATE,
     atomic_dir,
     clean_partial,
     latest,
+    listed,
     load_tree,
     prune,
     save_tree,
@@ -104,15 +107,94 @@ def write(run: Path, snapshot: Snapshot, st: RunState, manifest: Mapping[str, An
     return final
 
 
-def read(run: Path, manifest: Mapping[str, Any]) -> tuple[Path, dict[str, Any]] | None:
-    """The newest complete checkpoint of ``run`` and its controller state, checked against
-    ``manifest`` (the plan and graph it must come from); None when the run has none."""
-    clean_partial(run / CHECKPOINTS)  # what a killed write left
-    clean_partial(run)
-    found = latest(run)
-    if found is None:
-        return None
-    _, path = found
+def manifest(plan: Any) -> dict[str, Any]:
+    """What a checkpoint must match to continue ``plan``'s run: the graph, the model built and the
+    seed, and the base model's files as they were (the frozen models are rebuilt from them)."""
+    cfg = plan.config
+    base = None
+    if cfg.model is not None and Path(cfg.model).is_dir():
+        files = sorted(p for p in Path(cfg.model).iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin"))
+        base = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    return {"plan_graph": plan.graph.fingerprint, "model": plan.target.model.name, "seed": cfg.seed, "base": base}
+
+
+@contextmanager
+def holding(run: Path) -> Iterator[None]:
+    """One flowrl process at a time in a run folder (an advisory lock, released when it exits)."""
+    import fcntl
+
+    run.mkdir(parents=True, exist_ok=True)
+    with (run / ".lock").open("a+") as fh:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            fh.seek(0)
+            raise ConfigError(
+                f"run folder '{run}' is in use by another flowrl process (pid {fh.read().strip() or '?'}); wait "
+                "for it to end, or stop it (Ctrl-C writes a checkpoint)."
+            ) from None
+        fh.truncate(0)
+        fh.write(str(os.getpid()))
+        fh.flush()
+        clean_partial(run / CHECKPOINTS)  # what a killed write left (no one else writes here now)
+        clean_partial(run)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def resumable(run: Path, checkpoint: bool) -> bool:
+    """Whether ``run`` has a checkpoint to continue from; False when it has none and no completed
+    step either (killed before its first checkpoint: it starts over). A run made without
+    checkpoints that completed steps cannot be continued."""
+    if latest(run) is not None:
+        return True
+    metrics = run / "metrics.jsonl"
+    if not checkpoint and metrics.is_file() and metrics.stat().st_size > 0:
+        raise ConfigError(
+            f"run folder '{run}' was run with checkpoint=false and holds no checkpoint, so it cannot be continued; "
+            "start a new run (its metrics stay where they are)."
+        )
+    return False
+
+
+def resume(run: Path, manifest: Mapping[str, Any], st: RunState, sync: Callable[[], None]) -> Snapshot:
+    """Restore the newest usable checkpoint of ``run``: one that cannot be read or does not fit is
+    reported and the one before it is tried."""
+    failures: list[str] = []
+    for _, path in reversed(listed(run)):
+        try:
+            _, driver = read(path, manifest)
+            snapshot = restore(path, driver, st, sync)
+        except FlowRLError as exc:
+            failures.append(str(exc))
+            continue
+        for why in failures:
+            print(f"flowrl: skipping a newer checkpoint: {why}", file=sys.stderr, flush=True)
+        if failures:
+            print(f"flowrl: resuming from the older checkpoint {path}", file=sys.stderr, flush=True)
+        return snapshot
+    raise ConfigError(
+        f"no checkpoint in '{run / CHECKPOINTS}' can be resumed: {failures[0] if failures else 'there is none'}"
+        + (f" (and {len(failures) - 1} older one(s) failed too)" if len(failures) > 1 else "")
+    )
+
+
+def archive_trace(run: Path, resumed_from: int | None) -> None:
+    """Keep the trace of the session a resumed run continues, beside the new one."""
+    if not resumed_from:
+        return
+    for name in ("trace.json", "timeline.png"):
+        old = run / name
+        if old.is_file():
+            stem, suffix = name.split(".")
+            old.replace(run / f"{stem}.before-step-{resumed_from}.{suffix}")
+
+
+def read(path: Path, manifest: Mapping[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """Checkpoint ``path`` and its controller state, checked against ``manifest`` (the plan and
+    graph it must come from)."""
     try:
         saved = json.loads((path / STATE).read_text())
     except (OSError, ValueError) as exc:
@@ -120,6 +202,12 @@ def read(run: Path, manifest: Mapping[str, Any]) -> tuple[Path, dict[str, Any]] 
     if saved.get("format") != FORMAT:
         raise ConfigError(f"checkpoint '{path}' has format {saved.get('format')!r}; this flowrl reads {FORMAT}.")
     for key, want in manifest.items():
+        if key == "base" and saved.get(key) != want:
+            raise ConfigError(
+                f"checkpoint '{path}': the base model folder changed since the run began (its weight files now "
+                f"{want!r}, then {saved.get(key)!r}); the frozen models (the KL reference) would differ. Restore the "
+                "folder, or start a new run."
+            )
         if saved.get(key) != want:
             raise ConfigError(
                 f"checkpoint '{path}' was written for {key} {saved.get(key)!r}, but the run folder's plan has "

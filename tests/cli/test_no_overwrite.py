@@ -47,9 +47,9 @@ def test_a_plan_runs_a_graph_file_only_when_the_command_line_names_it(tmp_path, 
     rc, _, err = _run(capsys, "run", "--plan", str(plan))
     assert rc == 2 and f"would run the graph file '{graph}'" in err and f"flowrl run {graph} --plan" in err, err
     other = tmp_path / "other.py"
-    other.write_text(graph.read_text())
+    other.write_text(Path("graphs/ppo.py").read_text())
     rc, _, err = _run(capsys, "run", str(other), "--plan", str(plan))
-    assert rc == 2 and "was made for graph" in err, err
+    assert rc == 2 and "the plan was made for graph 'grpo'" in err and "builds 'ppo'" in err, err
 
 
 def test_resume_names_what_it_cannot_continue(tmp_path, capsys):

@@ -369,7 +369,7 @@ class LocalModel:
             set_model_state_dict(self.module, weights, options=StateDictOptions(full_state_dict=True, strict=False))
         else:
             self.module.load_state_dict(weights, strict=False)
-        if self.optimizer is not None and (path / "optimizer.json").is_file():
+        if self.optimizer is not None:  # a trainable model's checkpoint always holds its optimizer state
             self._load_optimizer_state(load_tree(path / "optimizer"))
         self.version = version
         return version
