@@ -10,6 +10,9 @@ randomly with more examples.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -50,3 +53,20 @@ def ray_session():
         os.environ.pop("FLOWRL_PLUGINS", None)
     else:
         os.environ["FLOWRL_PLUGINS"] = old
+
+
+@pytest.fixture
+def start_flowrl() -> Callable[..., subprocess.Popen]:
+    """Start ``python -m flowrl run ARGS`` as a process of its own (so signals can reach it), with
+    text pipes for its output."""
+
+    def start(*args: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "flowrl", "run", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    return start

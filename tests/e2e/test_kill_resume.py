@@ -6,11 +6,9 @@ step or prompt lost or used twice."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,16 +19,6 @@ from flowrl.runtime import checkpoint
 STEPS = 14
 RUN = ["--steps", str(STEPS), "--save-every", "1", "--quiet", "--set", "rollout.prompts_per_step=4"]
 TIMING = ("step_seconds", "tokens_per_s", "spans")
-
-
-def _start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "flowrl", "run", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
 
 
 def _lines(folder: Path) -> list[str]:
@@ -77,8 +65,8 @@ def _wait_for(proc: subprocess.Popen, ready) -> bool:
     return False
 
 
-def test_kill_9_ctrl_c_and_sigterm_then_resume_equals_the_uninterrupted_run(tmp_path):
-    ref = _start("grpo", *RUN, "--out", str(tmp_path), "--name", "ref")
+def test_kill_9_ctrl_c_and_sigterm_then_resume_equals_the_uninterrupted_run(tmp_path, start_flowrl):
+    ref = start_flowrl("grpo", *RUN, "--out", str(tmp_path), "--name", "ref")
     out, err = ref.communicate(timeout=600)
     assert ref.returncode == 0, err
     folder = tmp_path / "run"
@@ -87,7 +75,7 @@ def test_kill_9_ctrl_c_and_sigterm_then_resume_equals_the_uninterrupted_run(tmp_
     during_checkpoint, graceful = 0, 0
     for i, (how, when) in enumerate(plan):
         args = ("grpo", *RUN, "--out", str(tmp_path), "--name", "run") if i == 0 else ("--resume", str(folder))
-        proc = _start(*args)
+        proc = start_flowrl(*args)
         seen = len(_complete(folder)) if folder.exists() else 0
         if when == "checkpoint":
             caught = _wait_for(proc, lambda: any((folder / "checkpoints").glob(".tmp-step-*")))
@@ -110,7 +98,7 @@ def test_kill_9_ctrl_c_and_sigterm_then_resume_equals_the_uninterrupted_run(tmp_
         if proc.returncode == 0:  # it finished before the signal
             break
     assert during_checkpoint >= 1 and graceful >= 1
-    final = _start("--resume", str(folder))
+    final = start_flowrl("--resume", str(folder))
     out, err = final.communicate(timeout=600)
     assert final.returncode == 0, err
     assert "Traceback" not in err

@@ -21,8 +21,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 import types
 from pathlib import Path
@@ -439,18 +437,8 @@ def test_resuming_a_finished_run_without_checkpoints_does_not_run_it_again(tmp_p
     assert (tmp_path / "grpo" / "metrics.jsonl").read_bytes() == before
 
 
-def _flowrl(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "flowrl", "run", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-
-
-def test_sigterm_while_the_run_starts_leaves_no_folder(tmp_path):
-    proc = _flowrl("grpo", "--steps", "20", "--out", str(tmp_path), *SMALL)
+def test_sigterm_while_the_run_starts_leaves_no_folder(tmp_path, start_flowrl):
+    proc = start_flowrl("grpo", "--steps", "20", "--out", str(tmp_path), *SMALL)
     plan = tmp_path / "grpo" / "plan.yaml"
     while proc.poll() is None and not plan.exists():
         time.sleep(0.002)
@@ -461,10 +449,10 @@ def test_sigterm_while_the_run_starts_leaves_no_folder(tmp_path):
     assert not folder.exists() or (folder / "metrics.jsonl").is_file(), sorted(p.name for p in folder.iterdir())
 
 
-def test_two_resumes_of_one_folder_at_once(tmp_path):
+def test_two_resumes_of_one_folder_at_once(tmp_path, start_flowrl):
     assert quiet_main("run", "grpo", "--steps", "2", "--save-every", "1", "--out", str(tmp_path), *SMALL) == 0
     folder = tmp_path / "grpo"
-    procs = [_flowrl("--resume", str(folder), "--steps", "10", "--quiet") for _ in range(2)]
+    procs = [start_flowrl("--resume", str(folder), "--steps", "10", "--quiet") for _ in range(2)]
     results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
     for p in procs:
         p.stdout.close()
