@@ -48,7 +48,8 @@ def _stopped_and_resumed(graph, plan, folder: Path, crash: int) -> api.RunResult
 
 @pytest.mark.parametrize(
     "algo,mode",
-    [("grpo", "sync"), ("grpo", "one_step_off"), ("grpo", "partial+async"), ("grpo", "streaming"), ("ppo", "sync")],
+    # (more algorithms and modes: tests/review/test_resume_review.py)
+    [("grpo", "sync"), ("grpo", "one_step_off"), ("ppo", "partial+async")],
 )
 def test_a_resumed_run_equals_the_uninterrupted_run_bit_for_bit(tmp_path, algo, mode):
     graph, plan = api.plan(algo, overrides=[*SMALL, f"rollout.mode={mode}"], flags={"steps": 7}, emit=lambda s: None)
