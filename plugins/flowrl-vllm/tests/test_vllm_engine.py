@@ -10,10 +10,11 @@ import torch
 
 pytest.importorskip("vllm")
 
+from flowrl_vllm.engine import VLLMEngine  # noqa: E402
+
 from flowrl import api  # noqa: E402
 from flowrl.runtime.protocols import EngineContext  # noqa: E402
 from flowrl.tasks.builtin import Prompt  # noqa: E402
-from flowrl_vllm.engine import VLLMEngine  # noqa: E402
 
 HEADS = ["progress=false", "tiny_model.num_heads=2", "tiny_model.num_kv_heads=1", "rollout.max_new_tokens=8"]
 PROMPTS = [Prompt(text="abc>", answer="abc"), Prompt(text="ba>", answer="ba")]
