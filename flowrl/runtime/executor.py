@@ -181,7 +181,7 @@ class PlanExecutor:
         stop = _StopRequest(cfg.checkpoint)
         with runstate.holding(out_dir), stop.installed():
             if resume and not runstate.resumable(out_dir, cfg.checkpoint):
-                resume = False  # killed before its first checkpoint: nothing to keep, start over
+                # killed before its first checkpoint: nothing to keep, start over
                 result = self._run(graph, plan, out_dir, on_step, stop, False)
                 result.resumed_from = 0
                 return result

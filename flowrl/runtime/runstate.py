@@ -91,7 +91,6 @@ def write(run: Path, snapshot: Snapshot, st: RunState, manifest: Mapping[str, An
             "prompt_rng": st.stream.rng.getstate(),
             "prompts_drawn": st.stream.drawn,
             "node_rngs": st.rt.rng_states(),
-            "trainer_versions": {m: g.version for m, g in st.trainers.items()},
             "generator_versions": {m: g.version for m, g in st.generators.items()},
             "buffers": {name: source.buffer for name, source in st.sources.items()},
             "snapshot": {f.name: getattr(snapshot, f.name) for f in fields(snapshot)},
