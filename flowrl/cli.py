@@ -230,7 +230,11 @@ def _summary(metrics: list[dict[str, Any]]) -> str:
     first = sum(m["reward"] or 0 for m in metrics[:k]) / k
     last = sum(m["reward"] or 0 for m in metrics[-k:]) / k
     secs = sorted(m["step_seconds"] for m in metrics)[len(metrics) // 2]
-    return f"reward {first:.3f} -> {last:.3f} (mean of first/last {k} steps), median step {secs:.3f}s"
+    text = f"reward {first:.3f} -> {last:.3f} (mean of first/last {k} steps), median step {secs:.3f}s"
+    gaps = [m["logprob_gap"] for m in metrics if isinstance(m.get("logprob_gap"), float)]
+    if gaps:  # sampler vs trainer log-probs on the same weights (see runtime/nodes.py: logprob_gap)
+        text += f", log-prob gap {max(gaps):.1e} (sampler vs trainer, worst step mean)"
+    return text
 
 
 class _Progress:

@@ -67,6 +67,8 @@ class TrainConfig(Spec):
 
 class GenerationConfig(Spec):
     engine: str = "local"  # the generation engine (a registered plugin); the training engine's own when equal
+    # the precision it samples in; training stays float32 (vllm: either; local samples with the training weights)
+    dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 class AlgoConfig(Spec):
@@ -164,6 +166,12 @@ class RunConfig(Spec):
             ),
             (self.rollout.stream_groups >= 1, "rollout.stream_groups", "must be >= 1"),
             (self.algo.is_cap >= 1, "algo.is_cap", "must be >= 1"),
+            (
+                self.generation.dtype == "float32" or self.generation.engine != self.train.engine,
+                "generation.dtype",
+                f"must be float32 when the training engine '{self.train.engine}' also generates (it samples with "
+                "its own float32 weights); bfloat16 needs a separate generation engine, e.g. generation.engine=vllm",
+            ),
             (
                 self.memory_limit_gib is None or 1 / 1024 <= self.memory_limit_gib <= 2**20,
                 "memory_limit_gib",

