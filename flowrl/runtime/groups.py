@@ -58,7 +58,7 @@ class InProcessTransport:
         return {0: self.worker.spans()}
 
     def close(self) -> None:
-        pass
+        self.worker.close_engines()
 
 
 class TrainingGroup:

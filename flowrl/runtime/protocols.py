@@ -5,7 +5,8 @@
   it exports and imports weights and saves its state.
 - A **generation engine** samples ``n`` responses per prompt with per-token log-probs, takes
   new weights after a train step, and can stop early and resume unfinished sequences from
-  the tokens generated so far.
+  the tokens generated so far. An engine holding processes or shared memory of its own may
+  define ``close()``; the run calls it once at the end, before its workers stop.
 - An **executor** runs a plan. It says up front (``check``) whether it can: what it cannot run
   is a `PlanError` naming the feature, raised before any model is built.
 

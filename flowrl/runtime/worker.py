@@ -291,6 +291,20 @@ class Worker:
             self.generators[model].load_weights(state, version)
         return {"bytes": sent, "seconds": time.perf_counter() - t0}
 
+    def close_engines(self) -> None:
+        """Release what engines hold outside this process (an engine's own processes, shared memory):
+        every engine with a ``close`` method is closed once. Errors are ignored (the run is ending)."""
+        seen: set[int] = set()
+        for engine in (*self.generators.values(), *self.trainers.values()):
+            close = getattr(engine, "close", None)
+            if close is None or id(engine) in seen:
+                continue
+            seen.add(id(engine))
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - best effort at the end of a run
+                pass
+
     def shutdown(self) -> None:
         import torch.distributed as dist
 

@@ -287,6 +287,10 @@ class RayTransport:
 
         if not ray.is_initialized():
             return
+        try:  # engines with processes of their own (vLLM) stop them before their worker is killed
+            ray.wait([a.close_engines.remote() for a in self.actors], num_returns=len(self.actors), timeout=30)
+        except Exception:  # noqa: BLE001 - dead workers close nothing
+            pass
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)

