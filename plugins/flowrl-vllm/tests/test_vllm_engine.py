@@ -1,7 +1,8 @@
 """The vLLM generation engine against the torch training engine: after an in-place weight update
 its sampling log-probs equal the training forward pass (fp32; within bf16 rounding when it samples
-in bf16), resumed rows continue from their tokens, and sampling is reproducible from the step's generator. Skipped where vLLM is not
-installed (see plugins/flowrl-vllm/README.md)."""
+in bf16), resumed rows continue from their tokens, sampling is reproducible from the step's
+generator, and a second engine in one process runs in a process of its own. Skipped where vLLM
+is not installed (see plugins/flowrl-vllm/README.md)."""
 
 from __future__ import annotations
 
