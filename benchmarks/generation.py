@@ -5,9 +5,11 @@ Both engines are built from the same training engine of a tiny Llama (heads of 3
 CPU kernels run it); each generates ``--samples`` responses for each of ``--prompts`` prompts of
 the task, ``--tokens`` tokens long (EOS ignored, so the work is equal), ``--repeats`` times; the
 first call of each is a warm-up (vLLM compiles its log-prob path once). Then ``--steps`` GRPO
-steps run with ``generation.engine=local`` and ``=vllm``. The last line is JSON.
+steps run with ``generation.engine=local`` and ``=vllm`` (each `flowrl run` in its own process),
+next to the planner's predicted step for each (calibrated by `flowrl profile` where it ran).
+The last line is JSON.
 
-    python benchmarks/generation.py --prompts 16 --samples 8 --tokens 32 --steps 20
+    python benchmarks/generation.py --prompts 16 --samples 8 --tokens 32 --steps 30
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -37,12 +42,20 @@ def _throughput(engine, prompts, samples: int, repeats: int) -> float:
     return statistics.median(rates)
 
 
-def _grpo_step_s(engine: str, steps: int, base: list[str]) -> float:
+def _grpo_step_s(engine: str, steps: int, base: list[str]) -> tuple[float, float | None]:
+    """(measured median step, the planner's predicted step) of GRPO generating with ``engine``,
+    run as a user runs it: `flowrl run` in a process of its own (vLLM in that process)."""
+    sets = [*base, f"generation.engine={engine}", "checkpoint=false"]
+    _, plan = api.plan("grpo", overrides=sets, emit=lambda s: None)
+    predicted = plan.layout.predicted.iteration_s if plan.layout and plan.layout.predicted else None
     with tempfile.TemporaryDirectory() as out:
-        sets = [*base, f"generation.engine={engine}", f"out={out}", "checkpoint=false"]
-        graph, plan = api.plan("grpo", overrides=sets, flags={"steps": steps}, emit=lambda s: None)
-        result = api.run(graph, plan)
-    return statistics.median(r["step_seconds"] for r in result.metrics[2:])
+        flags = [f"--set={s}" for s in sets]
+        subprocess.run(
+            [sys.executable, "-m", "flowrl", "run", "grpo", "--steps", str(steps), "--out", out, "--quiet", *flags],
+            check=True, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        metrics = [json.loads(line) for line in (Path(out) / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["step_seconds"] for r in metrics[2:]), predicted
 
 
 def main() -> None:
@@ -65,9 +78,10 @@ def main() -> None:
     local_tps = _throughput(local, prompts, args.samples, args.repeats)
     vllm_tps = _throughput(vllm, prompts, args.samples, args.repeats)
     print(f"generation: local {local_tps:,.0f} tok/s, vllm {vllm_tps:,.0f} tok/s ({vllm_tps / local_tps:.2f}x)")
-    step_local = _grpo_step_s("local", args.steps, [*base, "rollout.prompts_per_step=8"])
-    step_vllm = _grpo_step_s("vllm", args.steps, [*base, "rollout.prompts_per_step=8"])
+    step_local, pred_local = _grpo_step_s("local", args.steps, base)
+    step_vllm, pred_vllm = _grpo_step_s("vllm", args.steps, base)
     print(f"GRPO median step: local {step_local:.3f} s, vllm {step_vllm:.3f} s ({step_local / step_vllm:.2f}x)")
+    print(f"planner's prediction: local {pred_local} s, vllm {pred_vllm} s (`flowrl profile` calibrates both)")
     print(
         json.dumps(
             {
@@ -81,6 +95,8 @@ def main() -> None:
                 "grpo_step_local_s": round(step_local, 4),
                 "grpo_step_vllm_s": round(step_vllm, 4),
                 "grpo_local_over_vllm": round(step_local / step_vllm, 3),
+                "grpo_step_local_predicted_s": pred_local and round(pred_local, 4),
+                "grpo_step_vllm_predicted_s": pred_vllm and round(pred_vllm, 4),
             }
         )
     )

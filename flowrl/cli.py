@@ -223,6 +223,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_choice(engine: str, predicted: dict[str, float] | None) -> str:
+    """Why the plan generates with ``engine``: the candidates' predicted step times, when it chose."""
+    if not predicted:
+        return f"generation engine: {engine} (configured, or the only one calibrated here)"
+    others = ", ".join(f"{name} {s:.3g} s" for name, s in sorted(predicted.items(), key=lambda kv: kv[1]))
+    return f"generation engine: {engine}, the fastest predicted step of the engines calibrated here ({others})"
+
+
 def _summary(metrics: list[dict[str, Any]]) -> str:
     if not metrics:
         return "no steps ran."
@@ -302,6 +310,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from flowrl.planner.autotune import explain
 
         print(explain(cache["tune"], plan.target.model, plan.target.cluster))
+        print(_engine_choice(plan.config.generation.engine, cache.get("engines")))
     if args.timeline and "tune" in cache:
         writable(args.timeline, args.force, "--timeline")
         writable(Path(args.timeline).with_suffix(".json"), args.force, "--timeline (its .json)")

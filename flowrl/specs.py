@@ -65,8 +65,14 @@ class TrainConfig(Spec):
     skip_nonfinite: bool = False
 
 
+#: ``generation.engine=auto``: the planner picks the engine it predicts fastest (see planner/passes.py: place).
+AUTO = "auto"
+
+
 class GenerationConfig(Spec):
-    engine: str = "local"  # the generation engine (a registered plugin); the training engine's own when equal
+    # the generation engine (a registered plugin; the training engine's own when equal), or auto: the
+    # planner's choice among the training engine and the engines `flowrl profile` calibrated here
+    engine: str = AUTO
     # the precision it samples in; training stays float32 (vllm: either; local samples with the training weights)
     dtype: Literal["float32", "bfloat16"] = "float32"
 

@@ -120,6 +120,7 @@ class Tuner:
         registry: Any = None,
         numerics: mem.Numerics | None = None,
         capabilities: Capabilities | None = None,
+        generation_engine: str | None = None,
     ) -> None:
         self.graph, self.model, self.cluster, self.w, self.seed = graph, model, cluster, workload, seed
         self.numerics = numerics or mem.Numerics()
@@ -127,6 +128,8 @@ class Tuner:
         self.capabilities = capabilities
         factory = registry.get("cost_models", cost_model) if registry is not None else CostModel
         self.cost = factory(model, cluster.hardware)
+        if generation_engine is not None and hasattr(self.cost, "for_engine"):  # cost models may ignore engines
+            self.cost = self.cost.for_engine(generation_engine)
         self.roles = roles_of(graph)
         self.seq_len = workload.prompt_length + int(mean_length(workload.response_length))
         # a batch of response lengths: forward and train passes pay for their micro-batches' padding

@@ -6,15 +6,20 @@ layer (the usual RLHF setting), flash attention (no seq x seq buffers).
     matmul time   = FLOPs / (devices * peak_bf16 * matmul_efficiency)
     stream time   = bytes / (memory_bandwidth * bandwidth_efficiency)
     ring collective of V bytes over n ranks = 2 (n-1)/n * V / (link_bw * comm_efficiency) + n * latency
+
+Generation (prefill, decode steps) uses the generation engine's own factors where `flowrl
+profile` measured that engine on this hardware (``HardwareSpec.generation``), and a weight sync
+then also pays the engine's in-place load.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
-from flowrl.planner.hardware import HardwareSpec
+from flowrl.planner.hardware import GenerationCalibration, HardwareSpec
 from flowrl.planner.modelspec import ModelSpec
 from flowrl.planner.space import ModelLayout
 
@@ -28,6 +33,15 @@ class CostModel:
 
     model: ModelSpec
     hw: HardwareSpec
+    engine: str | None = None  # the generation engine: its calibration (hw.generation) costs decode and loads
+
+    def for_engine(self, engine: str) -> CostModel:
+        """This model costing generation as ``engine`` does (the hardware's factors if it has no calibration)."""
+        return dataclasses.replace(self, engine=engine)
+
+    @property
+    def calibration(self) -> GenerationCalibration | None:
+        return self.hw.generation.get(self.engine) if self.engine is not None else None
 
     # ------------------------------------------------------------ helpers
     @property
@@ -57,12 +71,22 @@ class CostModel:
         return nbytes / (self.hw.memory_bandwidth * self.hw.bandwidth_efficiency)
 
     # ------------------------------------------------------------ generation
+    def _decode_factors(self) -> tuple[float, float]:
+        """(kernel overhead, matmul efficiency) of generation: the engine's calibration, else the hardware's."""
+        cal = self.calibration
+        if cal is None:
+            return self.hw.kernel_overhead, self.hw.matmul_efficiency
+        return cal.kernel_overhead, cal.matmul_efficiency
+
+    def _gen_matmul(self, flops: float, devices: int) -> float:
+        return flops / (devices * self.hw.peak_flops_bf16 * self._decode_factors()[1])
+
     def prefill(self, sequences: int, prompt: int, tp: int) -> float:
         """Prompt forward of one replica: compute-bound."""
         tokens = sequences * prompt
         flops = tokens * self.model.flops_per_token(prompt // 2)
         comm = self.model.layers * 2 * self.allreduce(tokens * self.model.hidden * BF16, tp)
-        return self.matmul(flops, tp) + comm + self.model.layers * self.hw.kernel_overhead
+        return self._gen_matmul(flops, tp) + comm + self.model.layers * self._decode_factors()[0]
 
     def decode_step(self, batch: np.ndarray, context: np.ndarray, tp: int) -> np.ndarray:
         """Decode steps of one replica (elementwise over arrays of live batch and context):
@@ -71,9 +95,14 @@ class CostModel:
         flops = batch * (base + (self.model.flops_per_token(1) - base) * context)  # linear in the context
         nbytes = (self.param_bytes + batch * context * self.model.kv_bytes_per_token(BF16)) / tp
         comm = self.model.layers * 2 * self.allreduce(batch * self.model.hidden * BF16, tp)
-        return (
-            np.maximum(self.matmul(flops, tp), self.stream(nbytes)) + comm + self.model.layers * self.hw.kernel_overhead
-        )
+        overhead = self._decode_factors()[0]
+        return np.maximum(self._gen_matmul(flops, tp), self.stream(nbytes)) + comm + self.model.layers * overhead
+
+    def engine_load(self, nbytes: float) -> float:
+        """Loading ``nbytes`` of new weights into the running generation engine (0 when uncalibrated:
+        the hardware presets fold it into the sync)."""
+        cal = self.calibration
+        return nbytes / cal.load_bandwidth if cal is not None else 0.0
 
     # ------------------------------------------------------------ training / inference
     @property

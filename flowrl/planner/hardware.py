@@ -161,6 +161,16 @@ def _struct_info(tp: Any) -> Any:
 # ------------------------------------------------------------------ specs
 
 
+class GenerationCalibration(CheckedSpec, kw_only=True):
+    """How fast one generation engine decodes on this hardware, as `flowrl profile` measured it
+    through the engine itself (the cost model's decode factors, for that engine)."""
+
+    kernel_overhead: NonNegative  # s per layer per decode step
+    matmul_efficiency: Fraction
+    load_bandwidth: Positive  # bytes/s of an in-place weight load into the running engine
+    head_sizes: tuple[int, ...] = ()  # attention head sizes it runs here (empty: any)
+
+
 class HardwareSpec(CheckedSpec, kw_only=True):
     """One accelerator (or a CPU socket) and the links around it."""
 
@@ -180,6 +190,8 @@ class HardwareSpec(CheckedSpec, kw_only=True):
     bandwidth_efficiency: Fraction = 0.75
     comm_efficiency: Fraction = 0.8
     kernel_overhead: NonNegative = 2e-5  # s per layer per forward step (launch/sync overhead)
+    # generation engines measured here by `flowrl profile` (by engine name); others decode with the factors above
+    generation: dict[str, GenerationCalibration] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -35,7 +35,7 @@ from flowrl.planner.space import (
     WeightSync,
 )
 from flowrl.planner.workload import Fixed, Histogram, Lengths, WorkloadSpec
-from flowrl.specs import AlgoConfig, RolloutConfig, rollout_parts
+from flowrl.specs import AUTO, AlgoConfig, RolloutConfig, rollout_parts
 
 if TYPE_CHECKING:
     from flowrl.plugins.manager import Registry
@@ -159,7 +159,8 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
         ("generation_engines", cfg.generation.engine, "generation.engine"),
         ("training_engines", cfg.train.engine, "train.engine"),
     ):
-        reg.entry(kind, name, field=field_)
+        if name != AUTO:  # an 'auto' generation engine is chosen by `place`
+            reg.entry(kind, name, field=field_)
     rollout = cfg.rollout
     if rollout.max_new_tokens is None:
         rollout = msgspec.structs.replace(rollout, max_new_tokens=task.max_new_tokens())
@@ -267,8 +268,57 @@ def rollout_policy(rollout: RolloutConfig) -> RolloutPolicy | None:
     )
 
 
+def generation_engines(ctx: PlanContext, plan: ExecutionPlan) -> list[str]:
+    """The generation engines a plan may use: the configured one, or for ``auto`` the training
+    engine's own (it samples in float32) and every registered engine that `flowrl profile`
+    calibrated on this hardware and that runs the model's head size there."""
+    cfg = plan.config
+    if cfg.generation.engine != AUTO:
+        return [cfg.generation.engine]
+    hw, head = plan.target.cluster.hardware, plan.target.model.dim_per_head
+    names = [
+        name
+        for name in ctx.registry.names("generation_engines")
+        if name != cfg.train.engine
+        and name in hw.generation
+        and (not hw.generation[name].head_sizes or head in hw.generation[name].head_sizes)
+    ]
+    if cfg.generation.dtype == "float32":
+        names.insert(0, cfg.train.engine)
+    if not names:
+        raise PlanError(
+            f"generation.dtype={cfg.generation.dtype} needs a generation engine other than the training engine "
+            f"'{cfg.train.engine}', and none is calibrated on '{hw.name}' for this model; name one with "
+            "--set generation.engine=NAME (e.g. vllm), or run `flowrl profile` with it installed."
+        )
+    return names
+
+
 def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
-    """Place models on device groups (for a backend's one device: the colocated layout; else: the tuner's best).
+    """Place models on device groups (for a backend's one device: the colocated layout; else: the
+    tuner's best), and choose the generation engine when it is ``auto``: the one whose best plan
+    the simulator predicts fastest (``ctx.cache["engines"]``: each candidate's step time)."""
+    rollout = any(isinstance(n, Generate) for n in ctx.graph.nodes.values())
+    engines = generation_engines(ctx, plan) if rollout else [plan.config.train.engine]
+    if not rollout or len(engines) == 1:
+        chosen, placed = engines[0], _place(ctx, plan, engines[0])
+    else:
+        tried = {name: _place(ctx, plan, name, share=len(engines)) for name in engines}
+        results = {name: ctx.cache.pop(f"tune:{name}") for name in engines}
+        predicted = {name: results[name].ranked[0].result.iteration_s for name in engines}
+        chosen = min(engines, key=lambda name: predicted[name])
+        ctx.cache["engines"] = predicted
+        ctx.cache["tune"] = results[chosen]
+        placed = tried[chosen]
+    cfg = placed.config
+    if cfg.generation.engine != chosen:
+        placed = _replace(placed, config=msgspec.structs.replace(cfg, generation=msgspec.structs.replace(
+            cfg.generation, engine=chosen)))  # fmt: skip
+    return placed
+
+
+def _place(ctx: PlanContext, plan: ExecutionPlan, engine: str, share: int = 1) -> ExecutionPlan:
+    """`place` with generation costed as ``engine`` generates; ``share``: candidates splitting the search budget.
 
     A plan for a backend on one device is the colocated layout with each model's micro-batch the
     mini-batch, halved until it fits; it is still simulated, so --explain shows its prediction.
@@ -298,6 +348,7 @@ def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
         registry=ctx.registry,
         numerics=t.numerics,
         capabilities=t.capabilities,
+        generation_engine=engine,
     )
     pins = {k: opts.get(k) for k in ("placement", "weight_sync")}
     if single is not None and any(pins.values()):
@@ -309,13 +360,16 @@ def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
         tuner.single(single)
         if single is not None
         else tuner.search(
-            budget_s=float(opts.get("budget_s", 8.0)),
+            budget_s=float(opts.get("budget_s", 8.0)) / share,
             rollout=policy,
             chunk_tokens=plan.config.rollout.chunk_tokens,
             **pins,
         )
     )
-    ctx.cache["tune"] = result
+    if share > 1:  # one of several engines: `place` keeps the chosen one's ranking
+        ctx.cache[f"tune:{engine}"] = result
+    else:
+        ctx.cache["tune"] = result
     return _replace(plan, layout=result.best)
 
 

@@ -173,7 +173,11 @@ def node_group(plan: ClusterPlan, graph: Graph, name: str) -> tuple[str, ...]:
 
 
 def sync_seconds(plan: ClusterPlan, cost: CostModel, roles: Roles) -> float:
-    """Move the actor's new weights into the generation layout."""
+    """Move the actor's new weights into the generation layout (and load them into its engine)."""
+    return _transfer_seconds(plan, cost, roles) + cost.engine_load(cost.sync_volume() / plan.generation.tp)
+
+
+def _transfer_seconds(plan: ClusterPlan, cost: CostModel, roles: Roles) -> float:
     actor = plan.layout(roles.actor)
     volume = cost.sync_volume()
     ws = plan.weight_sync

