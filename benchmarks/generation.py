@@ -1,8 +1,8 @@
 """Generated tokens/s: the vLLM engine (plugins/flowrl-vllm) against the local torch sampler, on
 the same prompts, model (weights) and lengths, in one run; then GRPO step times with each.
 
-Both engines are built from the same training engine of a tiny Llama (heads of 32 so that vLLM's
-CPU kernels run it); each generates ``--samples`` responses for each of ``--prompts`` prompts of
+Both engines are built from the same training engine of the default tiny Llama (heads of 32,
+which vLLM's CPU kernels run); each generates ``--samples`` responses for each of ``--prompts`` prompts of
 the task, ``--tokens`` tokens long (EOS ignored, so the work is equal), ``--repeats`` times; the
 first call of each is a warm-up (vLLM compiles its log-prob path once). Then ``--steps`` GRPO
 steps run with ``generation.engine=local`` and ``=vllm`` (each `flowrl run` in its own process),
@@ -68,7 +68,7 @@ def main() -> None:
     args = ap.parse_args()
     from flowrl_vllm.engine import VLLMEngine
 
-    base = ["progress=false", "tiny_model.num_heads=2", "tiny_model.num_kv_heads=1"]
+    base = ["progress=false"]  # the default tiny model: heads of 32, which vLLM's CPU kernels run
     sampling = [*base, f"rollout.max_new_tokens={args.tokens}", "rollout.ignore_eos=true"]
     graph, plan = api.plan("grpo", overrides=sampling, emit=lambda s: None)
     trainers, _ = api.check(graph, plan).engines(graph, plan)

@@ -27,8 +27,8 @@ class TinyModelConfig(Spec):
     hidden_size: int = 64
     intermediate_size: int = 128
     num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
+    num_heads: int = 2  # heads of 32: the smallest size vLLM's CPU attention kernels run
+    num_kv_heads: int = 1
     vocab_size: int | None = None  # None: the tokenizer's size
     max_position_embeddings: int = 128
 

