@@ -121,8 +121,6 @@ def _fit_decode(samples: list[tuple[float, float, float]], spec: ModelSpec, peak
     return fit({"decode": samples, "forward": [], "train": []}, spec, peak)
 
 
-
-
 def calibrate_engine(
     name: str, peak: float, progress: Callable[[str], None] = lambda s: None
 ) -> GenerationCalibration | None:
