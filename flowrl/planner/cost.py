@@ -64,8 +64,9 @@ class CostModel:
         bw, lat = self.link(span or ranks)
         return 2 * (ranks - 1) / ranks * nbytes / bw + ranks * lat
 
-    def matmul(self, flops: float, devices: int) -> float:
-        return flops / (devices * self.hw.peak_flops_bf16 * self.hw.matmul_efficiency)
+    def matmul(self, flops: float, devices: int, efficiency: float | None = None) -> float:
+        """``efficiency``: the fraction of peak reached (default: the hardware's matmul_efficiency)."""
+        return flops / (devices * self.hw.peak_flops_bf16 * (efficiency or self.hw.matmul_efficiency))
 
     def stream(self, nbytes: float) -> float:
         return nbytes / (self.hw.memory_bandwidth * self.hw.bandwidth_efficiency)
@@ -78,15 +79,13 @@ class CostModel:
             return self.hw.kernel_overhead, self.hw.matmul_efficiency
         return cal.kernel_overhead, cal.matmul_efficiency
 
-    def _gen_matmul(self, flops: float, devices: int) -> float:
-        return flops / (devices * self.hw.peak_flops_bf16 * self._decode_factors()[1])
-
     def prefill(self, sequences: int, prompt: int, tp: int) -> float:
         """Prompt forward of one replica: compute-bound."""
         tokens = sequences * prompt
         flops = tokens * self.model.flops_per_token(prompt // 2)
         comm = self.model.layers * 2 * self.allreduce(tokens * self.model.hidden * BF16, tp)
-        return self._gen_matmul(flops, tp) + comm + self.model.layers * self._decode_factors()[0]
+        overhead, efficiency = self._decode_factors()
+        return self.matmul(flops, tp, efficiency) + comm + self.model.layers * overhead
 
     def decode_step(self, batch: np.ndarray, context: np.ndarray, tp: int) -> np.ndarray:
         """Decode steps of one replica (elementwise over arrays of live batch and context):
@@ -95,8 +94,8 @@ class CostModel:
         flops = batch * (base + (self.model.flops_per_token(1) - base) * context)  # linear in the context
         nbytes = (self.param_bytes + batch * context * self.model.kv_bytes_per_token(BF16)) / tp
         comm = self.model.layers * 2 * self.allreduce(batch * self.model.hidden * BF16, tp)
-        overhead = self._decode_factors()[0]
-        return np.maximum(self._gen_matmul(flops, tp), self.stream(nbytes)) + comm + self.model.layers * overhead
+        overhead, efficiency = self._decode_factors()
+        return np.maximum(self.matmul(flops, tp, efficiency), self.stream(nbytes)) + comm + self.model.layers * overhead
 
     def engine_load(self, nbytes: float) -> float:
         """Loading ``nbytes`` of new weights into the running generation engine (0 when uncalibrated:

@@ -38,6 +38,7 @@ from flowrl.planner.workload import Fixed, Histogram, Lengths, WorkloadSpec
 from flowrl.specs import AUTO, AlgoConfig, RolloutConfig, rollout_parts
 
 if TYPE_CHECKING:
+    from flowrl.planner.autotune import TuneResult
     from flowrl.plugins.manager import Registry
 
 TRAIN_OPTIONS = ("epochs", "mini_batches")
@@ -300,16 +301,15 @@ def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     the simulator predicts fastest (``ctx.cache["engines"]``: each candidate's step time)."""
     rollout = any(isinstance(n, Generate) for n in ctx.graph.nodes.values())
     engines = generation_engines(ctx, plan) if rollout else [plan.config.train.engine]
-    if not rollout or len(engines) == 1:
-        chosen, placed = engines[0], _place(ctx, plan, engines[0])
-    else:
-        tried = {name: _place(ctx, plan, name, share=len(engines)) for name in engines}
-        results = {name: ctx.cache.pop(f"tune:{name}") for name in engines}
-        predicted = {name: results[name].ranked[0].result.iteration_s for name in engines}
+    tried = {name: _place(ctx, plan, name, share=len(engines)) for name in engines}
+    chosen = engines[0]
+    if len(engines) > 1:
+        predicted = {name: result.ranked[0].result.iteration_s for name, (_, result) in tried.items()}
         chosen = min(engines, key=lambda name: predicted[name])
         ctx.cache["engines"] = predicted
-        ctx.cache["tune"] = results[chosen]
-        placed = tried[chosen]
+    placed, result = tried[chosen]
+    if result is not None:
+        ctx.cache["tune"] = result
     cfg = placed.config
     if cfg.generation.engine != chosen:
         placed = _replace(placed, config=msgspec.structs.replace(cfg, generation=msgspec.structs.replace(
@@ -317,8 +317,11 @@ def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     return placed
 
 
-def _place(ctx: PlanContext, plan: ExecutionPlan, engine: str, share: int = 1) -> ExecutionPlan:
-    """`place` with generation costed as ``engine`` generates; ``share``: candidates splitting the search budget.
+def _place(
+    ctx: PlanContext, plan: ExecutionPlan, engine: str, share: int = 1
+) -> tuple[ExecutionPlan, TuneResult | None]:
+    """`place` with generation costed as ``engine`` generates; ``share``: candidates splitting the search
+    budget. Returns the placed plan and the tuner's ranking (None: no rollout, nothing simulated).
 
     A plan for a backend on one device is the colocated layout with each model's micro-batch the
     mini-batch, halved until it fits; it is still simulated, so --explain shows its prediction.
@@ -335,7 +338,7 @@ def _place(ctx: PlanContext, plan: ExecutionPlan, engine: str, share: int = 1) -
             ctx.graph, plan, colocated(ctx.graph, plan.workload, plan.config.train.micro_batch_size)
         )
         if not rollout:
-            return _replace(plan, layout=single)  # nothing to simulate
+            return _replace(plan, layout=single), None  # nothing to simulate
     elif not rollout:
         raise PlanError(f"graph '{ctx.graph.name}' has no generate node; the cluster planner needs a rollout.")
     tuner = Tuner(
@@ -366,11 +369,7 @@ def _place(ctx: PlanContext, plan: ExecutionPlan, engine: str, share: int = 1) -
             **pins,
         )
     )
-    if share > 1:  # one of several engines: `place` keeps the chosen one's ranking
-        ctx.cache[f"tune:{engine}"] = result
-    else:
-        ctx.cache["tune"] = result
-    return _replace(plan, layout=result.best)
+    return _replace(plan, layout=result.best), result
 
 
 # ------------------------------------------------------------------ micro_batch

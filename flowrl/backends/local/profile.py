@@ -116,11 +116,6 @@ def fit(samples: dict[str, list[tuple[float, float, float]]], spec: ModelSpec, p
     return kernel_overhead, matmul_efficiency
 
 
-def _fit_decode(samples: list[tuple[float, float, float]], spec: ModelSpec, peak: float) -> tuple[float, float]:
-    """`fit` over decode samples only: (kernel_overhead, matmul_efficiency) of one generation engine."""
-    return fit({"decode": samples, "forward": [], "train": []}, spec, peak)
-
-
 def calibrate_engine(
     name: str, peak: float, progress: Callable[[str], None] = lambda s: None
 ) -> GenerationCalibration | None:
@@ -156,7 +151,7 @@ def calibrate_engine(
             )
             samples.append((batch, 8 + steps, seconds))
         progress(f"generation engine '{name}': decode batch {batch}")
-    overhead, eff = _fit_decode(samples, spec, peak)
+    overhead, eff = fit({"decode": samples, "forward": [], "train": []}, spec, peak)  # decode factors only
     weights = trainer.export_weights()
     load = _best(lambda: engine.load_weights(weights, trainer.version), repeat=3)
     close = getattr(engine, "close", None)
