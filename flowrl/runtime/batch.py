@@ -118,6 +118,21 @@ def trim(batch: dict[str, Any], key: str) -> dict[str, Any]:
     return out
 
 
+def padded_rows(
+    prompts: list[list[int]], responses: list[list[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token rows as `Sequences` holds them: (prompt_ids, prompt_mask) left-padded and
+    (response_ids, response_mask) right-padded, each to its longest row."""
+    p_width = max((len(p) for p in prompts), default=0)
+    r_width = max((len(r) for r in responses), default=0)
+    return (
+        ragged(prompts, p_width, pad_id, torch.long, left=True),
+        ragged([[1] * len(p) for p in prompts], p_width, 0, torch.long, left=True),
+        ragged(responses, r_width, pad_id, torch.long),
+        ragged([[1.0] * len(r) for r in responses], r_width, 0.0, torch.float32),
+    )
+
+
 def ragged(values: list[list[Any]], width: int, fill: float, dtype: torch.dtype, left: bool = False) -> torch.Tensor:
     """Ragged rows as one [len(values), width] tensor (right-padded, or left-padded), built in one go."""
     n = len(values)

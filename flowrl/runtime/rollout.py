@@ -23,7 +23,7 @@ import torch
 
 from flowrl.errors import BackendError
 from flowrl.planner.space import RolloutPolicy
-from flowrl.runtime.batch import Sequences, ragged
+from flowrl.runtime.batch import Sequences, padded_rows, ragged
 from flowrl.runtime.dispatch import concat_sequences
 from flowrl.runtime.protocols import Rollout
 from flowrl.tasks.builtin import Prompt
@@ -127,12 +127,10 @@ class RolloutBuffer:
 
 def rows_to_rollout(rows: Sequence[Row], pad_id: int, greedy: bool) -> Rollout:
     """Rows as one engine `Rollout`: prompts left-padded, responses right-padded."""
-    p_width = max(len(r.prompt_ids) for r in rows)
-    r_width = max((len(r.tokens) for r in rows), default=0)
-    prompt_ids = ragged([r.prompt_ids for r in rows], p_width, pad_id, torch.long, left=True)
-    prompt_mask = ragged([[1] * len(r.prompt_ids) for r in rows], p_width, 0, torch.long, left=True)
-    response_ids = ragged([r.tokens for r in rows], r_width, pad_id, torch.long)
-    response_mask = ragged([[1.0] * len(r.tokens) for r in rows], r_width, 0.0, torch.float32)
+    prompt_ids, prompt_mask, response_ids, response_mask = padded_rows(
+        [r.prompt_ids for r in rows], [r.tokens for r in rows], pad_id
+    )
+    r_width = response_ids.shape[1]
     logprobs = ragged([r.logprobs for r in rows], r_width, 0.0, torch.float32)
     versions = ragged([r.versions for r in rows], r_width, 0, torch.long)
     seqs = Sequences(

@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from flowrl.errors import PluginError
-from flowrl.runtime.batch import Sequences, ragged
+from flowrl.runtime.batch import Sequences, padded_rows, ragged
 from flowrl.runtime.protocols import EngineContext, Rollout
 from flowrl.tasks.builtin import Prompt
 
@@ -95,7 +95,7 @@ def _shared_file() -> Iterator[str]:
 
 
 class VLLMEngine:
-    """One generation replica of a graph model on vLLM (in this process)."""
+    """One generation replica of a graph model on vLLM (in this process, or a process of its own)."""
 
     resumable = True
 
@@ -325,13 +325,13 @@ class VLLMEngine:
     ) -> Rollout:
         tok = self.tokenizer
         limit = self.rollout.max_new_tokens or 16
-        p_width = max((len(p) for p in prompts), default=0)
-        r_width = max((len(t) for t in tokens), default=0)
+        prompt_ids, prompt_mask, response_ids, response_mask = padded_rows(prompts, tokens, tok.pad_token_id)
+        r_width = response_ids.shape[1]
         seqs = Sequences(
-            prompt_ids=ragged(prompts, p_width, tok.pad_token_id, torch.long, left=True),
-            prompt_mask=ragged([[1] * len(p) for p in prompts], p_width, 0, torch.long, left=True),
-            response_ids=ragged(tokens, r_width, tok.pad_token_id, torch.long),
-            response_mask=ragged([[1.0] * len(t) for t in tokens], r_width, 0.0, torch.float32),
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=response_ids,
+            response_mask=response_mask,
             prompt_index=index,
             texts=tuple(tok.decode(t[:-1] if e else t, skip_special_tokens=False) for t, e in zip(tokens, eos)),
             version=self.version,
