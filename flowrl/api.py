@@ -54,7 +54,7 @@ def load(
     registry: Registry | None = None,
 ) -> tuple[Graph, RunConfig]:
     reg = registry or default_registry()
-    src = find_graph(source, _algorithms(reg))
+    src = find_graph(source, _algorithms(reg), reg)
     cfg = make_config(src.defaults, config_file, overrides, flags)
     return build_graph(src, cfg), cfg
 
@@ -131,7 +131,7 @@ def graph_for_plan(p: ExecutionPlan, registry: Registry | None = None, source: s
     """Rebuild the graph a plan names (or the graph file ``source``), with the plan's config, and
     re-check the plan on it: a graph other than the planned one is refused."""
     reg = registry or default_registry()
-    graph = build_graph(find_graph(source or p.graph.source, _algorithms(reg)), p.config)
+    graph = build_graph(find_graph(source or p.graph.source, _algorithms(reg), reg), p.config)
     if graph.fingerprint() != p.graph.fingerprint:
         raise PlanError(
             f"the plan was made for graph '{p.graph.name}' {p.graph.fingerprint} ('{p.graph.source}'), but "

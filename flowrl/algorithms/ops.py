@@ -32,7 +32,7 @@ def _token_rewards(
 
     Metric ``kl``: the masked mean of the k3 estimate of KL(pi_old || ref) when both are read.
     """
-    mask = seqs.response_mask
+    mask = seqs.sampled_mask
     rewards = adv.sequence_to_token_rewards(inputs["rewards"].float(), mask)
     metrics: dict[str, float] = {}
     if "old_logprobs" in inputs and "ref_logprobs" in inputs:
@@ -52,7 +52,7 @@ def gae_op(
 ) -> tuple[dict[str, Tensor], dict[str, float]]:
     """PPO: GAE(gamma, lambda) over token rewards with the KL penalty in the reward."""
     seqs = sequences_in(inputs, "advantage estimator 'gae'")
-    mask = seqs.response_mask
+    mask = seqs.sampled_mask
     values = inputs["values"].float() * mask
     rewards, metrics = _token_rewards(inputs, seqs, algo, kl_coef)
     advantages, returns = adv.gae(rewards, values, mask, gamma=algo.gamma, lam=algo.lam)
@@ -65,14 +65,14 @@ def grpo_op(inputs: Batch, algo: AlgoConfig, *, eps: float = 1e-6, scale: bool =
     """GRPO: A_i = (r_i - mean(r_group)) / (std(r_group) + eps), the same for every token."""
     seqs = sequences_in(inputs, "advantage estimator 'grpo'")
     a = adv.grpo(inputs["rewards"].float(), seqs.prompt_index, eps=eps, scale=scale)
-    return {"advantages": adv.broadcast_to_tokens(a, seqs.response_mask)}
+    return {"advantages": adv.broadcast_to_tokens(a, seqs.sampled_mask)}
 
 
 def rloo_op(inputs: Batch, algo: AlgoConfig) -> dict[str, Tensor]:
     """RLOO: A_i = r_i - mean of the other samples of the same prompt."""
     seqs = sequences_in(inputs, "advantage estimator 'rloo'")
     a = adv.rloo(inputs["rewards"].float(), seqs.prompt_index)
-    return {"advantages": adv.broadcast_to_tokens(a, seqs.response_mask)}
+    return {"advantages": adv.broadcast_to_tokens(a, seqs.sampled_mask)}
 
 
 def remax_op(inputs: Batch, algo: AlgoConfig) -> dict[str, Tensor]:
@@ -83,9 +83,9 @@ def remax_op(inputs: Batch, algo: AlgoConfig) -> dict[str, Tensor]:
     """
     seqs = sequences_in(inputs, "advantage estimator 'remax'")
     baseline = inputs["baseline_rewards"].float()[seqs.prompt_index]
-    a = adv.broadcast_to_tokens(adv.remax(inputs["rewards"].float(), baseline), seqs.response_mask)
+    a = adv.broadcast_to_tokens(adv.remax(inputs["rewards"].float(), baseline), seqs.sampled_mask)
     if algo.whiten_advantages:
-        a = adv.masked_whiten(a, seqs.response_mask, shift_mean=False)
+        a = adv.masked_whiten(a, seqs.sampled_mask, shift_mean=False)
     return {"advantages": a}
 
 
@@ -95,7 +95,74 @@ def reinforce_pp_op(
     """REINFORCE++: discounted token returns (KL in the reward), whitened over the batch."""
     seqs = sequences_in(inputs, "advantage estimator 'reinforce_pp'")
     rewards, metrics = _token_rewards(inputs, seqs, algo, kl_coef)
-    return {"advantages": adv.reinforce_pp(rewards, seqs.response_mask, gamma=algo.gamma)}, metrics
+    return {"advantages": adv.reinforce_pp(rewards, seqs.sampled_mask, gamma=algo.gamma)}, metrics
+
+
+def overlong_op(inputs: Batch, algo: AlgoConfig, *, max_length: int = 16, cache: int = 4) -> dict[str, Tensor]:
+    """DAPO's soft overlong punishment: shaped = r + penalty(L), with L a response's sampled tokens,
+    penalty 0 up to max_length - cache, falling linearly to -1 at max_length, -1 beyond."""
+    seqs = sequences_in(inputs, "compute function 'overlong'")
+    length = seqs.sampled_mask.sum(-1).float()
+    start = float(max_length - cache)
+    penalty = torch.clamp((start - length) / max(cache, 1), min=-1.0, max=0.0)
+    return {"shaped": inputs["rewards"].float() + penalty}
+
+
+def lagrangian_op(inputs: Batch, algo: AlgoConfig) -> tuple[dict[str, Tensor], dict[str, float]]:
+    """Safe-RLHF's policy advantage: A = (A_reward - lambda * A_cost) / (1 + lambda), with lambda the
+    Lagrange multiplier (graph state)."""
+    lam = float(inputs["multiplier"])
+    advantages = (inputs["reward_advantages"].float() - lam * inputs["cost_advantages"].float()) / (1.0 + lam)
+    return {"advantages": advantages}, {}
+
+
+def lagrange_update_op(
+    inputs: Batch, algo: AlgoConfig, *, budget: float = 0.0, lr: float = 0.05
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """The Lagrange multiplier's dual ascent step: lambda <- max(0, lambda + lr * (mean cost - budget));
+    it grows while the expected cost exceeds the budget and shrinks once it is met."""
+    cost = float(inputs["costs"].float().mean())
+    lam = max(0.0, float(inputs["multiplier"]) + lr * (cost - budget))
+    return {"multiplier": lam}, {"cost": round(cost, 6), "violation": round(cost - budget, 6)}
+
+
+def group_mean_op(inputs: Batch, algo: AlgoConfig) -> dict[str, Tensor]:
+    """Per-prompt mean of per-row values: ``values`` of one generate node's responses, averaged over
+    the samples of each of its prompts (``prompts``): one value per prompt, e.g. a solver's mean
+    reward handed back to the proposer whose response made the prompt."""
+    seqs = sequences_in(inputs, "compute function 'group_mean'")
+    groups = len(inputs["prompts"])
+    values = inputs["values"].float()
+    sums = torch.zeros(groups).index_add(0, seqs.prompt_index, values)
+    counts = torch.zeros(groups).index_add(0, seqs.prompt_index, torch.ones_like(values))
+    return {"means": sums / counts.clamp_min(1.0)}
+
+
+def followup_prompts_op(inputs: Batch, algo: AlgoConfig, *, sep: str = "") -> dict[str, Any]:
+    """New prompts from responses: each response appended to the prompt it answered (then
+    ``sep``), with that prompt's reference answer; one prompt per response, e.g. a proposer's hint
+    that a second policy reads."""
+    seqs = sequences_in(inputs, "compute function 'followup_prompts'")
+    prompts = inputs["prompts"]
+    out = [
+        Prompt(text=f"{prompts[i].text}{text}{sep}", answer=prompts[i].answer)
+        for i, text in zip(seqs.prompt_index.tolist(), seqs.texts)
+    ]
+    return {"followups": out}
+
+
+# ---------------------------------------------------------------- filters
+
+
+def nonconstant_filter(inputs: Batch, algo: AlgoConfig, *, min_spread: float = 1e-6) -> Tensor:
+    """DAPO's dynamic sampling: keep the groups whose rewards are not all equal (all-correct or
+    all-wrong groups have zero advantage and only dilute the batch)."""
+    seqs = sequences_in(inputs, "filter 'nonconstant'")
+    rewards = inputs["rewards"].float()
+    groups = int(seqs.prompt_index.max()) + 1 if len(seqs) else 0
+    high = torch.full((groups,), -float("inf")).scatter_reduce(0, seqs.prompt_index, rewards, "amax")
+    low = torch.full((groups,), float("inf")).scatter_reduce(0, seqs.prompt_index, rewards, "amin")
+    return (high - low) > min_spread
 
 
 # ---------------------------------------------------------------- losses
@@ -105,7 +172,7 @@ def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, 
     """PPO-clip (clip-higher, dual-clip) + beta * KL(pi || ref) when the node reads ref_logprobs (metric ``kl``);
     tokens sampled by older weights weigh pi_prox / pi_behav (``algo.is_correction``, decoupled PPO)."""
     seqs = sequences_in(batch, "loss 'ppo'")
-    mask = seqs.response_mask
+    mask = seqs.sampled_mask
     weights, is_stats = None, {}
     if seqs.logprobs is not None and seqs.versions is not None and "policy_version" in batch:
         weights, is_stats = losses.behaviour_weights(
@@ -136,9 +203,26 @@ def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, 
     return loss, stats
 
 
+def gspo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
+    """GSPO (Zheng et al., 2025): PPO-clip on the sequence-level ratio exp(mean_t(log pi - log pi_old)),
+    one per response, with the sequence's advantage (its tokens' mean)."""
+    mask = sequences_in(batch, "loss 'gspo'").sampled_mask
+    tokens = mask.sum(-1).clamp_min(1.0)
+    log_ratio = ((logprobs - batch["old_logprobs"]) * mask).sum(-1) / tokens
+    advantages = (batch["advantages"] * mask).sum(-1) / tokens
+    ratio = torch.exp(log_ratio)
+    pg = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high))
+    with torch.no_grad():
+        stats = {
+            "clipfrac": float(((ratio - 1).abs() > algo.clip_low).float().mean()),
+            "ratio_mean": float(ratio.mean()),
+        }
+    return pg.mean(), stats
+
+
 def value_loss(values: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
     """Clipped value loss, scaled by vf_coef."""
-    mask = sequences_in(batch, "loss 'value'").response_mask
+    mask = sequences_in(batch, "loss 'value'").sampled_mask
     loss, stats = losses.value_loss(values, batch["values"], batch["returns"], mask, clip=algo.vf_clip)
     return algo.vf_coef * loss, stats
 
@@ -152,15 +236,32 @@ def task_reward(prompts: list[Prompt], responses: list[str], task: Any) -> tuple
     return scores, {"exact": round(float((scores == 1.0).float().mean()), 4) if len(scores) else 0.0}
 
 
+def verbosity_cost(prompts: list[Prompt], responses: list[str], task: Any) -> tuple[Tensor, dict[str, float]]:
+    """A toy safety cost: 1 for a response longer than its reference answer (it says more than
+    asked), else 0 (metric ``violations``: the fraction that cost)."""
+    costs = torch.tensor([float(len(r) > len(p.answer)) for p, r in zip(prompts, responses)])
+    return costs, {"violations": round(float(costs.mean()), 4) if len(costs) else 0.0}
+
+
 COMPUTE_FUNCTIONS = {
     "gae": (gae_op, {"needs": ("rewards", "values", "responses"), "gives": ("advantages", "returns")}),
     "grpo": (grpo_op, {"needs": ("rewards", "responses"), "gives": ("advantages",)}),
     "rloo": (rloo_op, {"needs": ("rewards", "responses"), "gives": ("advantages",)}),
     "remax": (remax_op, {"needs": ("rewards", "baseline_rewards", "responses"), "gives": ("advantages",)}),
     "reinforce_pp": (reinforce_pp_op, {"needs": ("rewards", "responses"), "gives": ("advantages",)}),
+    "overlong": (overlong_op, {"needs": ("rewards", "responses"), "gives": ("shaped",)}),
+    "lagrangian": (
+        lagrangian_op,
+        {"needs": ("reward_advantages", "cost_advantages", "multiplier"), "gives": ("advantages",)},
+    ),
+    "lagrange_update": (lagrange_update_op, {"needs": ("costs", "multiplier"), "gives": ("multiplier",)}),
+    "group_mean": (group_mean_op, {"needs": ("values", "prompts", "responses"), "gives": ("means",)}),
+    "followup_prompts": (followup_prompts_op, {"needs": ("prompts", "responses"), "gives": ("followups",)}),
 }
+FILTERS = {"nonconstant": (nonconstant_filter, {"needs": ("rewards", "responses")})}
 LOSSES = {
     "ppo": (ppo_loss, {"needs": ("old_logprobs", "advantages"), "output": "logprobs"}),
     "value": (value_loss, {"needs": ("values", "returns"), "output": "values"}),
+    "gspo": (gspo_loss, {"needs": ("old_logprobs", "advantages"), "output": "logprobs"}),
 }
-REWARD_FUNCTIONS = {"task": task_reward}
+REWARD_FUNCTIONS = {"task": task_reward, "verbosity": verbosity_cost}

@@ -1,5 +1,29 @@
 """Graph IR and authoring API."""
 
-from flowrl.graph.ir import Compute, Forward, Generate, Graph, GraphSpec, ModelDecl, Node, Reward, Train
+from flowrl.graph.ir import (
+    Compute,
+    Filter,
+    Forward,
+    Generate,
+    Graph,
+    GraphSpec,
+    ModelDecl,
+    Node,
+    Reward,
+    StateDecl,
+    Train,
+)
 
-__all__ = ["Compute", "Forward", "Generate", "Graph", "GraphSpec", "ModelDecl", "Node", "Reward", "Train"]
+__all__ = [
+    "Compute",
+    "Filter",
+    "Forward",
+    "StateDecl",
+    "Generate",
+    "Graph",
+    "GraphSpec",
+    "ModelDecl",
+    "Node",
+    "Reward",
+    "Train",
+]

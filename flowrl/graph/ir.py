@@ -46,11 +46,26 @@ class ModelDecl(Spec):
         return self.role in SCALAR_ROLES
 
 
+class StateDecl(Spec):
+    """Graph state: a named number that lives across iterations (a Lagrange multiplier, an
+    adaptive KL coefficient, a running statistic). Every node of iteration k that reads it sees
+    its value after iteration k-1; the one node that ``updates`` it writes the value for k+1.
+    Saved in every checkpoint and restored on resume."""
+
+    name: str
+    value: float  # the initial value
+    low: float | None = None  # the updated value is clamped to [low, high]
+    high: float | None = None
+
+
 class _Node(Spec, frozen=True, kw_only=True, tag_field="kind"):
     name: str
     reads: tuple[str, ...]
     writes: tuple[str, ...]
     options: dict[str, Any] = {}
+    # port -> graph key: the function's named input or output ``port`` is the graph key ``key``
+    # (unbound ports are the key of the same name), so one estimator serves any policy or critic
+    ports: dict[str, str] = {}
 
     model: str | None = None  # overridden where a node runs on a model
 
@@ -60,11 +75,15 @@ class _Node(Spec, frozen=True, kw_only=True, tag_field="kind"):
 
 
 class Generate(_Node, frozen=True, tag="generate"):
-    """Sample `n` responses per prompt from `model` (greedy=True: one argmax response)."""
+    """Sample `n` responses per prompt from `model` (greedy=True: one argmax response). With
+    `env`, each response is an episode of up to `turns` model turns, the environment answering
+    after each; only the model's tokens are trained."""
 
     model: str
     n: int = 1
     greedy: bool = False
+    env: str | None = None
+    turns: int = 1
 
 
 class Forward(_Node, frozen=True, tag="forward"):
@@ -81,9 +100,21 @@ class Reward(_Node, frozen=True, tag="reward"):
 
 
 class Compute(_Node, frozen=True, tag="compute"):
-    """A tensor computation `fn` on keys (advantage estimators, filters)."""
+    """A tensor computation `fn` on keys (advantage estimators, reward shaping); it may also
+    update graph state (`updates`): its function returns the state's new value under its name."""
 
     fn: str
+    updates: tuple[str, ...] = ()
+
+
+class Filter(_Node, frozen=True, tag="filter"):
+    """Keep the groups (all samples of one prompt) that `fn` accepts; every node after it sees
+    only the kept rows. Dynamic sampling: with `groups` N, generation samples more prompts until
+    N groups passed, at most `max_rounds` rounds; the batch holds the first N that passed."""
+
+    fn: str
+    groups: int | None = None  # None: the step's prompts_per_step
+    max_rounds: int = 1
 
 
 class Train(_Node, frozen=True, tag="train"):
@@ -93,8 +124,8 @@ class Train(_Node, frozen=True, tag="train"):
     loss: str
 
 
-Node = Generate | Forward | Reward | Compute | Train
-NODE_KINDS = ("generate", "forward", "reward", "compute", "train")
+Node = Generate | Forward | Reward | Compute | Filter | Train
+NODE_KINDS = ("generate", "forward", "reward", "compute", "filter", "train")
 
 
 class GraphSpec(Spec):
@@ -104,6 +135,19 @@ class GraphSpec(Spec):
     inputs: tuple[str, ...]
     models: tuple[ModelDecl, ...]
     nodes: tuple[Node, ...]
+    states: tuple[StateDecl, ...] = ()
+
+
+def _ports(ports: dict[str, str] | None, node: str) -> dict[str, str]:
+    if ports is None:
+        return {}
+    if not isinstance(ports, dict):
+        raise GraphError(f"node '{node}': ports must be a dict of port name -> graph key, got {type(ports).__name__}.")
+    for port, key in ports.items():
+        for what, v in (("port", port), ("key", key)):
+            if not isinstance(v, str) or not v.isidentifier():
+                raise GraphError(f"node '{node}': ports {what} {v!r} is not a valid name (use identifiers).")
+    return dict(ports)
 
 
 def _keys(value: Iterable[str] | str, what: str, node: str) -> tuple[str, ...]:
@@ -132,6 +176,7 @@ class Graph:
         self.inputs = _keys(inputs, "input", "<graph inputs>")
         self.models: dict[str, ModelDecl] = {}
         self.nodes: dict[str, Node] = {}
+        self.states: dict[str, StateDecl] = {}
 
     # ---------------------------------------------------------------- authoring
     def model(
@@ -147,6 +192,26 @@ class Graph:
         if trainable is None:
             trainable = role in ("actor", "critic")
         self.models[name] = ModelDecl(name=name, role=role, trainable=trainable, init_from=init_from)
+        return name
+
+    def state(self, name: str, value: float, *, low: float | None = None, high: float | None = None) -> str:
+        """Declare graph state ``name`` starting at ``value`` (clamped to [low, high] when updated).
+        Nodes read it like a key; one compute node ``updates`` it each iteration."""
+        if not isinstance(name, str) or not name.isidentifier():
+            raise GraphError(f"graph '{self.name}': state name {name!r} is not a valid name (use an identifier).")
+        if name in self.states:
+            raise GraphError(f"state '{name}' is declared twice in graph '{self.name}'.")
+        for what, v in (("value", value), ("low", low), ("high", high)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != v):
+                raise GraphError(f"state '{name}': {what} must be a number, got {v!r}.")
+        if low is not None and high is not None and low > high:
+            raise GraphError(f"state '{name}': low {low} is above high {high}.")
+        self.states[name] = StateDecl(
+            name=name,
+            value=float(value),
+            low=None if low is None else float(low),
+            high=None if high is None else float(high),
+        )
         return name
 
     def _add(self, node: Node) -> str:
@@ -166,10 +231,21 @@ class Graph:
         writes: Iterable[str] | str = ("responses",),
         n: int = 1,
         greedy: bool = False,
+        env: str | None = None,
+        turns: int = 1,
         **options: Any,
     ) -> str:
+        """Sample ``n`` responses per prompt. With ``env`` (a registered environment), each response
+        is an episode: the model acts, the environment answers, for up to ``turns`` model turns;
+        ``options`` then go to the environment."""
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
             raise GraphError(f"node '{name}': n must be >= 1 and <= {MAX_SAMPLES} (a whole number), got {n!r}.")
+        if env is not None and (not isinstance(env, str) or not env):
+            raise GraphError(f"node '{name}': env must be the name of a registered environment, got {env!r}.")
+        if isinstance(turns, bool) or not isinstance(turns, int) or not 1 <= turns <= 64:
+            raise GraphError(f"node '{name}': turns must be a whole number in [1, 64], got {turns!r}.")
+        if turns > 1 and env is None:
+            raise GraphError(f"node '{name}': turns={turns} needs an environment to answer between turns (env=NAME).")
         return self._add(
             Generate(
                 name=name,
@@ -178,6 +254,8 @@ class Graph:
                 writes=_keys(writes, "write", name),
                 n=n,
                 greedy=greedy,
+                env=env,
+                turns=turns,
                 options=options,
             )
         )
@@ -221,11 +299,57 @@ class Graph:
         )
 
     def compute(
-        self, name: str, *, fn: str, reads: Iterable[str] | str, writes: Iterable[str] | str, **options: Any
+        self,
+        name: str,
+        *,
+        fn: str,
+        reads: Iterable[str] | str,
+        writes: Iterable[str] | str = (),
+        ports: dict[str, str] | None = None,
+        updates: Iterable[str] | str = (),
+        **options: Any,
     ) -> str:
+        """Run compute function ``fn``. ``ports`` binds its named inputs and outputs to graph keys
+        (``{"rewards": "costs", "advantages": "cost_advantages"}``); ``updates`` names graph state
+        it writes for the next iteration."""
         return self._add(
             Compute(
-                name=name, fn=fn, reads=_keys(reads, "read", name), writes=_keys(writes, "write", name), options=options
+                name=name,
+                fn=fn,
+                reads=_keys(reads, "read", name),
+                writes=_keys(writes, "write", name),
+                ports=_ports(ports, name),
+                updates=_keys(updates, "state", name),
+                options=options,
+            )
+        )
+
+    def filter(
+        self,
+        name: str,
+        *,
+        fn: str,
+        reads: Iterable[str] | str,
+        groups: int | None = None,
+        max_rounds: int = 1,
+        ports: dict[str, str] | None = None,
+        **options: Any,
+    ) -> str:
+        """Keep the groups filter function ``fn`` accepts. ``groups`` N and ``max_rounds`` K: dynamic
+        sampling, generating more prompts until N groups passed, at most K rounds."""
+        for what, v, low in (("groups", groups, 1), ("max_rounds", max_rounds, 1)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not low <= v <= MAX_SAMPLES):
+                raise GraphError(f"node '{name}': {what} must be a whole number in [1, {MAX_SAMPLES}], got {v!r}.")
+        return self._add(
+            Filter(
+                name=name,
+                fn=fn,
+                reads=_keys(reads, "read", name),
+                writes=(),
+                groups=groups,
+                max_rounds=max_rounds,
+                ports=_ports(ports, name),
+                options=options,
             )
         )
 
@@ -237,8 +361,10 @@ class Graph:
         loss: str,
         reads: Iterable[str] | str,
         writes: Iterable[str] | str = (),
+        ports: dict[str, str] | None = None,
         **options: Any,
     ) -> str:
+        """Update ``model`` with ``loss``; ``ports`` binds the loss's inputs to graph keys."""
         return self._add(
             Train(
                 name=name,
@@ -246,6 +372,7 @@ class Graph:
                 loss=loss,
                 reads=_keys(reads, "read", name),
                 writes=_keys(writes, "write", name),
+                ports=_ports(ports, name),
                 options=options,
             )
         )
@@ -253,7 +380,11 @@ class Graph:
     # ---------------------------------------------------------------- derived structure
     def spec(self) -> GraphSpec:
         return GraphSpec(
-            name=self.name, inputs=self.inputs, models=tuple(self.models.values()), nodes=tuple(self.nodes.values())
+            name=self.name,
+            inputs=self.inputs,
+            models=tuple(self.models.values()),
+            nodes=tuple(self.nodes.values()),
+            states=tuple(self.states.values()),
         )
 
     def fingerprint(self) -> str:
@@ -291,7 +422,43 @@ class Graph:
                 if not g.has_edge(node.name, t):
                     g.add_edge(node.name, t)
                 g.edges[node.name, t]["version"] = node.model
+        for state, updater in self.state_updaters().items():
+            for node in self.nodes.values():
+                if state in node.reads and node.name != updater:
+                    if not g.has_edge(node.name, updater):
+                        g.add_edge(node.name, updater)
+                    g.edges[node.name, updater]["state"] = state
+        for f in [n for n in self.nodes.values() if isinstance(n, Filter)]:
+            if f.name not in g:
+                continue
+            segment = nx.ancestors(g, f.name)
+            for gen in [n for n in segment if isinstance(self.nodes[n], Generate)]:
+                for v in nx.descendants(g, gen) - segment - {f.name}:
+                    if not nx.has_path(g, v, f.name) and not g.has_edge(f.name, v):
+                        g.add_edge(f.name, v)
+                        g.edges[f.name, v]["rows"] = f.name
         return g
+
+    def state_updaters(self) -> dict[str, str]:
+        """state -> the node that updates it."""
+        return {s: n.name for n in self.nodes.values() if isinstance(n, Compute) for s in n.updates}
+
+    def filter_segment(self, name: str) -> tuple[str, list[str]]:
+        """Filter ``name``'s generate node and the nodes between them (in run order): what runs in
+        each dynamic-sampling round."""
+        dag = self.dag()
+        ancestors = nx.ancestors(dag, name)
+        gens = [n for n in self.order() if n in ancestors and isinstance(self.nodes[n], Generate)]
+        between = [n for n in self.order() if n in ancestors and n not in gens]
+        return gens[0], between
+
+    def filters(self) -> dict[str, str]:
+        """generate node -> the filter of its rows."""
+        out = {}
+        for node in self.nodes.values():
+            if isinstance(node, Filter):
+                out[self.filter_segment(node.name)[0]] = node.name
+        return out
 
     def loop_edges(self) -> list[tuple[str, str, str]]:
         """(train node, generate node, model): next iteration's generate reads model@v+1."""
@@ -351,15 +518,18 @@ class Graph:
                     node.name,
                 )
             for key in node.reads:
-                if key not in producers and key not in self.inputs:
-                    did = did_you_mean(key, [*producers, *self.inputs])
+                if key not in producers and key not in self.inputs and key not in self.states:
+                    did = did_you_mean(key, [*producers, *self.inputs, *self.states])
                     raise self._fail(
                         f"node '{node.name}' reads key '{key}', which no node writes and is not a graph input "
-                        f"({', '.join(self.inputs)}).{did}",
+                        f"({', '.join(self.inputs)}) or state.{did}",
                         node.name,
                     )
-            if not node.writes and not isinstance(node, Train):
+            updates = node.updates if isinstance(node, Compute) else ()
+            if not node.writes and not updates and not isinstance(node, (Train, Filter)):
                 raise self._fail(f"node '{node.name}' writes no keys, so nothing can use its result.", node.name)
+            self._check_ports(node, updates)
+        self._check_states(producers)
         self._check_arity()
         for decl in self.models.values():
             trains = self.train_nodes(decl.name)
@@ -378,8 +548,102 @@ class Graph:
         try:
             cycle = nx.find_cycle(dag)
         except nx.NetworkXNoCycle:
+            self._check_filters()
             return self
         raise self._fail(_describe_cycle(dag, cycle), cycle[0][0])
+
+    def _check_ports(self, node: Node, updates: tuple[str, ...]) -> None:
+        for port, key in node.ports.items():
+            if key not in node.reads and key not in node.writes and key not in updates:
+                raise self._fail(
+                    f"node '{node.name}': port '{port}' is bound to key '{key}', which the node neither reads nor "
+                    f"writes (reads: {', '.join(node.reads) or 'none'}; writes: {', '.join(node.writes) or 'none'}).",
+                    node.name,
+                )
+        keys = list(node.ports.values())
+        for key in keys:
+            if keys.count(key) > 1:
+                ports = [p for p, k in node.ports.items() if k == key]
+                raise self._fail(
+                    f"node '{node.name}': ports {', '.join(map(repr, ports))} are all bound to key '{key}'; bind each "
+                    "key to one port.",
+                    node.name,
+                )
+
+    def _check_states(self, producers: dict[str, list[str]]) -> None:
+        for name in self.states:
+            if name in producers or name in self.inputs:
+                what = "a graph input" if name in self.inputs else f"a key node '{producers[name][0]}' writes"
+                raise GraphError(f"state '{name}' has the name of {what}; give the state another name.")
+            if name in self.models:
+                raise GraphError(f"state '{name}' has the name of a model; give the state another name.")
+        seen: dict[str, str] = {}
+        for node in self.nodes.values():
+            if isinstance(node, Generate):
+                for key in node.reads:
+                    if key in self.states:
+                        raise self._fail(
+                            f"node '{node.name}' reads state '{key}'; a generate node reads exactly one key of prompts.",
+                            node.name,
+                        )
+            if not isinstance(node, Compute):
+                continue
+            for name in node.updates:
+                if name not in self.states:
+                    did = did_you_mean(name, list(self.states))
+                    raise self._fail(
+                        f"node '{node.name}' updates state '{name}', which is not declared "
+                        f"(declared: {', '.join(self.states) or 'none'}).{did} Add g.state('{name}', VALUE).",
+                        node.name,
+                    )
+                if name in seen:
+                    raise self._fail(
+                        f"state '{name}' is updated by two nodes ('{seen[name]}', '{node.name}'); one node updates "
+                        "a state per iteration.",
+                        node.name,
+                    )
+                seen[name] = node.name
+
+    def _check_filters(self) -> None:
+        """A filter keeps groups of one generate node's rows; in each dynamic-sampling round its
+        generate node and the nodes between them run again, so those are rule-based (reward,
+        compute) nodes that do not read state."""
+        gens: dict[str, str] = {}
+        for node in self.nodes.values():
+            if not isinstance(node, Filter):
+                continue
+            gen, between = self.filter_segment(node.name)
+            if gen in gens:
+                raise self._fail(
+                    f"generate node '{gen}' has two filters ('{gens[gen]}', '{node.name}'); combine them into one "
+                    "filter function.",
+                    node.name,
+                )
+            gens[gen] = node.name
+            dag = self.dag()
+            others = [n for n in nx.ancestors(dag, node.name) if isinstance(self.nodes[n], Generate) and n != gen]
+            if others:
+                raise self._fail(
+                    f"filter '{node.name}' reads rows of two generate nodes ('{gen}', '{others[0]}'); a filter keeps "
+                    "groups of one generate node.",
+                    node.name,
+                )
+            for name in between:
+                inner = self.nodes[name]
+                if not isinstance(inner, (Reward, Compute)):
+                    raise self._fail(
+                        f"filter '{node.name}' depends on {inner.kind} node '{name}'; what a filter reads is computed "
+                        "again in every dynamic-sampling round, inside generation, so it must come from reward and "
+                        "compute nodes (score with a reward model after the filter instead).",
+                        node.name,
+                    )
+                stateful = [k for k in inner.reads if k in self.states]
+                if stateful or (isinstance(inner, Compute) and inner.updates):
+                    raise self._fail(
+                        f"filter '{node.name}' depends on node '{name}', which reads or updates graph state; nodes "
+                        "before a filter run during generation, ahead of training, where state is not settled.",
+                        node.name,
+                    )
 
     def sequence_keys(self) -> set[str]:
         """Keys holding generated responses: the first key each generate node writes."""
@@ -404,7 +668,7 @@ class Graph:
                 problem = f"writes {list(node.writes)}; a reward node writes exactly one key (the scores)"
             elif isinstance(node, Train) and len(node.writes) > 1:
                 problem = f"writes {list(node.writes)}; a train node writes at most one key (its stats)"
-            if problem is None and isinstance(node, (Forward, Reward, Train)) and len(read_seqs) != 1:
+            if problem is None and isinstance(node, (Forward, Reward, Train, Filter)) and len(read_seqs) != 1:
                 problem = (
                     f"reads {len(read_seqs)} keys of generated responses "
                     f"({', '.join(read_seqs) or 'none'}); it needs exactly one, e.g. 'responses'"
@@ -483,7 +747,13 @@ def _describe_cycle(dag: nx.DiGraph, cycle: list[tuple[str, str]]) -> str:
     parts = []
     for u, v in cycle:
         data = dag.edges[u, v]
-        via = ", ".join(data.get("keys", [])) or f"{data['version']}@v must be read before it is trained"
+        via = ", ".join(data.get("keys", []))
+        if not via and "version" in data:
+            via = f"{data['version']}@v must be read before it is trained"
+        elif not via and "state" in data:
+            via = f"state {data['state']} is read before it is updated"
+        elif not via:
+            via = f"the rows filter '{data['rows']}' keeps"
         parts.append(f"'{u}' -> '{v}' (via {via})")
     return (
         "the graph has a cycle within one iteration: "

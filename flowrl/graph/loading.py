@@ -61,7 +61,11 @@ def _time_limit(limit: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def _import_file(path: Path) -> ModuleType:
+def _import_file(path: Path, registry: Any = None) -> ModuleType:
+    """Import graph file ``path``; what it registers with `flowrl.register` decorators goes into
+    ``registry`` (the graph file is their plugin)."""
+    from flowrl.register import take_pending
+
     name = f"flowrl_user_graph_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
@@ -69,6 +73,7 @@ def _import_file(path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     limit = _import_timeout()
+    take_pending()  # what an earlier, failed import left
     try:
         with _time_limit(limit):
             spec.loader.exec_module(module)
@@ -92,12 +97,29 @@ def _import_file(path: Path) -> ModuleType:
                 line = f" (line {tb.tb_lineno})"
             tb = tb.tb_next
         raise GraphError(f"graph file '{path}' failed to import{line}: {type(exc).__name__}: {exc}") from None
+    registered = take_pending()
+    if registered:
+        _pickle_by_value(module)
+        if registry is not None:
+            for kind, fn_name, obj, meta in registered:
+                registry.add(kind, f"graph file {path}", fn_name, obj, again=True, **meta)
     return module
 
 
-def find_graph(source: str, algorithms: Mapping[str, Callable[[Any], Graph]]) -> GraphSource:
-    """A graph file defines ``build(cfg) -> Graph`` and may define ``DEFAULTS`` (config overrides);
-    a name is looked up in ``algorithms`` (the registered algorithm builders)."""
+def _pickle_by_value(module: ModuleType) -> None:
+    """Functions a graph file registers travel to other processes (Ray workers) by value: the
+    file is not importable there."""
+    try:
+        import cloudpickle
+    except ImportError:  # no multi-process backend installed
+        return
+    cloudpickle.register_pickle_by_value(module)
+
+
+def find_graph(source: str, algorithms: Mapping[str, Callable[[Any], Graph]], registry: Any = None) -> GraphSource:
+    """A graph file defines ``build(cfg) -> Graph`` and may define ``DEFAULTS`` (config overrides)
+    and register its own functions (`flowrl.register`, into ``registry``); a name is looked up in
+    ``algorithms`` (the registered algorithm builders)."""
     path = Path(source)
     # a bare name is an algorithm even where a folder of that name exists (runs/grpo from inside runs/)
     if path.suffix == ".py" or path.is_file() or "/" in source or (path.is_dir() and source not in algorithms):
@@ -108,7 +130,7 @@ def find_graph(source: str, algorithms: Mapping[str, Callable[[Any], Graph]]) ->
                 f"graph file '{source}' does not exist. Pass a graph file (e.g. graphs/grpo.py) or an "
                 f"algorithm name ({', '.join(sorted(algorithms))})."
             )
-        module = _import_file(path)
+        module = _import_file(path, registry)
         build = getattr(module, "build", None)
         if not callable(build):
             raise GraphError(f"graph file '{source}' has no build(cfg) function returning a Graph.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flowrl.graph.ir import Compute, Forward, Generate, Graph, Node, Reward, Train
+from flowrl.graph.ir import Compute, Filter, Forward, Generate, Graph, Node, Reward, Train
 
 
 def _what(node: Node) -> str:
@@ -12,7 +12,7 @@ def _what(node: Node) -> str:
         return f"{node.model}@v->v+1"
     if node.model is not None:
         return f"{node.model}@v"
-    if isinstance(node, (Reward, Compute)):
+    if isinstance(node, (Reward, Compute, Filter)):
         return f"fn={node.fn}"
     return ""
 
@@ -23,16 +23,25 @@ def _detail(node: Node) -> str:
         parts.append(f"n={node.n}")
         if node.greedy:
             parts.append("greedy")
+        if node.env is not None:
+            parts.append(f"env={node.env} turns={node.turns}")
     elif isinstance(node, Forward):
         parts.append(f"output={node.output}")
     elif isinstance(node, Train):
         parts.append(f"loss={node.loss}")
+    elif isinstance(node, Filter):
+        parts.append(f"groups={node.groups or 'prompts_per_step'} max_rounds={node.max_rounds}")
+    if isinstance(node, Compute) and node.updates:
+        parts.append(f"updates={','.join(node.updates)}")
+    if node.ports:
+        parts.append("ports=" + ",".join(f"{p}:{k}" for p, k in node.ports.items()))
     parts.extend(f"{k}={v}" for k, v in sorted(node.options.items()))
     return " ".join(parts)
 
 
 def node_line(node: Node) -> str:
-    flow = f"{', '.join(node.reads)} -> {', '.join(node.writes) or '(weights)'}"
+    out = "(weights)" if isinstance(node, Train) else "(rows)" if isinstance(node, Filter) else "(state)"
+    flow = f"{', '.join(node.reads)} -> {', '.join(node.writes) or out}"
     return f"{node.name:<16} {node.kind:<9} {_what(node):<18} {flow}" + (
         f"  [{_detail(node)}]" if _detail(node) else ""
     )
@@ -56,6 +65,10 @@ def to_text(graph: Graph) -> str:
             labels = list(data.get("keys", []))
             if "version" in data:
                 labels.append(f"{data['version']}@v before update")
+            if "state" in data:
+                labels.append(f"state {data['state']} read before update")
+            if "rows" in data:
+                labels.append("the rows it keeps")
             lines.append(f"    {name} -> {dst}: {', '.join(labels)}")
     for train, gen, model in graph.loop_edges():
         lines.append(f"    {train} => {gen} (next iteration): {model}@v+1")
@@ -77,7 +90,14 @@ def neighbourhood(graph: Graph, name: str) -> str:
 
 def to_dot(graph: Graph) -> str:
     """Graphviz DOT: data edges solid (labelled with keys), version edges dashed, loop edges dotted."""
-    shapes = {"generate": "box", "forward": "box", "reward": "diamond", "compute": "ellipse", "train": "doubleoctagon"}
+    shapes = {
+        "generate": "box",
+        "forward": "box",
+        "reward": "diamond",
+        "compute": "ellipse",
+        "filter": "invtrapezium",
+        "train": "doubleoctagon",
+    }
     out = [f'digraph "{graph.name}" {{', "  rankdir=TB;", '  node [fontname="Helvetica"];']
     for node in graph.nodes.values():
         label = f"{node.name}\\n{node.kind} {_what(node)}"
@@ -86,7 +106,8 @@ def to_dot(graph: Graph) -> str:
         if data.get("keys"):
             out.append(f'  "{u}" -> "{v}" [label="{", ".join(data["keys"])}"];')
         else:
-            out.append(f'  "{u}" -> "{v}" [style=dashed, label="{data["version"]}@v"];')
+            label = f"{data['version']}@v" if "version" in data else data.get("state") or "rows"
+            out.append(f'  "{u}" -> "{v}" [style=dashed, label="{label}"];')
     for train, gen, model in graph.loop_edges():
         out.append(f'  "{train}" -> "{gen}" [style=dotted, constraint=false, label="{model}@v+1"];')
     out.append("}")
@@ -114,6 +135,7 @@ def draw_png(graph: Graph, path: str | Path) -> Path:
         "forward": "#bde0fe",
         "reward": "#ffb703",
         "compute": "#cdeac0",
+        "filter": "#f4a261",
         "train": "#fb8500",
     }
     data_edges = [(u, v) for u, v, d in dag.edges(data=True) if d.get("keys")]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from flowrl.errors import GraphError, PlanError
-from flowrl.graph.ir import Compute, Forward, Generate, Graph, Reward, Train
+from flowrl.graph.ir import Compute, Filter, Forward, Generate, Graph, Reward, Train
 from flowrl.planner import memory as mem
 from flowrl.planner.capabilities import supports
 from flowrl.planner.plan import ExecutionPlan, MemoryEstimate, NodePlan
@@ -91,6 +91,10 @@ def _function(registry: Registry, node: Any) -> Any:
         return registry.get("advantage_estimators", node.fn)
     if isinstance(node, Reward):
         return registry.get("reward_functions", node.fn)
+    if isinstance(node, Filter):
+        return registry.get("filters", node.fn)
+    if isinstance(node, Generate) and node.env is not None:
+        return registry.get("environments", node.env)
     return None
 
 
@@ -135,10 +139,15 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
             reg.entry("reward_functions", node.fn)
         elif isinstance(node, Compute):
             entry = reg.entry("advantage_estimators", node.fn)
-            _check_keys(node.name, f"compute function '{node.fn}'", node.reads, node.writes, entry.meta)
+            _check_keys(node, f"compute function '{node.fn}'", entry.meta, node.updates)
+        elif isinstance(node, Filter):
+            entry = reg.entry("filters", node.fn)
+            _check_keys(node, f"filter function '{node.fn}'", {"needs": entry.meta.get("needs", ())})
+        elif isinstance(node, Generate) and node.env is not None:
+            reg.entry("environments", node.env)
         elif isinstance(node, Train):
             entry = reg.entry("losses", node.loss)
-            _check_keys(node.name, f"loss '{node.loss}'", node.reads, (), entry.meta)
+            _check_keys(node, f"loss '{node.loss}'", {"needs": entry.meta.get("needs", ())})
             decl = graph.models[node.model]
             want = "values" if decl.scalar_head else "logprobs"
             if entry.meta.get("output", "logprobs") != want:
@@ -196,17 +205,36 @@ def task_lengths(task: Any, budget: int, ignore_eos: bool) -> tuple[int, Lengths
     return prompt, Histogram(lengths=sorted(counts), weights=[float(counts[k]) for k in sorted(counts)])
 
 
-def _check_keys(node: str, what: str, reads: tuple[str, ...], writes: tuple[str, ...], meta: dict[str, Any]) -> None:
-    for key in meta.get("needs", ()):
-        if key not in reads:
+def _check_keys(node: Any, what: str, meta: dict[str, Any], state: tuple[str, ...] = ()) -> None:
+    """The node's port bindings against what its function declares: every input port it needs is
+    bound to a key the node reads; every key it writes comes from a port the function gives."""
+    needs, gives = tuple(meta.get("needs", ())), meta.get("gives")
+    for port in needs:
+        key = node.ports.get(port, port)
+        if key not in node.reads:
+            bound = f"port '{port}' is bound to key '{key}'" if port in node.ports else f"key '{key}'"
             raise PlanError(
-                f"node '{node}': {what} needs key '{key}', but the node does not read it. Add '{key}' to its reads."
+                f"node '{node.name}': {what} needs {bound}, but the node does not read it. Add '{key}' to its "
+                f"reads{'' if port in node.ports else f', or bind the port to a key it reads (ports={{{port!r}: KEY}})'}."
             )
-    gives = meta.get("gives")
+    port_of = {key: port for port, key in node.ports.items()}
     if gives is not None:
-        for key in writes:
-            if key not in gives:
-                raise PlanError(f"node '{node}' writes key '{key}', but {what} only produces {', '.join(gives)}.")
+        for key in node.writes:
+            port = port_of.get(key, key)
+            if port not in gives:
+                via = f" (through port '{port}')" if key in port_of else ""
+                raise PlanError(
+                    f"node '{node.name}' writes key '{key}'{via}, but {what} only produces {', '.join(gives)}; bind "
+                    f"one of them to it (ports={{'{gives[0] if gives else 'PORT'}': '{key}'}})."
+                )
+    if meta.get("needs") is not None and gives is not None:
+        known = set(needs) | set(gives) | set(state)
+        for port, key in node.ports.items():
+            if port not in known:
+                raise PlanError(
+                    f"node '{node.name}': port '{port}' (bound to key '{key}') is not a port of {what}; its ports: "
+                    f"{', '.join(sorted(known)) or 'none'}."
+                )
 
 
 # ------------------------------------------------------------------ place

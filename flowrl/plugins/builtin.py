@@ -11,7 +11,7 @@ def _doc(obj: Any) -> str:
     return (obj.__doc__ or "").strip().splitlines()[0] if obj.__doc__ else ""
 
 
-BUILTIN_GRAPHS = ("ppo", "ppo_rm", "grpo", "remax", "rloo", "reinforce_pp")
+BUILTIN_GRAPHS = ("ppo", "ppo_rm", "grpo", "remax", "rloo", "reinforce_pp", "dapo", "safe_rlhf")
 
 
 @hookimpl
@@ -45,6 +45,22 @@ def register_reward_functions(register: Register) -> None:
 
     for name, fn in REWARD_FUNCTIONS.items():
         register(name, fn, description=_doc(fn))
+
+
+@hookimpl
+def register_filters(register: Register) -> None:
+    from flowrl.algorithms.ops import FILTERS
+
+    for name, (fn, meta) in FILTERS.items():
+        register(name, fn, description=_doc(fn), **meta)
+
+
+@hookimpl
+def register_environments(register: Register) -> None:
+    from flowrl.tasks.environments import ENVIRONMENTS
+
+    for name, factory in ENVIRONMENTS.items():
+        register(name, factory, description=_doc(factory))
 
 
 @hookimpl

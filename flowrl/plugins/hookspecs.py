@@ -37,6 +37,19 @@ def register_reward_functions(register: Register) -> None:
 
 
 @hookspec
+def register_filters(register: Register) -> None:
+    """Register filter functions: ``register(name, fn, needs=(ports))`` with ``fn(inputs, algo, **options)``
+    returning one bool per group (prompt) or per row: which groups a filter node keeps."""
+
+
+@hookspec
+def register_environments(register: Register) -> None:
+    """Register environments for multi-turn generation: ``register(name, factory)`` with
+    ``factory(task, **options)`` returning an object with ``reply(prompt, turns) -> str | None``
+    (the environment's answer to the model's turns so far; None ends the episode)."""
+
+
+@hookspec
 def register_tasks(register: Register) -> None:
     """Register verifiable tasks: ``register(name, task_class)``."""
 
@@ -83,6 +96,8 @@ HOOKS: dict[str, str] = {
     "register_advantage_estimators": "advantage_estimators",
     "register_losses": "losses",
     "register_reward_functions": "reward_functions",
+    "register_filters": "filters",
+    "register_environments": "environments",
     "register_tasks": "tasks",
     "register_executors": "executors",
     "register_generation_engines": "generation_engines",

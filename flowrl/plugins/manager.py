@@ -47,6 +47,8 @@ SINGULAR = {
     "advantage_estimators": "advantage estimator",
     "losses": "loss",
     "reward_functions": "reward function",
+    "filters": "filter function",
+    "environments": "environment",
     "tasks": "task",
     "executors": "executor",
     "generation_engines": "generation engine",
@@ -66,6 +68,8 @@ CALLS: dict[str, str] = {
     "advantage_estimators": "fn(inputs, algo, **options)",
     "losses": "fn(outputs, batch, algo)",
     "reward_functions": "fn(prompts, responses, task, **options)",
+    "filters": "fn(inputs, algo, **options)",
+    "environments": "factory(task, **options)",
     "executors": "factory(registry)",
     "generation_engines": "factory(ctx)",
     "training_engines": "factory(ctx)",
@@ -90,12 +94,14 @@ class Registry:
         self._items: dict[str, dict[str, Entry]] = {kind: {} for kind in hookspecs.HOOKS.values()}
         self.plugins: list[PluginInfo] = []
 
-    def add(self, kind: str, plugin: str, name: str, obj: Any, **meta: Any) -> None:
+    def add(self, kind: str, plugin: str, name: str, obj: Any, *, again: bool = False, **meta: Any) -> None:
+        """Register ``obj``; ``again``: the same plugin may replace its own entry (a graph file
+        imported a second time)."""
         table = self._items[kind]
         what = SINGULAR[kind]
         if not isinstance(name, str) or not name:
             raise PluginError(f"plugin '{plugin}' registered a {what} with an invalid name {name!r}.")
-        if name in table:
+        if name in table and not (again and table[name].plugin == plugin):
             raise PluginError(
                 f"{what} '{name}' is registered twice: by '{table[name].plugin}' and by '{plugin}'. Rename one of them."
             )

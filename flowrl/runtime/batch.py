@@ -27,6 +27,14 @@ class Sequences:
     version: int = 0  # weight version of the model that generated them (the oldest, when they span several)
     logprobs: Tensor | None = None  # [B, R] behaviour log-prob of each response token (None: not generated here)
     versions: Tensor | None = None  # [B, R] long: the weight version that sampled each response token
+    # [B, R] float: 1 for the tokens the model sampled, 0 for what an environment wrote into the
+    # response (multi-turn); None: every response token was sampled
+    action_mask: Tensor | None = None
+
+    @property
+    def sampled_mask(self) -> Tensor:
+        """1 for the response tokens the model sampled: what losses, advantages and KL cover."""
+        return self.response_mask if self.action_mask is None else self.action_mask
 
     def __len__(self) -> int:
         return int(self.prompt_ids.shape[0])
@@ -62,6 +70,7 @@ class Sequences:
             version=self.version,
             logprobs=move(self.logprobs),
             versions=move(self.versions),
+            action_mask=move(self.action_mask),
         )
 
     def select(self, idx: Tensor | slice) -> Sequences:
@@ -76,6 +85,7 @@ class Sequences:
             version=self.version,
             logprobs=None if self.logprobs is None else self.logprobs[idx],
             versions=None if self.versions is None else self.versions[idx],
+            action_mask=None if self.action_mask is None else self.action_mask[idx],
         )
 
 
@@ -110,6 +120,7 @@ def trim(batch: dict[str, Any], key: str) -> dict[str, Any]:
                 version=v.version,
                 logprobs=cut(v.logprobs),
                 versions=cut(v.versions),
+                action_mask=cut(v.action_mask),
             )
         elif isinstance(v, Tensor) and v.dim() >= 2 and v.shape[0] == len(seqs) and v.shape[1] == width:
             out[k] = v[:, :keep_r]

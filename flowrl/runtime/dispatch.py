@@ -91,6 +91,7 @@ def concat_sequences(parts: Sequence[Sequences], pad_id: int, index_offsets: Seq
         version=min(s.version for s in parts),
         logprobs=_both(parts, "logprobs", r_width, 0.0),
         versions=_both(parts, "versions", r_width, 0),
+        action_mask=_both(parts, "action_mask", r_width, 0.0),
     )
 
 

@@ -38,7 +38,7 @@ from flowrl.runtime import checkpoint
 from flowrl.runtime.groups import CURRENT_TASK, GenerationGroup, InProcessTransport, TrainingGroup, Transport
 from flowrl.runtime.pipeline import Pipeline, StepState
 from flowrl.runtime.protocols import RunResult
-from flowrl.runtime.rollout import StepRollout
+from flowrl.runtime.rollout import Rounds, StepRollout
 from flowrl.runtime.schedule import Schedule, Task, lower
 from flowrl.runtime.trace import Trace
 from flowrl.runtime.worker import Worker
@@ -225,7 +225,7 @@ class PlanExecutor:
                 if isinstance(node, Train):
                     opts = {"epochs": cfg.train.epochs, "mini_batches": cfg.train.mini_batches, **opts}
                 options[name] = (algo, opts)
-            kinds = ("advantage_estimators", "reward_functions", "losses")
+            kinds = ("advantage_estimators", "reward_functions", "losses", "filters", "environments")
             rt = NodeRuntime(
                 graph=graph,
                 functions={k: {e.name: e.obj for e in self.registry.entries(k)} for k in kinds},
@@ -240,7 +240,7 @@ class PlanExecutor:
             )
             policy = plan.layout.rollout if plan.layout is not None else RolloutPolicy()
             sources = {
-                t.name: self._source(graph, t.name, generators[t.model], policy, cfg, stream, built)
+                t.name: self._source(graph, t.name, generators[t.model], policy, cfg, stream, built, rt)
                 for t in schedule.tasks
                 if t.kind == "generate"
             }
@@ -328,6 +328,7 @@ class PlanExecutor:
         cfg: Any,
         stream: Callable[[int], list[Any]],
         built: dict[str, Any],
+        rt: NodeRuntime,
     ) -> StepRollout:
         gen = graph.nodes[node]
         assert isinstance(gen, Generate)
@@ -344,7 +345,45 @@ class PlanExecutor:
             stream_groups=cfg.rollout.stream_groups,
             pad_id=_pad_id(built[gen.model][0]),
             draw=stream,
+            rounds=_rounds(graph, gen, rt, cfg.rollout.prompts_per_step),
+            episodes=_episodes(gen, rt, built[gen.model][0], cfg),
         )
+
+
+def _rounds(graph: Graph, gen: Generate, rt: NodeRuntime, prompts_per_step: int) -> Rounds | None:
+    """Dynamic sampling for ``gen`` when a filter keeps groups of its rows: each round runs the
+    nodes between them, then the filter."""
+    from flowrl.graph.ir import Filter
+    from flowrl.runtime.nodes import filter_groups, run_node
+
+    name = graph.filters().get(gen.name)
+    if name is None:
+        return None
+    _, between = graph.filter_segment(name)
+    node = graph.nodes[name]
+    assert isinstance(node, Filter)
+
+    def run(prompts: list[Any], seqs: Any, logprobs: Any) -> tuple[dict[str, Any], Any, dict[str, dict[str, Any]]]:
+        batch = dict(zip((gen.reads[0], *gen.writes), (prompts, seqs, logprobs)))
+        metrics = {}
+        for inner in between:
+            out, metrics[inner] = run_node(rt, inner, batch)
+            batch.update(out)
+        keep, _ = filter_groups(rt, name, batch)
+        return {k: batch[k] for inner in between for k in graph.nodes[inner].writes}, keep, metrics
+
+    return Rounds(run=run, groups=node.groups or prompts_per_step, max_rounds=node.max_rounds, filter=name)
+
+
+def _episodes(gen: Generate, rt: NodeRuntime, tokenizer: Any, cfg: Any) -> Any:
+    """Multi-turn episodes for a generate node with an environment."""
+    if gen.env is None:
+        return None
+    from flowrl.runtime.episodes import Episodes
+
+    factory = rt.functions["environments"][gen.env]
+    _, options = rt.options[gen.name]
+    return Episodes.build(gen, factory, rt.task, options, tokenizer, cfg.rollout.max_new_tokens or 16)
 
 
 class _StopRequest:
@@ -414,10 +453,11 @@ def _record(
         if task.kind == "generate":
             tokens += int(metrics["tokens"])
             gen_seconds += took
-        for key, value in metrics.items():
-            record[f"{task.name}/{key}"] = value
-            if key in HEADLINE:
-                record.setdefault(key, value)
+        for name in (task.name, *task.absorbs):
+            for key, value in outputs[name][1].items():
+                record[f"{name}/{key}"] = value
+                if key in HEADLINE:
+                    record.setdefault(key, value)
     record.setdefault("reward", None)
     record["tokens"] = tokens
     record["tokens_per_s"] = round(tokens / max(gen_seconds, 1e-9), 1)

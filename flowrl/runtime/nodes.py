@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from flowrl.errors import BackendError, FlowRLError, GraphError
-from flowrl.graph.ir import Compute, Forward, Generate, Graph, Reward, Train
+from flowrl.graph.ir import Compute, Filter, Forward, Generate, Graph, Reward, Train
 from flowrl.runtime.batch import Sequences, sequences_in
 from flowrl.runtime.dispatch import draw_seed
 from flowrl.runtime.protocols import GenerationEngine, TrainingEngine, TrainStep
@@ -40,7 +40,12 @@ class NodeRuntime:
     micro_batch: Mapping[str, int]  # node -> micro-batch size
     seed: int
     skip_nonfinite: bool = False  # train.skip_nonfinite: let non-finite values reach the trainer, which skips
+    state: dict[str, float] = field(default_factory=dict)  # graph state: its value after the last update
     _rngs: dict[str, torch.Generator] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for decl in self.graph.states.values():
+            self.state.setdefault(decl.name, decl.value)
 
     def rng(self, node: str) -> torch.Generator:
         """The node's own random stream (seeded from the run's seed and the node's name), so that
@@ -102,10 +107,23 @@ def _plain(value: Any, node: str, key: str) -> Any:
     raise BackendError(f"node '{node}': metric '{key}' is {type(value).__name__}; a metric must be a number or text.")
 
 
+def _read(rt: NodeRuntime, node: Any, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys ``node`` reads (graph state from the runtime), under their port names."""
+    port_of = {key: port for port, key in node.ports.items()}
+    return {port_of.get(k, k): rt.state[k] if k in rt.state else batch[k] for k in node.reads}
+
+
+def _written(node: Any, out: Mapping[str, Any]) -> dict[str, Any]:
+    """A function's outputs (by port) under the graph keys the node binds them to."""
+    return {node.ports.get(port, port): value for port, value in out.items()}
+
+
 def _run(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     node = rt.graph.nodes[name]
-    inputs = {k: batch[k] for k in node.reads}
+    inputs = _read(rt, node, batch)
     algo, options = rt.options[name]
+    if not isinstance(node, Generate):
+        check_rows_read(node, inputs)
     if isinstance(node, Generate):
         out, metrics = _generate(rt, node, inputs)
     elif isinstance(node, Forward):
@@ -116,11 +134,13 @@ def _run(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[dict[str
         fn = rt.functions["advantage_estimators"][node.fn]
         with torch.no_grad():
             out, metrics = _split(_user(f"compute function '{node.fn}'", fn, inputs, algo, **options), name)
+        out = _written(node, out)
         _check_rows(node, inputs, out)
+        metrics.update(_update_state(rt, node, out))
     elif isinstance(node, Train):
         out, metrics = _train(rt, node, inputs, algo, options)
-    else:  # pragma: no cover - the IR is a closed set
-        raise GraphError(f"node '{name}' has unknown kind {node.kind}")
+    else:  # filters run inside generation (`filter_groups`)
+        raise GraphError(f"node '{name}' ({node.kind}) runs inside its generate node's rounds, not on its own.")
     missing = [k for k in node.writes if k not in out]
     if missing:
         raise GraphError(f"node '{name}' did not produce its declared key(s) {', '.join(missing)}.")
@@ -137,9 +157,29 @@ def _run(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[dict[str
     return {k: out[k] for k in node.writes}, metrics
 
 
+def check_rows_read(node: Any, inputs: Mapping[str, Any]) -> None:
+    """Every per-row value a node reads has as many rows as the responses it reads: rows of two
+    generate nodes (different samples per prompt, or different prompts) cannot be mixed."""
+    seqs = [(k, v) for k, v in inputs.items() if isinstance(v, Sequences)]
+    if len(seqs) != 1:
+        return
+    key, value = seqs[0]
+    rows = len(value)
+    port_key = {port: k for port, k in node.ports.items()}
+    for name, v in inputs.items():
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] != rows:
+            raise GraphError(
+                f"node '{node.name}' reads '{port_key.get(name, name)}' with {v.shape[0]} rows and "
+                f"'{port_key.get(key, key)}' with {rows} responses; they come from different generate nodes "
+                "(or samples per prompt). Read keys of one generate node's rows, or reduce one of them to the "
+                "other's rows with a compute node first."
+            )
+
+
 def _check_rows(node: Compute, inputs: Mapping[str, Any], out: Mapping[str, Any]) -> None:
     """A compute function's outputs for the rows it read: tensors with one row per sequence and,
-    when per token, the responses' width."""
+    when per token, the responses' width; a list (e.g. new prompts) has one item per row. A
+    function reading no responses answers for the rows of the lists or tensors it reads."""
     seqs = next((v for v in inputs.values() if isinstance(v, Sequences)), None)
     if seqs is None:
         return
@@ -149,6 +189,10 @@ def _check_rows(node: Compute, inputs: Mapping[str, Any], out: Mapping[str, Any]
         if value is None or isinstance(value, Sequences):
             continue
         what = f"node '{node.name}': compute function '{node.fn}' wrote '{key}'"
+        if isinstance(value, list):
+            if len(value) != rows:
+                raise GraphError(f"{what} as a list of {len(value)} items; it reads {rows} responses: one item each.")
+            continue
         if not isinstance(value, torch.Tensor):
             raise GraphError(f"{what} as {type(value).__name__}; it must be a tensor ([{rows}] or [{rows}, {width}]).")
         shape = tuple(value.shape)
@@ -157,6 +201,63 @@ def _check_rows(node: Compute, inputs: Mapping[str, Any], out: Mapping[str, Any]
                 f"{what} with shape {list(shape)}; it reads {rows} responses of {width} tokens, so it must be "
                 f"[{rows}] (one value per response) or [{rows}, {width}] (one per token)."
             )
+
+
+def _update_state(rt: NodeRuntime, node: Compute, out: Mapping[str, Any]) -> dict[str, float]:
+    """The state ``node`` updates, from its outputs: clamped to the state's bounds, kept for the
+    next iteration and reported as a metric under the state's name."""
+    metrics = {}
+    for name in node.updates:
+        if name not in out:
+            raise GraphError(
+                f"node '{node.name}': compute function '{node.fn}' did not return state '{name}', which the node "
+                "updates."
+            )
+        try:
+            value = float(out[name])
+        except (TypeError, ValueError, RuntimeError):
+            raise GraphError(
+                f"node '{node.name}': compute function '{node.fn}' returned {type(out[name]).__name__} for state "
+                f"'{name}'; a state is one number."
+            ) from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise GraphError(f"node '{node.name}': compute function '{node.fn}' set state '{name}' to {value}.")
+        decl = rt.graph.states[name]
+        value = min(
+            max(value, decl.low if decl.low is not None else value), decl.high if decl.high is not None else value
+        )
+        rt.state[name] = value
+        metrics[name] = round(value, 8)
+    return metrics
+
+
+def filter_groups(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Run filter ``name`` on ``batch``: which of the responses' groups (prompts, by
+    ``prompt_index``) it keeps, as a bool tensor over prompt numbers 0..max(prompt_index)."""
+    node = rt.graph.nodes[name]
+    assert isinstance(node, Filter)
+    inputs = _read(rt, node, batch)
+    check_rows_read(node, inputs)
+    seqs = sequences_in(inputs, f"node '{name}'")
+    algo, options = rt.options[name]
+    fn = rt.functions["filters"][node.fn]
+    with torch.no_grad():
+        result = _user(f"filter function '{node.fn}'", fn, inputs, algo, **options)
+    groups = int(seqs.prompt_index.max()) + 1 if len(seqs) else 0
+    try:
+        keep = torch.as_tensor(result).flatten().bool()
+    except (TypeError, ValueError, RuntimeError):
+        keep = None
+    if keep is None or keep.numel() not in (groups, len(seqs)):
+        raise GraphError(
+            f"node '{name}': filter function '{node.fn}' must return one bool per group ({groups}) or per response "
+            f"({len(seqs)}); got {type(result).__name__}" + ("" if keep is None else f" of {keep.numel()}") + "."
+        )
+    if keep.numel() == len(seqs) and groups != len(seqs):  # per row: a group stays when all its rows do
+        per_group = torch.ones(groups, dtype=torch.bool)
+        per_group[seqs.prompt_index[~keep]] = False
+        keep = per_group
+    return keep, {}
 
 
 def _split(result: Any, node: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -213,7 +314,7 @@ def logprob_gap(logprobs: torch.Tensor, seqs: Sequences, version: int) -> dict[s
     one trained (numerics, a missed weight sync), which silently biases every update."""
     if seqs.logprobs is None or seqs.versions is None:
         return {}
-    same = seqs.response_mask.bool() & (seqs.versions == version)
+    same = seqs.sampled_mask.bool() & (seqs.versions == version)
     if not bool(same.any()):
         return {}
     gap = (logprobs.float() - seqs.logprobs.float()).abs()[same]
@@ -257,7 +358,8 @@ def _reward(
             f"node '{node.name}': reward function '{node.fn}' returned {scores.numel()} scores for {len(seqs)} "
             "responses."
         )
-    return {node.writes[0]: scores}, {"reward": round(float(scores.mean()), 6), **dict(metrics)}
+    name = "cost" if "cost" in node.writes[0] else "reward"  # a cost node's mean is not the headline reward
+    return {node.writes[0]: scores}, {name: round(float(scores.mean()), 6), **dict(metrics)}
 
 
 def _checked_loss(loss: Any, name: str) -> Any:

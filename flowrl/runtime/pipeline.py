@@ -324,7 +324,12 @@ class Pipeline:
         task = unit.task
         if task.kind == "generate":
             state.generated[task.name] = (unit.seconds, value)
-            prompts, seqs, logprobs, metrics, parts = value
+            prompts, seqs, logprobs, metrics, parts = value[:5]
+            if len(value) > 5:  # dynamic sampling: what the nodes up to the filter wrote, and their metrics
+                extra, nodes = value[5:]
+                state.batch.update(extra)
+                for name, node_metrics in nodes.items():
+                    state.outputs[name] = (0.0, node_metrics)
             node = self.rt.graph.nodes[task.name]
             self._add_parts(unit, state, parts[len(state.parts.get(node.writes[0], {})) :], pending)
             if prompts is not None:

@@ -14,6 +14,7 @@ Without partial, async or streaming it is one plain `generate` call, exactly as 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -176,6 +177,52 @@ def fresh_rows(groups: Sequence[int], out: Rollout, n: int, version: int, step: 
     return rows
 
 
+def _take_groups(
+    prompts: Sequence[Prompt], seqs: Sequences, outputs: dict[str, Any], groups: torch.Tensor
+) -> tuple[list[Prompt], Sequences, dict[str, Any]]:
+    """The rows of prompt numbers ``groups`` (in that order), renumbered 0..len(groups)-1, with
+    the same rows of each per-row output."""
+    order = {int(g): i for i, g in enumerate(groups)}
+    rows = torch.tensor([r for g in order for r in (seqs.prompt_index == g).nonzero().flatten().tolist()])
+    rows = rows.long()
+    picked = replace(seqs.select(rows), prompt_index=torch.tensor([order[int(g)] for g in seqs.prompt_index[rows]]))
+    n = len(seqs)
+    out = {}
+    for key, value in outputs.items():
+        if isinstance(value, Sequences):
+            out[key] = value.select(rows)
+        elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n:
+            out[key] = value[rows]
+        elif isinstance(value, list) and len(value) == n:
+            out[key] = [value[i] for i in rows.tolist()]
+        else:
+            out[key] = value
+    return [prompts[int(g)] for g in groups], picked, out
+
+
+def _concat_values(values: list[Any]) -> Any:
+    """Per-row values of several rounds as one, by rows in round order."""
+    if isinstance(values[0], torch.Tensor) and values[0].dim() > 0:
+        from flowrl.runtime.dispatch import concat_rows
+
+        return concat_rows(values)
+    if isinstance(values[0], list):
+        return [x for v in values for x in v]
+    return values[-1]
+
+
+def _weighted(runs: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+    """A node's metrics over several rounds: numbers averaged weighted by each round's rows."""
+    out: dict[str, Any] = {}
+    for name in dict.fromkeys(k for _, m in runs for k in m):
+        vals = [(m[name], n) for n, m in runs if name in m]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v, _ in vals):
+            out[name] = round(sum(v * n for v, n in vals) / max(sum(n for _, n in vals), 1), 6)
+        else:
+            out[name] = vals[-1][0]
+    return out
+
+
 # ------------------------------------------------------------------ one step of a generate node
 
 
@@ -184,6 +231,20 @@ class Chunk:
     """What a generate coroutine yields after a decode chunk: parts ready for streaming."""
 
     parts: list[tuple[Sequences, Any, list[Prompt]]]  # (responses, behaviour log-probs, prompts) of finished groups
+
+
+@dataclass
+class Rounds:
+    """Dynamic sampling for a generate node whose rows a filter keeps: ``run(prompts, seqs,
+    logprobs)`` runs the nodes between the generate node and the filter, then the filter, on one
+    round's rows; it returns (their outputs by key, the kept groups as a bool per prompt, each
+    node's metrics). Rounds draw ``prompts_per_step`` more prompts until ``groups`` passed, at
+    most ``max_rounds``."""
+
+    run: Callable[[list[Prompt], Sequences, Any], tuple[dict[str, Any], torch.Tensor, dict[str, dict[str, Any]]]]
+    groups: int
+    max_rounds: int
+    filter: str  # the filter node's name (its metrics)
 
 
 @dataclass
@@ -200,6 +261,8 @@ class StepRollout:
     stream_groups: int
     pad_id: int
     draw: Callable[[int], list[Prompt]]  # the next prompts of the run's stream
+    rounds: Rounds | None = None  # a filter keeps groups of this node's rows (dynamic sampling)
+    episodes: Any = None  # multi-turn: an `Episodes` that runs the environment between turns
     buffer: RolloutBuffer = field(init=False)
 
     def __post_init__(self) -> None:
@@ -212,18 +275,13 @@ class StepRollout:
         gen = self.generator
         if not self.policy.chunked:  # one call, one version
             assert prompts is not None
-            out = gen.generate(prompts, n=self.n, greedy=self.greedy, generator=rng)
-            seqs = out.sequences
-            seqs = replace(
-                seqs,
-                version=gen.version,
-                logprobs=out.logprobs,
-                versions=torch.full_like(seqs.response_ids, gen.version) * seqs.response_mask.long(),
-            )
+            if self.rounds is not None:
+                return self._dynamic(list(prompts), version, rng)
+            seqs, tokens = self._sample(prompts, rng)
             self.buffer.taken.extend(self.buffer.add(prompts))
             self.buffer.prompts.clear()
-            metrics = {**self._metrics(seqs, seqs.num_tokens(), version, 0, 0), "carried": 0, "in_flight": 0}
-            return None, seqs, out.logprobs, metrics, [(seqs, out.logprobs, list(prompts))]
+            metrics = {**self._metrics(seqs, tokens, version, 0, 0), "carried": 0, "in_flight": 0}
+            return None, seqs, seqs.logprobs, metrics, [(seqs, seqs.logprobs, list(prompts))]
         buf = self.buffer
         restarted = buf.enforce(version, step)
         carried = len(buf.groups())
@@ -277,6 +335,69 @@ class StepRollout:
         metrics = self._metrics(seqs, generated, version, restarted, recycled)
         metrics.update(carried=carried, in_flight=len(buf.groups()))
         return (batch_prompts if self.policy.partial else None), seqs, seqs.logprobs, metrics, parts
+
+    def _sample(self, prompts: Sequence[Prompt], rng: torch.Generator) -> tuple[Sequences, int]:
+        """One generation call for ``prompts`` at the engine's version (an episode per row with an
+        environment); the responses with their log-probs and versions, and the tokens sampled."""
+        gen = self.generator
+        if self.episodes is not None:
+            seqs = self.episodes.run(gen, prompts, self.n, rng)
+        else:
+            out = gen.generate(prompts, n=self.n, greedy=self.greedy, generator=rng)
+            seqs = replace(out.sequences, logprobs=out.logprobs)
+        seqs = replace(
+            seqs,
+            version=gen.version,
+            versions=torch.full_like(seqs.response_ids, gen.version) * seqs.response_mask.long(),
+        )
+        return seqs, int(seqs.sampled_mask.sum())
+
+    def _dynamic(self, prompts: list[Prompt], version: int, rng: torch.Generator) -> Any:
+        """Dynamic sampling (DAPO): generate, score and filter rounds of prompts until the filter
+        passed ``rounds.groups`` groups or ``rounds.max_rounds`` rounds ran; the batch holds the first
+        groups that passed (every group of the last round when none did). Returns the batch's
+        prompts, responses, log-probs, metrics and parts, plus the between nodes' outputs and the
+        metrics of each of them and of the filter."""
+        assert self.rounds is not None
+        want, kept, tokens = self.rounds.groups, [], 0
+        sampled = passed = rounds = 0
+        node_runs: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+        last: tuple[list[Prompt], Sequences, dict[str, Any], torch.Tensor] | None = None
+        while passed < want and rounds < self.rounds.max_rounds:
+            if rounds:
+                prompts = self.draw(self.prompts_per_step)
+            rounds += 1
+            seqs, n_tokens = self._sample(prompts, rng)
+            tokens += n_tokens
+            outputs, keep, metrics = self.rounds.run(prompts, seqs, seqs.logprobs)
+            for node, m in metrics.items():
+                node_runs.setdefault(node, []).append((len(seqs), m))
+            sampled += len(prompts)
+            groups = keep.nonzero().flatten().tolist()
+            passed += len(groups)
+            last = (prompts, seqs, outputs, torch.arange(len(prompts)))
+            take = groups[: max(want - sum(len(k[0]) for k in kept), 0)]
+            if take:
+                kept.append(_take_groups(prompts, seqs, outputs, torch.tensor(take)))
+        fallback = not kept
+        if fallback:  # nothing passed: train on the last round as it is (a filtered-out group adds no gradient)
+            assert last is not None
+            kept.append(_take_groups(*last))
+        batch_prompts = [p for k in kept for p in k[0]]
+        offsets = list(itertools.accumulate([0] + [len(k[0]) for k in kept[:-1]]))
+        seqs = concat_sequences([k[1] for k in kept], self.pad_id, offsets)
+        extra = {key: _concat_values([k[2][key] for k in kept]) for key in kept[0][2]}
+        self.buffer.taken.extend(self.buffer.add(batch_prompts))
+        self.buffer.prompts.clear()
+        metrics = {**self._metrics(seqs, tokens, version, 0, 0), "carried": 0, "in_flight": 0}
+        nodes = {node: _weighted(runs) for node, runs in node_runs.items()}
+        nodes[self.rounds.filter] = {
+            "rounds": rounds,
+            "acceptance": round(passed / max(sampled, 1), 4),
+            "groups": len(batch_prompts),
+            "fallback": int(fallback),
+        }
+        return batch_prompts, seqs, seqs.logprobs, metrics, [(seqs, seqs.logprobs, batch_prompts)], extra, nodes
 
     def _part(
         self, groups: Sequence[int], first: int, new_groups: Sequence[int]

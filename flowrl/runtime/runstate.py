@@ -7,7 +7,8 @@
                          tokenizer), optimizer.json + optimizer.safetensors, engine.json (version)
       driver.json + driver.safetensors
                          the controller: the torch RNG, the prompt stream (its RNG and how many
-                         prompts it gave), every node's random stream, weight versions, the
+                         prompts it gave), every node's random stream, the graph state (Lagrange
+                         multipliers, adaptive coefficients: also in state.json), weight versions, the
                          rollout buffers (unfinished rollouts, token versions) and the pipeline
                          snapshot (prompts and finished rollouts of steps that ran ahead)
       state.json         the manifest, written last
@@ -91,6 +92,7 @@ def write(run: Path, snapshot: Snapshot, st: RunState, manifest: Mapping[str, An
             "prompt_rng": st.stream.rng.getstate(),
             "prompts_drawn": st.stream.drawn,
             "node_rngs": st.rt.rng_states(),
+            "graph_state": dict(st.rt.state),
             "generator_versions": {m: g.version for m, g in st.generators.items()},
             "buffers": {name: source.buffer for name, source in st.sources.items()},
             "snapshot": {f.name: getattr(snapshot, f.name) for f in fields(snapshot)},
@@ -98,7 +100,14 @@ def write(run: Path, snapshot: Snapshot, st: RunState, manifest: Mapping[str, An
         save_tree(tmp / "driver", driver)
         (tmp / STATE).write_text(
             json.dumps(
-                {"format": FORMAT, "step": snapshot.step, "models": models, "written": time.time(), **manifest},
+                {
+                    "format": FORMAT,
+                    "step": snapshot.step,
+                    "models": models,
+                    "graph_state": dict(st.rt.state),
+                    "written": time.time(),
+                    **manifest,
+                },
                 indent=1,
             )
         )
@@ -232,6 +241,7 @@ def restore(path: Path, driver: dict[str, Any], st: RunState, sync: Callable[[],
     st.stream.rng.setstate(driver["prompt_rng"])
     st.stream.drawn = int(driver["prompts_drawn"])
     st.rt.restore_rngs(driver["node_rngs"])
+    st.rt.state.update({k: float(v) for k, v in driver.get("graph_state", {}).items() if k in st.rt.state})
     for name, buffer in driver["buffers"].items():
         st.sources[name].buffer = buffer
     return Snapshot(**driver["snapshot"])

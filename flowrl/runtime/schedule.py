@@ -28,6 +28,9 @@ class Task(Spec):
     model: str | None = None
     micro_batch: int = 0
     strategy: str | None = None  # sync tasks: reshard | full | bucketed | sparse
+    # generate tasks whose rows a filter keeps: the nodes between them and the filter, then the
+    # filter, run inside the task in every dynamic-sampling round
+    absorbs: tuple[str, ...] = ()
 
 
 class GroupRanks(Spec):
@@ -100,12 +103,24 @@ def lower(graph: Graph, plan: ExecutionPlan, *, same_engine: bool = True) -> Sch
     by_model = {m.model: m for m in models}
     dag = graph.dag()
     micro = {n.node: n.micro_batch_size for n in plan.nodes}
+    absorbed = {gen: (*graph.filter_segment(f)[1], f) for gen, f in graph.filters().items()}
+    inside = {n: gen for gen, names in absorbed.items() for n in names}
     tasks: list[Task] = []
     for name in graph.order():
         node = graph.nodes[name]
-        deps = tuple(dag.predecessors(name))
+        if name in inside:
+            continue
+        deps = tuple(dict.fromkeys(inside.get(d, d) for d in dag.predecessors(name)))
         if isinstance(node, Generate):
-            task = Task(name=name, kind="generate", groups=(gen_group,), deps=deps, dispatch="rows", model=node.model)
+            task = Task(
+                name=name,
+                kind="generate",
+                groups=(gen_group,),
+                deps=deps,
+                dispatch="rows",
+                model=node.model,
+                absorbs=absorbed.get(name, ()),
+            )
         elif isinstance(node, (Forward, Train)):  # scoring cuts rows per rank; a train step goes to every rank
             task = Task(
                 name=name,

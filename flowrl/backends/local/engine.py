@@ -258,7 +258,7 @@ class LocalModel:
         for _ in range(step.epochs):
             order = torch.randperm(n_rows, generator=step.generator)  # the same on every rank
             for mb in order.chunk(step.mini_batches):
-                mb_tokens = max(float(seqs.response_mask[mb].sum()), 1.0)  # seqs live on the host
+                mb_tokens = max(float(seqs.sampled_mask[mb].sum()), 1.0)  # seqs live on the host
                 self.optimizer.zero_grad(set_to_none=True)
                 mine = by_length(seqs, rank_rows(mb, self.rank, self.world))  # similar lengths share a micro-batch
                 parts = list(mine.split(micro))
@@ -273,7 +273,7 @@ class LocalModel:
                     out = self._outputs(view[step.sequences_key], step.output)
                     value, step_stats = loss(out, view, step.algo)
                     weight = (
-                        weight_on * scale * float(view[step.sequences_key].response_mask.sum()) / mb_tokens
+                        weight_on * scale * float(view[step.sequences_key].sampled_mask.sum()) / mb_tokens
                     )  # exact token-mean over the mini-batch
                     (value * weight).backward()
                     if weight_on:

@@ -1,0 +1,72 @@
+"""Register functions from a graph file, without a plugin package.
+
+A graph file may define its own reward, compute function (estimator), loss, filter or
+environment next to ``build(cfg)``, with a decorator::
+
+    from flowrl import register
+
+    @register.reward("shorter_is_better")
+    def shorter_is_better(prompts, responses, task):
+        return [1.0 / (1 + len(r)) for r in responses]
+
+They are registered when flowrl loads the file (``flowrl run graphs/mine.py``), under the graph
+file as their plugin (`flowrl plugins` lists them while it runs), exactly as a plugin's hook
+would register them: the same checks of signature and metadata, the same names space (a name
+a plugin already uses is refused).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: (kind, name, object, metadata) registered by decorators since the last `take_pending()`.
+_PENDING: list[tuple[str, str, Any, dict[str, Any]]] = []
+
+
+def _decorator(kind: str, name: str | Callable[..., Any] | None, meta: dict[str, Any]) -> Any:
+    def wrap(fn: F) -> F:
+        _PENDING.append((kind, name if isinstance(name, str) else fn.__name__, fn, meta))
+        return fn
+
+    if callable(name):  # used bare: @register.reward
+        return wrap(name)
+    return wrap
+
+
+def reward(name: str | None = None) -> Callable[[F], F]:
+    """A reward function ``fn(prompts, responses, task, **options)`` -> one score per response
+    (or (scores, metrics))."""
+    return _decorator("reward_functions", name, {})
+
+
+def estimator(name: str | None = None, *, needs: Iterable[str] = (), gives: Iterable[str] = ()) -> Callable[[F], F]:
+    """A compute function ``fn(inputs, algo, **options)`` -> {port: tensor} (or (outputs, metrics));
+    ``needs`` / ``gives`` name its input and output ports (a node binds them to keys)."""
+    return _decorator("advantage_estimators", name, {"needs": tuple(needs), "gives": tuple(gives)})
+
+
+def loss(name: str | None = None, *, needs: Iterable[str] = (), output: str = "logprobs") -> Callable[[F], F]:
+    """A loss ``fn(outputs, batch, algo)`` -> (scalar tensor, stats), trained on the model's
+    ``output`` ("logprobs" or "values"); ``needs`` names the batch ports it reads."""
+    return _decorator("losses", name, {"needs": tuple(needs), "output": output})
+
+
+def filter(name: str | None = None, *, needs: Iterable[str] = ()) -> Callable[[F], F]:  # noqa: A001
+    """A filter function ``fn(inputs, algo, **options)`` -> one bool per group (or per row): the
+    groups a filter node keeps."""
+    return _decorator("filters", name, {"needs": tuple(needs)})
+
+
+def environment(name: str | None = None) -> Callable[[F], F]:
+    """An environment factory ``factory(task, **options)`` -> an object with ``reply(prompt, turns)``."""
+    return _decorator("environments", name, {})
+
+
+def take_pending() -> list[tuple[str, str, Any, dict[str, Any]]]:
+    """What decorators registered since the last call (and forget it)."""
+    out = list(_PENDING)
+    _PENDING.clear()
+    return out

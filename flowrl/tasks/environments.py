@@ -1,0 +1,3 @@
+"""Environments for multi-turn rollouts (placeholder list filled below)."""
+
+ENVIRONMENTS: dict = {}
