@@ -583,7 +583,8 @@ class Graph:
                 for key in node.reads:
                     if key in self.states:
                         raise self._fail(
-                            f"node '{node.name}' reads state '{key}'; a generate node reads exactly one key of prompts.",
+                            f"node '{node.name}' reads state '{key}'; a generate node reads exactly one key of "
+                            "prompts.",
                             node.name,
                         )
             if not isinstance(node, Compute):

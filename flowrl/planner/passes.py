@@ -213,9 +213,9 @@ def _check_keys(node: Any, what: str, meta: dict[str, Any], state: tuple[str, ..
         key = node.ports.get(port, port)
         if key not in node.reads:
             bound = f"port '{port}' is bound to key '{key}'" if port in node.ports else f"key '{key}'"
+            bind = "" if port in node.ports else f", or bind the port to a key it reads (ports={{{port!r}: KEY}})"
             raise PlanError(
-                f"node '{node.name}': {what} needs {bound}, but the node does not read it. Add '{key}' to its "
-                f"reads{'' if port in node.ports else f', or bind the port to a key it reads (ports={{{port!r}: KEY}})'}."
+                f"node '{node.name}': {what} needs {bound}, but the node does not read it. Add '{key}' to its reads{bind}."
             )
     port_of = {key: port for port, key in node.ports.items()}
     if gives is not None:
