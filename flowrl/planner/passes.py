@@ -215,7 +215,8 @@ def _check_keys(node: Any, what: str, meta: dict[str, Any], state: tuple[str, ..
             bound = f"port '{port}' is bound to key '{key}'" if port in node.ports else f"key '{key}'"
             bind = "" if port in node.ports else f", or bind the port to a key it reads (ports={{{port!r}: KEY}})"
             raise PlanError(
-                f"node '{node.name}': {what} needs {bound}, but the node does not read it. Add '{key}' to its reads{bind}."
+                f"node '{node.name}': {what} needs {bound}, but the node does not read it. Add '{key}' to its "
+                f"reads{bind}."
             )
     port_of = {key: port for port, key in node.ports.items()}
     if gives is not None:
