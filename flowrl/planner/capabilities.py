@@ -83,4 +83,18 @@ def rollout_conflict(graph: Graph, rollout: RolloutPolicy) -> str | None:
             f"rollout '{rollout.describe()}' decodes in chunks for one generate node; graph '{graph.name}' has "
             f"{len(generates)} ({', '.join(generates)}). Use rollout.mode=sync or one_step_off."
         )
+    if rollout.chunked:
+        for node in graph.nodes.values():
+            if isinstance(node, Generate) and node.env is not None:
+                return (
+                    f"rollout '{rollout.describe()}' decodes in chunks; generate node '{node.name}' runs episodes with "
+                    f"environment '{node.env}', which take whole turns. Use rollout.mode=sync or one_step_off."
+                )
+        filters = graph.filters()
+        if filters:
+            gen, name = next(iter(filters.items()))
+            return (
+                f"rollout '{rollout.describe()}' decodes in chunks; filter '{name}' samples rounds of generate node "
+                f"'{gen}' until enough groups pass. Use rollout.mode=sync or one_step_off."
+            )
     return None

@@ -281,6 +281,8 @@ class StepRollout:
             self.buffer.taken.extend(self.buffer.add(prompts))
             self.buffer.prompts.clear()
             metrics = {**self._metrics(seqs, tokens, version, 0, 0), "carried": 0, "in_flight": 0}
+            if self.episodes is not None:
+                metrics.update(self.episodes.metrics)
             return None, seqs, seqs.logprobs, metrics, [(seqs, seqs.logprobs, list(prompts))]
         buf = self.buffer
         restarted = buf.enforce(version, step)

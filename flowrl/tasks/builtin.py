@@ -168,7 +168,35 @@ class Repeat(TaskBase, frozen=True, kw_only=True):
         return Prompt(text=f"{letter}*{count}=", answer=letter * count)
 
 
-BUILTIN_TASKS: dict[str, type[TaskBase]] = {"add": Add, "copy": Copy, "repeat": Repeat}
+class Calc(TaskBase, frozen=True, kw_only=True):
+    """``"37*58:"`` -> ``"2146"``: the product of two numbers in [low, high], too many to learn by
+    heart, so a model answers by calling a calculator (environment ``calculator``): a turn of
+    just ``=`` gets the reply ``"2146|"``, which the next turn can copy. The score is that of the
+    text after the last ``|`` (the final answer)."""
+
+    name: ClassVar[str] = "calc"
+    description: ClassVar[str] = "multiply two numbers with a calculator tool: '37*58:' -> '=', '2146|', '2146'"
+
+    low: int = 32
+    high: int = 99
+
+    def __post_init__(self) -> None:
+        self._check("low", 1 <= self.low <= 999, "between 1 and 999")
+        self._check("high", self.low <= self.high <= 999, f"between low ({self.low}) and 999")
+
+    def max_new_tokens(self) -> int:
+        digits = len(str(self.high * self.high))
+        return 2 + (digits + 1) + (digits + 1)  # "=" EOS, the reply, the answer and EOS
+
+    def sample(self, rng: random.Random) -> Prompt:
+        a, b = rng.randint(self.low, self.high), rng.randint(self.low, self.high)
+        return Prompt(text=f"{a}*{b}:", answer=str(a * b))
+
+    def score(self, prompt: Prompt, response: str) -> float:
+        return char_score(prompt.answer, response.rsplit("|", 1)[-1])
+
+
+BUILTIN_TASKS: dict[str, type[TaskBase]] = {"add": Add, "copy": Copy, "repeat": Repeat, "calc": Calc}
 
 
 def make_task(
