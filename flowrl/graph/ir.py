@@ -674,7 +674,10 @@ class Graph:
                     f"reads {len(read_seqs)} keys of generated responses "
                     f"({', '.join(read_seqs) or 'none'}); it needs exactly one, e.g. 'responses'"
                 )
-            if problem is None and isinstance(node, Reward) and not any(k in self.inputs for k in node.reads):
+            prompt_keys = set(self.inputs) | {
+                n.reads[0] for n in self.nodes.values() if isinstance(n, Generate) and n.reads
+            }
+            if problem is None and isinstance(node, Reward) and not any(k in prompt_keys for k in node.reads):
                 problem = (
                     "reads no prompts; a reward node scores responses against their prompts (add "
                     "'prompts' to its reads)"

@@ -81,6 +81,7 @@ def roles_of(graph: Graph) -> Roles:
     return Roles(
         models=tuple(graph.models),
         actor=gens[0].model,
+        actors=tuple(dict.fromkeys(n.model for n in gens if n.model is not None)),
         trainable=frozenset(m for m, d in graph.models.items() if d.trainable),
         role=tuple((m, d.role) for m, d in graph.models.items()),
     )
@@ -248,6 +249,7 @@ class Tuner:
             generation=sk.generation,
             rollout=sk.rollout,
             weight_sync=sk.weight_sync,
+            generations={m: sk.generation for m in self.roles.actors[1:]},  # policies share the generation group
         )
 
     def evaluate(self, plan: ClusterPlan, *, iterations: int, max_replicas: int | None) -> Candidate:

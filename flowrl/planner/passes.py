@@ -271,7 +271,13 @@ def colocated(graph: Graph, workload: WorkloadSpec, micro_batch: int | None = No
         generation=GenerationLayout(group="all", tp=1, replicas=1),
         rollout=RolloutPolicy(),
         weight_sync=WeightSync(strategy="reshard"),
+        generations={m: GenerationLayout(group="all", tp=1, replicas=1) for m in generating_models(graph)[1:]},
     )
+
+
+def generating_models(graph: Graph) -> list[str]:
+    """The models generate nodes sample from, in declaration order."""
+    return list(dict.fromkeys(n.model for n in graph.nodes.values() if isinstance(n, Generate)))
 
 
 def rollout_policy(rollout: RolloutConfig) -> RolloutPolicy | None:
@@ -417,7 +423,7 @@ def micro_batch(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
         group = None
         size = rows
         if isinstance(node, Generate):
-            group = layout.generation.group
+            group = layout.generation_of(node.model).group
         elif node.model is not None:
             lay = layout.layout(node.model)
             group = lay.group
@@ -497,7 +503,7 @@ def memory(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
                 continue
             if n.kind == "generate":
                 peaks[f"node {n.node} (generation weights + KV cache)"] = mem.generation_bytes(
-                    t.model, t.numerics, layout.generation, n.rows, seq_len
+                    t.model, t.numerics, layout.generation_of(ctx.graph.nodes[n.node].model or ""), n.rows, seq_len
                 )
             elif n.kind in ("forward", "train"):
                 lay = layout.layout(ctx.graph.nodes[n.node].model)

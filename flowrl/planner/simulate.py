@@ -166,30 +166,32 @@ def padded_length(lengths: np.ndarray, prompt: int, rows: int) -> float:
 def node_group(plan: ClusterPlan, graph: Graph, name: str) -> tuple[str, ...]:
     node = graph.nodes[name]
     if isinstance(node, Generate):
-        return (plan.generation.group,)
+        return (plan.generation_of(node.model).group,)
     if node.model is not None:
         return (plan.layout(node.model).group,)
     return ()  # controller work
 
 
-def sync_seconds(plan: ClusterPlan, cost: CostModel, roles: Roles) -> float:
-    """Move the actor's new weights into the generation layout (and load them into its engine)."""
-    return _transfer_seconds(plan, cost, roles) + cost.engine_load(cost.sync_volume() / plan.generation.tp)
+def sync_seconds(plan: ClusterPlan, cost: CostModel, roles: Roles, model: str | None = None) -> float:
+    """Move a generating model's new weights (default: the actor's) into its generation layout
+    (and load them into its engine)."""
+    gen = plan.generation_of(model or roles.actor)
+    return _transfer_seconds(plan, cost, model or roles.actor) + cost.engine_load(cost.sync_volume() / gen.tp)
 
 
-def _transfer_seconds(plan: ClusterPlan, cost: CostModel, roles: Roles) -> float:
-    actor = plan.layout(roles.actor)
+def _transfer_seconds(plan: ClusterPlan, cost: CostModel, model: str) -> float:
+    actor = plan.layout(model)
     volume = cost.sync_volume()
     ws = plan.weight_sync
     # a trainer sharded over dp (FSDP) gathers its full weights first: one all-gather per tensor
     gather = cost.param_tensors * cost.link(actor.parallel.size)[1] if actor.parallel.dp > 1 else 0.0
     if ws.strategy == "reshard":  # 3D-HybridEngine: all-gather within the group, no cross-group copy
-        tp_train, tp_gen = actor.parallel.tp * actor.parallel.pp, plan.generation.tp
+        tp_train, tp_gen = actor.parallel.tp * actor.parallel.pp, plan.generation_of(model).tp
         bw, lat = cost.link(max(tp_train, tp_gen))
         gathered = volume / tp_gen * (1 - min(tp_gen, tp_train) / max(tp_gen, tp_train))
         return gather + gathered / bw + cost.model.layers * lat + cost.stream(volume / tp_gen)
     src = plan.group(actor.group)
-    dst = plan.group(plan.generation.group)
+    dst = plan.group(plan.generation_of(model).group)
     bw, lat = cost.link(src.devices + dst.devices)
     links = min(src.devices, dst.devices)  # parallel streams between the groups
     if ws.strategy == "full":  # gather on the trainer, then one broadcast per tensor to every replica
@@ -225,10 +227,12 @@ def simulate(
     spans: list[Span] = []
     durations: dict[str, list[float]] = {}
     dag = graph.dag()
-    train_actor = next(
-        (n for n in order if isinstance(graph.nodes[n], Train) and graph.nodes[n].model == roles.actor), None
-    )
-    sync_s = sync_seconds(plan, cost, roles)
+    # each generating policy's train node, then the sync of its new weights to its generation layout
+    syncs = {
+        n: (graph.nodes[n].model, sync_seconds(plan, cost, roles, graph.nodes[n].model))
+        for n in order
+        if isinstance(graph.nodes[n], Train) and graph.nodes[n].model in roles.actors
+    }
     epochs, minis = workload.ppo_epochs, workload.mini_batches
     flops_total = 0.0  # forward and train nodes, over all iterations
     gen_flops = 0.0  # generation, over all launched rollouts
@@ -258,6 +262,8 @@ def simulate(
 
     lengths: dict[int, np.ndarray] = {}  # the response lengths each iteration trains on
 
+    filters = graph.filters()
+
     def generation(it: int) -> None:
         nonlocal gen_flops, gen_tokens
         for name in order:
@@ -265,13 +271,22 @@ def simulate(
             if not isinstance(node, Generate):
                 continue
             count = sequences if not node.greedy else max(sequences // max(workload.samples_per_prompt, 1), 1)
-            seconds, tokens, lengths[it] = gen.iteration(count, 1 if node.greedy else workload.samples_per_prompt)
+            group = 1 if node.greedy else workload.samples_per_prompt
+            seconds, tokens, batch = gen.iteration(count, group)
+            lengths[it] = batch
+            if name in filters:  # dynamic sampling: more rounds until the filter has passed the batch
+                rounds = min(1.0 / workload.acceptance_rate, getattr(graph.nodes[filters[name]], "max_rounds", 1))
+                more = 1.0
+                while more < rounds:
+                    part = min(rounds - more, 1.0)
+                    extra_s, extra_tokens, _ = gen.iteration(count, group)
+                    seconds, tokens, more = seconds + part * extra_s, tokens + part * extra_tokens, more + 1.0
             gen_tokens += tokens
             gen_flops += count * workload.prompt_length * cost.model.flops_per_token(
                 workload.prompt_length // 2
             ) + tokens * cost.model.flops_per_token(seq_len)
-            need = it - 1 - lead
-            deps = [finish[(need, "weight_sync")]] if need >= 0 and (need, "weight_sync") in finish else []
+            need, sync = it - 1 - lead, f"weight_sync:{node.model}"
+            deps = [finish[(need, sync)]] if need >= 0 and (need, sync) in finish else []
             end = run(it, name, node_group(plan, graph, name), deps, seconds)
             finish[(it, "rollout_start")], finish[(it, "rollout_end")] = end - seconds, end
 
@@ -302,9 +317,11 @@ def simulate(
             else:
                 seconds = DRIVER_SECONDS_PER_SEQ * sequences
             run(it, name, node_group(plan, graph, name), deps, seconds)
-        if train_actor is not None:
-            groups = tuple(dict.fromkeys([plan.layout(roles.actor).group, plan.generation.group]))
-            run(it, "weight_sync", groups, [finish[(it, train_actor)]], sync_s)
+        for train, (model, sync_s) in syncs.items():
+            groups = tuple(dict.fromkeys([plan.layout(model).group, plan.generation_of(model).group]))
+            task = "weight_sync" if model == roles.actor else f"weight_sync:{model}"
+            run(it, task, groups, [finish[(it, train)]], sync_s)
+            finish[(it, f"weight_sync:{model}")] = finish[(it, task)]
     # an iteration ends when its last training-side task does (rollouts of later steps may run on)
     ends = [
         max(s.end for s in spans if s.iteration == it and not isinstance(graph.nodes.get(s.task), Generate))

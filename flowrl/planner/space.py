@@ -108,13 +108,19 @@ class ClusterPlan(Spec):
     placement: Placement
     groups: tuple[DeviceGroup, ...]
     models: tuple[ModelLayout, ...]
-    generation: GenerationLayout
+    generation: GenerationLayout  # the (first) generating policy's
     rollout: RolloutPolicy
     weight_sync: WeightSync
     predicted: Prediction | None = None
+    # the generation layout of every further generating policy (multi-policy graphs), by model
+    generations: dict[str, GenerationLayout] = {}
 
     def layout(self, model: str) -> ModelLayout:
         return next(m for m in self.models if m.model == model)
+
+    def generation_of(self, model: str) -> GenerationLayout:
+        """The generation layout of generating model ``model``."""
+        return self.generations.get(model, self.generation)
 
     def group(self, name: str) -> DeviceGroup:
         return next(g for g in self.groups if g.name == name)
@@ -128,7 +134,8 @@ class ClusterPlan(Spec):
                 f"mb{m.micro_batch}{' off' if m.offload_optimizer else ''})"
                 for m in members
             )
-            gen = f" gen tp{self.generation.tp}x{self.generation.replicas}" if self.generation.group == g.name else ""
+            gens = [("", self.generation), *((f"{m} ", x) for m, x in self.generations.items())]
+            gen = "".join(f" gen {m}tp{x.tp}x{x.replicas}" for m, x in gens if x.group == g.name)
             parts.append(f"[{g.name}:{g.devices}] {descr}{gen}".rstrip())
         roll = self.rollout.describe()
         sync = self.weight_sync.strategy + (
@@ -145,9 +152,10 @@ class Roles:
     """What the graph asks of each model."""
 
     models: tuple[str, ...]
-    actor: str  # the model that generates
+    actor: str  # the model that generates (the first, when several do)
     trainable: frozenset[str]
     role: tuple[tuple[str, str], ...]  # (model, role): actor, critic, reference, reward, cost
+    actors: tuple[str, ...] = ()  # every model that generates (multi-policy graphs), the first is `actor`
 
     def role_of(self, model: str) -> str:
         return dict(self.role)[model]
@@ -212,7 +220,7 @@ def skeletons(
                 ]
             syncs = (
                 [WeightSync(strategy="reshard")]
-                if gen_group == assignment[roles.actor]
+                if all(gen_group == assignment[a] for a in roles.actors or (roles.actor,))
                 else [
                     WeightSync(strategy="full"),
                     WeightSync(strategy="bucketed"),

@@ -22,7 +22,7 @@ import numpy as np
 from msgspec import Meta
 
 from flowrl.errors import ConfigError
-from flowrl.planner.hardware import CheckedSpec, Count, SpecFieldError, coerce_numbers
+from flowrl.planner.hardware import CheckedSpec, Count, Fraction, SpecFieldError, coerce_numbers
 from flowrl.specs import convert, read_document
 
 PositiveFloat = Annotated[float, Meta(gt=0)]
@@ -132,6 +132,10 @@ class WorkloadSpec(CheckedSpec, kw_only=True):
     response_length: Lengths = Fixed(value=1024)
     ppo_epochs: Count = 1
     mini_batches: Count = 1
+    # dynamic sampling: the fraction of sampled prompt groups a graph's filter keeps; generation
+    # samples rounds of prompts until the batch is full (1/acceptance_rate rounds, at most the
+    # filter's max_rounds). A run measures it and writes it into its plan.yaml's workload.
+    acceptance_rate: Fraction = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -11,7 +11,18 @@ def _doc(obj: Any) -> str:
     return (obj.__doc__ or "").strip().splitlines()[0] if obj.__doc__ else ""
 
 
-BUILTIN_GRAPHS = ("ppo", "ppo_rm", "grpo", "remax", "rloo", "reinforce_pp", "dapo", "safe_rlhf", "tool_use")
+BUILTIN_GRAPHS = (
+    "ppo",
+    "ppo_rm",
+    "grpo",
+    "remax",
+    "rloo",
+    "reinforce_pp",
+    "dapo",
+    "safe_rlhf",
+    "tool_use",
+    "two_agent",
+)
 
 
 @hookimpl

@@ -93,7 +93,8 @@ class Episodes:
     def run(self, gen: Any, prompts: Sequence[Prompt], n: int, rng: torch.Generator) -> Sequences:
         """``n`` episodes per prompt (rows grouped by prompt) as Sequences with behaviour log-probs
         and the action mask."""
-        first = gen.generate(prompts, n=n, greedy=False, generator=rng)
+        turn = max(self.budget // self.turns, 1)  # tokens of one model turn: room for the turns after it
+        first = gen.generate(prompts, n=n, greedy=False, generator=rng, max_new_tokens=turn)
         seqs = first.sequences
         lengths = seqs.response_mask.sum(-1).long().tolist()
         episodes = []
@@ -119,7 +120,7 @@ class Episodes:
                 active.append(ep)
             if not active:
                 break
-            out = gen.resume(self._rollout(active), generator=rng)
+            out = gen.resume(self._rollout(active), generator=rng, max_new_tokens=turn)
             new = out.sequences.response_mask.sum(-1).long().tolist()
             for j, ep in enumerate(active):
                 have = len(ep.tokens)

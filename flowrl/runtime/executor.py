@@ -295,6 +295,7 @@ class PlanExecutor:
                     on_barrier=on_barrier,
                     resume=snapshot,
                 )
+            _write_acceptance(graph, plan, result.metrics, out_dir / "plan.yaml")
             finished = cfg.steps == 0 or (bool(result.metrics) and result.metrics[-1]["step"] == cfg.steps - 1)
             if cfg.checkpoint and finished and result.stopped is None:
                 for name, engine in trainers.items():
@@ -417,6 +418,22 @@ class _StopRequest:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+
+def _write_acceptance(graph: Graph, plan: ExecutionPlan, metrics: list[dict[str, Any]], path: Path) -> None:
+    """A run of a graph with a filter measured its acceptance rate (the fraction of sampled groups
+    the filter passed, over every step): it goes into the run's plan.yaml workload, where the
+    planner reads it to cost dynamic sampling's extra generation."""
+    workload = plan.target.workload
+    keys = [f"{name}/acceptance" for name in graph.filters().values()]
+    values = [m[k] for m in metrics for k in keys if isinstance(m.get(k), (int, float))]
+    if workload is None or not values:
+        return
+    rate = min(max(sum(values) / len(values), 0.01), 1.0)
+    target = msgspec.structs.replace(
+        plan.target, workload=msgspec.structs.replace(workload, acceptance_rate=round(rate, 4))
+    )
+    dump_plan(msgspec.structs.replace(plan, target=target), path)
 
 
 def _publish(engine: TrainingGroup, step_checkpoint: Path | None, path: Path) -> None:

@@ -184,6 +184,7 @@ def _check_rows(node: Compute, inputs: Mapping[str, Any], out: Mapping[str, Any]
     if seqs is None:
         return
     rows, width = len(seqs), int(seqs.response_ids.shape[1])
+    lists = {len(v) for v in inputs.values() if isinstance(v, list)}  # e.g. one value per prompt it reads
     for key in node.writes:
         value = out.get(key)
         if value is None or isinstance(value, Sequences):
@@ -196,6 +197,8 @@ def _check_rows(node: Compute, inputs: Mapping[str, Any], out: Mapping[str, Any]
         if not isinstance(value, torch.Tensor):
             raise GraphError(f"{what} as {type(value).__name__}; it must be a tensor ([{rows}] or [{rows}, {width}]).")
         shape = tuple(value.shape)
+        if len(shape) == 1 and shape[0] in lists and shape[0] != rows:
+            continue
         if not shape or shape[0] != rows or (len(shape) == 2 and shape[1] not in (width, 1)) or len(shape) > 2:
             raise GraphError(
                 f"{what} with shape {list(shape)}; it reads {rows} responses of {width} tokens, so it must be "

@@ -85,11 +85,11 @@ def lower(graph: Graph, plan: ExecutionPlan, *, same_engine: bool = True) -> Sch
     groups = tuple(GroupRanks(name=g.name, first=g.first, size=g.devices) for g in layout.groups)
     world = sum(g.devices for g in layout.groups)
     generating = {n.model for n in graph.nodes.values() if isinstance(n, Generate)}
-    gen_group = layout.generation.group
     models = []
     for name in graph.models:
         ml = layout.layout(name)
         gen = name in generating
+        gen_group = layout.generation_of(name).group
         in_place = gen and same_engine and ml.group == gen_group and ml.parallel.size == 1
         models.append(
             ModelPlacement(
@@ -115,7 +115,7 @@ def lower(graph: Graph, plan: ExecutionPlan, *, same_engine: bool = True) -> Sch
             task = Task(
                 name=name,
                 kind="generate",
-                groups=(gen_group,),
+                groups=(layout.generation_of(node.model).group,),
                 deps=deps,
                 dispatch="rows",
                 model=node.model,
@@ -138,6 +138,7 @@ def lower(graph: Graph, plan: ExecutionPlan, *, same_engine: bool = True) -> Sch
         tasks.append(task)
         if isinstance(node, Train) and node.model in generating and not by_model[node.model].in_place:
             place = by_model[node.model]
+            gen_group = layout.generation_of(node.model).group
             if layout.weight_sync.strategy == "reshard" and place.group != gen_group:
                 raise PlanError(
                     f"weight sync 'reshard' moves weights within one device group, but model '{node.model}' trains on "

@@ -170,9 +170,9 @@ class Repeat(TaskBase, frozen=True, kw_only=True):
 
 class Calc(TaskBase, frozen=True, kw_only=True):
     """``"37*58:"`` -> ``"2146"``: the product of two numbers in [low, high], too many to learn by
-    heart, so a model answers by calling a calculator (environment ``calculator``): a turn of
-    just ``=`` gets the reply ``"2146|"``, which the next turn can copy. The score is that of the
-    text after the last ``|`` (the final answer)."""
+    heart, so a model answers by calling a calculator (environment ``calculator``): a turn that
+    starts with ``=`` gets the reply ``"2146|"``, which the next turn can copy. The score is that
+    of the text after the last ``|`` (the final answer), 1.0 only for the exact answer with a call."""
 
     name: ClassVar[str] = "calc"
     description: ClassVar[str] = "multiply two numbers with a calculator tool: '37*58:' -> '=', '2146|', '2146'"
@@ -185,15 +185,17 @@ class Calc(TaskBase, frozen=True, kw_only=True):
         self._check("high", self.low <= self.high <= 999, f"between low ({self.low}) and 999")
 
     def max_new_tokens(self) -> int:
-        digits = len(str(self.high * self.high))
-        return 2 + (digits + 1) + (digits + 1)  # "=" EOS, the reply, the answer and EOS
+        return 3 * (len(str(self.high * self.high)) + 1) + 2  # two turns and the reply between them
 
     def sample(self, rng: random.Random) -> Prompt:
         a, b = rng.randint(self.low, self.high), rng.randint(self.low, self.high)
         return Prompt(text=f"{a}*{b}:", answer=str(a * b))
 
     def score(self, prompt: Prompt, response: str) -> float:
-        return char_score(prompt.answer, response.rsplit("|", 1)[-1])
+        """The final answer's score; 0.1 of it is for using the calculator (its reply, the answer
+        and ``|``, is in the response), as agentic RL rewards a well-formed tool call."""
+        called = f"{prompt.answer}|" in response
+        return 0.1 * called + 0.9 * char_score(prompt.answer, response.rsplit("|", 1)[-1])
 
 
 BUILTIN_TASKS: dict[str, type[TaskBase]] = {"add": Add, "copy": Copy, "repeat": Repeat, "calc": Calc}

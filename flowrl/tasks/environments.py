@@ -21,14 +21,14 @@ _PRODUCT = re.compile(r"^\s*(\d+)\s*([*+-])\s*(\d+)\s*:?\s*$")
 
 @dataclass(frozen=True)
 class Calculator:
-    """A calculator holding the prompt's expression (``"37*58:"``): a model turn that is just the
-    key ``=`` gets the result and ``|`` (``"2146|"``); any other turn is the model's final answer
-    and ends the episode, as does the turn after a result."""
+    """A calculator holding the prompt's expression (``"37*58:"``): a model turn that starts with
+    the key ``=`` gets the result and ``|`` (``"2146|"``); any other turn is the model's final
+    answer and ends the episode, as does the turn after a result."""
 
     key: str = "="
 
     def reply(self, prompt: Prompt, turns: list[str]) -> str | None:
-        if len(turns) > 1 or turns[-1].strip() != self.key:
+        if len(turns) > 1 or not turns[-1].startswith(self.key):
             return None
         match = _PRODUCT.match(prompt.text)
         if match is None:
