@@ -217,3 +217,28 @@ def build(cfg):
     )
     with pytest.raises(FlowRLError, match=r"node 'adv' reads 'score_a' with 8 rows and 'rb' with 16 responses"):
         run(str(src), tmp_path, 1, "checkpoint=false")
+
+
+def test_the_readme_walkthrough_is_the_example_file_and_it_runs_from_the_cli(tmp_path):
+    from pathlib import Path
+
+    example = Path("examples/custom_algorithm.py").read_text()
+    assert example in Path("README.md").read_text()
+    cmd = [
+        sys.executable,
+        "-m",
+        "flowrl",
+        "run",
+        "examples/custom_algorithm.py",
+        "--steps",
+        "3",
+        "--out",
+        str(tmp_path),
+        "--set",
+        "rollout.prompts_per_step=2",
+        "--set",
+        "progress=false",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert len((tmp_path / "custom" / "metrics.jsonl").read_text().splitlines()) == 3
