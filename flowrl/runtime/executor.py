@@ -298,9 +298,10 @@ class PlanExecutor:
             _write_acceptance(graph, plan, result.metrics, out_dir / "plan.yaml")
             finished = cfg.steps == 0 or (bool(result.metrics) and result.metrics[-1]["step"] == cfg.steps - 1)
             if cfg.checkpoint and finished and result.stopped is None:
+                first_actor = next((n for n, e in trainers.items() if e.decl.role == "actor"), None)
                 for name, engine in trainers.items():
-                    if engine.decl.trainable:
-                        path = out_dir / ("checkpoint" if engine.decl.role == "actor" else f"checkpoint-{name}")
+                    if engine.decl.trainable:  # the (first) actor's is `checkpoint`, every other model's its own
+                        path = out_dir / ("checkpoint" if name == first_actor else f"checkpoint-{name}")
                         _publish(engine, result.last_checkpoint, path)
                         result.checkpoints[name] = path
         finally:
