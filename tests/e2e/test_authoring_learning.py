@@ -44,7 +44,8 @@ def test_safe_rlhf_meets_its_cost_budget_and_learns(tmp_path):
     cost_first, cost_last = curve(result, "cost/cost")
     lam = [m["multiplier_step/multiplier"] for m in result.metrics]
     print(
-        f"Safe RLHF: reward {first:.3f} -> {last:.3f}, cost {cost_first:.3f} -> {cost_last:.3f}, max lambda {max(lam):.3f}"
+        f"Safe RLHF: reward {first:.3f} -> {last:.3f}, cost {cost_first:.3f} -> {cost_last:.3f}, "
+        f"max lambda {max(lam):.3f}"
     )
     assert cost_first > 0.3 and cost_last < 0.05  # the budget
     assert max(lam) > 1.1 and lam[-1] < max(lam)  # the multiplier rose while over budget, then fell
