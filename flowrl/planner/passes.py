@@ -23,7 +23,7 @@ import msgspec
 from flowrl.errors import GraphError, PlanError
 from flowrl.graph.ir import Compute, Filter, Forward, Generate, Graph, Reward, Train
 from flowrl.planner import memory as mem
-from flowrl.planner.capabilities import supports
+from flowrl.planner.capabilities import rollout_conflict, supports
 from flowrl.planner.plan import ExecutionPlan, MemoryEstimate, NodePlan
 from flowrl.planner.space import (
     ClusterPlan,
@@ -393,6 +393,9 @@ def _place(
         raise PlanError("--placement / --sync choose among cluster plans; this plan is for one device.")
     policy = rollout_policy(plan.config.rollout)
     if single is not None and policy is not None:
+        conflict = rollout_conflict(ctx.graph, policy)
+        if conflict:
+            raise PlanError(conflict)
         single = msgspec.structs.replace(single, rollout=policy)
     result = (
         tuner.single(single)

@@ -159,19 +159,20 @@ def test_episodes_train_only_the_model_tokens(tmp_path):
         def __init__(self, tok):
             self.tok = tok
 
-        def _rollout(self, prompt_ids, prompt_mask, tokens):
+        def _rollout(self, prompt_ids, index, tokens):
             from flowrl.runtime.batch import Sequences, padded_rows
             from flowrl.runtime.protocols import Rollout
 
             p, pm, r, rm = padded_rows(prompt_ids, tokens, 0)
-            seqs = Sequences(p, pm, r, rm, torch.arange(len(tokens)), tuple("" for _ in tokens))
+            seqs = Sequences(p, pm, r, rm, index, tuple("" for _ in tokens))
             return Rollout(
                 sequences=seqs, logprobs=-torch.ones(r.shape), finished=torch.ones(len(tokens), dtype=torch.bool)
             )
 
         def generate(self, prompts, *, n, greedy, generator, max_new_tokens=None):
             ids = [self.tok.encode(p.text) for p in prompts for _ in range(n)]
-            return self._rollout(ids, None, [self.tok.encode("=", add_special_tokens=False) + [2]] * len(ids))
+            index = torch.arange(len(prompts)).repeat_interleave(n)
+            return self._rollout(ids, index, [self.tok.encode("=", add_special_tokens=False) + [2]] * len(ids))
 
         def resume(self, rollout, *, generator, max_new_tokens=None):
             s = rollout.sequences
