@@ -249,7 +249,8 @@ class Tuner:
             generation=sk.generation,
             rollout=sk.rollout,
             weight_sync=sk.weight_sync,
-            generations={m: sk.generation for m in self.roles.actors[1:]},  # policies share the generation group
+            # further policies share the generation group, each with its own layout
+            generations=tuple(msgspec.structs.replace(sk.generation, model=m) for m in self.roles.actors[1:]),
         )
 
     def evaluate(self, plan: ClusterPlan, *, iterations: int, max_replicas: int | None) -> Candidate:

@@ -271,7 +271,9 @@ def colocated(graph: Graph, workload: WorkloadSpec, micro_batch: int | None = No
         generation=GenerationLayout(group="all", tp=1, replicas=1),
         rollout=RolloutPolicy(),
         weight_sync=WeightSync(strategy="reshard"),
-        generations={m: GenerationLayout(group="all", tp=1, replicas=1) for m in generating_models(graph)[1:]},
+        generations=tuple(
+            GenerationLayout(group="all", tp=1, replicas=1, model=m) for m in generating_models(graph)[1:]
+        ),
     )
 
 

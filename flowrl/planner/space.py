@@ -47,6 +47,7 @@ class GenerationLayout(Spec):
     group: str
     tp: int
     replicas: int
+    model: str | None = None  # the generating policy (None: the graph's first)
 
 
 class RolloutPolicy(Spec):
@@ -113,14 +114,14 @@ class ClusterPlan(Spec):
     weight_sync: WeightSync
     predicted: Prediction | None = None
     # the generation layout of every further generating policy (multi-policy graphs), by model
-    generations: dict[str, GenerationLayout] = {}
+    generations: tuple[GenerationLayout, ...] = ()
 
     def layout(self, model: str) -> ModelLayout:
         return next(m for m in self.models if m.model == model)
 
     def generation_of(self, model: str) -> GenerationLayout:
         """The generation layout of generating model ``model``."""
-        return self.generations.get(model, self.generation)
+        return next((g for g in self.generations if g.model == model), self.generation)
 
     def group(self, name: str) -> DeviceGroup:
         return next(g for g in self.groups if g.name == name)
@@ -134,7 +135,7 @@ class ClusterPlan(Spec):
                 f"mb{m.micro_batch}{' off' if m.offload_optimizer else ''})"
                 for m in members
             )
-            gens = [("", self.generation), *((f"{m} ", x) for m, x in self.generations.items())]
+            gens = [("", self.generation), *((f"{x.model} ", x) for x in self.generations)]
             gen = "".join(f" gen {m}tp{x.tp}x{x.replicas}" for m, x in gens if x.group == g.name)
             parts.append(f"[{g.name}:{g.devices}] {descr}{gen}".rstrip())
         roll = self.rollout.describe()

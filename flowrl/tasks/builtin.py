@@ -192,10 +192,13 @@ class Calc(TaskBase, frozen=True, kw_only=True):
         return Prompt(text=f"{a}*{b}:", answer=str(a * b))
 
     def score(self, prompt: Prompt, response: str) -> float:
-        """The final answer's score; 0.1 of it is for using the calculator (its reply, the answer
-        and ``|``, is in the response), as agentic RL rewards a well-formed tool call."""
-        called = f"{prompt.answer}|" in response
-        return 0.1 * called + 0.9 * char_score(prompt.answer, response.rsplit("|", 1)[-1])
+        """The final answer's score: 1.0 when exact; otherwise 0.1 for having used the calculator
+        (its reply, the answer and ``|``, is in the response: agentic RL rewards a well-formed
+        tool call) plus 0.9 of the answer's partial credit."""
+        final = response.rsplit("|", 1)[-1]
+        if final == prompt.answer:
+            return 1.0
+        return 0.1 * (f"{prompt.answer}|" in response) + 0.9 * char_score(prompt.answer, final)
 
 
 BUILTIN_TASKS: dict[str, type[TaskBase]] = {"add": Add, "copy": Copy, "repeat": Repeat, "calc": Calc}

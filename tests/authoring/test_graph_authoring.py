@@ -173,7 +173,7 @@ def test_shipped_graphs_plan_for_a_cluster_with_explain(graph):
 
 def test_two_policies_get_their_own_generation_layouts_and_syncs():
     graph, plan = api.plan("graphs/two_agent.py", emit=lambda s: None)
-    assert set(plan.layout.generations) == {"solver"}
+    assert [g.model for g in plan.layout.generations] == ["solver"]
     from flowrl.runtime.schedule import lower
 
     schedule = lower(graph, plan)

@@ -29,17 +29,41 @@ def builtin() -> Registry:
 
 
 def test_builtin_registrations(builtin: Registry) -> None:
-    assert builtin.names("algorithms") == ["grpo", "ppo", "ppo_rm", "reinforce_pp", "remax", "rloo"]
-    assert builtin.names("losses") == ["ppo", "value"]
-    assert builtin.names("advantage_estimators") == ["gae", "grpo", "reinforce_pp", "remax", "rloo"]
-    assert builtin.names("tasks") == ["add", "copy", "repeat"]
+    assert builtin.names("algorithms") == [
+        "dapo",
+        "grpo",
+        "ppo",
+        "ppo_rm",
+        "reinforce_pp",
+        "remax",
+        "rloo",
+        "safe_rlhf",
+        "tool_use",
+        "two_agent",
+    ]
+    assert builtin.names("losses") == ["gspo", "ppo", "value"]
+    assert builtin.names("advantage_estimators") == [
+        "followup_prompts",
+        "gae",
+        "group_mean",
+        "grpo",
+        "lagrange_update",
+        "lagrangian",
+        "overlong",
+        "reinforce_pp",
+        "remax",
+        "rloo",
+    ]
+    assert builtin.names("filters") == ["nonconstant"]
+    assert builtin.names("environments") == ["calculator"]
+    assert builtin.names("tasks") == ["add", "calc", "copy", "repeat"]
     assert builtin.names("executors") == ["local"]
     assert builtin.names("generation_engines") == ["local"]
     assert builtin.names("training_engines") == ["local"]
     assert builtin.names("passes") == ["memory", "micro_batch", "place", "resolve"]
     assert builtin.names("hardware") == ["A100-40G", "A100-80G", "H100-80G", "H20", "H200-141G"]
     assert builtin.names("cost_models") == ["analytic"]
-    assert builtin.names("reward_functions") == ["task"]
+    assert builtin.names("reward_functions") == ["task", "verbosity"]
     assert builtin.names("cli_commands") == ["profile"]
     assert builtin.kinds() == list(HOOKS.values())
     assert [p.name for p in builtin.plugins] == [BUILTIN]
@@ -114,7 +138,7 @@ def test_duplicate_blames_the_later_plugin() -> None:
 
 def test_distinct_extra_plugins_register() -> None:
     _, reg = load_plugins(entry_points=False, extra=[("first", TwoPlugins("one")), ("second", TwoPlugins("two"))])
-    assert reg.names("reward_functions") == ["one", "task", "two"]
+    assert reg.names("reward_functions") == ["one", "task", "two", "verbosity"]
     assert reg.entry("reward_functions", "two").plugin == "second"
     in_process = [("first", "registered in-process"), ("second", "registered in-process")]
     assert [(p.name, p.source) for p in reg.plugins][1:] == in_process
@@ -168,7 +192,7 @@ def test_unknown_name_gets_a_hint(builtin: Registry) -> None:
         builtin.get("algorithms", "grop")
     message = str(info.value)
     assert "unknown algorithm 'grop'" in message and "Did you mean 'grpo'?" in message
-    assert "Known: grpo, ppo, ppo_rm, reinforce_pp, remax, rloo" in message
+    assert "Known: dapo, grpo, ppo, ppo_rm, reinforce_pp, remax, rloo, safe_rlhf, tool_use, two_agent" in message
     with pytest.raises(PluginError) as info:
         builtin.get("tasks", "zzzzzz")
     assert "Did you mean" not in str(info.value) and "unknown task 'zzzzzz'" in str(info.value)
@@ -198,7 +222,7 @@ def test_empty_flowrl_plugins_loads_no_entry_points(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("FLOWRL_PLUGINS", "")
     _, reg = load_plugins()
     assert [p.name for p in reg.plugins] == [BUILTIN]
-    assert reg.names("algorithms") == ["grpo", "ppo", "ppo_rm", "reinforce_pp", "remax", "rloo"]
+    assert "grpo" in reg.names("algorithms") and "safe_rlhf" in reg.names("algorithms")
     assert reg.names("cli_commands") == ["profile"]
 
 

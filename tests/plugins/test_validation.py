@@ -96,6 +96,14 @@ class Good:
         register("good", lambda prompts, responses, task, **options: None)
 
     @hookimpl
+    def register_filters(self, register: Any) -> None:
+        register("good", lambda inputs, algo, **options: None, needs=("rewards",))
+
+    @hookimpl
+    def register_environments(self, register: Any) -> None:
+        register("good", lambda task, **options: None)
+
+    @hookimpl
     def register_tasks(self, register: Any) -> None:
         register("good", GoodTask)
 

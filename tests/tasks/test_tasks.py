@@ -128,7 +128,7 @@ def test_random_policy_baseline_is_low(name: str) -> None:
 
 
 def test_make_task_unknown_name_lists_known() -> None:
-    with pytest.raises(TaskError, match="unknown task 'mul'.*add, copy, repeat"):
+    with pytest.raises(TaskError, match="unknown task 'mul'.*add, calc, copy, repeat"):
         make_task("mul")
 
 

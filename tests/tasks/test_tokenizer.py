@@ -73,7 +73,12 @@ def test_save_load_round_trip(tok: transformers.PreTrainedTokenizerFast, tmp_pat
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_TASKS))
 def test_task_text_has_no_unk(tok: transformers.PreTrainedTokenizerFast, name: str) -> None:
-    big = {"add": {"modulo": 7}, "copy": {"alphabet_size": 26, "max_len": 8}, "repeat": {"alphabet_size": 26}}
+    big = {
+        "add": {"modulo": 7},
+        "copy": {"alphabet_size": 26, "max_len": 8},
+        "repeat": {"alphabet_size": 26},
+        "calc": {"low": 100, "high": 999},
+    }
     for options in ({}, big[name]):
         task = make_task(name, options)
         for prompt in task.prompts(random.Random(1), 300):
