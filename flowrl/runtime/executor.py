@@ -369,9 +369,13 @@ def _rounds(graph: Graph, gen: Generate, rt: NodeRuntime, prompts_per_step: int)
         batch = dict(zip((gen.reads[0], *gen.writes), (prompts, seqs, logprobs)))
         metrics = {}
         for inner in between:
-            out, metrics[inner] = run_node(rt, inner, batch)
+            start = time.perf_counter()
+            out, node_metrics = run_node(rt, inner, batch)
+            metrics[inner] = (time.perf_counter() - start, node_metrics)
             batch.update(out)
+        start = time.perf_counter()
         keep, _ = filter_groups(rt, name, batch)
+        metrics[name] = (time.perf_counter() - start, {})
         return {k: batch[k] for inner in between for k in graph.nodes[inner].writes}, keep, metrics
 
     return Rounds(run=run, groups=node.groups or prompts_per_step, max_rounds=node.max_rounds, filter=name)
@@ -471,6 +475,8 @@ def _record(
         if task.kind == "generate":
             tokens += int(metrics["tokens"])
             gen_seconds += took
+        for name in task.absorbs:  # nodes that ran inside the generate task (dynamic sampling)
+            spans[name] = round(outputs[name][0], 5)
         for name in (task.name, *task.absorbs):
             for key, value in outputs[name][1].items():
                 record[f"{name}/{key}"] = value

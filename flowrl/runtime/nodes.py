@@ -158,16 +158,18 @@ def _run(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[dict[str
 
 
 def check_rows_read(node: Any, inputs: Mapping[str, Any]) -> None:
-    """Every per-row value a node reads has as many rows as the responses it reads: rows of two
-    generate nodes (different samples per prompt, or different prompts) cannot be mixed."""
+    """Every per-row value a node reads has as many rows as the responses it reads (or one per
+    prompt they answer): rows of two generate nodes (different samples per prompt, or different
+    prompts) cannot be mixed."""
     seqs = [(k, v) for k, v in inputs.items() if isinstance(v, Sequences)]
     if len(seqs) != 1:
         return
     key, value = seqs[0]
     rows = len(value)
+    groups = int(value.prompt_index.max()) + 1 if rows else 0  # one value per prompt (a greedy baseline) fits too
     port_key = {port: k for port, k in node.ports.items()}
     for name, v in inputs.items():
-        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] != rows:
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] not in (rows, groups):
             raise GraphError(
                 f"node '{node.name}' reads '{port_key.get(name, name)}' with {v.shape[0]} rows and "
                 f"'{port_key.get(key, key)}' with {rows} responses; they come from different generate nodes "

@@ -328,8 +328,7 @@ class Pipeline:
             if len(value) > 5:  # dynamic sampling: what the nodes up to the filter wrote, and their metrics
                 extra, nodes = value[5:]
                 state.batch.update(extra)
-                for name, node_metrics in nodes.items():
-                    state.outputs[name] = (0.0, node_metrics)
+                state.outputs.update(nodes)  # node -> (seconds, metrics)
             node = self.rt.graph.nodes[task.name]
             self._add_parts(unit, state, parts[len(state.parts.get(node.writes[0], {})) :], pending)
             if prompts is not None:

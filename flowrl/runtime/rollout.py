@@ -238,10 +238,12 @@ class Rounds:
     """Dynamic sampling for a generate node whose rows a filter keeps: ``run(prompts, seqs,
     logprobs)`` runs the nodes between the generate node and the filter, then the filter, on one
     round's rows; it returns (their outputs by key, the kept groups as a bool per prompt, each
-    node's metrics). Rounds draw ``prompts_per_step`` more prompts until ``groups`` passed, at
+    node's (seconds, metrics)). Rounds draw ``prompts_per_step`` more prompts until ``groups`` passed, at
     most ``max_rounds``."""
 
-    run: Callable[[list[Prompt], Sequences, Any], tuple[dict[str, Any], torch.Tensor, dict[str, dict[str, Any]]]]
+    run: Callable[
+        [list[Prompt], Sequences, Any], tuple[dict[str, Any], torch.Tensor, dict[str, tuple[float, dict[str, Any]]]]
+    ]
     groups: int
     max_rounds: int
     filter: str  # the filter node's name (its metrics)
@@ -364,6 +366,7 @@ class StepRollout:
         want, kept, tokens = self.rounds.groups, [], 0
         sampled = passed = rounds = 0
         node_runs: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+        node_seconds: dict[str, float] = {}
         last: tuple[list[Prompt], Sequences, dict[str, Any], torch.Tensor] | None = None
         while passed < want and rounds < self.rounds.max_rounds:
             if rounds:
@@ -372,8 +375,9 @@ class StepRollout:
             seqs, n_tokens = self._sample(prompts, rng)
             tokens += n_tokens
             outputs, keep, metrics = self.rounds.run(prompts, seqs, seqs.logprobs)
-            for node, m in metrics.items():
+            for node, (took, m) in metrics.items():
                 node_runs.setdefault(node, []).append((len(seqs), m))
+                node_seconds[node] = node_seconds.get(node, 0.0) + took
             sampled += len(prompts)
             groups = keep.nonzero().flatten().tolist()
             passed += len(groups)
@@ -392,13 +396,16 @@ class StepRollout:
         self.buffer.taken.extend(self.buffer.add(batch_prompts))
         self.buffer.prompts.clear()
         metrics = {**self._metrics(seqs, tokens, version, 0, 0), "carried": 0, "in_flight": 0}
-        nodes = {node: _weighted(runs) for node, runs in node_runs.items()}
-        nodes[self.rounds.filter] = {
-            "rounds": rounds,
-            "acceptance": round(passed / max(sampled, 1), 4),
-            "groups": len(batch_prompts),
-            "fallback": int(fallback),
-        }
+        nodes = {node: (node_seconds[node], _weighted(runs)) for node, runs in node_runs.items()}
+        nodes[self.rounds.filter] = (
+            node_seconds.get(self.rounds.filter, 0.0),
+            {
+                "rounds": rounds,
+                "acceptance": round(passed / max(sampled, 1), 4),
+                "groups": len(batch_prompts),
+                "fallback": int(fallback),
+            },
+        )
         return batch_prompts, seqs, seqs.logprobs, metrics, [(seqs, seqs.logprobs, batch_prompts)], extra, nodes
 
     def _part(
