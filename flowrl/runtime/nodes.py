@@ -192,7 +192,7 @@ def _check_rows(node: Compute, inputs: Mapping[str, Any], out: Mapping[str, Any]
         if value is None or isinstance(value, Sequences):
             continue
         what = f"node '{node.name}': compute function '{node.fn}' wrote '{key}'"
-        if isinstance(value, list):
+        if isinstance(value, list) and not all(isinstance(x, (int, float)) for x in value):  # prompts, texts
             if len(value) != rows:
                 raise GraphError(f"{what} as a list of {len(value)} items; it reads {rows} responses: one item each.")
             continue
