@@ -189,3 +189,37 @@ def test_a_resumed_fsdp2_run_restores_every_shard_and_equals_the_uninterrupted_r
     same = [{k: v for k, v in r.items() if not k.endswith("/seconds")} for r in stripped(whole.metrics)]
     again = [{k: v for k, v in r.items() if not k.endswith("/seconds")} for r in stripped(resumed.metrics)]
     assert [r["step"] for r in again] == [0, 1, 2, 3] and same == again
+
+
+def test_dynamic_sampling_and_a_graph_files_own_loss_run_on_ray(tmp_path):
+    """The filter's rounds run on the controller; a loss registered in a graph file reaches the
+    workers by value (its module cannot be imported there)."""
+    src = tmp_path / "own_loss.py"
+    src.write_text(
+        """
+from flowrl import register
+from flowrl.graph import Graph
+
+
+@register.loss("plain_pg", needs=("advantages",))
+def plain_pg(logprobs, batch, algo):
+    mask = batch["responses"].sampled_mask
+    return -(logprobs * batch["advantages"] * mask).sum() / mask.sum().clamp_min(1.0), {"tokens": float(mask.sum())}
+
+
+def build(cfg):
+    g = Graph("own_loss")
+    g.model("actor", "actor")
+    g.generate("rollout", model="actor", n=4)
+    g.reward("reward", fn="task")
+    g.filter("keep", fn="nonconstant", reads="rewards responses", max_rounds=2)
+    g.compute("advantages", fn="grpo", reads="rewards responses", writes="advantages")
+    g.train("train_actor", model="actor", loss="plain_pg", reads="responses advantages")
+    return g
+"""
+    )
+    g, plan = cpu2_plan(str(src), tmp_path, "steps=2", placement="disaggregated")
+    result = api.run(g, plan)
+    assert [m["step"] for m in result.metrics] == [0, 1]
+    for m in result.metrics:
+        assert 1 <= m["keep/rounds"] <= 2 and m["train_actor/tokens"] > 0

@@ -93,6 +93,7 @@ class RayExecutor(PlanExecutor):
 
         device = self.device(plan)
         gpus = device != "cpu"
+        _user_functions_by_value()
         started = _connect(self.address, schedule.world, gpus)
         transport = RayTransport(schedule, started)
         try:
@@ -308,3 +309,15 @@ class RayTransport:
             ray.shutdown()
             while ray.is_initialized() and time.time() < deadline:  # pragma: no cover - shutdown is synchronous
                 time.sleep(0.1)
+
+
+def _user_functions_by_value() -> None:
+    """What a graph file registered (its losses run on the workers) travels there by value: the
+    file is imported under a name the workers cannot import."""
+    import sys
+
+    from ray import cloudpickle
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("flowrl_user_graph_"):
+            cloudpickle.register_pickle_by_value(module)
