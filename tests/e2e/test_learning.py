@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+import yaml
 
 from flowrl import api
 from flowrl.backends.local.models import build_causal_lm, load_tokenizer, model_config
@@ -94,3 +95,56 @@ def test_grpo_learns_the_long_tail_repeat_task(tmp_path):
     first, last = mean(rewards[:10]), mean(rewards[-10:])
     print(f"GRPO repeat: reward {first:.3f} -> {last:.3f}")
     assert first < 0.2 and last > 0.6
+
+
+# ---------------------------------------------------------------- ports, state, filters, policies, episodes
+
+
+def curve(result, key="reward"):
+    values = [m[key] for m in result.metrics]
+    return mean(values[:10]), mean(values[-10:])
+
+
+def test_dapo_learns_with_dynamic_sampling(tmp_path):
+    result = train("graphs/dapo.py", tmp_path, 100, "checkpoint=false")  # 0.009 -> 0.54
+    first, last = curve(result)
+    print(f"DAPO copy: reward {first:.3f} -> {last:.3f}")
+    assert last > first + 0.3
+    rounds = [m["dynamic_sampling/rounds"] for m in result.metrics]
+    assert max(rounds) > 1  # some steps sampled more prompts to fill the batch
+    workload = yaml.safe_load((result.out_dir / "plan.yaml").read_text())["target"]["workload"]
+    assert 0 < workload["acceptance_rate"] < 1
+
+
+def test_safe_rlhf_meets_its_cost_budget_and_learns(tmp_path):
+    result = train("graphs/safe_rlhf.py", tmp_path, 100, "checkpoint=false")  # reward 0.009 -> 0.15, cost 0.73 -> 0.002
+    first, last = curve(result)
+    cost_first, cost_last = curve(result, "cost/cost")
+    lam = [m["multiplier_step/multiplier"] for m in result.metrics]
+    print(
+        f"Safe RLHF: reward {first:.3f} -> {last:.3f}, cost {cost_first:.3f} -> {cost_last:.3f}, "
+        f"max lambda {max(lam):.3f}"
+    )
+    assert cost_first > 0.3 and cost_last < 0.05  # the budget
+    assert max(lam) > 1.1 and lam[-1] < max(lam)  # the multiplier rose while over budget, then fell
+    assert last > first + 0.08
+
+
+def test_two_policies_learn_from_a_shared_reward(tmp_path):
+    result = train("graphs/two_agent.py", tmp_path, 100)  # 0.018 -> 0.22
+    first, last = curve(result)
+    print(f"two agents: reward {first:.3f} -> {last:.3f}")
+    assert last > first + 0.1
+    m = result.metrics[-1]
+    assert "train_proposer/loss" in m and "train_solver/loss" in m
+    assert set(result.checkpoints) == {"proposer", "solver"}
+    assert result.checkpoints["proposer"] != result.checkpoints["solver"]
+
+
+def test_tool_use_learns_to_call_the_calculator(tmp_path):
+    result = train("graphs/tool_use.py", tmp_path, 120, "checkpoint=false")  # 0.02 -> 0.3
+    first, last = curve(result)
+    calls = mean(m["episodes/env_replies"] for m in result.metrics[-10:])
+    print(f"tool use: reward {first:.3f} -> {last:.3f}, calculator calls {calls:.2f}")
+    assert calls > 0.8
+    assert last > first + 0.15
