@@ -231,6 +231,21 @@ def _engine_choice(engine: str, predicted: dict[str, float] | None) -> str:
     return f"generation engine: {engine}, the fastest predicted step of the engines calibrated here ({others})"
 
 
+def _dynamic_sampling(graph: Any, plan: Any) -> list[str]:
+    """How the plan costs each filter's dynamic sampling: the rounds its acceptance rate implies."""
+    workload = plan.target.workload
+    out = []
+    for gen, name in graph.filters().items():
+        rate = workload.acceptance_rate if workload is not None else 1.0
+        rounds = min(1 / rate, graph.nodes[name].max_rounds)
+        source = "measured by a run" if rate < 1 else "1.0 until a run measures it (its plan.yaml)"
+        out.append(
+            f"dynamic sampling: filter '{name}' passes {rate:.0%} of the groups of '{gen}' (acceptance_rate, "
+            f"{source}): {rounds:.2f} rounds of generation per step, at most {graph.nodes[name].max_rounds}"
+        )
+    return out
+
+
 def _summary(metrics: list[dict[str, Any]]) -> str:
     if not metrics:
         return "no steps ran."
@@ -311,6 +326,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         print(explain(cache["tune"], plan.target.model, plan.target.cluster))
         print(_engine_choice(plan.config.generation.engine, cache.get("engines")))
+        for line in _dynamic_sampling(graph, plan):
+            print(line)
     if args.timeline and "tune" in cache:
         writable(args.timeline, args.force, "--timeline")
         writable(Path(args.timeline).with_suffix(".json"), args.force, "--timeline (its .json)")

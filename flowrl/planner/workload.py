@@ -162,10 +162,14 @@ class WorkloadSpec(CheckedSpec, kw_only=True):
 
 
 def load_workload(path: str | Path) -> WorkloadSpec:
-    """Read a workload file; errors name the file and the dotted field (``response_length.sigma``)."""
+    """Read a workload file, or a run's plan.yaml (its workload, with the acceptance rate the run
+    measured); errors name the file and the dotted field (``response_length.sigma``)."""
     path = Path(path)
     what = f"workload file '{path}'"
     data = read_document(path)
+    target = data.get("target")
+    if isinstance(target, dict) and isinstance(target.get("workload"), dict):  # a plan file
+        data, what = target["workload"], f"workload of plan file '{path}'"
     length = data.get("response_length")
     if isinstance(length, (int, str)) and not isinstance(length, bool):
         data = {**data, "response_length": {"kind": "fixed", "value": length}}

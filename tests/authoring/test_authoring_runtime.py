@@ -243,3 +243,13 @@ def test_the_readme_walkthrough_is_the_example_file_and_it_runs_from_the_cli(tmp
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert len((tmp_path / "custom" / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_runs_plan_yaml_is_a_workload_file_with_its_measured_acceptance(tmp_path):
+    from flowrl.planner.workload import load_workload
+
+    _, _, result = run("graphs/dapo.py", tmp_path, 2, "checkpoint=false", "rollout.samples_per_prompt=4")
+    workload = load_workload(result.out_dir / "plan.yaml")
+    rates = [m["dynamic_sampling/acceptance"] for m in result.metrics]
+    assert workload.acceptance_rate == pytest.approx(max(sum(rates) / len(rates), 0.01), abs=1e-4)
+    assert workload.prompts_per_step == 4

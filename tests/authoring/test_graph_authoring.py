@@ -180,3 +180,22 @@ def test_two_policies_get_their_own_generation_layouts_and_syncs():
     gens = {t.name: t.model for t in schedule.tasks if t.kind == "generate"}
     assert gens == {"propose": "proposer", "solve": "solver"}
     assert {m.model for m in schedule.models if m.generation_group is not None} == {"proposer", "solver"}
+
+
+def test_the_planner_costs_dynamic_sampling_rounds_from_the_acceptance_rate(tmp_path):
+    from flowrl.cli import main
+    from flowrl.planner.plan import load_plan
+
+    rollout = {}
+    for rate in (1.0, 0.5, 0.1):
+        workload = tmp_path / f"w{rate}.yaml"
+        workload.write_text(
+            f"prompts_per_step: 128\nsamples_per_prompt: 8\nprompt_length: 512\nresponse_length: 1024\n"
+            f"acceptance_rate: {rate}\n"
+        )
+        out = tmp_path / f"plan{rate}.yaml"
+        args = ["plan", "graphs/dapo.py", "--cluster", "8xH100-80G", "--model", "llama-7b", "--workload", str(workload)]
+        assert main([*args, "--placement", "colocate", "--out", str(out)]) == 0
+        rollout[rate] = load_plan(out).layout.predicted.breakdown["rollout"]
+    assert rollout[0.5] == pytest.approx(2 * rollout[1.0], rel=0.15)  # two rounds
+    assert rollout[0.1] == pytest.approx(3 * rollout[1.0], rel=0.15)  # capped at the filter's max_rounds (3)
