@@ -59,6 +59,17 @@ def load(
     return build_graph(src, cfg), cfg
 
 
+def response_budget(cfg: RunConfig, registry: Registry | None = None) -> int:
+    """The run's response budget in tokens: ``rollout.max_new_tokens``, else its task's (for a
+    graph's ``build(cfg)`` that sizes something by it, such as DAPO's overlong penalty)."""
+    if cfg.rollout.max_new_tokens:
+        return cfg.rollout.max_new_tokens
+    from flowrl.tasks.builtin import make_task
+
+    tasks = {e.name: e.obj for e in (registry or default_registry()).entries("tasks")}
+    return int(make_task(cfg.task, cfg.task_options, registry=tasks).max_new_tokens())
+
+
 def executor_entry(cfg: RunConfig, reg: Registry) -> Entry:
     return reg.entry("executors", cfg.backend, field="backend")
 

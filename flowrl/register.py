@@ -42,22 +42,32 @@ def reward(name: str | None = None) -> Callable[[F], F]:
     return _decorator("reward_functions", name, {})
 
 
-def estimator(name: str | None = None, *, needs: Iterable[str] = (), gives: Iterable[str] = ()) -> Callable[[F], F]:
+def estimator(
+    name: str | None = None, *, needs: Iterable[str] = (), gives: Iterable[str] = (), optional: Iterable[str] = ()
+) -> Callable[[F], F]:
     """A compute function ``fn(inputs, algo, **options)`` -> {port: tensor} (or (outputs, metrics));
-    ``needs`` / ``gives`` name its input and output ports (a node binds them to keys)."""
-    return _decorator("advantage_estimators", name, {"needs": tuple(needs), "gives": tuple(gives)})
+    ``needs`` / ``gives`` name its input and output ports (a node binds them to keys),
+    ``optional`` the inputs it uses when a node reads them."""
+    return _decorator(
+        "advantage_estimators", name, {"needs": tuple(needs), "gives": tuple(gives), "optional": tuple(optional)}
+    )
 
 
-def loss(name: str | None = None, *, needs: Iterable[str] = (), output: str = "logprobs") -> Callable[[F], F]:
+def loss(
+    name: str | None = None, *, needs: Iterable[str] = (), output: str = "logprobs", optional: Iterable[str] = ()
+) -> Callable[[F], F]:
     """A loss ``fn(outputs, batch, algo)`` -> (scalar tensor, stats), trained on the model's
-    ``output`` ("logprobs" or "values"); ``needs`` names the batch ports it reads."""
-    return _decorator("losses", name, {"needs": tuple(needs), "output": output})
+    ``output`` ("logprobs" or "values"); ``needs`` names the batch ports it reads, ``optional``
+    those it uses when the node reads them."""
+    return _decorator("losses", name, {"needs": tuple(needs), "output": output, "optional": tuple(optional)})
 
 
-def filter(name: str | None = None, *, needs: Iterable[str] = ()) -> Callable[[F], F]:  # noqa: A001
+def filter(  # noqa: A001
+    name: str | None = None, *, needs: Iterable[str] = (), optional: Iterable[str] = ()
+) -> Callable[[F], F]:
     """A filter function ``fn(inputs, algo, **options)`` -> one bool per group (or per row): the
     groups a filter node keeps."""
-    return _decorator("filters", name, {"needs": tuple(needs)})
+    return _decorator("filters", name, {"needs": tuple(needs), "optional": tuple(optional)})
 
 
 def environment(name: str | None = None) -> Callable[[F], F]:

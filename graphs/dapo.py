@@ -1,5 +1,6 @@
 """DAPO: GRPO with clip-higher, a token-level loss, dynamic sampling and overlong shaping (Yu et al., 2025)."""
 
+from flowrl.api import response_budget
 from flowrl.graph import Graph
 from flowrl.specs import RunConfig
 
@@ -22,7 +23,7 @@ def build(cfg: RunConfig) -> Graph:
     )
 
     # Soft overlong punishment: responses longer than the budget minus a cache lose up to 1.
-    budget = cfg.rollout.max_new_tokens or 6  # the copy task's budget
+    budget = response_budget(cfg)
     g.compute(
         "overlong",
         fn="overlong",

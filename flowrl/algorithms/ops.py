@@ -244,11 +244,21 @@ def verbosity_cost(prompts: list[Prompt], responses: list[str], task: Any) -> tu
 
 
 COMPUTE_FUNCTIONS = {
-    "gae": (gae_op, {"needs": ("rewards", "values", "responses"), "gives": ("advantages", "returns")}),
+    "gae": (
+        gae_op,
+        {
+            "needs": ("rewards", "values", "responses"),
+            "gives": ("advantages", "returns"),
+            "optional": ("old_logprobs", "ref_logprobs"),
+        },
+    ),
     "grpo": (grpo_op, {"needs": ("rewards", "responses"), "gives": ("advantages",)}),
     "rloo": (rloo_op, {"needs": ("rewards", "responses"), "gives": ("advantages",)}),
     "remax": (remax_op, {"needs": ("rewards", "baseline_rewards", "responses"), "gives": ("advantages",)}),
-    "reinforce_pp": (reinforce_pp_op, {"needs": ("rewards", "responses"), "gives": ("advantages",)}),
+    "reinforce_pp": (
+        reinforce_pp_op,
+        {"needs": ("rewards", "responses"), "gives": ("advantages",), "optional": ("old_logprobs", "ref_logprobs")},
+    ),
     "overlong": (overlong_op, {"needs": ("rewards", "responses"), "gives": ("shaped",)}),
     "lagrangian": (
         lagrangian_op,
@@ -260,7 +270,7 @@ COMPUTE_FUNCTIONS = {
 }
 FILTERS = {"nonconstant": (nonconstant_filter, {"needs": ("rewards", "responses")})}
 LOSSES = {
-    "ppo": (ppo_loss, {"needs": ("old_logprobs", "advantages"), "output": "logprobs"}),
+    "ppo": (ppo_loss, {"needs": ("old_logprobs", "advantages"), "output": "logprobs", "optional": ("ref_logprobs",)}),
     "value": (value_loss, {"needs": ("values", "returns"), "output": "values"}),
     "gspo": (gspo_loss, {"needs": ("old_logprobs", "advantages"), "output": "logprobs"}),
 }

@@ -569,6 +569,14 @@ class Graph:
                     "key to one port.",
                     node.name,
                 )
+        for port, key in node.ports.items():
+            if port != key and port in node.reads and port not in node.ports.values():
+                raise self._fail(
+                    f"node '{node.name}': port '{port}' is bound to key '{key}', but the node also reads key "
+                    f"'{port}', which would reach the function under the same port name; bind key '{port}' to "
+                    "another port, or stop reading it.",
+                    node.name,
+                )
 
     def _check_states(self, producers: dict[str, list[str]]) -> None:
         for name in self.states:
@@ -585,6 +593,14 @@ class Graph:
                         raise self._fail(
                             f"node '{node.name}' reads state '{key}'; a generate node reads exactly one key of "
                             "prompts.",
+                            node.name,
+                        )
+            if not isinstance(node, (Compute, Train)):
+                for key in node.reads:
+                    if key in self.states:
+                        raise self._fail(
+                            f"node '{node.name}' ({node.kind}) reads state '{key}', but only compute and train "
+                            "nodes pass state to their functions; read it in a compute node.",
                             node.name,
                         )
             if not isinstance(node, Compute):
@@ -677,6 +693,14 @@ class Graph:
             prompt_keys = set(self.inputs) | {
                 n.reads[0] for n in self.nodes.values() if isinstance(n, Generate) and n.reads
             }
+            if problem is None and isinstance(node, Reward) and read_seqs:
+                gen = next(n for n in self.nodes.values() if isinstance(n, Generate) and read_seqs[0] in n.writes)
+                other = [k for k in node.reads if k in prompt_keys and k != gen.reads[0]]
+                if other and gen.reads:
+                    problem = (
+                        f"reads prompts '{other[0]}', but its responses '{read_seqs[0]}' answer the prompts "
+                        f"'{gen.reads[0]}' (generate node '{gen.name}'); read '{gen.reads[0]}' instead"
+                    )
             if problem is None and isinstance(node, Reward) and not any(k in prompt_keys for k in node.reads):
                 problem = (
                     "reads no prompts; a reward node scores responses against their prompts (add "

@@ -134,20 +134,21 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     reg, graph, cfg = ctx.registry, ctx.graph, plan.config
     task = make_task(cfg.task, cfg.task_options, registry={e.name: e.obj for e in reg.entries("tasks")})
     rows = node_rows(graph, cfg.rollout.prompts_per_step)
+    seqs = graph.sequence_keys()
     for node in graph.nodes.values():
         if isinstance(node, Reward):
             reg.entry("reward_functions", node.fn)
         elif isinstance(node, Compute):
             entry = reg.entry("advantage_estimators", node.fn)
-            _check_keys(node, f"compute function '{node.fn}'", entry.meta, node.updates)
+            _check_keys(node, f"compute function '{node.fn}'", entry.meta, seqs, node.updates)
         elif isinstance(node, Filter):
             entry = reg.entry("filters", node.fn)
-            _check_keys(node, f"filter function '{node.fn}'", {"needs": entry.meta.get("needs", ())})
+            _check_keys(node, f"filter function '{node.fn}'", _inputs_only(entry.meta), seqs)
         elif isinstance(node, Generate) and node.env is not None:
             reg.entry("environments", node.env)
         elif isinstance(node, Train):
             entry = reg.entry("losses", node.loss)
-            _check_keys(node, f"loss '{node.loss}'", {"needs": entry.meta.get("needs", ())})
+            _check_keys(node, f"loss '{node.loss}'", _inputs_only(entry.meta), seqs)
             decl = graph.models[node.model]
             want = "values" if decl.scalar_head else "logprobs"
             if entry.meta.get("output", "logprobs") != want:
@@ -205,7 +206,14 @@ def task_lengths(task: Any, budget: int, ignore_eos: bool) -> tuple[int, Lengths
     return prompt, Histogram(lengths=sorted(counts), weights=[float(counts[k]) for k in sorted(counts)])
 
 
-def _check_keys(node: Any, what: str, meta: dict[str, Any], state: tuple[str, ...] = ()) -> None:
+def _inputs_only(meta: dict[str, Any]) -> dict[str, Any]:
+    """A loss's or filter's ports: inputs only (what it gives is not keys)."""
+    return {"needs": meta.get("needs", ()), "optional": meta.get("optional", ())}
+
+
+def _check_keys(
+    node: Any, what: str, meta: dict[str, Any], sequence_keys: set[str], state: tuple[str, ...] = ()
+) -> None:
     """The node's port bindings against what its function declares: every input port it needs is
     bound to a key the node reads; every key it writes comes from a port the function gives."""
     needs, gives = tuple(meta.get("needs", ())), meta.get("gives")
@@ -228,10 +236,10 @@ def _check_keys(node: Any, what: str, meta: dict[str, Any], state: tuple[str, ..
                     f"node '{node.name}' writes key '{key}'{via}, but {what} only produces {', '.join(gives)}; bind "
                     f"one of them to it (ports={{'{gives[0] if gives else 'PORT'}': '{key}'}})."
                 )
-    if meta.get("needs") is not None and gives is not None:
-        known = set(needs) | set(gives) | set(state)
+    if needs or gives:  # the function declares its ports: a binding of another port is a mistake
+        known = set(needs) | set(gives or ()) | set(meta.get("optional", ())) | set(state)
         for port, key in node.ports.items():
-            if port not in known:
+            if port not in known and key not in sequence_keys:  # responses are found by their type
                 raise PlanError(
                     f"node '{node.name}': port '{port}' (bound to key '{key}') is not a port of {what}; its ports: "
                     f"{', '.join(sorted(known)) or 'none'}."
@@ -241,19 +249,29 @@ def _check_keys(node: Any, what: str, meta: dict[str, Any], state: tuple[str, ..
 # ------------------------------------------------------------------ place
 
 
-def node_rows(graph: Graph, prompts: int, samples: int | None = None) -> dict[str, int]:
+def node_rows(graph: Graph, prompts: int, samples: int | None = None, built: int | None = None) -> dict[str, int]:
     """Sequences each node sees per step, propagated along keys from the graph inputs; a
-    sampling generate node multiplies by its ``n`` (or by ``samples``, a workload's)."""
+    sampling generate node multiplies by its ``n`` (or by ``samples``, a workload's, where its
+    ``n`` is the ``built`` one: the config's samples_per_prompt the graph was built with); a
+    filter with ``groups`` passes that many groups to the nodes after it."""
     key_rows = {key: prompts for key in graph.inputs}
     out: dict[str, int] = {}
     for name in graph.order():
         node = graph.nodes[name]
         rows = max((key_rows.get(k, prompts) for k in node.reads), default=prompts)
         if isinstance(node, Generate):
-            rows = rows * (1 if node.greedy else samples or node.n)
+            n = samples if samples and (built is None or node.n == built) else node.n
+            rows = rows * (1 if node.greedy else n)
         out[name] = rows
         for key in node.writes:
             key_rows[key] = rows
+        if isinstance(node, Filter) and node.groups is not None:  # the nodes after it see its groups
+            gen, between = graph.filter_segment(name)
+            asked = key_rows.get(graph.nodes[gen].reads[0], prompts)
+            for inner in (gen, *between):
+                for key in graph.nodes[inner].writes:
+                    key_rows[key] = max(key_rows[key] * node.groups // max(asked, 1), 1)
+            key_rows[graph.nodes[gen].reads[0]] = node.groups
     return out
 
 
@@ -423,7 +441,10 @@ def micro_batch(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     """Set each node's rows per step and micro-batch: configured, or its model layout's."""
     cfg, layout = plan.config, _layout(plan)
     nodes = []
-    for name, rows in node_rows(ctx.graph, plan.workload.prompts_per_step, plan.workload.samples_per_prompt).items():
+    built = plan.config.rollout.samples_per_prompt
+    for name, rows in node_rows(
+        ctx.graph, plan.workload.prompts_per_step, plan.workload.samples_per_prompt, built
+    ).items():
         node = ctx.graph.nodes[name]
         group = None
         size = rows

@@ -275,7 +275,10 @@ def simulate(
             seconds, tokens, batch = gen.iteration(count, group)
             lengths[it] = batch
             if name in filters:  # dynamic sampling: more rounds until the filter has passed the batch
-                rounds = min(1.0 / workload.acceptance_rate, getattr(graph.nodes[filters[name]], "max_rounds", 1))
+                keep = graph.nodes[filters[name]]
+                groups = getattr(keep, "groups", None) or workload.prompts_per_step
+                wanted = groups / workload.prompts_per_step / workload.acceptance_rate  # rounds to pass them
+                rounds = min(wanted, getattr(keep, "max_rounds", 1))
                 more = 1.0
                 while more < rounds:
                     part = min(rounds - more, 1.0)

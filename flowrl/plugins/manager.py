@@ -147,7 +147,7 @@ def _problem(kind: str, name: str, obj: Any, meta: dict[str, Any]) -> str | None
         return f"'{name}' is a core flowrl command: rename the plugin's command"
     if kind == "losses" and "output" in meta and meta["output"] not in LOSS_OUTPUTS:
         return f"meta 'output' is {meta['output']!r}; it must be one of {', '.join(map(repr, LOSS_OUTPUTS))}"
-    for key in ("needs", "gives"):
+    for key in ("needs", "gives", "optional"):
         keys = meta.get(key, ())
         if not isinstance(keys, (tuple, list)) or not all(isinstance(k, str) for k in keys):
             return f"meta '{key}' is {keys!r}; it must be a tuple or list of strings"

@@ -428,7 +428,8 @@ class _StopRequest:
 def _write_acceptance(graph: Graph, plan: ExecutionPlan, metrics: list[dict[str, Any]], path: Path) -> None:
     """A run of a graph with a filter measured its acceptance rate (the fraction of sampled groups
     the filter passed, over every step): it goes into the run's plan.yaml workload, where the
-    planner reads it to cost dynamic sampling's extra generation."""
+    planner reads it to cost dynamic sampling's extra generation (`flowrl plan --workload
+    runs/NAME/plan.yaml`)."""
     workload = plan.target.workload
     keys = [f"{name}/acceptance" for name in graph.filters().values()]
     values = [m[k] for m in metrics for k in keys if isinstance(m.get(k), (int, float))]
@@ -438,7 +439,7 @@ def _write_acceptance(graph: Graph, plan: ExecutionPlan, metrics: list[dict[str,
     target = msgspec.structs.replace(
         plan.target, workload=msgspec.structs.replace(workload, acceptance_rate=round(rate, 4))
     )
-    dump_plan(msgspec.structs.replace(plan, target=target), path)
+    dump_plan(msgspec.structs.replace(plan, target=target).sealed(), path)  # a new content id: the plan changed
 
 
 def _publish(engine: TrainingGroup, step_checkpoint: Path | None, path: Path) -> None:

@@ -114,8 +114,10 @@ def _read(rt: NodeRuntime, node: Any, batch: Mapping[str, Any]) -> dict[str, Any
 
 
 def _written(node: Any, out: Mapping[str, Any]) -> dict[str, Any]:
-    """A function's outputs (by port) under the graph keys the node binds them to."""
-    return {node.ports.get(port, port): value for port, value in out.items()}
+    """A function's outputs (by port) under the graph keys the node binds them to; an unbound
+    output whose name is a key another port is bound to is not that key (the bound port is)."""
+    bound = set(node.ports.values())
+    return {node.ports.get(port, port): value for port, value in out.items() if port in node.ports or port not in bound}
 
 
 def _run(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -238,7 +240,17 @@ def _update_state(rt: NodeRuntime, node: Compute, out: Mapping[str, Any]) -> dic
 
 def filter_groups(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
     """Run filter ``name`` on ``batch``: which of the responses' groups (prompts, by
-    ``prompt_index``) it keeps, as a bool tensor over prompt numbers 0..max(prompt_index)."""
+    ``prompt_index``) it keeps, as a bool tensor over prompt numbers 0..max(prompt_index). An
+    error of its function names the node."""
+    try:
+        return _filter_groups(rt, name, batch)
+    except FlowRLError as exc:
+        if str(exc).startswith(f"node '{name}'"):
+            raise
+        raise type(exc)(f"node '{name}': {exc}") from None
+
+
+def _filter_groups(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
     node = rt.graph.nodes[name]
     assert isinstance(node, Filter)
     inputs = _read(rt, node, batch)

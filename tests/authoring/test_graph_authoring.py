@@ -57,7 +57,7 @@ def build(cfg):
     [
         ({}, "score responses", "compute function 'grpo' needs key 'rewards'"),
         ({"rewards": "nope"}, "score responses", "port 'rewards' is bound to key 'nope', which the node neither"),
-        ({"rewards": "score", "bogus": "responses"}, "score responses", "port 'bogus'"),
+        ({"rewards": "score", "bogus": "old_logprobs"}, "score responses old_logprobs", "port 'bogus'"),
     ],
 )
 def test_bad_port_bindings_name_port_node_and_key(tmp_path, ports, reads, message):
