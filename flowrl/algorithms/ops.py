@@ -265,7 +265,10 @@ COMPUTE_FUNCTIONS = {
         {"needs": ("reward_advantages", "cost_advantages", "multiplier"), "gives": ("advantages",)},
     ),
     "lagrange_update": (lagrange_update_op, {"needs": ("costs", "multiplier"), "gives": ("multiplier",)}),
-    "group_mean": (group_mean_op, {"needs": ("values", "prompts", "responses"), "gives": ("means",)}),
+    "group_mean": (
+        group_mean_op,
+        {"needs": ("values", "prompts", "responses"), "gives": ("means",), "rows": "prompts"},  # one row per prompt
+    ),
     "followup_prompts": (followup_prompts_op, {"needs": ("prompts", "responses"), "gives": ("followups",)}),
 }
 FILTERS = {"nonconstant": (nonconstant_filter, {"needs": ("rewards", "responses")})}

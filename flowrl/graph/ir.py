@@ -598,9 +598,13 @@ class Graph:
             if not isinstance(node, (Compute, Train)):
                 for key in node.reads:
                     if key in self.states:
+                        why = (
+                            "a filter runs inside generation, ahead of training, where state is not settled"
+                            if isinstance(node, Filter)
+                            else "only compute and train nodes pass state to their functions"
+                        )
                         raise self._fail(
-                            f"node '{node.name}' ({node.kind}) reads state '{key}', but only compute and train "
-                            "nodes pass state to their functions; read it in a compute node.",
+                            f"node '{node.name}' ({node.kind}) reads state '{key}'; {why}. Read it in a compute node.",
                             node.name,
                         )
             if not isinstance(node, Compute):

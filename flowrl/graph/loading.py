@@ -98,6 +98,13 @@ def _import_file(path: Path, registry: Any = None) -> ModuleType:
             tb = tb.tb_next
         raise GraphError(f"graph file '{path}' failed to import{line}: {type(exc).__name__}: {exc}") from None
     registered = take_pending()
+    seen: set[tuple[str, str]] = set()
+    for kind, fn_name, _, _ in registered:
+        if (kind, fn_name) in seen:
+            from flowrl.errors import PluginError
+
+            raise PluginError(f"graph file '{path}' registers two functions named '{fn_name}' ({kind}); rename one.")
+        seen.add((kind, fn_name))
     if registered:
         _pickle_by_value(module)
         if registry is not None:

@@ -122,8 +122,10 @@ class Tuner:
         numerics: mem.Numerics | None = None,
         capabilities: Capabilities | None = None,
         generation_engine: str | None = None,
+        rows: dict[str, int] | None = None,
     ) -> None:
         self.graph, self.model, self.cluster, self.w, self.seed = graph, model, cluster, workload, seed
+        self.rows = rows  # per node, when it differs from the workload's sequences (multi-policy, filters)
         self.numerics = numerics or mem.Numerics()
         self.capacity = mem.usable_bytes(cluster.hardware, self.numerics)
         self.capabilities = capabilities
@@ -268,6 +270,7 @@ class Tuner:
             seed=self.seed,
             sampled_replicas=max_replicas,
             numerics=self.numerics,
+            node_rows=self.rows,
         )
         memory = {}
         choice = {m.model: self.score(m) for m in plan.models}

@@ -249,16 +249,41 @@ def _check_keys(
 # ------------------------------------------------------------------ place
 
 
-def node_rows(graph: Graph, prompts: int, samples: int | None = None, built: int | None = None) -> dict[str, int]:
+def plan_rows(ctx: PlanContext, plan: ExecutionPlan) -> dict[str, int]:
+    """The rows each node of ``plan`` sees per step: the workload's prompts and samples, each
+    generate node's own samples where the graph did not take them from the config, the groups a
+    filter passes, and one row per prompt after a compute function that reduces to prompts."""
+    reduced = {}
+    for node in ctx.graph.nodes.values():
+        if isinstance(node, Compute) and node.fn in ctx.registry.names("advantage_estimators"):
+            port = ctx.registry.entry("advantage_estimators", node.fn).meta.get("rows")
+            if port is not None:
+                reduced[node.name] = node.ports.get(port, port)
+    w = plan.workload
+    return node_rows(
+        ctx.graph, w.prompts_per_step, w.samples_per_prompt, plan.config.rollout.samples_per_prompt, reduced
+    )
+
+
+def node_rows(
+    graph: Graph,
+    prompts: int,
+    samples: int | None = None,
+    built: int | None = None,
+    reduced: dict[str, str] | None = None,
+) -> dict[str, int]:
     """Sequences each node sees per step, propagated along keys from the graph inputs; a
     sampling generate node multiplies by its ``n`` (or by ``samples``, a workload's, where its
     ``n`` is the ``built`` one: the config's samples_per_prompt the graph was built with); a
-    filter with ``groups`` passes that many groups to the nodes after it."""
+    filter with ``groups`` passes that many groups to the nodes after it; a ``reduced`` node
+    writes as many rows as the key it is mapped to."""
     key_rows = {key: prompts for key in graph.inputs}
     out: dict[str, int] = {}
     for name in graph.order():
         node = graph.nodes[name]
         rows = max((key_rows.get(k, prompts) for k in node.reads), default=prompts)
+        if reduced and name in reduced:  # its outputs have the rows of one key it reads (e.g. one per prompt)
+            rows = key_rows.get(reduced[name], rows)
         if isinstance(node, Generate):
             n = samples if samples and (built is None or node.n == built) else node.n
             rows = rows * (1 if node.greedy else n)
@@ -407,6 +432,7 @@ def _place(
         numerics=t.numerics,
         capabilities=t.capabilities,
         generation_engine=engine,
+        rows=plan_rows(ctx, plan),
     )
     pins = {k: opts.get(k) for k in ("placement", "weight_sync")}
     if single is not None and any(pins.values()):
@@ -441,10 +467,7 @@ def micro_batch(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     """Set each node's rows per step and micro-batch: configured, or its model layout's."""
     cfg, layout = plan.config, _layout(plan)
     nodes = []
-    built = plan.config.rollout.samples_per_prompt
-    for name, rows in node_rows(
-        ctx.graph, plan.workload.prompts_per_step, plan.workload.samples_per_prompt, built
-    ).items():
+    for name, rows in plan_rows(ctx, plan).items():
         node = ctx.graph.nodes[name]
         group = None
         size = rows

@@ -214,7 +214,10 @@ def simulate(
     seed: int = 0,
     sampled_replicas: int | None = None,
     numerics: Numerics | None = None,
+    node_rows: dict[str, int] | None = None,
 ) -> SimResult:
+    """Simulate ``iterations`` steps of ``plan``. ``node_rows``: the sequences each node sees per step
+    (default: the workload's prompts x samples, one per prompt for a greedy generate node)."""
     rng = np.random.default_rng(seed)
     order = graph.order()
     gen = Generator(plan, cost, workload, static_gen_bytes, rng, sampled_replicas, numerics)
@@ -263,6 +266,7 @@ def simulate(
     lengths: dict[int, np.ndarray] = {}  # the response lengths each iteration trains on
 
     filters = graph.filters()
+    producers = graph.producers()
 
     def generation(it: int) -> None:
         nonlocal gen_flops, gen_tokens
@@ -272,6 +276,9 @@ def simulate(
                 continue
             count = sequences if not node.greedy else max(sequences // max(workload.samples_per_prompt, 1), 1)
             group = 1 if node.greedy else workload.samples_per_prompt
+            if node_rows and name in node_rows:  # its own rows: another policy's prompts or samples
+                asked = node_rows.get(producers.get(node.reads[0], [""])[0], workload.prompts_per_step)
+                count, group = node_rows[name], 1 if node.greedy else max(node_rows[name] // max(asked, 1), 1)
             seconds, tokens, batch = gen.iteration(count, group)
             lengths[it] = batch
             if name in filters:  # dynamic sampling: more rounds until the filter has passed the batch
@@ -303,22 +310,23 @@ def simulate(
             if isinstance(node, Generate):
                 continue
             deps = [finish[(it, p)] for p in dag.predecessors(name)]
+            n_rows = node_rows.get(name, sequences) if node_rows else sequences
             if isinstance(node, (Forward, Train)):
                 lay = plan.layout(node.model)
                 rows = max(1, lay.micro_batch * lay.parallel.dp * lengths[it].size // max(sequences, 1))
                 padded = int(round(padded_length(lengths[it], workload.prompt_length, rows)))
             sharded = node.model in roles.trainable if node.model is not None else False
             if isinstance(node, Forward):
-                seconds = cost.forward(plan.layout(node.model), sequences, padded, backward=False, sharded=sharded)
-                flops_total += sequences * seq_len * cost.model.flops_per_token(seq_len // 2)
+                seconds = cost.forward(plan.layout(node.model), n_rows, padded, backward=False, sharded=sharded)
+                flops_total += n_rows * seq_len * cost.model.flops_per_token(seq_len // 2)
             elif isinstance(node, Train):
                 layout = plan.layout(node.model)
                 seconds = epochs * cost.forward(
-                    layout, sequences, padded, backward=True, sharded=sharded
+                    layout, n_rows, padded, backward=True, sharded=sharded
                 ) + epochs * minis * cost.optimizer_step(layout)
-                flops_total += 3 * epochs * sequences * seq_len * cost.model.flops_per_token(seq_len // 2)
+                flops_total += 3 * epochs * n_rows * seq_len * cost.model.flops_per_token(seq_len // 2)
             else:
-                seconds = DRIVER_SECONDS_PER_SEQ * sequences
+                seconds = DRIVER_SECONDS_PER_SEQ * n_rows
             run(it, name, node_group(plan, graph, name), deps, seconds)
         for train, (model, sync_s) in syncs.items():
             groups = tuple(dict.fromkeys([plan.layout(model).group, plan.generation_of(model).group]))

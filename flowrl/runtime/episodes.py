@@ -87,6 +87,18 @@ class Episodes:
             )
         return reply
 
+    def _encode(self, reply: str) -> list[int]:
+        """A reply's tokens; one the tokenizer cannot represent (unknown tokens) is refused: the model
+        would read something other than what the rewards score."""
+        tokens = self.tokenizer.encode(reply, add_special_tokens=False)
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        if unk is not None and unk in tokens:
+            raise GraphError(
+                f"node '{self.node}': environment '{self.env_name}' replied {reply!r}, which the model's tokenizer "
+                f"cannot encode (it would read {self.tokenizer.decode(tokens)!r}); reply in the tokenizer's vocabulary."
+            )
+        return tokens
+
     def _text(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
@@ -111,7 +123,7 @@ class Episodes:
                 if ep.done:
                     continue
                 reply = self._reply(ep)
-                obs = [] if reply is None else self.tokenizer.encode(reply, add_special_tokens=False)
+                obs = [] if reply is None else self._encode(reply)
                 if reply is None or len(ep.tokens) + len(obs) >= self.budget:
                     ep.done = True
                     continue

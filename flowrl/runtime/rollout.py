@@ -367,6 +367,7 @@ class StepRollout:
         sampled = passed = rounds = 0
         node_runs: dict[str, list[tuple[int, dict[str, Any]]]] = {}
         node_seconds: dict[str, float] = {}
+        episode_runs: list[tuple[int, dict[str, Any]]] = []
         last: tuple[list[Prompt], Sequences, dict[str, Any], torch.Tensor] | None = None
         while passed < want and rounds < self.rounds.max_rounds:
             if rounds:
@@ -374,6 +375,8 @@ class StepRollout:
             rounds += 1
             seqs, n_tokens = self._sample(prompts, rng)
             tokens += n_tokens
+            if self.episodes is not None:
+                episode_runs.append((len(seqs), dict(self.episodes.metrics)))
             outputs, keep, metrics = self.rounds.run(prompts, seqs, seqs.logprobs)
             for node, (took, m) in metrics.items():
                 node_runs.setdefault(node, []).append((len(seqs), m))
@@ -396,6 +399,8 @@ class StepRollout:
         self.buffer.taken.extend(self.buffer.add(batch_prompts))
         self.buffer.prompts.clear()
         metrics = {**self._metrics(seqs, tokens, version, 0, 0), "carried": 0, "in_flight": 0}
+        if self.episodes is not None:  # over every round's episodes
+            metrics.update(_weighted(episode_runs))
         nodes = {node: (node_seconds[node], _weighted(runs)) for node, runs in node_runs.items()}
         nodes[self.rounds.filter] = (
             node_seconds.get(self.rounds.filter, 0.0),
