@@ -14,8 +14,8 @@ another generate node's prompts (a raw IndexError, or silently wrong pairs).
 
 The five it left open were fixed after it: episode metrics with a filter, one graph file
 registering a name twice, an environment reply the tokenizer cannot encode, plan rows after a
-per-prompt reduction, and the forecast of each generate node at its own rows. Runs are tiny (4 prompts x 2 samples, 1-4 steps, no checkpoints unless resume
-is the point).
+per-prompt reduction, and the forecast of each generate node at its own rows. Runs are tiny
+(4 prompts x 2 samples, 1-4 steps, no checkpoints unless resume is the point).
 """
 
 from __future__ import annotations
