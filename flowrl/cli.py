@@ -548,10 +548,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _plugin_commands(parser: argparse.ArgumentParser) -> None:
-    from flowrl.plugins.manager import registry
+    from flowrl.plugins.manager import cli_commands
 
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    for entry in registry().entries("cli_commands"):
+    for entry in cli_commands():
         add_arguments = entry.obj
         p = sub.add_parser(entry.name, help=entry.meta.get("help", f"(from plugin {entry.plugin})"))
         add_arguments(p)

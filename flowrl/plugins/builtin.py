@@ -144,10 +144,11 @@ def register_cost_models(register: Register) -> None:
     register("analytic", CostModel, description=_doc(CostModel))
 
 
-def _profile_arguments(p: Any) -> None:
-    from flowrl.backends.local.profile import add_arguments
-
-    add_arguments(p)
+def _profile_arguments(p: Any) -> None:  # here, not in the profiler: `flowrl --help` does not import torch
+    p.add_argument(
+        "--out", metavar="FILE", help="where to write the HardwareSpec YAML (also saved for --cluster local)"
+    )
+    p.add_argument("--force", action="store_true", help="replace --out if it already exists")
 
 
 def _profile(args: Any) -> int:

@@ -200,12 +200,18 @@ def _allowed() -> set[str] | None:
 
 
 def load_plugins(
-    *, entry_points: bool = True, extra: Iterable[tuple[str, Any]] = (), allow: set[str] | None = None
+    *,
+    entry_points: bool = True,
+    extra: Iterable[tuple[str, Any]] = (),
+    allow: set[str] | None = None,
+    kinds: Iterable[str] | None = None,
 ) -> tuple[pluggy.PluginManager, Registry]:
     """Build a plugin manager and a filled registry.
 
     ``extra`` are (name, plugin object) pairs registered after the built-ins (tests use this to
-    add fakes without touching entry points). ``allow`` overrides ``FLOWRL_PLUGINS``.
+    add fakes without touching entry points). ``allow`` overrides ``FLOWRL_PLUGINS``. ``kinds``:
+    call only the hooks of these kinds (the CLI reads its sub-commands without loading what the
+    other hooks import, torch among it).
     """
     import importlib
 
@@ -241,7 +247,10 @@ def load_plugins(
         raise PluginError(
             f"plugin '{pm.get_name(exc.plugin)}' implements an unknown hook: {exc}. Known hooks: {known}."
         ) from None
+    wanted = None if kinds is None else set(kinds)
     for hook_name, kind in hookspecs.HOOKS.items():
+        if wanted is not None and kind not in wanted:
+            continue
         for impl in getattr(pm.hook, hook_name).get_hookimpls():  # pluggy lists them in registration order
             _call_hook(registry, hook_name, kind, impl)
     return pm, registry
@@ -284,6 +293,14 @@ def registry() -> Registry:
     if _CACHE is None:
         _CACHE = load_plugins()[1]
     return _CACHE
+
+
+def cli_commands() -> list[Entry]:
+    """The CLI sub-commands plugins register, read without calling the other hooks (fast: a
+    loaded registry's, when there is one)."""
+    if _CACHE is not None:
+        return _CACHE.entries("cli_commands")
+    return load_plugins(kinds=("cli_commands",))[1].entries("cli_commands")
 
 
 def set_registry(reg: Registry | None) -> None:

@@ -214,13 +214,6 @@ def profile(out: Path, *, progress: Callable[[str], None] = lambda s: None) -> H
 # ------------------------------------------------------------------ `flowrl profile` (registered as a CLI command)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--out", metavar="FILE", help="where to write the HardwareSpec YAML (also saved for --cluster local)"
-    )
-    p.add_argument("--force", action="store_true", help="replace --out if it already exists")
-
-
 def run(args: argparse.Namespace) -> int:
     from flowrl.planner.hardware import default_profile_path
     from flowrl.specs import writable

@@ -6,19 +6,17 @@ import argparse
 import random
 from typing import Any
 
-import torch
-
 from flowrl.graph import Graph
 from flowrl.plugins.hookspecs import hookimpl
 
 
-def concise_reward(prompts: list[Any], responses: list[str], task: Any, *, per_char: float = 0.05) -> torch.Tensor:
+def concise_reward(prompts: list[Any], responses: list[str], task: Any, *, per_char: float = 0.05) -> list[float]:
     """score - per_char * (characters beyond the reference answer), floored at 0."""
     out = []
     for prompt, text in zip(prompts, responses):
         extra = max(len(text) - len(prompt.answer), 0)
         out.append(max(task.score(prompt, text) - per_char * extra, 0.0))
-    return torch.tensor(out)
+    return out  # plain floats: loading the plugin (every CLI call) does not import torch
 
 
 def build_grpo_concise(cfg: Any) -> Graph:
