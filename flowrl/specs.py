@@ -254,6 +254,9 @@ def writable(path: str | Path, force: bool, flag: str) -> Path:
         )
     if path.is_dir():
         raise ConfigError(f"{flag} '{path}' is a folder; name a file.")
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError(f"{flag} '{path}': '{parent}' is a file, so nothing can be written under it.")
     return path
 
 

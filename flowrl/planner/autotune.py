@@ -420,6 +420,12 @@ class Tuner:
 
     def _nothing_fits(self, infeasible: list[Infeasible]) -> str:
         hw = self.cluster.hardware
+        if self.capacity <= 0:
+            return (
+                f"no plan fits: a {hw.name} device has {hw.memory_bytes:,} bytes of memory, none of it usable after "
+                f"what the runtime reserves ({mem.gib(hw.memory_bytes - self.capacity)}); is the cluster's "
+                "'memory_bytes' in bytes?"
+            )
         lean = min(infeasible, key=lambda i: i.need - self.capacity) if infeasible else None
         where = ""
         if lean is not None:

@@ -199,12 +199,25 @@ class HardwareSpec(CheckedSpec, kw_only=True):
             raise SpecFieldError("HardwareSpec field 'name' must not be empty")
 
 
+#: Devices beyond which a cluster is a typo (the largest published RL runs use a few thousand).
+MAX_DEVICES = 1 << 20
+
+
 class ClusterSpec(CheckedSpec, kw_only=True):
     """``nodes`` x ``devices_per_node`` identical devices."""
 
     nodes: Count
     devices_per_node: Count
     hardware: HardwareSpec
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.nodes * self.devices_per_node > MAX_DEVICES:
+            raise SpecFieldError(
+                f"ClusterSpec has {self.nodes * self.devices_per_node:.3g} devices ({self.nodes} nodes x "
+                f"{self.devices_per_node}), more than the {MAX_DEVICES:,} the planner models; check the counts for a "
+                "typo"
+            )
 
     @property
     def devices(self) -> int:

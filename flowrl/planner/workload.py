@@ -78,10 +78,18 @@ def sample_lengths(dist: Lengths, n: int, rng: np.random.Generator) -> np.ndarra
         raw = rng.lognormal(mean=math.log(dist.median), sigma=dist.sigma, size=n)
         return np.clip(np.rint(raw), 1, dist.max).astype(np.int64)
     if isinstance(dist, Histogram):
-        weights = np.asarray(dist.weights, dtype=np.float64)
-        index = rng.choice(len(dist.lengths), size=n, p=weights / weights.sum())
+        weights = _probabilities(dist)
+        index = rng.choice(len(dist.lengths), size=n, p=weights)
         return np.asarray(dist.lengths, dtype=np.int64)[index]
     raise TypeError(f"not a length distribution: {dist!r}")
+
+
+def _probabilities(dist: Histogram) -> np.ndarray:
+    """A histogram's weights as probabilities, scaled first so that huge weights (1e308) do not
+    overflow their sum."""
+    weights = np.asarray(dist.weights, dtype=np.float64)
+    weights = weights / weights.max()
+    return weights / weights.sum()
 
 
 def mean_length(dist: Lengths) -> float:
@@ -94,8 +102,7 @@ def mean_length(dist: Lengths) -> float:
     if isinstance(dist, Fixed):
         return float(dist.value)
     if isinstance(dist, Histogram):
-        weights = np.asarray(dist.weights, dtype=np.float64)
-        return float(np.dot(weights, np.asarray(dist.lengths, dtype=np.float64)) / weights.sum())
+        return float(np.dot(_probabilities(dist), np.asarray(dist.lengths, dtype=np.float64)))
     if isinstance(dist, LogNormal):
         lo, hi = 1.0, float(dist.max)
         mu, s = math.log(dist.median), dist.sigma
@@ -125,6 +132,10 @@ def max_length(dist: Lengths) -> int:
     raise TypeError(f"not a length distribution: {dist!r}")
 
 
+#: Sequences per step beyond which a workload is a typo (the simulator samples a length per sequence).
+MAX_SEQUENCES = 1 << 24
+
+
 class WorkloadSpec(CheckedSpec, kw_only=True):
     prompts_per_step: Count = 1024
     samples_per_prompt: Count = 1
@@ -139,6 +150,12 @@ class WorkloadSpec(CheckedSpec, kw_only=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.sequences > MAX_SEQUENCES:
+            raise SpecFieldError(
+                f"WorkloadSpec fields 'prompts_per_step' x 'samples_per_prompt' = {self.sequences:.3g} sequences per "
+                f"step, more than the {MAX_SEQUENCES:,} the planner models (no published run comes near); check "
+                "them for a typo"
+            )
         if self.mini_batches > self.sequences:
             raise SpecFieldError(
                 f"WorkloadSpec field 'mini_batches' ({self.mini_batches}) must not exceed the sequences per step "
