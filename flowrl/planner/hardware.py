@@ -214,7 +214,7 @@ class ClusterSpec(CheckedSpec, kw_only=True):
         super().__post_init__()
         if self.nodes * self.devices_per_node > MAX_DEVICES:
             raise SpecFieldError(
-                f"ClusterSpec has {self.nodes * self.devices_per_node:.3g} devices ({self.nodes} nodes x "
+                f"the cluster has {self.nodes * self.devices_per_node:.3g} devices ({self.nodes} nodes x "
                 f"{self.devices_per_node}), more than the {MAX_DEVICES:,} the planner models; check the counts for a "
                 "typo"
             )

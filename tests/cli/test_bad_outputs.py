@@ -14,9 +14,9 @@ def test_outputs_under_a_file_are_named(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     rc, err = _run(capsys, "plan", "grpo", "--out", str(blocker / "plan.yaml"))
-    assert rc == 2 and "cannot write plan file" in err and "Traceback" not in err, err
+    assert rc == 2 and "is a file, so nothing can be written under it" in err and "Traceback" not in err, err
     rc, err = _run(capsys, "show", "grpo", "--dot", str(blocker / "g.dot"))
-    assert rc == 2 and "cannot write" in err and "g.dot" in err, err
+    assert rc == 2 and "nothing can be written under it" in err and "g.dot" in err, err
     rc, err = _run(capsys, "run", "grpo", "--steps", "1", "--out", str(blocker), "--set", "progress=false")
     assert rc == 2 and "cannot create the run folder" in err, err
 
