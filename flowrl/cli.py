@@ -55,6 +55,13 @@ def _pin_args(p: argparse.ArgumentParser) -> None:
         choices=["reshard", "full", "bucketed", "sparse"],
         help="with --cluster: only plans with this weight-sync strategy",
     )
+    p.add_argument(
+        "--require",
+        action="append",
+        metavar="KEY=VALUE",
+        help="with --cluster: only plans that satisfy it (repeatable): placement=colocate, sync=full, "
+        "rollout.mode=sync, generation.tp=2, actor.tp=2 (MODEL.dp/tp/pp)",
+    )
 
 
 def _pins(args: argparse.Namespace) -> dict[str, Any]:
@@ -62,6 +69,21 @@ def _pins(args: argparse.Namespace) -> dict[str, Any]:
     if any(pins.values()) and not args.cluster:
         raise ConfigError("--placement / --sync choose among a cluster's plans; add --cluster (e.g. --cluster cpu:2).")
     return pins
+
+
+def _requirements(args: argparse.Namespace) -> dict[str, Any]:
+    """``--require KEY=VALUE`` as the planner's constraints (and, with --explain, a request for the
+    unconstrained winner beside the constrained one)."""
+    items = getattr(args, "require", None) or []
+    if not items:
+        return {}
+    if not args.cluster:
+        raise ConfigError("--require chooses among a cluster's plans; add --cluster (e.g. --cluster 16xA100-80G).")
+    from flowrl import api
+    from flowrl.planner.constraints import parse_requirements
+
+    graph, _ = api.load(_need_graph(args), **_load_kwargs(args))
+    return {"require": parse_requirements(items, graph.models), "compare": bool(getattr(args, "explain", False))}
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -176,7 +198,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         kwargs = _load_kwargs(args)
         target = _cluster_target(args, kwargs, for_run=True) if args.cluster else None
         graph, plan = api.plan(
-            _need_graph(args), emit=print, target=target, for_backend=True, options=_pins(args), **kwargs
+            _need_graph(args),
+            emit=print,
+            target=target,
+            for_backend=True,
+            options={**_pins(args), **_requirements(args)},
+            **kwargs,
         )
     executor = api.check(graph, plan)
     if args.address:
@@ -229,6 +256,24 @@ def _engine_choice(engine: str, predicted: dict[str, float] | None) -> str:
         return f"generation engine: {engine} (configured, or the only one calibrated here)"
     others = ", ".join(f"{name} {s:.3g} s" for name, s in sorted(predicted.items(), key=lambda kv: kv[1]))
     return f"generation engine: {engine}, the fastest predicted step of the engines calibrated here ({others})"
+
+
+def _constraint_cost(require: Any, constrained: Any, free: Any) -> str:
+    """The best plan under --require beside the unconstrained winner, per component."""
+    a, b = constrained.ranked[0], free.ranked[0]
+    ta, tb = a.result.iteration_s, b.result.iteration_s
+    lines = [
+        f"constrained ({require.describe()}): {ta:.2f} s/iteration  {a.plan.summary()}",
+        f"unconstrained winner: {tb:.2f} s/iteration  {b.plan.summary()}",
+        f"  the constraints cost {ta - tb:+.2f} s/iteration ({(ta / tb - 1) * 100:+.0f}%); per component "
+        "(constrained - unconstrained, mean seconds per iteration):",
+    ]
+    keys = dict.fromkeys([*a.result.breakdown, *b.result.breakdown])
+    diffs = {k: a.result.breakdown.get(k, 0.0) - b.result.breakdown.get(k, 0.0) for k in keys}
+    for k, d in sorted(diffs.items(), key=lambda kv: -abs(kv[1])):
+        if abs(d) >= 5e-4:
+            lines.append(f"    {k:<22} {d:+.3f}")
+    return "\n".join(lines)
 
 
 def _dynamic_sampling(graph: Any, plan: Any) -> list[str]:
@@ -304,7 +349,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
     if not 0 < args.budget < float("inf"):
         raise ConfigError(f"--budget is {args.budget}; give the search time in seconds (> 0), e.g. --budget 8.")
-    options = {"budget_s": args.budget, "seed": args.seed or 0, "cost_model": args.cost_model, **_pins(args)}
+    options = {
+        "budget_s": args.budget,
+        "seed": args.seed or 0,
+        "cost_model": args.cost_model,
+        **_pins(args),
+        **_requirements(args),
+    }
     passes = None
     if args.extra_passes:
         from flowrl.planner.passes import PIPELINE
@@ -328,6 +379,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(_engine_choice(plan.config.generation.engine, cache.get("engines")))
         for line in _dynamic_sampling(graph, plan):
             print(line)
+        if "unconstrained" in cache:
+            print(_constraint_cost(options["require"], cache["tune"], cache["unconstrained"]))
     if args.timeline and "tune" in cache:
         writable(args.timeline, args.force, "--timeline")
         writable(Path(args.timeline).with_suffix(".json"), args.force, "--timeline (its .json)")

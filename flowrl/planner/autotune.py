@@ -25,6 +25,7 @@ from flowrl.errors import PlanError
 from flowrl.graph.ir import Forward, Graph
 from flowrl.planner import memory as mem
 from flowrl.planner.capabilities import Capabilities, rollout_conflict, supports, supports_layout
+from flowrl.planner.constraints import Constraints
 from flowrl.planner.cost import CostModel
 from flowrl.planner.hardware import ClusterSpec
 from flowrl.planner.modelspec import ModelSpec
@@ -123,9 +124,11 @@ class Tuner:
         capabilities: Capabilities | None = None,
         generation_engine: str | None = None,
         rows: dict[str, int] | None = None,
+        constraints: Constraints | None = None,
     ) -> None:
         self.graph, self.model, self.cluster, self.w, self.seed = graph, model, cluster, workload, seed
         self.rows = rows  # per node, when it differs from the workload's sequences (multi-policy, filters)
+        self.constraints = constraints or Constraints()  # what the user requires (--require)
         self.numerics = numerics or mem.Numerics()
         self.capacity = mem.usable_bytes(cluster.hardware, self.numerics)
         self.capabilities = capabilities
@@ -162,6 +165,7 @@ class Tuner:
             )
             if self.capabilities is not None:
                 options = [lay for lay in options if supports_layout(self.capabilities, lay)]
+            options = [lay for lay in options if self.constraints.fits_layout(model, lay.parallel)]
             scored = [self.score(lay) for lay in options]
             scored.sort(key=lambda x: (x[1], x[2] + x[3]))
             front: list[tuple[ModelLayout, float, int, int]] = []
@@ -304,7 +308,16 @@ class Tuner:
         sks = skeletons(
             self.roles, self.cluster.devices, self.cluster.devices_per_node, self.model.heads, self.model.kv_heads
         )
-        sks = _pinned(sks, placement, weight_sync, rollout)
+        c = self.constraints
+        sks = _pinned(sks, placement or c.placement, weight_sync or c.weight_sync, rollout)
+        if c.generation_tp is not None:
+            have = sorted({sk.generation.tp for sk in sks})
+            sks = [sk for sk in sks if sk.generation.tp == c.generation_tp]
+            if not sks:
+                raise PlanError(
+                    f"no plan for this graph on this cluster has generation tp {c.generation_tp} (required); "
+                    f"there are: {', '.join(map(str, have))}."
+                )
         conflict = rollout_conflict(self.graph, rollout) if rollout is not None else None
         if conflict:
             raise PlanError(conflict)

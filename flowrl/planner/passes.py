@@ -24,6 +24,7 @@ from flowrl.errors import GraphError, PlanError
 from flowrl.graph.ir import Compute, Filter, Forward, Generate, Graph, Reward, Train
 from flowrl.planner import memory as mem
 from flowrl.planner.capabilities import rollout_conflict, supports
+from flowrl.planner.constraints import Constraints
 from flowrl.planner.plan import ExecutionPlan, MemoryEstimate, NodePlan
 from flowrl.planner.space import (
     ClusterPlan,
@@ -433,26 +434,33 @@ def _place(
         capabilities=t.capabilities,
         generation_engine=engine,
         rows=plan_rows(ctx, plan),
+        constraints=opts.get("require"),
     )
     pins = {k: opts.get(k) for k in ("placement", "weight_sync")}
     if single is not None and any(pins.values()):
         raise PlanError("--placement / --sync choose among cluster plans; this plan is for one device.")
-    policy = rollout_policy(plan.config.rollout)
+    require = opts.get("require")
+    if single is not None and require:
+        raise PlanError("--require chooses among a cluster's plans; this plan is for one device (add --cluster).")
+    free_policy = rollout_policy(plan.config.rollout)
+    policy = free_policy
+    if require and require.rollout_mode:
+        policy = rollout_policy(msgspec.structs.replace(plan.config.rollout, mode=require.rollout_mode))
     if single is not None and policy is not None:
         conflict = rollout_conflict(ctx.graph, policy)
         if conflict:
             raise PlanError(conflict)
         single = msgspec.structs.replace(single, rollout=policy)
-    result = (
-        tuner.single(single)
-        if single is not None
-        else tuner.search(
-            budget_s=float(opts.get("budget_s", 8.0)) / share,
-            rollout=policy,
-            chunk_tokens=plan.config.rollout.chunk_tokens,
-            **pins,
-        )
-    )
+    budget = float(opts.get("budget_s", 8.0)) / share
+    chunk = plan.config.rollout.chunk_tokens
+    if single is not None:
+        result = tuner.single(single)
+    else:
+        result = tuner.search(budget_s=budget, rollout=policy, chunk_tokens=chunk, **pins)
+    if require and opts.get("compare"):  # the unconstrained winner, for --explain to set beside it
+        tuner.constraints = Constraints()
+        tuner._layout_cache.clear()
+        ctx.cache["unconstrained"] = tuner.search(budget_s=budget, rollout=free_policy, chunk_tokens=chunk, **pins)
     return _replace(plan, layout=result.best), result
 
 

@@ -1,0 +1,95 @@
+"""Constraints a user puts on a plan (``flowrl plan ... --require KEY=VALUE``): the tuner
+searches only the plans that satisfy them, and ``--explain`` shows the best constrained plan
+next to the unconstrained winner.
+
+Keys:
+
+- ``placement=colocate|split|standalone|disaggregated``
+- ``sync=reshard|full|bucketed|sparse`` (the weight-sync strategy)
+- ``rollout.mode=MODE`` (as ``--set rollout.mode``: sync, one_step_off, async, partial, ...)
+- ``generation.tp=N`` (tensor parallelism of each generation replica)
+- ``MODEL.dp=N``, ``MODEL.tp=N``, ``MODEL.pp=N`` (one graph model's parallel layout)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from flowrl.errors import ConfigError, did_you_mean
+from flowrl.specs import Spec
+
+PLACEMENTS = ("colocate", "split", "standalone", "disaggregated")
+SYNCS = ("reshard", "full", "bucketed", "sparse")
+PARALLEL = ("dp", "tp", "pp")
+
+
+class Constraints(Spec):
+    placement: str | None = None
+    weight_sync: str | None = None
+    rollout_mode: str | None = None
+    generation_tp: int | None = None
+    parallel: dict[str, dict[str, int]] = {}  # model -> {"dp"|"tp"|"pp": size}
+
+    def __bool__(self) -> bool:
+        return any((self.placement, self.weight_sync, self.rollout_mode, self.generation_tp, self.parallel))
+
+    def describe(self) -> str:
+        parts = [
+            f"placement={self.placement}" if self.placement else "",
+            f"sync={self.weight_sync}" if self.weight_sync else "",
+        ]
+        parts.append(f"rollout.mode={self.rollout_mode}" if self.rollout_mode else "")
+        parts.append(f"generation.tp={self.generation_tp}" if self.generation_tp else "")
+        parts += [f"{m}.{k}={v}" for m, dims in self.parallel.items() for k, v in dims.items()]
+        return " ".join(p for p in parts if p)
+
+    def fits_layout(self, model: str, parallel: Any) -> bool:
+        return all(getattr(parallel, k) == v for k, v in self.parallel.get(model, {}).items())
+
+
+def _count(key: str, value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError(f"--require {key}={value}: give a whole number >= 1.")
+    return n
+
+
+def parse_requirements(items: Iterable[str], models: Iterable[str]) -> Constraints:
+    """``KEY=VALUE`` strings as Constraints; ``models``: the graph's models (for ``MODEL.tp``)."""
+    models = list(models)
+    out: dict[str, Any] = {"parallel": {}}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise ConfigError(f"--require '{item}': write KEY=VALUE, e.g. placement=colocate or actor.tp=2.")
+        if key == "placement":
+            if value not in PLACEMENTS:
+                raise ConfigError(f"--require placement={value}: one of {', '.join(PLACEMENTS)}.")
+            out["placement"] = value
+        elif key in ("sync", "weight_sync"):
+            if value not in SYNCS:
+                raise ConfigError(f"--require {key}={value}: one of {', '.join(SYNCS)}.")
+            out["weight_sync"] = value
+        elif key == "rollout.mode":
+            out["rollout_mode"] = value
+        elif key == "generation.tp":
+            out["generation_tp"] = _count(key, value)
+        elif "." in key and key.rsplit(".", 1)[1] in PARALLEL:
+            model, dim = key.rsplit(".", 1)
+            if model not in models:
+                raise ConfigError(
+                    f"--require {item}: the graph has no model '{model}'.{did_you_mean(model, models)} Its models: "
+                    f"{', '.join(models)}."
+                )
+            out["parallel"].setdefault(model, {})[dim] = _count(key, value)
+        else:
+            raise ConfigError(
+                f"--require {item}: unknown key '{key}'. Keys: placement, sync, rollout.mode, generation.tp, "
+                f"MODEL.dp / MODEL.tp / MODEL.pp (models: {', '.join(models)})."
+            )
+    return Constraints(**out)
