@@ -1,0 +1,152 @@
+"""Planner fidelity against published GPU runs: each case in benchmarks/published/*.yaml (the
+settings and step times a system published, with sources) is planned with its published layout
+required (`--require`), and the predicted step and phases are set beside the published ones.
+
+    python benchmarks/published.py [--budget S] [CASE ...]
+
+Prints a table per case and a final JSON line with the median and max error of the step time.
+Cases whose workload is not published (null prompts or samples) are skipped and listed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from flowrl.cli import main
+from flowrl.planner.plan import load_plan
+
+HERE = Path(__file__).parent / "published"
+# DAPO's published async runs use no dynamic sampling (chunked rollouts refuse a filter): costed as GRPO
+GRAPHS = {"grpo": "grpo", "dapo": "grpo", "ppo": "ppo"}
+# published phase name -> the planner's nodes that do that work
+PHASES = {
+    "generation": ("rollout",),
+    "generation_wait": ("rollout",),
+    "train": ("train_actor",),
+    "update_actor": ("train_actor",),
+    "logprobs": ("old_logprobs", "ref_logprobs"),
+    "old_log_prob": ("old_logprobs",),
+    "weight_sync": ("weight_sync",),
+}
+MODES = {"sync": "sync", "one_step_off": "one_step_off", "async+partial": "partial+async", "async": "async"}
+
+
+def workload_yaml(case: dict, assumed: list[str]) -> str:
+    w = case["workload"]
+    prompt = w.get("prompt_length")
+    if prompt is None:
+        prompt = 256
+        assumed.append("prompt_length 256")
+    top = int(w.get("max_response_length") or 4096)
+    mean = w.get("mean_response_length")
+    if mean is None:
+        mean = top / 3
+        assumed.append(f"mean response {mean:.0f} (max/3)")
+    sigma = 0.8
+    median = max(1, int(mean / math.exp(sigma**2 / 2)))
+    return (
+        f"prompts_per_step: {w['prompts_per_step']}\nsamples_per_prompt: {w['samples_per_prompt']}\n"
+        f"prompt_length: {prompt}\nresponse_length: {{kind: lognormal, median: {median}, sigma: {sigma}, max: {top}}}\n"
+        f"ppo_epochs: {w.get('ppo_epochs') or 1}\nmini_batches: {w.get('mini_batches') or 1}\n"
+    )
+
+
+def requirements(case: dict) -> list[str]:
+    lay = case.get("layout") or {}
+    out = []
+    if lay.get("placement") in ("colocate", "split", "standalone", "disaggregated"):
+        out.append(f"placement={lay['placement']}")
+    if lay.get("rollout_mode") in MODES:
+        out.append(f"rollout.mode={MODES[lay['rollout_mode']]}")
+    train = lay.get("train") or {}
+    for dim in ("tp", "pp"):
+        if isinstance(train.get(dim), int):
+            out.append(f"actor.{dim}={train[dim]}")
+    if isinstance(lay.get("generation_tp"), int):
+        out.append(f"generation.tp={lay['generation_tp']}")
+    return out
+
+
+def run_case(path: Path, budget: float) -> dict:
+    case = yaml.safe_load(path.read_text())
+    w = case.get("workload") or {}
+    if not w.get("prompts_per_step") or not w.get("samples_per_prompt"):
+        return {"case": case["name"], "skipped": "workload not published"}
+    assumed: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        workload = Path(tmp) / "w.yaml"
+        workload.write_text(workload_yaml(case, assumed))
+        out = Path(tmp) / "plan.yaml"
+        argv = ["plan", GRAPHS.get(case["algorithm"], "grpo"), "--cluster", case["cluster"], "--model", case["model"]]
+        argv += ["--workload", str(workload), "--budget", str(budget), "--out", str(out)]
+        for r in requirements(case):
+            argv += ["--require", r]
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            code = main(argv)
+        if code != 0:
+            return {"case": case["name"], "failed": " ".join(err.getvalue().split())[:300]}
+        predicted = load_plan(out).layout.predicted
+    published = case["published"]
+    phases = {}
+    for name, seconds in (published.get("phases") or {}).items():
+        nodes = PHASES.get(name)
+        if nodes and isinstance(seconds, (int, float)):
+            phases[name] = (seconds, sum(predicted.breakdown.get(n, 0.0) for n in nodes))
+    step = float(published["step_s"])
+    return {
+        "case": case["name"],
+        "published_s": step,
+        "predicted_s": round(predicted.iteration_s, 2),
+        "error": abs(predicted.iteration_s - step) / step,
+        "phases": phases,
+        "required": requirements(case),
+        "assumed": assumed,
+    }
+
+
+def main_() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("cases", nargs="*", help="case names (default: every file in benchmarks/published)")
+    ap.add_argument("--budget", type=float, default=3.0, help="planner search budget per case, seconds")
+    args = ap.parse_args()
+    paths = sorted(HERE.glob("*.yaml"))
+    if args.cases:
+        paths = [p for p in paths if p.stem in args.cases]
+    results = [run_case(p, args.budget) for p in paths]
+    for r in results:
+        if "skipped" in r or "failed" in r:
+            print(f"{r['case']}: {r.get('skipped') or 'FAILED: ' + r['failed']}")
+            continue
+        print(
+            f"{r['case']}: published {r['published_s']:.1f} s, predicted {r['predicted_s']:.1f} s "
+            f"({r['error']:.0%} off)"
+        )
+        for name, (pub, pred) in r["phases"].items():
+            print(f"    {name:<16} published {pub:7.1f} s   predicted {pred:7.1f} s")
+        print(f"    required: {' '.join(r['required']) or 'nothing'}; assumed: {', '.join(r['assumed']) or 'nothing'}")
+    errors = [r["error"] for r in results if "error" in r]
+    summary = {
+        "bench": "published",
+        "cases": len(errors),
+        "median_error": round(statistics.median(errors), 4) if errors else None,
+        "max_error": round(max(errors), 4) if errors else None,
+        "skipped": [r["case"] for r in results if "skipped" in r],
+        "failed": [r["case"] for r in results if "failed" in r],
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main_())
