@@ -13,7 +13,7 @@ Modes (the schedule names one per task):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -101,6 +101,31 @@ def _both(parts: Sequence[Sequences], field: str, width: int, fill: float) -> Te
     if any(v is None for v in values):
         return None
     return torch.cat([_pad_right(v, width, fill) for v in values])
+
+
+def concat_parts(values: Sequence[Any]) -> Any:
+    """Parts of one per-row value (streamed parts, dynamic-sampling rounds) as one, by rows in
+    order: Sequences re-padded, tensors and lists concatenated; another value is the last part's."""
+    if isinstance(values[0], Sequences):
+        return concat_sequences(values, 0, [0] * len(values))
+    if isinstance(values[0], Tensor) and values[0].dim() > 0:
+        return concat_rows(values)
+    if isinstance(values[0], list):
+        return [x for v in values for x in v]
+    return values[-1]
+
+
+def weighted_metrics(runs: Sequence[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+    """One node's metrics over several parts or rounds of (rows, metrics): numbers averaged
+    weighted by rows, anything else the first part's."""
+    out: dict[str, Any] = {}
+    for name in dict.fromkeys(k for _, m in runs for k in m):
+        vals = [(m[name], n) for n, m in runs if name in m]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v, _ in vals):
+            out[name] = round(sum(v * n for v, n in vals) / max(sum(n for _, n in vals), 1), 6)
+        else:
+            out[name] = vals[0][0]
+    return out
 
 
 def mean_stats(parts: Sequence[dict[str, float]]) -> dict[str, float]:

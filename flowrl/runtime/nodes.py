@@ -70,13 +70,18 @@ class NodeRuntime:
 def run_node(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run node ``name`` on ``batch``; returns (its written keys, its metrics). An error of a function
     the node calls names the node."""
+    out, metrics = _naming(name, _run, rt, name, batch)
+    return out, {key: _plain(value, name, key) for key, value in metrics.items()}
+
+
+def _naming(name: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, with a flowrl error it raises prefixed by node ``name`` (once)."""
     try:
-        out, metrics = _run(rt, name, batch)
+        return fn(*args)
     except FlowRLError as exc:
         if str(exc).startswith(f"node '{name}'"):
             raise
         raise type(exc)(f"node '{name}': {exc}") from None
-    return out, {key: _plain(value, name, key) for key, value in metrics.items()}
 
 
 def _user(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -242,12 +247,7 @@ def filter_groups(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple
     """Run filter ``name`` on ``batch``: which of the responses' groups (prompts, by
     ``prompt_index``) it keeps, as a bool tensor over prompt numbers 0..max(prompt_index). An
     error of its function names the node."""
-    try:
-        return _filter_groups(rt, name, batch)
-    except FlowRLError as exc:
-        if str(exc).startswith(f"node '{name}'"):
-            raise
-        raise type(exc)(f"node '{name}': {exc}") from None
+    return _naming(name, _filter_groups, rt, name, batch)
 
 
 def _filter_groups(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:

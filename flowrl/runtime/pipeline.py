@@ -28,13 +28,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from flowrl.errors import FlowRLError
 from flowrl.graph.ir import streamed_nodes
 from flowrl.planner.space import RolloutPolicy
-from flowrl.runtime.batch import Sequences
-from flowrl.runtime.dispatch import concat_rows, concat_sequences
+from flowrl.runtime.dispatch import concat_parts, weighted_metrics
 from flowrl.runtime.groups import CURRENT_TASK
 from flowrl.runtime.nodes import NodeRuntime, generate_metrics, run_node
 from flowrl.runtime.rollout import Chunk, StepRollout
@@ -364,26 +361,10 @@ class Pipeline:
         first = node.writes[0]
         order = sorted(state.parts[first])
         for key in node.writes:
-            values = [state.parts[key][j] for j in order]
-            state.batch[key] = _concat(values)
+            state.batch[key] = concat_parts([state.parts[key][j] for j in order])
         sizes = [len(state.parts[first][j]) for j in order]
         runs = state.part_metrics.get(task.name, {})
         seconds = sum(runs[j][0] for j in order)
-        metrics: dict[str, Any] = {}
-        for name in dict.fromkeys(k for j in order for k in runs[j][1]):
-            vals = [(runs[j][1][name], n) for j, n in zip(order, sizes) if name in runs[j][1]]
-            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v, _ in vals):
-                metrics[name] = round(sum(v * n for v, n in vals) / max(sum(n for _, n in vals), 1), 6)
-            else:
-                metrics[name] = vals[0][0]
+        metrics = weighted_metrics([(n, runs[j][1]) for j, n in zip(order, sizes)])
         metrics["parts"] = len(order)
         state.outputs[task.name] = (seconds, metrics)
-
-
-def _concat(values: list[Any]) -> Any:
-    """Parts of one value, concatenated by rows in part order."""
-    if isinstance(values[0], Sequences):
-        return concat_sequences(values, 0, [0] * len(values))
-    if isinstance(values[0], torch.Tensor):
-        return concat_rows(values)
-    return [x for v in values for x in v]

@@ -24,8 +24,8 @@ import torch
 
 from flowrl.errors import BackendError
 from flowrl.planner.space import RolloutPolicy
-from flowrl.runtime.batch import Sequences, padded_rows, ragged
-from flowrl.runtime.dispatch import concat_sequences
+from flowrl.runtime.batch import Sequences, padded_rows, ragged, select_rows
+from flowrl.runtime.dispatch import concat_parts, concat_sequences, weighted_metrics
 from flowrl.runtime.protocols import Rollout
 from flowrl.tasks.builtin import Prompt
 
@@ -186,41 +186,7 @@ def _take_groups(
     rows = torch.tensor([r for g in order for r in (seqs.prompt_index == g).nonzero().flatten().tolist()])
     rows = rows.long()
     picked = replace(seqs.select(rows), prompt_index=torch.tensor([order[int(g)] for g in seqs.prompt_index[rows]]))
-    n = len(seqs)
-    out = {}
-    for key, value in outputs.items():
-        if isinstance(value, Sequences):
-            out[key] = value.select(rows)
-        elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n:
-            out[key] = value[rows]
-        elif isinstance(value, list) and len(value) == n:
-            out[key] = [value[i] for i in rows.tolist()]
-        else:
-            out[key] = value
-    return [prompts[int(g)] for g in groups], picked, out
-
-
-def _concat_values(values: list[Any]) -> Any:
-    """Per-row values of several rounds as one, by rows in round order."""
-    if isinstance(values[0], torch.Tensor) and values[0].dim() > 0:
-        from flowrl.runtime.dispatch import concat_rows
-
-        return concat_rows(values)
-    if isinstance(values[0], list):
-        return [x for v in values for x in v]
-    return values[-1]
-
-
-def _weighted(runs: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
-    """A node's metrics over several rounds: numbers averaged weighted by each round's rows."""
-    out: dict[str, Any] = {}
-    for name in dict.fromkeys(k for _, m in runs for k in m):
-        vals = [(m[name], n) for n, m in runs if name in m]
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v, _ in vals):
-            out[name] = round(sum(v * n for v, n in vals) / max(sum(n for _, n in vals), 1), 6)
-        else:
-            out[name] = vals[-1][0]
-    return out
+    return [prompts[int(g)] for g in groups], picked, select_rows(outputs, rows, len(seqs))
 
 
 # ------------------------------------------------------------------ one step of a generate node
@@ -395,13 +361,13 @@ class StepRollout:
         batch_prompts = [p for k in kept for p in k[0]]
         offsets = list(itertools.accumulate([0] + [len(k[0]) for k in kept[:-1]]))
         seqs = concat_sequences([k[1] for k in kept], self.pad_id, offsets)
-        extra = {key: _concat_values([k[2][key] for k in kept]) for key in kept[0][2]}
+        extra = {key: concat_parts([k[2][key] for k in kept]) for key in kept[0][2]}
         self.buffer.taken.extend(self.buffer.add(batch_prompts))
         self.buffer.prompts.clear()
         metrics = {**self._metrics(seqs, tokens, version, 0, 0), "carried": 0, "in_flight": 0}
         if self.episodes is not None:  # over every round's episodes
-            metrics.update(_weighted(episode_runs))
-        nodes = {node: (node_seconds[node], _weighted(runs)) for node, runs in node_runs.items()}
+            metrics.update(weighted_metrics(episode_runs))
+        nodes = {node: (node_seconds[node], weighted_metrics(runs)) for node, runs in node_runs.items()}
         nodes[self.rounds.filter] = (
             node_seconds.get(self.rounds.filter, 0.0),
             {
