@@ -375,7 +375,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.explain and "tune" in cache:
         from flowrl.planner.autotune import explain
 
-        print(explain(cache["tune"], plan.target.model, plan.target.cluster))
+        print(explain(cache["tune"], plan.target.model, plan.target.cluster, models=plan.target.models))
         print(_engine_choice(plan.config.generation.engine, cache.get("engines")))
         for line in _dynamic_sampling(graph, plan):
             print(line)
@@ -410,7 +410,7 @@ def _cluster_target(args: argparse.Namespace, load_kwargs: dict[str, Any], for_r
     planned model (and is no longer a local checkpoint) and --workload its workload."""
     from flowrl import api
     from flowrl.planner.hardware import cpu_devices, parse_cluster
-    from flowrl.planner.modelspec import load_model_spec
+    from flowrl.planner.modelspec import load_model_specs
     from flowrl.planner.plan import ClusterTarget
     from flowrl.planner.workload import WorkloadSpec, load_workload
     from flowrl.plugins.manager import registry
@@ -438,7 +438,13 @@ def _cluster_target(args: argparse.Namespace, load_kwargs: dict[str, Any], for_r
     workload = load_workload(args.workload) if args.workload else WorkloadSpec()
     if args.model:
         load_kwargs["flags"]["model"] = None  # --model names the planned model, not a local checkpoint
-        return ClusterTarget(cluster=cluster, model=load_model_spec(args.model), workload=workload)
+        default, roles = load_model_specs(args.model)
+        if default is None and "actor" not in roles:
+            raise ConfigError(
+                f"--model '{args.model}' names no model for the actor; add actor=MODEL or a default model "
+                "(e.g. --model llama-34b,reward=llama-7b)."
+            )
+        return ClusterTarget(cluster=cluster, model=default or roles["actor"], workload=workload, models=roles)
     if args.cluster != "local":
         raise ConfigError(
             "--cluster needs --model: a preset (llama-7b, llama-70b, qwen2.5-7b, ...) or an HF config.json / "

@@ -9,16 +9,18 @@ graph's keys before anything runs.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
-
-from flowrl.algorithms import advantages as adv
-from flowrl.algorithms import losses
-from flowrl.runtime.batch import Sequences, sequences_in
 from flowrl.specs import AlgoConfig
 from flowrl.tasks.builtin import Prompt
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from flowrl.runtime.batch import Sequences
+else:  # torch loads when a function runs, not when the plugins load (every CLI call registers these functions);
+    # the planner still resolves their annotations (typing.get_type_hints) to check node options
+    Tensor = Sequences = Any
 
 Batch = dict[str, Any]
 
@@ -32,6 +34,9 @@ def _token_rewards(
 
     Metric ``kl``: the masked mean of the k3 estimate of KL(pi_old || ref) when both are read.
     """
+    from flowrl.algorithms import advantages as adv
+    from flowrl.algorithms import losses
+
     mask = seqs.sampled_mask
     rewards = adv.sequence_to_token_rewards(inputs["rewards"].float(), mask)
     metrics: dict[str, float] = {}
@@ -51,6 +56,9 @@ def gae_op(
     inputs: Batch, algo: AlgoConfig, *, kl_coef: float | None = None
 ) -> tuple[dict[str, Tensor], dict[str, float]]:
     """PPO: GAE(gamma, lambda) over token rewards with the KL penalty in the reward."""
+    from flowrl.algorithms import advantages as adv
+    from flowrl.runtime.batch import sequences_in
+
     seqs = sequences_in(inputs, "advantage estimator 'gae'")
     mask = seqs.sampled_mask
     values = inputs["values"].float() * mask
@@ -63,6 +71,9 @@ def gae_op(
 
 def grpo_op(inputs: Batch, algo: AlgoConfig, *, eps: float = 1e-6, scale: bool = True) -> dict[str, Tensor]:
     """GRPO: A_i = (r_i - mean(r_group)) / (std(r_group) + eps), the same for every token."""
+    from flowrl.algorithms import advantages as adv
+    from flowrl.runtime.batch import sequences_in
+
     seqs = sequences_in(inputs, "advantage estimator 'grpo'")
     a = adv.grpo(inputs["rewards"].float(), seqs.prompt_index, eps=eps, scale=scale)
     return {"advantages": adv.broadcast_to_tokens(a, seqs.sampled_mask)}
@@ -70,6 +81,9 @@ def grpo_op(inputs: Batch, algo: AlgoConfig, *, eps: float = 1e-6, scale: bool =
 
 def rloo_op(inputs: Batch, algo: AlgoConfig) -> dict[str, Tensor]:
     """RLOO: A_i = r_i - mean of the other samples of the same prompt."""
+    from flowrl.algorithms import advantages as adv
+    from flowrl.runtime.batch import sequences_in
+
     seqs = sequences_in(inputs, "advantage estimator 'rloo'")
     a = adv.rloo(inputs["rewards"].float(), seqs.prompt_index)
     return {"advantages": adv.broadcast_to_tokens(a, seqs.sampled_mask)}
@@ -81,6 +95,9 @@ def remax_op(inputs: Batch, algo: AlgoConfig) -> dict[str, Tensor]:
     Scaling only (no mean shift, which would undo the greedy baseline) keeps the step size
     independent of the reward scale: early on every r_i - b_i is tiny.
     """
+    from flowrl.algorithms import advantages as adv
+    from flowrl.runtime.batch import sequences_in
+
     seqs = sequences_in(inputs, "advantage estimator 'remax'")
     baseline = inputs["baseline_rewards"].float()[seqs.prompt_index]
     a = adv.broadcast_to_tokens(adv.remax(inputs["rewards"].float(), baseline), seqs.sampled_mask)
@@ -93,6 +110,9 @@ def reinforce_pp_op(
     inputs: Batch, algo: AlgoConfig, *, kl_coef: float | None = None
 ) -> tuple[dict[str, Tensor], dict[str, float]]:
     """REINFORCE++: discounted token returns (KL in the reward), whitened over the batch."""
+    from flowrl.algorithms import advantages as adv
+    from flowrl.runtime.batch import sequences_in
+
     seqs = sequences_in(inputs, "advantage estimator 'reinforce_pp'")
     rewards, metrics = _token_rewards(inputs, seqs, algo, kl_coef)
     return {"advantages": adv.reinforce_pp(rewards, seqs.sampled_mask, gamma=algo.gamma)}, metrics
@@ -101,6 +121,10 @@ def reinforce_pp_op(
 def overlong_op(inputs: Batch, algo: AlgoConfig, *, max_length: int = 16, cache: int = 4) -> dict[str, Tensor]:
     """DAPO's soft overlong punishment: shaped = r + penalty(L), with L a response's sampled tokens,
     penalty 0 up to max_length - cache, falling linearly to -1 at max_length, -1 beyond."""
+    import torch
+
+    from flowrl.runtime.batch import sequences_in
+
     seqs = sequences_in(inputs, "compute function 'overlong'")
     length = seqs.sampled_mask.sum(-1).float()
     start = float(max_length - cache)
@@ -130,6 +154,10 @@ def group_mean_op(inputs: Batch, algo: AlgoConfig) -> dict[str, Tensor]:
     """Per-prompt mean of per-row values: ``values`` of one generate node's responses, averaged over
     the samples of each of its prompts (``prompts``): one value per prompt, e.g. a solver's mean
     reward handed back to the proposer whose response made the prompt."""
+    import torch
+
+    from flowrl.runtime.batch import sequences_in
+
     seqs = sequences_in(inputs, "compute function 'group_mean'")
     groups = len(inputs["prompts"])
     values = inputs["values"].float()
@@ -142,6 +170,8 @@ def followup_prompts_op(inputs: Batch, algo: AlgoConfig, *, sep: str = "") -> di
     """New prompts from responses: each response appended to the prompt it answered (then
     ``sep``), with that prompt's reference answer; one prompt per response, e.g. a proposer's hint
     that a second policy reads."""
+    from flowrl.runtime.batch import sequences_in
+
     seqs = sequences_in(inputs, "compute function 'followup_prompts'")
     prompts = inputs["prompts"]
     out = [
@@ -157,6 +187,10 @@ def followup_prompts_op(inputs: Batch, algo: AlgoConfig, *, sep: str = "") -> di
 def nonconstant_filter(inputs: Batch, algo: AlgoConfig, *, min_spread: float = 1e-6) -> Tensor:
     """DAPO's dynamic sampling: keep the groups whose rewards are not all equal (all-correct or
     all-wrong groups have zero advantage and only dilute the batch)."""
+    import torch
+
+    from flowrl.runtime.batch import sequences_in
+
     seqs = sequences_in(inputs, "filter 'nonconstant'")
     rewards = inputs["rewards"].float()
     groups = int(seqs.prompt_index.max()) + 1 if len(seqs) else 0
@@ -171,6 +205,10 @@ def nonconstant_filter(inputs: Batch, algo: AlgoConfig, *, min_spread: float = 1
 def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
     """PPO-clip (clip-higher, dual-clip) + beta * KL(pi || ref) when the node reads ref_logprobs (metric ``kl``);
     tokens sampled by older weights weigh pi_prox / pi_behav (``algo.is_correction``, decoupled PPO)."""
+    from flowrl.algorithms import advantages as adv
+    from flowrl.algorithms import losses
+    from flowrl.runtime.batch import sequences_in
+
     seqs = sequences_in(batch, "loss 'ppo'")
     mask = seqs.sampled_mask
     weights, is_stats = None, {}
@@ -206,6 +244,10 @@ def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, 
 def gspo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
     """GSPO (Zheng et al., 2025): PPO-clip on the sequence-level ratio exp(mean_t(log pi - log pi_old)),
     one per response, with the sequence's advantage (its tokens' mean)."""
+    import torch
+
+    from flowrl.runtime.batch import sequences_in
+
     mask = sequences_in(batch, "loss 'gspo'").sampled_mask
     tokens = mask.sum(-1).clamp_min(1.0)
     log_ratio = ((logprobs - batch["old_logprobs"]) * mask).sum(-1) / tokens
@@ -222,6 +264,9 @@ def gspo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor,
 
 def value_loss(values: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
     """Clipped value loss, scaled by vf_coef."""
+    from flowrl.algorithms import losses
+    from flowrl.runtime.batch import sequences_in
+
     mask = sequences_in(batch, "loss 'value'").sampled_mask
     loss, stats = losses.value_loss(values, batch["values"], batch["returns"], mask, clip=algo.vf_clip)
     return algo.vf_coef * loss, stats
@@ -232,6 +277,8 @@ def value_loss(values: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, 
 
 def task_reward(prompts: list[Prompt], responses: list[str], task: Any) -> tuple[Tensor, dict[str, float]]:
     """The task's own rule-based score of each response (metric ``exact``: the fraction scoring 1)."""
+    import torch
+
     scores = torch.tensor([task.score(p, r) for p, r in zip(prompts, responses)], dtype=torch.float32)
     return scores, {"exact": round(float((scores == 1.0).float().mean()), 4) if len(scores) else 0.0}
 
@@ -239,6 +286,8 @@ def task_reward(prompts: list[Prompt], responses: list[str], task: Any) -> tuple
 def verbosity_cost(prompts: list[Prompt], responses: list[str], task: Any) -> tuple[Tensor, dict[str, float]]:
     """A toy safety cost: 1 for a response longer than its reference answer (it says more than
     asked), else 0 (metric ``violations``: the fraction that cost)."""
+    import torch
+
     costs = torch.tensor([float(len(r) > len(p.answer)) for p, r in zip(prompts, responses)])
     return costs, {"violations": round(float(costs.mean()), 4) if len(costs) else 0.0}
 

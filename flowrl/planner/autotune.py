@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,7 +126,9 @@ class Tuner:
         generation_engine: str | None = None,
         rows: dict[str, int] | None = None,
         constraints: Constraints | None = None,
+        models: Mapping[str, ModelSpec] | None = None,
     ) -> None:
+        """``model``: every graph model's shape, unless ``models`` names one for it (per-role models)."""
         self.graph, self.model, self.cluster, self.w, self.seed = graph, model, cluster, workload, seed
         self.rows = rows  # per node, when it differs from the workload's sequences (multi-policy, filters)
         self.constraints = constraints or Constraints()  # what the user requires (--require)
@@ -133,10 +136,17 @@ class Tuner:
         self.capacity = mem.usable_bytes(cluster.hardware, self.numerics)
         self.capabilities = capabilities
         factory = registry.get("cost_models", cost_model) if registry is not None else CostModel
-        self.cost = factory(model, cluster.hardware)
-        if generation_engine is not None and hasattr(self.cost, "for_engine"):  # cost models may ignore engines
-            self.cost = self.cost.for_engine(generation_engine)
+        self.specs = {m: (models or {}).get(m, model) for m in graph.models}
+        by_shape = {}  # one cost model per distinct shape
+        for spec in (model, *self.specs.values()):
+            if spec not in by_shape:
+                cost = factory(spec, cluster.hardware)
+                if generation_engine is not None and hasattr(cost, "for_engine"):  # cost models may ignore engines
+                    cost = cost.for_engine(generation_engine)
+                by_shape[spec] = cost
+        self.costs = {m: by_shape[spec] for m, spec in self.specs.items()}
         self.roles = roles_of(graph)
+        self.cost = self.costs.get(self.roles.actor, by_shape[model])  # generation's
         self.seq_len = workload.prompt_length + int(mean_length(workload.response_length))
         # a batch of response lengths: forward and train passes pay for their micro-batches' padding
         self.lengths = sample_lengths(workload.response_length, workload.sequences, np.random.default_rng(seed))
@@ -158,9 +168,9 @@ class Tuner:
                 group,
                 trainable=trainable,
                 per_node=self.cluster.devices_per_node,
-                heads=self.model.heads,
-                kv_heads=self.model.kv_heads,
-                layers=self.model.layers,
+                heads=self.specs[model].heads,
+                kv_heads=self.specs[model].kv_heads,
+                layers=self.specs[model].layers,
                 batch=batch,
             )
             if self.capabilities is not None:
@@ -186,20 +196,19 @@ class Tuner:
         """(layout, seconds per iteration of its forward and train nodes, static bytes, activation bytes)."""
         trainable = lay.model in self.roles.trainable
         seq = int(round(padded_length(self.lengths, self.w.prompt_length, lay.micro_batch * lay.parallel.dp)))
-        seconds = self.forwards[lay.model] * self.cost.forward(
-            lay, self.w.sequences, seq, backward=False, sharded=trainable
-        )
+        cost, spec = self.costs[lay.model], self.specs[lay.model]
+        seconds = self.forwards[lay.model] * cost.forward(lay, self.w.sequences, seq, backward=False, sharded=trainable)
         if trainable:
             seconds += self.w.ppo_epochs * (
-                self.cost.forward(lay, self.w.sequences, seq, backward=True, sharded=trainable)
-                + self.w.mini_batches * self.cost.optimizer_step(lay)
+                cost.forward(lay, self.w.sequences, seq, backward=True, sharded=trainable)
+                + self.w.mini_batches * cost.optimizer_step(lay)
             )
-        states = mem.state_bytes(self.model, self.numerics, lay, trainable)
+        states = mem.state_bytes(spec, self.numerics, lay, trainable)
         return (
             lay,
             seconds,
             states,
-            mem.activation_bytes(self.model, self.numerics, lay, self.max_len, training=trainable),
+            mem.activation_bytes(spec, self.numerics, lay, self.max_len, training=trainable),
         )
 
     def group_memory(
@@ -208,7 +217,9 @@ class Tuner:
         members = [m for m, g in sk.assignment if g == group]
         peaks = {f"{m} activations": choice[m][3] for m in members}
         if sk.generation.group == group:
-            gen = mem.generation_bytes(self.model, self.numerics, sk.generation, self.w.sequences, self.max_len)
+            gen = mem.generation_bytes(
+                self.specs[self.roles.actor], self.numerics, sk.generation, self.w.sequences, self.max_len
+            )
             peaks["generation weights + KV cache"] = gen
         return mem.group_need({f"{m} states": choice[m][2] for m in members}, peaks)
 
@@ -262,11 +273,13 @@ class Tuner:
     def evaluate(self, plan: ClusterPlan, *, iterations: int, max_replicas: int | None) -> Candidate:
         gen_group = plan.generation.group
         members = [m for m in plan.models if m.group == gen_group]
-        static = sum(mem.state_bytes(self.model, self.numerics, m, m.model in self.roles.trainable) for m in members)
+        static = sum(
+            mem.state_bytes(self.specs[m.model], self.numerics, m, m.model in self.roles.trainable) for m in members
+        )
         result = simulate(
             self.graph,
             plan,
-            self.cost,
+            self.costs,
             self.w,
             self.roles,
             static_gen_bytes=static,
@@ -306,7 +319,11 @@ class Tuner:
         choices; ``chunk_tokens`` sets the decode chunk of chunked rollout policies."""
         t0 = time.perf_counter()
         sks = skeletons(
-            self.roles, self.cluster.devices, self.cluster.devices_per_node, self.model.heads, self.model.kv_heads
+            self.roles,
+            self.cluster.devices,
+            self.cluster.devices_per_node,
+            self.specs[self.roles.actor].heads,
+            self.specs[self.roles.actor].kv_heads,
         )
         c = self.constraints
         sks = _pinned(sks, placement or c.placement, weight_sync or c.weight_sync, rollout)
@@ -431,6 +448,14 @@ class Tuner:
             "bound_s": max(compute, decode),
         }
 
+    def describe_models(self) -> str:
+        """``llama-7b (6.7B parameters)``, or per model when the roles differ."""
+        shapes = {spec.name: spec for spec in self.specs.values()}
+        if len(shapes) <= 1:
+            spec = next(iter(shapes.values()), self.model)
+            return f"{spec.name} ({spec.parameters() / 1e9:.1f}B parameters)"
+        return ", ".join(f"{m}={s.name} ({s.parameters() / 1e9:.1f}B)" for m, s in self.specs.items())
+
     def _nothing_fits(self, infeasible: list[Infeasible]) -> str:
         hw = self.cluster.hardware
         if self.capacity <= 0:
@@ -451,9 +476,9 @@ class Tuner:
             )
         n = self.numerics
         per_trainable = n.weight_bytes + n.grad_bytes + n.optimizer_bytes
-        states = (
-            sum((per_trainable if m in self.roles.trainable else n.weight_bytes) for m in self.roles.models)
-            * self.model.parameters()
+        states = sum(
+            (per_trainable if m in self.roles.trainable else n.weight_bytes) * self.specs[m].parameters()
+            for m in self.roles.models
         )
         need_devices = -(-states // self.capacity)
         suggestion = self.cluster.devices_per_node
@@ -472,8 +497,7 @@ class Tuner:
                 "prompts/responses, fewer sequences per step, or a larger cluster."
             )
         return (
-            f"no plan fits {self.graph.name} with {self.model.name} ({self.model.parameters() / 1e9:.1f}B "
-            f"parameters, {len(self.roles.models)} models) "
+            f"no plan fits {self.graph.name} with {self.describe_models()} ({len(self.roles.models)} models) "
             f"on {self.cluster.devices} x {hw.name}.{where} The model states alone need {mem.gib(states)} "
             f"({per_trainable} bytes/parameter per trainable model, {n.weight_bytes} per frozen one), so at "
             f"least {need_devices} of these devices without optimizer offload; "
@@ -481,12 +505,20 @@ class Tuner:
         )
 
 
-def explain(result: TuneResult, model: ModelSpec, cluster: ClusterSpec, top: int = 5) -> str:
+def explain(
+    result: TuneResult, model: ModelSpec, cluster: ClusterSpec, top: int = 5, models: Mapping[str, ModelSpec] | None = None
+) -> str:
+    """The winner, its per-node times, memory and roofline, and why each runner-up loses.
+    ``models``: per-role model shapes (shown when given)."""
     best = result.ranked[0]
     pred = best.plan.predicted
     lines = [
         f"searched {result.considered} feasible plans in {result.seconds:.2f}s ({len(result.infeasible)} "
         "skeletons rejected for memory)",
+    ]
+    if models:
+        lines.append("models: " + ", ".join(f"{m}={s.name} ({s.parameters() / 1e9:.1f}B)" for m, s in models.items()))
+    lines += [
         f"winner: {pred.iteration_s:.2f} s/iteration  {best.plan.summary()}",
         "  per node (mean seconds per iteration):",
     ]

@@ -149,6 +149,76 @@ def load_model_spec(text: str) -> ModelSpec:
     )
 
 
+def load_model_specs(text: str) -> tuple[ModelSpec | None, dict[str, ModelSpec]]:
+    """``--model`` for a cluster plan: one model for every role (``llama-7b``), or per role
+    (``actor=llama-34b,reward=llama-7b``; a bare entry is the default), or a YAML/TOML file
+    mapping roles to presets, config paths or ModelSpec fields. Returns (default, per role)."""
+    name = text.strip()
+    path = Path(name).expanduser()
+    if "=" not in name:
+        if path.is_file() and path.suffix.lower() in (".yaml", ".yml", ".toml"):
+            data = read_document(path)
+            if isinstance(data, dict) and data and "layers" not in data:
+                return _role_file(data, path)
+        return load_model_spec(name), {}
+    default: ModelSpec | None = None
+    roles: dict[str, ModelSpec] = {}
+    for item in (part.strip() for part in name.split(",")):
+        if not item:
+            continue
+        key, sep, value = (s.strip() for s in item.partition("="))
+        if not sep:
+            if default is not None:
+                raise ConfigError(f"--model '{text}' names two default models; give the others as ROLE=MODEL.")
+            default = load_model_spec(key)
+            continue
+        if not key or not value:
+            raise ConfigError(f"--model entry '{item}' must be ROLE=MODEL (e.g. actor=llama-34b,reward=llama-7b).")
+        if key in roles:
+            raise ConfigError(f"--model names role '{key}' twice.")
+        try:
+            roles[key] = load_model_spec(value)
+        except ConfigError as exc:
+            raise ConfigError(f"--model entry '{item}': {exc}") from None
+    return default, roles
+
+
+def _role_file(data: dict[str, Any], path: Path) -> tuple[ModelSpec | None, dict[str, ModelSpec]]:
+    """A per-role model file: ``role: preset-or-path`` or ``role: {ModelSpec fields}``; key ``default`` for the rest."""
+    out: dict[str, ModelSpec] = {}
+    for key, value in data.items():
+        where = f"model file '{path}', entry '{key}'"
+        if isinstance(value, dict):
+            out[str(key)] = convert(value, ModelSpec, where)
+        elif isinstance(value, str):
+            base = Path(value).expanduser()
+            target = value if base.is_absolute() or not (path.parent / base).exists() else str(path.parent / base)
+            try:
+                out[str(key)] = load_model_spec(target)
+            except ConfigError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+        else:
+            raise ConfigError(f"{where}: give a preset name, a config path or ModelSpec fields, not {value!r}.")
+    return out.pop("default", None), out
+
+
+def role_models(default: ModelSpec, given: dict[str, ModelSpec], models: dict[str, str]) -> dict[str, ModelSpec]:
+    """Every graph model's shape from per-role ``given`` (keys: a graph model's name or a role).
+    ``models``: graph model name -> role. A model not named takes its role's entry; a reference
+    the actor's; a critic or cost model the reward model's; else ``default``."""
+    roles = set(models.values())
+    unknown = [k for k in given if k not in models and k not in roles]
+    if unknown:
+        raise ConfigError(
+            f"--model names {', '.join(repr(k) for k in unknown)}, which is neither a model of this graph "
+            f"({', '.join(models)}) nor one of its roles ({', '.join(sorted(roles))})."
+        )
+    actors = [m for m, r in models.items() if r == "actor"]
+    actor = next((given[k] for k in (*actors, "actor") if k in given), None)
+    fallback = {"reference": actor, "critic": given.get("reward"), "cost": given.get("reward")}
+    return {name: given.get(name) or given.get(role) or fallback.get(role) or default for name, role in models.items()}
+
+
 def from_model_dir(path: str) -> ModelSpec:
     """The shape of the HF model in directory ``path`` (its ``config.json``; no weights are read)."""
     check_model_dir(path)

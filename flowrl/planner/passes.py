@@ -25,6 +25,7 @@ from flowrl.graph.ir import Compute, Filter, Forward, Generate, Graph, Reward, T
 from flowrl.planner import memory as mem
 from flowrl.planner.capabilities import rollout_conflict, supports
 from flowrl.planner.constraints import Constraints
+from flowrl.planner.modelspec import role_models
 from flowrl.planner.plan import ExecutionPlan, MemoryEstimate, NodePlan
 from flowrl.planner.space import (
     ClusterPlan,
@@ -178,6 +179,10 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
         rollout = msgspec.structs.replace(rollout, max_new_tokens=task.max_new_tokens())
     cfg = msgspec.structs.replace(cfg, rollout=rollout)
     target = plan.target
+    if target.models:  # per-role models: every graph model's own shape, the first actor's as the base
+        models = role_models(target.model, target.models, {m: d.role for m, d in graph.models.items()})
+        first = next(m for m, d in graph.models.items() if d.role == "actor") if graph.models else None
+        target = msgspec.structs.replace(target, models=models, model=models.get(first or "", target.model))
     if target.workload is None:
         prompt_length, lengths = task_lengths(task, cfg.rollout.max_new_tokens, cfg.rollout.ignore_eos)
         workload = WorkloadSpec(
@@ -357,7 +362,7 @@ def generation_engines(ctx: PlanContext, plan: ExecutionPlan) -> list[str]:
     cfg = plan.config
     if cfg.generation.engine != AUTO:
         return [cfg.generation.engine]
-    hw, head = plan.target.cluster.hardware, plan.target.model.dim_per_head
+    hw, head = plan.target.cluster.hardware, plan.target.spec(generating_models(ctx.graph)[0]).dim_per_head
     names = [
         name
         for name in ctx.registry.names("generation_engines")
@@ -435,6 +440,7 @@ def _place(
         generation_engine=engine,
         rows=plan_rows(ctx, plan),
         constraints=opts.get("require"),
+        models=t.models or None,
     )
     pins = {k: opts.get(k) for k in ("placement", "weight_sync")}
     if single is not None and any(pins.values()):
@@ -525,7 +531,7 @@ def _group_states(plan: ExecutionPlan, layout: ClusterPlan, group: str, trainabl
     t = plan.target
     return {
         f"model {m.model} ({'weights+grads+optimizer' if m.model in trainable else 'weights'})": mem.state_bytes(
-            t.model, t.numerics, m, m.model in trainable
+            t.spec(m.model), t.numerics, m, m.model in trainable
         )
         for m in layout.models
         if m.group == group
@@ -539,7 +545,7 @@ def _trainable(graph: Graph) -> set[str]:
 def _activations(plan: ExecutionPlan, lay: ModelLayout, size: int, seq_len: int, training: bool) -> int:
     t = plan.target
     return mem.activation_bytes(
-        t.model, t.numerics, msgspec.structs.replace(lay, micro_batch=size), seq_len, training=training
+        t.spec(lay.model), t.numerics, msgspec.structs.replace(lay, micro_batch=size), seq_len, training=training
     )
 
 
@@ -559,8 +565,9 @@ def memory(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
             if n.group != g.name:
                 continue
             if n.kind == "generate":
+                model = ctx.graph.nodes[n.node].model
                 peaks[f"node {n.node} (generation weights + KV cache)"] = mem.generation_bytes(
-                    t.model, t.numerics, layout.generation_of(ctx.graph.nodes[n.node].model or ""), n.rows, seq_len
+                    t.spec(model), t.numerics, layout.generation_of(model or ""), n.rows, seq_len
                 )
             elif n.kind in ("forward", "train"):
                 lay = layout.layout(ctx.graph.nodes[n.node].model)
@@ -639,10 +646,10 @@ def _verify_layout(graph: Graph, plan: ExecutionPlan) -> None:
             raise PlanError(
                 f"model '{m.model}': dp {p.dp} x tp {p.tp} x pp {p.pp} != {g.devices} devices of group '{g.name}'."
             )
-        if t.model.heads % p.tp or t.model.layers % p.pp:
+        spec = t.spec(m.model)
+        if spec.heads % p.tp or spec.layers % p.pp:
             raise PlanError(
-                f"model '{m.model}': tp {p.tp} must divide {t.model.heads} heads and pp {p.pp} the "
-                f"{t.model.layers} layers."
+                f"model '{m.model}': tp {p.tp} must divide {spec.heads} heads and pp {p.pp} the {spec.layers} layers."
             )
         if mini_batch is not None and (mini_batch % p.dp or not 1 <= m.micro_batch <= mini_batch // p.dp):
             raise PlanError(
@@ -650,7 +657,8 @@ def _verify_layout(graph: Graph, plan: ExecutionPlan) -> None:
                 f"micro-batch {m.micro_batch} fit in a rank's share."
             )
     gen = c.generation
-    if gen.group not in groups or gen.tp * gen.replicas != groups[gen.group].devices or t.model.heads % gen.tp:
+    heads = t.spec(gen.model or (generating_models(graph) or [None])[0]).heads
+    if gen.group not in groups or gen.tp * gen.replicas != groups[gen.group].devices or heads % gen.tp:
         raise PlanError(
             f"generation: tp {gen.tp} x {gen.replicas} replicas must fill group '{gen.group}' and tp must "
             "divide the heads."

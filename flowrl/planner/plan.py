@@ -30,14 +30,23 @@ class GraphRef(Spec):
 
 class ClusterTarget(Spec):
     """What a plan is for: the cluster (``local`` is one device of this machine), the base model
-    every role uses, the workload (None: derived from the run config by ``resolve``), how the
-    backend holds models in memory, and what its executor can run (None: a forecast for any)."""
+    every role uses unless ``models`` names another for it, the workload (None: derived from the
+    run config by ``resolve``), how the backend holds models in memory, and what its executor can
+    run (None: a forecast for any).
+
+    ``models``: per-role models (``--model actor=llama-34b,reward=llama-7b``), keyed by role or
+    graph model name as given; ``resolve`` turns the keys into every graph model's name."""
 
     cluster: ClusterSpec
     model: ModelSpec
     workload: WorkloadSpec | None = None
     numerics: Numerics = Numerics()
     capabilities: Capabilities | None = None
+    models: dict[str, ModelSpec] = {}
+
+    def spec(self, model: str | None) -> ModelSpec:
+        """The shape of graph model ``model`` (the base model unless ``models`` names another)."""
+        return self.models.get(model or "", self.model)
 
 
 class NodePlan(Spec):

@@ -11,6 +11,7 @@ once the batch is full and resume the rest later.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -77,9 +78,10 @@ class Generator:
         rng: np.random.Generator,
         sampled_replicas: int | None = None,
         numerics: Numerics | None = None,
+        model: str | None = None,
     ) -> None:
         self.plan, self.cost, self.w, self.rng = plan, cost, workload, rng
-        gen = plan.generation
+        self.layout = gen = plan.generation_of(model) if model is not None else plan.generation
         context = workload.prompt_length + workload.max_response()
         self.cap = kv_capacity(cost.model, numerics or Numerics(), cost.hw, gen.tp, static_bytes, context)
         # Replicas are i.i.d.: simulate a sample of them (each with its real share of the batch).
@@ -97,7 +99,7 @@ class Generator:
         Partial rollouts launch (1 + overprovision) x the groups, decode until the batch has its
         groups (a group is done when its longest response is), and carry the other groups over:
         their remaining tokens, and the tokens they have, which training later pays for."""
-        gen, pol = self.plan.generation, self.plan.rollout
+        gen, pol = self.layout, self.plan.rollout
         group = max(group, 1)
         per_replica = int(np.ceil(sequences / gen.replicas / group))  # groups
         launch = int(np.ceil(per_replica * (1 + pol.overprovision))) if pol.partial else per_replica
@@ -173,8 +175,8 @@ def node_group(plan: ClusterPlan, graph: Graph, name: str) -> tuple[str, ...]:
 
 
 def sync_seconds(plan: ClusterPlan, cost: CostModel, roles: Roles, model: str | None = None) -> float:
-    """Move a generating model's new weights (default: the actor's) into its generation layout
-    (and load them into its engine)."""
+    """Move a generating model's new weights (default: the actor's; ``cost``: that model's) into its
+    generation layout (and load them into its engine)."""
     gen = plan.generation_of(model or roles.actor)
     return _transfer_seconds(plan, cost, model or roles.actor) + cost.engine_load(cost.sync_volume() / gen.tp)
 
@@ -205,7 +207,7 @@ def _transfer_seconds(plan: ClusterPlan, cost: CostModel, model: str) -> float:
 def simulate(
     graph: Graph,
     plan: ClusterPlan,
-    cost: CostModel,
+    cost: CostModel | Mapping[str, CostModel],
     workload: WorkloadSpec,
     roles: Roles,
     *,
@@ -216,11 +218,16 @@ def simulate(
     numerics: Numerics | None = None,
     node_rows: dict[str, int] | None = None,
 ) -> SimResult:
-    """Simulate ``iterations`` steps of ``plan``. ``node_rows``: the sequences each node sees per step
-    (default: the workload's prompts x samples, one per prompt for a greedy generate node)."""
+    """Simulate ``iterations`` steps of ``plan``. ``cost``: one cost model for every graph model, or
+    one per model (per-role models). ``node_rows``: the sequences each node sees per step (default:
+    the workload's prompts x samples, one per prompt for a greedy generate node)."""
     rng = np.random.default_rng(seed)
     order = graph.order()
-    gen = Generator(plan, cost, workload, static_gen_bytes, rng, sampled_replicas, numerics)
+    costs = dict(cost) if isinstance(cost, Mapping) else {m: cost for m in graph.models}
+    gens = {
+        m: Generator(plan, costs[m], workload, static_gen_bytes, rng, sampled_replicas, numerics, model=m)
+        for m in roles.actors or (roles.actor,)
+    }
     lead = plan.rollout.lead
     warm = 1 + lead  # iterations before the pipeline of rollouts is full
     iterations = max(iterations, warm + 2)
@@ -232,7 +239,7 @@ def simulate(
     dag = graph.dag()
     # each generating policy's train node, then the sync of its new weights to its generation layout
     syncs = {
-        n: (graph.nodes[n].model, sync_seconds(plan, cost, roles, graph.nodes[n].model))
+        n: (graph.nodes[n].model, sync_seconds(plan, costs[graph.nodes[n].model], roles, graph.nodes[n].model))
         for n in order
         if isinstance(graph.nodes[n], Train) and graph.nodes[n].model in roles.actors
     }
@@ -279,6 +286,7 @@ def simulate(
             if node_rows and name in node_rows:  # its own rows: another policy's prompts or samples
                 asked = node_rows.get(producers.get(node.reads[0], [""])[0], workload.prompts_per_step)
                 count, group = node_rows[name], 1 if node.greedy else max(node_rows[name] // max(asked, 1), 1)
+            gen, spec = gens[node.model], costs[node.model].model
             seconds, tokens, batch = gen.iteration(count, group)
             lengths[it] = batch
             if name in filters:  # dynamic sampling: more rounds until the filter has passed the batch
@@ -292,9 +300,9 @@ def simulate(
                     extra_s, extra_tokens, _ = gen.iteration(count, group)
                     seconds, tokens, more = seconds + part * extra_s, tokens + part * extra_tokens, more + 1.0
             gen_tokens += tokens
-            gen_flops += count * workload.prompt_length * cost.model.flops_per_token(
+            gen_flops += count * workload.prompt_length * spec.flops_per_token(
                 workload.prompt_length // 2
-            ) + tokens * cost.model.flops_per_token(seq_len)
+            ) + tokens * spec.flops_per_token(seq_len)
             need, sync = it - 1 - lead, f"weight_sync:{node.model}"
             deps = [finish[(need, sync)]] if need >= 0 and (need, sync) in finish else []
             end = run(it, name, node_group(plan, graph, name), deps, seconds)
@@ -317,14 +325,15 @@ def simulate(
                 padded = int(round(padded_length(lengths[it], workload.prompt_length, rows)))
             sharded = node.model in roles.trainable if node.model is not None else False
             if isinstance(node, Forward):
-                seconds = cost.forward(plan.layout(node.model), n_rows, padded, backward=False, sharded=sharded)
-                flops_total += n_rows * seq_len * cost.model.flops_per_token(seq_len // 2)
+                c = costs[node.model]
+                seconds = c.forward(plan.layout(node.model), n_rows, padded, backward=False, sharded=sharded)
+                flops_total += n_rows * seq_len * c.model.flops_per_token(seq_len // 2)
             elif isinstance(node, Train):
-                layout = plan.layout(node.model)
-                seconds = epochs * cost.forward(
+                c, layout = costs[node.model], plan.layout(node.model)
+                seconds = epochs * c.forward(
                     layout, n_rows, padded, backward=True, sharded=sharded
-                ) + epochs * minis * cost.optimizer_step(layout)
-                flops_total += 3 * epochs * n_rows * seq_len * cost.model.flops_per_token(seq_len // 2)
+                ) + epochs * minis * c.optimizer_step(layout)
+                flops_total += 3 * epochs * n_rows * seq_len * c.model.flops_per_token(seq_len // 2)
             else:
                 seconds = DRIVER_SECONDS_PER_SEQ * n_rows
             run(it, name, node_group(plan, graph, name), deps, seconds)
@@ -353,7 +362,7 @@ def simulate(
         spans=spans,
         flops=flops_total / iterations + gen_flops / launched,
         gen_steps=gen_tokens / launched,
-        longest_decode=gen.longest,
+        longest_decode=max(g.longest for g in gens.values()),
     )
 
 

@@ -34,19 +34,20 @@ from flowrl.planner.capabilities import Capabilities, rollout_conflict, unsuppor
 from flowrl.planner.passes import node_options, verify_plan
 from flowrl.planner.plan import ExecutionPlan, dump_plan
 from flowrl.planner.space import RolloutPolicy
-from flowrl.runtime import checkpoint
-from flowrl.runtime.groups import CURRENT_TASK, GenerationGroup, InProcessTransport, TrainingGroup, Transport
-from flowrl.runtime.pipeline import Pipeline, StepState
 from flowrl.runtime.protocols import RunResult
-from flowrl.runtime.rollout import Rounds, StepRollout
-from flowrl.runtime.schedule import Schedule, Task, lower
 from flowrl.runtime.trace import Trace
 from flowrl.runtime.worker import Worker
 from flowrl.tasks.builtin import make_task
 
+# The modules that import torch load when a plan runs, not with this module: a backend's executor
+# class (a subclass) is registered, and its capabilities read, by every CLI call and plan.
 if TYPE_CHECKING:
     from flowrl.plugins.manager import Registry
+    from flowrl.runtime.groups import GenerationGroup, TrainingGroup, Transport
     from flowrl.runtime.nodes import NodeRuntime
+    from flowrl.runtime.pipeline import StepState
+    from flowrl.runtime.rollout import Rounds, StepRollout
+    from flowrl.runtime.schedule import Schedule, Task
 
 
 def run_dir(base: str, name: str) -> Path:
@@ -116,6 +117,13 @@ class PlanExecutor:
                 f"parameters), but its config builds '{builds.name}' ({builds.parameters() / 1e6:.1f}M); re-plan "
                 "with the model you run (--model DIR)."
             )
+        other = {m: spec.name for m, spec in plan.target.models.items() if spec != builds}
+        if other:
+            raise PlanError(
+                f"the plan gives models {', '.join(f'{m}={n}' for m, n in other.items())} shapes of their own, but a "
+                f"run trains one base model ('{builds.name}') for every role; per-role models are for forecasts "
+                "(`flowrl plan --cluster ... --model actor=...,reward=...`)."
+            )
         conflict = rollout_conflict(graph, plan.layout.rollout)
         if conflict:
             raise PlanError(conflict)
@@ -124,6 +132,8 @@ class PlanExecutor:
 
     # ------------------------------------------------------------ workers
     def schedule(self, graph: Graph, plan: ExecutionPlan) -> Schedule:
+        from flowrl.runtime.schedule import lower
+
         cfg = plan.config
         return lower(graph, plan, same_engine=cfg.generation.engine == cfg.train.engine)
 
@@ -138,6 +148,8 @@ class PlanExecutor:
     ) -> tuple[Transport, dict[str, Any]]:
         """Start the workers of ``schedule`` and set them up; returns the transport and, per model,
         (tokenizer, hf_config). This executor: one worker in this process."""
+        from flowrl.runtime.groups import InProcessTransport
+
         worker, built = self._worker(graph, plan, schedule)
         return InProcessTransport(worker), built
 
@@ -150,6 +162,8 @@ class PlanExecutor:
         self, graph: Graph, schedule: Schedule, transport: Transport, built: dict[str, Any]
     ) -> tuple[dict[str, TrainingGroup], dict[str, GenerationGroup]]:
         """The driver's view of every model: a training group per model, a generation group per model that generates."""
+        from flowrl.runtime.groups import GenerationGroup, TrainingGroup
+
         trainers = {
             m.model: TrainingGroup(graph.models[m.model], schedule.ranks_of(m.model), transport, *built[m.model])
             for m in schedule.models
@@ -198,8 +212,10 @@ class PlanExecutor:
     ) -> RunResult:
         import torch
 
-        from flowrl.runtime import runstate
+        from flowrl.runtime import checkpoint, runstate
+        from flowrl.runtime.groups import CURRENT_TASK
         from flowrl.runtime.nodes import NodeRuntime
+        from flowrl.runtime.pipeline import Pipeline
 
         cfg = plan.config
         task = make_task(cfg.task, cfg.task_options, registry={e.name: e.obj for e in self.registry.entries("tasks")})
@@ -332,6 +348,8 @@ class PlanExecutor:
         built: dict[str, Any],
         rt: NodeRuntime,
     ) -> StepRollout:
+        from flowrl.runtime.rollout import StepRollout
+
         gen = graph.nodes[node]
         assert isinstance(gen, Generate)
         return StepRollout(
@@ -357,6 +375,7 @@ def _rounds(graph: Graph, gen: Generate, rt: NodeRuntime, prompts_per_step: int)
     nodes between them, then the filter."""
     from flowrl.graph.ir import Filter
     from flowrl.runtime.nodes import filter_groups, run_node
+    from flowrl.runtime.rollout import Rounds
 
     name = graph.filters().get(gen.name)
     if name is None:

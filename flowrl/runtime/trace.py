@@ -77,7 +77,14 @@ def predicted_spans(
 
     if plan.layout is None or plan.target.workload is None:
         return [], 0.0
-    tuner = Tuner(graph, plan.target.model, plan.target.cluster, plan.workload, numerics=plan.target.numerics)
+    tuner = Tuner(
+        graph,
+        plan.target.model,
+        plan.target.cluster,
+        plan.workload,
+        numerics=plan.target.numerics,
+        models=plan.target.models or None,
+    )
     result = tuner.evaluate(plan.layout, iterations=4, max_replicas=None).result
     spans = [(s.task, s.groups or ("controller",), s.start, s.end, s.iteration) for s in result.spans]
     return spans, result.iteration_s

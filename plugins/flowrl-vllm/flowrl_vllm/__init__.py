@@ -1,7 +1,7 @@
 """flowrl's vLLM generation engine (`--set generation.engine=vllm`).
 
-vLLM loads only when an engine is built, so installing this plugin costs `flowrl` nothing at
-start-up. See flowrl_vllm/engine.py.
+vLLM (and torch) load only when an engine is built, so installing this plugin costs `flowrl` nothing
+at start-up. See flowrl_vllm/engine.py.
 """
 
 from __future__ import annotations
@@ -11,12 +11,17 @@ from typing import Any
 from flowrl.plugins.hookspecs import hookimpl
 
 
-@hookimpl
-def register_generation_engines(register: Any) -> None:
+def vllm_engine(ctx: Any) -> Any:
+    """A `flowrl_vllm.engine.VLLMEngine` for ``ctx``; the engine module (torch, vLLM) loads on this first call."""
     from flowrl_vllm.engine import VLLMEngine
 
+    return VLLMEngine(ctx)
+
+
+@hookimpl
+def register_generation_engines(register: Any) -> None:
     register(
         "vllm",
-        VLLMEngine,
+        vllm_engine,
         description="vLLM: batched sampling with log-probs, in-place weight updates, resumable rows",
     )
