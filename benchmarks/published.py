@@ -49,6 +49,9 @@ def workload_yaml(case: dict, assumed: list[str]) -> str:
         assumed.append("prompt_length 256")
     top = int(w.get("max_response_length") or 4096)
     mean = w.get("mean_response_length")
+    if mean is None and w.get("assumed_mean_response_length"):
+        mean = w["assumed_mean_response_length"]
+        assumed.append(f"mean response {mean:.0f} (the case's assumption)")
     if mean is None:
         mean = top / 3
         assumed.append(f"mean response {mean:.0f} (max/3)")

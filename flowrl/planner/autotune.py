@@ -464,7 +464,8 @@ class Tuner:
                 f"what the runtime reserves ({mem.gib(hw.memory_bytes - self.capacity)}); is the cluster's "
                 "'memory_bytes' in bytes?"
             )
-        lean = min(infeasible, key=lambda i: i.need - self.capacity) if infeasible else None
+        sized = [i for i in infeasible if i.need > 0]  # the others: no layout divides their group and batch
+        lean = min(sized, key=lambda i: i.need - self.capacity) if sized else None
         where = ""
         if lean is not None:
             parts = ", ".join(f"{k} {mem.gib(v)}" for k, v in sorted(lean.breakdown.items(), key=lambda kv: -kv[1]))
@@ -506,7 +507,11 @@ class Tuner:
 
 
 def explain(
-    result: TuneResult, model: ModelSpec, cluster: ClusterSpec, top: int = 5, models: Mapping[str, ModelSpec] | None = None
+    result: TuneResult,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    top: int = 5,
+    models: Mapping[str, ModelSpec] | None = None,
 ) -> str:
     """The winner, its per-node times, memory and roofline, and why each runner-up loses.
     ``models``: per-role model shapes (shown when given)."""

@@ -98,10 +98,19 @@ class CostModel:
         return np.maximum(self.matmul(flops, tp, efficiency), self.stream(nbytes)) + comm + self.model.layers * overhead
 
     def engine_load(self, nbytes: float) -> float:
-        """Loading ``nbytes`` of new weights into the running generation engine (0 when uncalibrated:
-        the hardware presets fold it into the sync)."""
+        """Loading ``nbytes`` (one device's share) of new weights into the running generation engine:
+        the engine's measured load rate when `flowrl profile` calibrated it; else one handle and load
+        call per weight tensor (the hardware's ``engine_tensor_overhead``) plus a copy of the bytes."""
         cal = self.calibration
-        return nbytes / cal.load_bandwidth if cal is not None else 0.0
+        if cal is not None:
+            return nbytes / cal.load_bandwidth
+        if not self.hw.engine_tensor_overhead:
+            return 0.0
+        return self.param_tensors * self.hw.engine_tensor_overhead + self.stream(nbytes)
+
+    def offload_seconds(self, nbytes: float) -> float:
+        """Moving ``nbytes`` of one device's resident states to host memory and back."""
+        return 2 * nbytes / self.hw.host_bandwidth
 
     # ------------------------------------------------------------ training / inference
     @property

@@ -190,6 +190,10 @@ class HardwareSpec(CheckedSpec, kw_only=True):
     bandwidth_efficiency: Fraction = 0.75
     comm_efficiency: Fraction = 0.8
     kernel_overhead: NonNegative = 2e-5  # s per layer per forward step (launch/sync overhead)
+    # s per weight tensor to hand new weights to a separate generation engine (IPC handle, the engine's
+    # load call); 0 for an engine that shares the trainer's tensors. Presets: fitted to published refit
+    # times (benchmarks/published); `flowrl profile` measures an engine's own load rate instead
+    engine_tensor_overhead: NonNegative = 0.0
     # generation engines measured here by `flowrl profile` (by engine name); others decode with the factors above
     generation: dict[str, GenerationCalibration] = msgspec.field(default_factory=dict)
 
@@ -277,8 +281,14 @@ def cpu_cluster(machine: HardwareSpec, devices: int) -> ClusterSpec:
     return ClusterSpec(nodes=1, devices_per_node=devices, hardware=hardware)
 
 
+#: Seconds per weight tensor of a weight update into a vLLM engine on a GPU: fitted to NeMo-RL
+#: v0.3's published refit times (Llama-3.1-8B on 8 H100: 5 s; 70B on 64 H100: 14 s;
+#: benchmarks/published), after the bytes moved are costed.
+ENGINE_TENSOR_SECONDS = 0.012
+
+
 def _preset(name: str, **fields: Any) -> HardwareSpec:
-    return HardwareSpec(name=name, **fields)
+    return HardwareSpec(name=name, engine_tensor_overhead=ENGINE_TENSOR_SECONDS, **fields)
 
 
 _A100 = dict(peak_flops_bf16=312e12, peak_flops_fp32=19.5e12, intra_node_bandwidth=300e9, inter_node_bandwidth=25e9)

@@ -29,8 +29,11 @@ Bytes = Annotated[int, Meta(ge=0, le=64)]
 
 class Numerics(CheckedSpec, kw_only=True):
     """How a backend holds a model, as far as memory goes. Defaults: bf16 mixed precision with
-    fp32 AdamW states, per-layer activation recomputation, flash attention, 64 sequences
-    decoded at once per generation replica (continuous batching)."""
+    fp32 AdamW states, per-layer activation recomputation, flash attention, and generation as
+    vLLM does it: continuous batching over a paged KV cache, at most 256 sequences at once per
+    replica (vLLM's ``max_num_seqs``), with colocated training states moved to host memory
+    while the engine generates when they would crowd out its KV cache (verl's and NeMo-RL's
+    sleep mode)."""
 
     weight_bytes: Annotated[int, Meta(ge=1, le=64)] = 2
     grad_bytes: Bytes = 2
@@ -38,7 +41,10 @@ class Numerics(CheckedSpec, kw_only=True):
     activation_bytes: Annotated[int, Meta(ge=1, le=64)] = 2
     recompute: bool = True
     eager_attention: bool = False  # keeps heads x seq attention scores per token
-    decode_batch: Count | None = 64  # None: a replica decodes all its sequences at once
+    # at most this many sequences decode at once per replica, continuously batched over a paged KV
+    # cache; None: a replica decodes all its sequences at once, as one static batch (the local engine)
+    decode_batch: Count | None = 256
+    offload_for_rollout: bool = True  # colocated training states may go to host memory during generation
     reserve: Annotated[float, Meta(ge=0, lt=1)] = (
         0.08  # fraction of device memory kept for the allocator, NCCL and the framework
     )
@@ -80,9 +86,11 @@ def activation_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout, 
 
 
 def generation_bytes(model: ModelSpec, numerics: Numerics, gen: GenerationLayout, sequences: int, max_len: int) -> int:
-    """Weights of one generation replica plus the KV cache of the sequences it decodes at once."""
+    """Weights of one generation replica plus the KV cache it needs: a static batch holds every
+    sequence at full length; a paged, continuously batched engine needs room for one sequence
+    of ``max_len`` tokens and runs as many at once as the rest of memory holds."""
     per_replica = max(1, -(-sequences // gen.replicas))
-    live = per_replica if numerics.decode_batch is None else min(per_replica, numerics.decode_batch)
+    live = per_replica if numerics.decode_batch is None else 1
     weights = model.parameters() * numerics.weight_bytes // gen.tp
     return weights + live * max_len * model.kv_bytes_per_token(numerics.activation_bytes) // gen.tp
 

@@ -11,6 +11,7 @@ once the batch is full and resume the rest later.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -66,8 +67,44 @@ def decode_seconds(cost: CostModel, lengths: np.ndarray, prompt: int, tp: int, c
     return total
 
 
+def continuous_seconds(cost: CostModel, lengths: np.ndarray, prompt: int, tp: int, slots: int) -> float:
+    """One replica decodes ``lengths`` with continuous batching: at most ``slots`` sequences at once,
+    each next one admitted (in order) as soon as one finishes; a step's cost follows its live batch
+    and the tokens their paged KV cache holds."""
+    if lengths.size == 0:
+        return 0.0
+    slots = max(1, min(slots, lengths.size))
+    if slots == lengths.size:
+        ends = lengths.astype(np.int64)
+    else:
+        heap = [0] * slots  # when each slot frees, in decode steps
+        for n in lengths.tolist():
+            heapq.heapreplace(heap, heap[0] + n)
+        ends = np.asarray(heap, dtype=np.int64)
+    ends.sort()
+    t = np.arange(1, int(ends[-1]) + 1)
+    live = slots - np.searchsorted(ends, t, side="left")
+    half = float(np.sum(lengths.astype(float) ** 2) / (2 * max(float(lengths.sum()), 1.0)))  # mean KV a live row holds
+    context = prompt + np.minimum(t, half)
+    total = float(np.sum(cost.decode_step(live.astype(float), context, tp)))
+    return total + cost.prefill(lengths.size, prompt, tp)
+
+
+def paged_context(workload: WorkloadSpec) -> float:
+    """Tokens the KV cache holds per live sequence on average under continuous batching: the prompt
+    plus half a response, length-biased (long responses stay live longer)."""
+    lengths = sample_lengths(workload.response_length, 4096, np.random.default_rng(0)).astype(float)
+    return workload.prompt_length + float(np.sum(lengths**2) / (2 * max(float(lengths.sum()), 1.0)))
+
+
 class Generator:
-    """Per-iteration generation time across replicas, with partial-rollout carry-over."""
+    """Per-iteration generation time across replicas, with partial-rollout carry-over.
+
+    A static-batch engine (``Numerics.decode_batch`` None) decodes waves of as many sequences as
+    fit at full length, each wave until its longest response ends; a continuous-batching engine
+    keeps up to ``decode_batch`` sequences live, as many as its paged KV cache holds. When resident
+    training states would crowd that KV cache, they go to host memory for the rollout
+    (``offloaded``: the bytes per device, whose round trip the weight sync pays)."""
 
     def __init__(
         self,
@@ -82,8 +119,21 @@ class Generator:
     ) -> None:
         self.plan, self.cost, self.w, self.rng = plan, cost, workload, rng
         self.layout = gen = plan.generation_of(model) if model is not None else plan.generation
-        context = workload.prompt_length + workload.max_response()
-        self.cap = kv_capacity(cost.model, numerics or Numerics(), cost.hw, gen.tp, static_bytes, context)
+        numerics = numerics or Numerics()
+        self.continuous = numerics.decode_batch is not None
+        self.offloaded = 0
+        if self.continuous:
+            context = int(paged_context(workload))
+            wanted = min(numerics.decode_batch, max(1, -(-workload.sequences // gen.replicas)))
+            self.cap = min(
+                numerics.decode_batch, kv_capacity(cost.model, numerics, cost.hw, gen.tp, static_bytes, context)
+            )
+            if numerics.offload_for_rollout and static_bytes and self.cap < wanted:
+                self.offloaded = static_bytes
+                self.cap = min(numerics.decode_batch, kv_capacity(cost.model, numerics, cost.hw, gen.tp, 0, context))
+        else:
+            context = workload.prompt_length + workload.max_response()
+            self.cap = kv_capacity(cost.model, numerics, cost.hw, gen.tp, static_bytes, context)
         # Replicas are i.i.d.: simulate a sample of them (each with its real share of the batch).
         self.simulated = min(gen.replicas, sampled_replicas or gen.replicas)
         # partial rollouts carried over, per group size (a generate node's samples per prompt) and replica:
@@ -126,7 +176,8 @@ class Generator:
                 carry_of[r] = carried_of[r] = np.zeros(0, dtype=np.int64)
                 batch.append((before + active).ravel())
             done, before = done.ravel(), before.ravel()
-            seconds = decode_seconds(self.cost, done[done > 0], self.w.prompt_length, gen.tp, self.cap)
+            decode = continuous_seconds if self.continuous else decode_seconds
+            seconds = decode(self.cost, done[done > 0], self.w.prompt_length, gen.tp, self.cap)
             if chunked:  # every chunk boundary re-reads prompt + response so far for the rows still going
                 chunk = pol.chunk(self.w.max_response())
                 seconds += restart_seconds(self.cost, done, before, self.w.prompt_length, gen.tp, chunk)
@@ -238,8 +289,13 @@ def simulate(
     durations: dict[str, list[float]] = {}
     dag = graph.dag()
     # each generating policy's train node, then the sync of its new weights to its generation layout
+    # training states sent to host memory for the rollout come back before training: the sync pays the trip
     syncs = {
-        n: (graph.nodes[n].model, sync_seconds(plan, costs[graph.nodes[n].model], roles, graph.nodes[n].model))
+        n: (
+            graph.nodes[n].model,
+            sync_seconds(plan, costs[graph.nodes[n].model], roles, graph.nodes[n].model)
+            + costs[graph.nodes[n].model].offload_seconds(gens[graph.nodes[n].model].offloaded),
+        )
         for n in order
         if isinstance(graph.nodes[n], Train) and graph.nodes[n].model in roles.actors
     }

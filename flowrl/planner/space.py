@@ -185,8 +185,13 @@ def tp_options(heads: int, kv_heads: int, per_node: int, limit: int) -> list[int
 
 
 def group_sizes(total: int, per_node: int) -> list[int]:
-    """Sizes a device group may take: within a node any power of two, beyond it whole nodes."""
-    return sorted({s for s in _pow2_upto(total) if s <= per_node or s % per_node == 0})
+    """Sizes a device group may take: any part of one node, beyond it any number of whole nodes
+    (each model's layout then needs dp x tp x pp to fill it, with dp dividing the batch)."""
+    return sorted({*range(1, min(total, per_node) + 1), *range(per_node, total + 1, per_node)})
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _groups(names_sizes: list[tuple[str, int]]) -> tuple[DeviceGroup, ...]:
@@ -256,7 +261,7 @@ def skeletons(
             roles.actor,
             overlap=False,
         )
-    # AReaL: generation on its own devices, all training models colocated on the rest
+    # AReaL: generation on its own devices, all training models colocated on the rest ...
     for g in sizes:
         t = devices - g
         if t in sizes and t > 0:
@@ -264,6 +269,15 @@ def skeletons(
                 "disaggregated",
                 _groups([("gen", g), ("train", t)]),
                 {m: "train" for m in roles.models},
+                "gen",
+                overlap=True,
+            )
+        # ... or a group per model beside the generation group (HybridFlow's standalone plus a rollout pool)
+        if n > 1 and t > 0 and t % n == 0 and t // n in sizes:
+            add(
+                "disaggregated",
+                _groups([("gen", g), *((m, t // n) for m in roles.models)]),
+                {m: m for m in roles.models},
                 "gen",
                 overlap=True,
             )
@@ -284,7 +298,7 @@ def layouts(
     """One model's options on a group: dp x tp x pp = group size; micro-batches; offload."""
     out = []
     for tp in tp_options(heads, kv_heads, per_node, group.devices):
-        for pp in _pow2_upto(group.devices // tp):
+        for pp in _divisors(group.devices // tp):
             if layers % pp:
                 continue
             dp = group.devices // (tp * pp)

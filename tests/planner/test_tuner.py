@@ -419,9 +419,9 @@ def test_an_executor_without_model_parallelism_gets_no_tp_or_pp():
     assert result.ranked and [c.plan.summary() for c in result.ranked if unsupported(caps, c.plan, 8)] == []
     # where no layout without model parallelism fits, the refusal says so instead of suggesting this cluster
     with pytest.raises(PlanError, match="the states fit here, so activations or the KV cache do not") as info:
-        make_tuner("grpo", MODEL_PRESETS["llama-7b"], "8xA100-80G", WorkloadSpec(), capabilities=caps).search(
-            budget_s=2
-        )
+        # 128K-token responses: one sequence's activations (paged KV needs only one in flight) outgrow a device
+        long = WorkloadSpec(prompt_length=256, response_length=Fixed(value=131072))
+        make_tuner("grpo", MODEL_PRESETS["llama-7b"], "8xA100-80G", long, capabilities=caps).search(budget_s=2)
     assert "--cluster 8xA100-80G" not in str(info.value)
 
 

@@ -19,6 +19,7 @@ LOCAL_NUMERICS = Numerics(
     recompute=False,
     eager_attention=True,
     decode_batch=None,
+    offload_for_rollout=False,
     reserve=0.0,
 )
 
