@@ -5,6 +5,9 @@ tensor functions in `advantages` / `losses`, and returns the keys it produces, w
 metrics it owns (``kl`` where it sees the reference, ``exact`` for task rewards). What each
 one needs and gives is registered with it, so the planner's `resolve` pass can check a
 graph's keys before anything runs.
+
+Every CLI call registers these functions, and planning reads them; neither needs torch, so each
+function imports torch and the tensor math when it runs (tests/test_cli_imports.py).
 """
 
 from __future__ import annotations
@@ -18,8 +21,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from flowrl.runtime.batch import Sequences
-else:  # torch loads when a function runs, not when the plugins load (every CLI call registers these functions);
-    # the planner still resolves their annotations (typing.get_type_hints) to check node options
+else:  # the planner resolves these annotations (typing.get_type_hints) to check node options, without torch
     Tensor = Sequences = Any
 
 Batch = dict[str, Any]
