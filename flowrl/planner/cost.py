@@ -3,10 +3,13 @@
 All models train in bf16 with fp32 AdamW states (mixed precision), activations recomputed per
 layer (the usual RLHF setting), flash attention (no seq x seq buffers).
 
-    matmul time   = FLOPs / (devices * peak_bf16 * matmul_efficiency)
+    matmul time   = FLOPs / (devices * peak_bf16 * efficiency(tokens per device, hidden, seq_len, tp))
     stream time   = bytes / (memory_bandwidth * bandwidth_efficiency)
     ring collective of V bytes over n ranks = 2 (n-1)/n * V / (link_bw * comm_efficiency) + n * latency
 
+The matmul efficiency is the curve `efficiency.py` fits to published GPU runs (training
+micro-batches, prefills, decodes): low for a decode step of a few tokens, ~45-75% of peak for a
+training micro-batch of thousands; on this machine's CPU it is `flowrl profile`'s constant.
 Generation (prefill, decode steps) uses the generation engine's own factors where `flowrl
 profile` measured that engine on this hardware (``HardwareSpec.generation``), and a weight sync
 then also pays the engine's in-place load.
@@ -16,9 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 import numpy as np
 
+from flowrl.planner.efficiency import EfficiencyCurve, curve_for
 from flowrl.planner.hardware import GenerationCalibration, HardwareSpec
 from flowrl.planner.modelspec import ModelSpec
 from flowrl.planner.space import ModelLayout
@@ -64,9 +70,24 @@ class CostModel:
         bw, lat = self.link(span or ranks)
         return 2 * (ranks - 1) / ranks * nbytes / bw + ranks * lat
 
-    def matmul(self, flops: float, devices: int, efficiency: float | None = None) -> float:
-        """``efficiency``: the fraction of peak reached (default: the hardware's matmul_efficiency)."""
-        return flops / (devices * self.hw.peak_flops_bf16 * (efficiency or self.hw.matmul_efficiency))
+    def matmul(self, flops: Any, devices: int, efficiency: Any = None) -> Any:
+        """``efficiency``: the fraction of peak reached (default: the hardware's matmul_efficiency);
+        numbers or arrays, elementwise."""
+        eff = self.hw.matmul_efficiency if efficiency is None else efficiency
+        return flops / (devices * self.hw.peak_flops_bf16 * eff)
+
+    @cached_property
+    def curve(self) -> EfficiencyCurve | None:
+        """The work-dependent matmul efficiency fitted to published GPU runs (None on this machine's CPU,
+        where `flowrl profile`'s constant is used)."""
+        return curve_for(self.hw)
+
+    def efficiency(self, tokens: Any, seq_len: Any, tp: int) -> Any:
+        """The fraction of peak a call of ``tokens`` tokens per device over ``seq_len``-token sequences
+        reaches: the fitted curve (`efficiency.py`), else the hardware's constant."""
+        if self.curve is None:
+            return self.hw.matmul_efficiency
+        return self.curve.at(tokens, self.model.hidden, seq_len, tp=tp)
 
     def stream(self, nbytes: float) -> float:
         return nbytes / (self.hw.memory_bandwidth * self.hw.bandwidth_efficiency)
@@ -85,6 +106,8 @@ class CostModel:
         flops = tokens * self.model.flops_per_token(prompt // 2)
         comm = self.model.layers * 2 * self.allreduce(tokens * self.model.hidden * BF16, tp)
         overhead, efficiency = self._decode_factors()
+        if self.calibration is None:
+            efficiency = self.efficiency(tokens, prompt, tp)
         return self.matmul(flops, tp, efficiency) + comm + self.model.layers * overhead
 
     def decode_step(self, batch: np.ndarray, context: np.ndarray, tp: int) -> np.ndarray:
@@ -95,6 +118,8 @@ class CostModel:
         nbytes = (self.param_bytes + batch * context * self.model.kv_bytes_per_token(BF16)) / tp
         comm = self.model.layers * 2 * self.allreduce(batch * self.model.hidden * BF16, tp)
         overhead, efficiency = self._decode_factors()
+        if self.calibration is None:
+            efficiency = self.efficiency(batch, 2 * context, tp)
         return np.maximum(self.matmul(flops, tp, efficiency), self.stream(nbytes)) + comm + self.model.layers * overhead
 
     def engine_load(self, nbytes: float) -> float:
@@ -130,7 +155,8 @@ class CostModel:
         per_rank = max(sequences // p.dp, 1)
         micro = max(per_rank // layout.micro_batch, 1)
         flops = per_rank * seq_len * self.model.flops_per_token(seq_len // 2) * (3 if backward else 1)
-        compute = self.matmul(flops, p.tp * p.pp)  # one dp rank's work spread over its tp x pp devices
+        efficiency = self.efficiency(min(layout.micro_batch, per_rank) * seq_len, seq_len, p.tp)
+        compute = self.matmul(flops, p.tp * p.pp, efficiency)  # one dp rank's work spread over its tp x pp devices
         bubble = (p.pp - 1) / (micro + p.pp - 1) if p.pp > 1 else 0.0
         compute = compute / (1 - bubble)
         tokens_mb = layout.micro_batch * seq_len
