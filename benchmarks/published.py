@@ -26,7 +26,7 @@ from flowrl.cli import main
 from flowrl.planner.plan import load_plan
 
 HERE = Path(__file__).parent / "published"
-# DAPO's published async runs use no dynamic sampling (chunked rollouts refuse a filter): costed as GRPO
+# the graph a case runs: its `graph:` file (benchmarks/published/graphs), else by algorithm
 GRAPHS = {"grpo": "grpo", "dapo": "grpo", "ppo": "ppo"}
 # published phase name -> the planner's nodes that do that work
 PHASES = {
@@ -90,7 +90,8 @@ def run_case(path: Path, budget: float) -> dict:
         workload = Path(tmp) / "w.yaml"
         workload.write_text(workload_yaml(case, assumed))
         out = Path(tmp) / "plan.yaml"
-        argv = ["plan", GRAPHS.get(case["algorithm"], "grpo"), "--cluster", case["cluster"], "--model", case["model"]]
+        graph = str(HERE / case["graph"]) if case.get("graph") else GRAPHS.get(case["algorithm"], "grpo")
+        argv = ["plan", graph, "--cluster", case["cluster"], "--model", case["model"]]
         argv += ["--workload", str(workload), "--budget", str(budget), "--out", str(out)]
         for r in requirements(case):
             argv += ["--require", r]
