@@ -78,9 +78,9 @@ class CostModel:
 
     @cached_property
     def curve(self) -> EfficiencyCurve | None:
-        """The work-dependent matmul efficiency fitted to published GPU runs (None on this machine's CPU,
-        where `flowrl profile`'s constant is used)."""
-        return curve_for(self.hw)
+        """The work-dependent matmul efficiency: the one `flowrl profile` fitted on this hardware, else the
+        one fitted to published runs of its GPU family (None on this machine's CPU: the profile's constant)."""
+        return self.hw.efficiency or curve_for(self.hw)
 
     def efficiency(self, tokens: Any, seq_len: Any, tp: int) -> Any:
         """The fraction of peak a call of ``tokens`` tokens per device over ``seq_len``-token sequences

@@ -75,22 +75,22 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-import msgspec
 import numpy as np
 from msgspec import Meta
 
 from flowrl.errors import ConfigError, did_you_mean
 from flowrl.planner.hardware import (
     CPU_DEVICES,
+    DENSE_PER_LAYER,
     HARDWARE_PRESETS,
     LOCAL_CPU,
     CheckedSpec,
     Count,
+    EfficiencyCurve,
     Fraction,
     HardwareSpec,
-    NonNegative,
     Positive,
     coerce_numbers,
 )
@@ -98,8 +98,6 @@ from flowrl.specs import Spec, convert, read_document
 
 #: The measured points shipped with flowrl.
 DEFAULT_DATA = Path(__file__).parent / "data" / "efficiency.yaml"
-#: Dense matmul FLOPs per token and layer, in units of hidden**2, against which attention's share is taken.
-DENSE_PER_LAYER = 12.0
 #: Kinds of work that run a whole model (the default curves are fitted to these); ``gemm`` is one bare matmul.
 WHOLE_MODEL = ("train", "forward", "prefill", "decode")
 #: Relative disagreement allowed between a point's efficiency and the one its derivation gives.
@@ -110,37 +108,6 @@ PARAMS = ("e_max", "k_w", "k_a", "e_attn")
 
 Kind = Literal["train", "forward", "prefill", "decode", "gemm"]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
-
-
-class EfficiencyCurve(CheckedSpec, kw_only=True):
-    """The fitted curve for one device (see the module docstring for the formula)."""
-
-    e_max: Fraction  # efficiency of large dense matmuls
-    k_w: NonNegative  # cost of streaming the weights once per call, per unit of ridge / tokens
-    k_a: NonNegative  # cost of activation traffic, per unit of ridge * tp / hidden
-    e_attn: Fraction  # efficiency of attention FLOPs
-    ridge: Positive  # the device's peak FLOP/s / memory bytes/s (FLOP per byte)
-
-    def at(self, tokens: Any, hidden: int, seq_len: Any = 0, *, tp: int = 1) -> Any:
-        """Fraction of peak in (0, 1] for work of ``tokens`` per device per call (floats or numpy arrays;
-        an array in gives an array out). Fewer than one token is read as one."""
-        if hidden < 1 or tp < 1:
-            raise ValueError(f"EfficiencyCurve.at: hidden and tp must be >= 1, got hidden={hidden}, tp={tp}")
-        t = np.maximum(np.asarray(tokens, dtype=float), 1.0)
-        length = np.maximum(np.asarray(seq_len, dtype=float), 0.0)
-        a = length / (length + DENSE_PER_LAYER * hidden)
-        dense = 1.0 / self.e_max + self.k_w * self.ridge / t + self.k_a * self.ridge * tp / hidden
-        eff = 1.0 / ((1.0 - a) * dense + a / self.e_attn)
-        return float(eff) if eff.ndim == 0 else eff
-
-    def tokens_half(self, hidden: int, *, tp: int = 1) -> float:
-        """Tokens per call at which a pass without attention reaches half its ceiling at this hidden."""
-        ceiling = 1.0 / (1.0 / self.e_max + self.k_a * self.ridge * tp / hidden)
-        return self.k_w * self.ridge * ceiling
-
-    def with_ridge(self, ridge: float) -> EfficiencyCurve:
-        """These parameters on a device with another ridge (peak FLOP/s / memory bytes/s)."""
-        return msgspec.structs.replace(self, ridge=ridge)
 
 
 class Derivation(Spec):

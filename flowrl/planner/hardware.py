@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
+import numpy as np
 from msgspec import Meta
 
 from flowrl.errors import ConfigError, did_you_mean
@@ -161,6 +162,41 @@ def _struct_info(tp: Any) -> Any:
 # ------------------------------------------------------------------ specs
 
 
+#: Dense matmul FLOPs per token and layer, in units of hidden**2, against which attention's share is taken.
+DENSE_PER_LAYER = 12.0
+
+
+class EfficiencyCurve(CheckedSpec, kw_only=True):
+    """Matmul efficiency as a function of the work, for one device (formula, fit and data: `efficiency.py`)."""
+
+    e_max: Fraction  # efficiency of large dense matmuls
+    k_w: NonNegative  # cost of streaming the weights once per call, per unit of ridge / tokens
+    k_a: NonNegative  # cost of activation traffic, per unit of ridge * tp / hidden
+    e_attn: Fraction  # efficiency of attention FLOPs
+    ridge: Positive  # the device's peak FLOP/s / memory bytes/s (FLOP per byte)
+
+    def at(self, tokens: Any, hidden: int, seq_len: Any = 0, *, tp: int = 1) -> Any:
+        """Fraction of peak in (0, 1] for work of ``tokens`` per device per call (floats or numpy arrays;
+        an array in gives an array out). Fewer than one token is read as one."""
+        if hidden < 1 or tp < 1:
+            raise ValueError(f"EfficiencyCurve.at: hidden and tp must be >= 1, got hidden={hidden}, tp={tp}")
+        t = np.maximum(np.asarray(tokens, dtype=float), 1.0)
+        length = np.maximum(np.asarray(seq_len, dtype=float), 0.0)
+        a = length / (length + DENSE_PER_LAYER * hidden)
+        dense = 1.0 / self.e_max + self.k_w * self.ridge / t + self.k_a * self.ridge * tp / hidden
+        eff = 1.0 / ((1.0 - a) * dense + a / self.e_attn)
+        return float(eff) if eff.ndim == 0 else eff
+
+    def tokens_half(self, hidden: int, *, tp: int = 1) -> float:
+        """Tokens per call at which a pass without attention reaches half its ceiling at this hidden."""
+        ceiling = 1.0 / (1.0 / self.e_max + self.k_a * self.ridge * tp / hidden)
+        return self.k_w * self.ridge * ceiling
+
+    def with_ridge(self, ridge: float) -> EfficiencyCurve:
+        """These parameters on a device with another ridge (peak FLOP/s / memory bytes/s)."""
+        return msgspec.structs.replace(self, ridge=ridge)
+
+
 class GenerationCalibration(CheckedSpec, kw_only=True):
     """How fast one generation engine decodes on this hardware, as `flowrl profile` measured it
     through the engine itself (the cost model's decode factors, for that engine)."""
@@ -194,6 +230,9 @@ class HardwareSpec(CheckedSpec, kw_only=True):
     # load call); 0 for an engine that shares the trainer's tensors. Presets: fitted to published refit
     # times (benchmarks/published); `flowrl profile` measures an engine's own load rate instead
     engine_tensor_overhead: NonNegative = 0.0
+    # the work-dependent matmul efficiency `flowrl profile` fitted on this device (None: the curve fitted to
+    # published runs of its GPU family, `efficiency.py`; on this machine's CPU, matmul_efficiency)
+    efficiency: EfficiencyCurve | None = None
     # generation engines measured here by `flowrl profile` (by engine name); others decode with the factors above
     generation: dict[str, GenerationCalibration] = msgspec.field(default_factory=dict)
 
