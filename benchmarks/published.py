@@ -4,7 +4,10 @@ required (`--require`), and the predicted step and phases are set beside the pub
 
     python benchmarks/published.py [--budget S] [CASE ...]
 
-Prints a table per case and a final JSON line with the median and max error of the step time.
+Prints a table per case and a final JSON line with the median and max error of the step time,
+over every case and over those whose response lengths were published (the others rest on an
+assumed mean response). For each case it also prints the MFU the published train phase implies
+for the workload as costed: above ~80% the assumed workload cannot be what that run trained on.
 Cases whose workload is not published (null prompts or samples) are skipped and listed.
 """
 
@@ -24,6 +27,7 @@ import yaml
 
 from flowrl.cli import main
 from flowrl.planner.plan import load_plan
+from flowrl.planner.workload import mean_length
 
 HERE = Path(__file__).parent / "published"
 # the graph a case runs: its `graph:` file (benchmarks/published/graphs), else by algorithm
@@ -31,14 +35,19 @@ GRAPHS = {"grpo": "grpo", "dapo": "grpo", "ppo": "ppo"}
 # published phase name -> the planner's nodes that do that work
 PHASES = {
     "generation": ("rollout",),
-    "generation_wait": ("rollout",),
     "train": ("train_actor",),
     "update_actor": ("train_actor",),
     "logprobs": ("old_logprobs", "ref_logprobs"),
     "old_log_prob": ("old_logprobs",),
     "weight_sync": ("weight_sync",),
 }
-MODES = {"sync": "sync", "one_step_off": "one_step_off", "async+partial": "partial+async", "async": "async"}
+MODES = {
+    "sync": "sync",
+    "one_step_off": "one_step_off",
+    "async+partial": "partial+async+streaming",  # verl fully-async: an async stream pipeline with partial rollouts
+    "async": "async",
+    "streaming": "streaming",
+}
 
 
 def workload_yaml(case: dict, assumed: list[str]) -> str:
@@ -100,15 +109,29 @@ def run_case(path: Path, budget: float) -> dict:
             code = main(argv)
         if code != 0:
             return {"case": case["name"], "failed": " ".join(err.getvalue().split())[:300]}
-        predicted = load_plan(out).layout.predicted
+        planned = load_plan(out)
+        layout, plan_target = planned.layout, planned.target
+        predicted = layout.predicted
     published = case["published"]
     phases = {}
     for name, seconds in (published.get("phases") or {}).items():
-        nodes = PHASES.get(name)
-        if nodes and isinstance(seconds, (int, float)):
-            phases[name] = (seconds, sum(predicted.breakdown.get(n, 0.0) for n in nodes))
+        if not isinstance(seconds, (int, float)):
+            continue
+        if name == "generation_wait":  # the trainer idle, waiting for samples: its group's idle share of the step
+            idle = 1.0 - predicted.utilization.get(layout.layout("actor").group, 1.0)
+            phases[name] = (seconds, idle * predicted.iteration_s)
+        elif name in PHASES:
+            phases[name] = (seconds, sum(predicted.breakdown.get(n, 0.0) for n in PHASES[name]))
     step = float(published["step_s"])
+    train = phases.get("train") or phases.get("update_actor")
+    if train:  # the MFU the published train phase would need for the workload assumed (FLOPs: 3 passes)
+        spec, hw = plan_target.model, plan_target.cluster.hardware
+        mean = plan_target.workload.prompt_length + mean_length(plan_target.workload.response_length)
+        flops = 3 * plan_target.workload.sequences * mean * spec.flops_per_token(int(mean) // 2)
+        devices = layout.group(layout.layout("actor").group).devices
+        implied = flops / (train[0] * devices * hw.peak_flops_bf16)
     return {
+        "implied_train_mfu": round(implied, 3) if train else None,
         "case": case["name"],
         "published_s": step,
         "predicted_s": round(predicted.iteration_s, 2),
@@ -138,13 +161,22 @@ def main_() -> int:
         )
         for name, (pub, pred) in r["phases"].items():
             print(f"    {name:<16} published {pub:7.1f} s   predicted {pred:7.1f} s")
+        if r["implied_train_mfu"] is not None:
+            print(f"    the published train phase implies {r['implied_train_mfu']:.0%} MFU for this workload")
         print(f"    required: {' '.join(r['required']) or 'nothing'}; assumed: {', '.join(r['assumed']) or 'nothing'}")
     errors = [r["error"] for r in results if "error" in r]
+    # cases whose response lengths were published (the others rest on an assumed mean response)
+    known = [r["error"] for r in results if "error" in r and not any("mean response" in a for a in r["assumed"])]
     summary = {
         "bench": "published",
         "cases": len(errors),
         "median_error": round(statistics.median(errors), 4) if errors else None,
         "max_error": round(max(errors), 4) if errors else None,
+        "cases_with_published_lengths": len(known),
+        "median_error_published_lengths": round(statistics.median(known), 4) if known else None,
+        "max_error_published_lengths": round(max(known), 4) if known else None,
+        # the published train phase would need more than 80% MFU for the workload assumed
+        "implausible_workload": [r["case"] for r in results if (r.get("implied_train_mfu") or 0) > 0.8],
         "skipped": [r["case"] for r in results if "skipped" in r],
         "failed": [r["case"] for r in results if "failed" in r],
     }
