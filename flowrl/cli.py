@@ -90,6 +90,14 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
     model = args.model
     if model is not None and Path(model).is_dir():  # a folder: kept absolute in the plan, so it resumes anywhere
         model = str(Path(model).resolve())
+    elif model is not None and not getattr(args, "cluster", None):
+        from flowrl.planner.modelspec import MODEL_PRESETS
+
+        if "=" in model or model.strip().lower() in {k.lower() for k in MODEL_PRESETS}:
+            raise ConfigError(
+                f"--model '{model}' is a planner model (a preset or per-role models): it plans for a named cluster, "
+                "so add --cluster (e.g. --cluster 8xH100-80G). To run, give --model an HF model directory."
+            )
     return {
         "steps": args.steps,
         "seed": args.seed,
@@ -410,7 +418,7 @@ def _cluster_target(args: argparse.Namespace, load_kwargs: dict[str, Any], for_r
     planned model (and is no longer a local checkpoint) and --workload its workload."""
     from flowrl import api
     from flowrl.planner.hardware import cpu_devices, parse_cluster
-    from flowrl.planner.modelspec import load_model_specs
+    from flowrl.planner.modelspec import DEFAULT_ROLE, load_model_specs
     from flowrl.planner.plan import ClusterTarget
     from flowrl.planner.workload import WorkloadSpec, load_workload
     from flowrl.plugins.manager import registry
@@ -439,12 +447,9 @@ def _cluster_target(args: argparse.Namespace, load_kwargs: dict[str, Any], for_r
     if args.model:
         load_kwargs["flags"]["model"] = None  # --model names the planned model, not a local checkpoint
         default, roles = load_model_specs(args.model)
-        if default is None and "actor" not in roles:
-            raise ConfigError(
-                f"--model '{args.model}' names no model for the actor; add actor=MODEL or a default model "
-                "(e.g. --model llama-34b,reward=llama-7b)."
-            )
-        return ClusterTarget(cluster=cluster, model=default or roles["actor"], workload=workload, models=roles)
+        base = default or roles.get("actor") or next(iter(roles.values()))  # `resolve` sets the first actor's
+        models = {**roles, DEFAULT_ROLE: default} if roles and default else roles
+        return ClusterTarget(cluster=cluster, model=base, workload=workload, models=models)
     if args.cluster != "local":
         raise ConfigError(
             "--cluster needs --model: a preset (llama-7b, llama-70b, qwen2.5-7b, ...) or an HF config.json / "

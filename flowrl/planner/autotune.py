@@ -127,10 +127,12 @@ class Tuner:
         rows: dict[str, int] | None = None,
         constraints: Constraints | None = None,
         models: Mapping[str, ModelSpec] | None = None,
+        micro_batch: int | None = None,
     ) -> None:
         """``model``: every graph model's shape, unless ``models`` names one for it (per-role models)."""
         self.graph, self.model, self.cluster, self.w, self.seed = graph, model, cluster, workload, seed
         self.rows = rows  # per node, when it differs from the workload's sequences (multi-policy, filters)
+        self.micro_batch = micro_batch  # configured (train.micro_batch_size): every layout uses it
         self.constraints = constraints or Constraints()  # what the user requires (--require)
         self.numerics = numerics or mem.Numerics()
         self.capacity = mem.usable_bytes(cluster.hardware, self.numerics)
@@ -147,6 +149,8 @@ class Tuner:
         self.costs = {m: by_shape[spec] for m, spec in self.specs.items()}
         self.roles = roles_of(graph)
         self.cost = self.costs.get(self.roles.actor, by_shape[model])  # generation's
+        for cost in by_shape.values():  # fit the efficiency curves now, not on the search's clock
+            getattr(cost, "curve", None)
         self.seq_len = workload.prompt_length + int(mean_length(workload.response_length))
         # a batch of response lengths: forward and train passes pay for their micro-batches' padding
         self.lengths = sample_lengths(workload.response_length, workload.sequences, np.random.default_rng(seed))
@@ -155,6 +159,7 @@ class Tuner:
             m: sum(1 for n in graph.nodes.values() if isinstance(n, Forward) and n.model == m) for m in graph.models
         }
         self._layout_cache: dict[tuple[str, int], list[tuple[ModelLayout, float, int, int]]] = {}
+        self._scores: dict[ModelLayout, tuple[ModelLayout, float, int, int]] = {}
 
     # ------------------------------------------------------------ per model
     def options(self, model: str, group) -> list[tuple[ModelLayout, float, int, int]]:
@@ -176,6 +181,13 @@ class Tuner:
             if self.capabilities is not None:
                 options = [lay for lay in options if supports_layout(self.capabilities, lay)]
             options = [lay for lay in options if self.constraints.fits_layout(model, lay.parallel)]
+            if self.micro_batch is not None:  # the configured micro-batch, within each rank's share of the batch
+                options = list(
+                    dict.fromkeys(
+                        msgspec.structs.replace(lay, micro_batch=min(self.micro_batch, batch // lay.parallel.dp))
+                        for lay in options
+                    )
+                )
             scored = [self.score(lay) for lay in options]
             scored.sort(key=lambda x: (x[1], x[2] + x[3]))
             front: list[tuple[ModelLayout, float, int, int]] = []
@@ -194,6 +206,12 @@ class Tuner:
 
     def score(self, lay: ModelLayout) -> tuple[ModelLayout, float, int, int]:
         """(layout, seconds per iteration of its forward and train nodes, static bytes, activation bytes)."""
+        key = msgspec.structs.replace(lay, group="")  # the group's name changes nothing
+        if key not in self._scores:
+            self._scores[key] = self._score(key)
+        return (lay, *self._scores[key][1:])
+
+    def _score(self, lay: ModelLayout) -> tuple[ModelLayout, float, int, int]:
         trainable = lay.model in self.roles.trainable
         seq = int(round(padded_length(self.lengths, self.w.prompt_length, lay.micro_batch * lay.parallel.dp)))
         cost, spec = self.costs[lay.model], self.specs[lay.model]
@@ -216,11 +234,13 @@ class Tuner:
     ) -> tuple[int, dict[str, int]]:
         members = [m for m, g in sk.assignment if g == group]
         peaks = {f"{m} activations": choice[m][3] for m in members}
-        if sk.generation.group == group:
-            gen = mem.generation_bytes(
-                self.specs[self.roles.actor], self.numerics, sk.generation, self.w.sequences, self.max_len
-            )
-            peaks["generation weights + KV cache"] = gen
+        if sk.generation.group == group:  # the policies generate in turn: each engine is a peak of its own
+            for actor in self.roles.actors or (self.roles.actor,):
+                gen = mem.generation_bytes(
+                    self.specs[actor], self.numerics, sk.generation, self.w.sequences, self.max_len
+                )
+                name = "generation weights + KV cache" + ("" if actor == self.roles.actor else f" ({actor})")
+                peaks[name] = gen
         return mem.group_need({f"{m} states": choice[m][2] for m in members}, peaks)
 
     def fit(self, sk: Skeleton) -> dict[str, tuple[ModelLayout, float, int, int]] | Infeasible:
@@ -325,14 +345,19 @@ class Tuner:
             self.specs[self.roles.actor].heads,
             self.specs[self.roles.actor].kv_heads,
         )
+        policies = [self.specs[a] for a in self.roles.actors or (self.roles.actor,)]
+        sks = [sk for sk in sks if all(p.heads % sk.generation.tp == 0 for p in policies)]  # each policy's own heads
         c = self.constraints
         sks = _pinned(sks, placement or c.placement, weight_sync or c.weight_sync, rollout)
         if c.generation_tp is not None:
             have = sorted({sk.generation.tp for sk in sks})
             sks = [sk for sk in sks if sk.generation.tp == c.generation_tp]
             if not sks:
+                heads = {a: self.specs[a].heads for a in self.roles.actors or (self.roles.actor,)}
+                odd = [f"the {h} heads of '{a}'" for a, h in heads.items() if h % c.generation_tp]
+                why = f": tp {c.generation_tp} does not divide {', '.join(odd)}" if odd else ""
                 raise PlanError(
-                    f"no plan for this graph on this cluster has generation tp {c.generation_tp} (required); "
+                    f"no plan for this graph on this cluster has generation tp {c.generation_tp} (required){why}; "
                     f"there are: {', '.join(map(str, have))}."
                 )
         conflict = rollout_conflict(self.graph, rollout) if rollout is not None else None
@@ -359,7 +384,7 @@ class Tuner:
             sks = [sk for sk in sks if supports(caps, sk.placement, sk.rollout, sk.weight_sync, sk.generation.tp)]
         candidates: list[ClusterPlan] = []
         infeasible: list[Infeasible] = []
-        combos = self._combinations(sks, exhaustive_limit)
+        combos = self._combinations(sks, exhaustive_limit) or None  # none fit: the fit loop says why
         if combos is not None:
             candidates = combos
         else:
@@ -371,6 +396,7 @@ class Tuner:
                     candidates.append(self.plan_of(sk, fit))
         if not candidates:
             raise PlanError(self._nothing_fits(infeasible))
+        candidates = self._promising_first(candidates)
         quick: list[Candidate] = []
         if combos is not None:  # small space: every candidate with the final settings, so the optimum is exact
             for plan in candidates:  # ... unless the budget runs out first
@@ -392,6 +418,28 @@ class Tuner:
         result.roofline = self.roofline(ranked[0])
         ranked[0] = self._sealed(ranked[0], result.roofline)
         return result
+
+    def _promising_first(self, candidates: list[ClusterPlan]) -> list[ClusterPlan]:
+        """The order to simulate in, so that a budget that runs out has seen the promising plans first:
+        by a rough estimate of the step. Deterministic: it depends on the plans alone."""
+
+        mean = mean_length(self.w.response_length)
+
+        def estimate(plan: ClusterPlan) -> float:
+            """Training of the busiest group, plus (sync) or beside (overlapped) a rough decode: each replica's
+            tokens in steps of up to 256 live sequences."""
+            per_group: dict[str, float] = {}
+            for lay in plan.models:
+                per_group[lay.group] = per_group.get(lay.group, 0.0) + self.score(lay)[1]
+            train = max(per_group.values(), default=0.0)
+            gen = plan.generation
+            live = max(1.0, min(256.0, self.w.sequences / gen.replicas))
+            steps = self.w.sequences * mean * (1 + plan.rollout.overprovision) / gen.replicas / live
+            context = np.array([self.w.prompt_length + mean / 2])
+            decode = steps * float(self.cost.decode_step(np.array([live]), context, gen.tp)[0])
+            return train + decode if plan.rollout.lead == 0 else max(train, decode)
+
+        return sorted(candidates, key=lambda p: (estimate(p), p.summary()))
 
     def single(self, plan: ClusterPlan) -> TuneResult:
         """The prediction of the one plan a cluster allows (one device), ranked alone."""
@@ -465,6 +513,17 @@ class Tuner:
                 "'memory_bytes' in bytes?"
             )
         sized = [i for i in infeasible if i.need > 0]  # the others: no layout divides their group and batch
+        if infeasible and not sized:
+            models = sorted({key.split(":")[0] for i in infeasible for key in i.breakdown})
+            required = self.constraints.describe()
+            return (
+                f"no plan fits {self.graph.name} on {self.cluster.devices} x {hw.name}: no parallel layout of "
+                f"{', '.join(models)}{f' with --require {required}' if required else ''} fills a device group of "
+                f"this cluster (tp must divide the model's heads, pp its layers, and dp the mini-batch of "
+                f"{self.w.sequences // self.w.mini_batches} sequences). "
+                + ("Relax the requirement, or use" if required else "Use")
+                + " a cluster or a mini-batch whose sizes divide."
+            )
         lean = min(sized, key=lambda i: i.need - self.capacity) if sized else None
         where = ""
         if lean is not None:

@@ -62,11 +62,16 @@ def parse_requirements(items: Iterable[str], models: Iterable[str]) -> Constrain
     """``KEY=VALUE`` strings as Constraints; ``models``: the graph's models (for ``MODEL.tp``)."""
     models = list(models)
     out: dict[str, Any] = {"parallel": {}}
+    seen: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not key or not value:
             raise ConfigError(f"--require '{item}': write KEY=VALUE, e.g. placement=colocate or actor.tp=2.")
+        same = "sync" if key == "weight_sync" else key
+        if same in seen:
+            raise ConfigError(f"--require names '{key}' twice ({seen[same]} and {item}); keep one.")
+        seen[same] = item
         if key == "placement":
             if value not in PLACEMENTS:
                 raise ConfigError(f"--require placement={value}: one of {', '.join(PLACEMENTS)}.")

@@ -80,7 +80,7 @@ class CostModel:
     def curve(self) -> EfficiencyCurve | None:
         """The work-dependent matmul efficiency: the one `flowrl profile` fitted on this hardware, else the
         one fitted to published runs of its GPU family (None on this machine's CPU: the profile's constant)."""
-        return self.hw.efficiency or curve_for(self.hw)
+        return self.hw.efficiency or curve_for(self.hw)  # a cluster file's or profile's own curve first
 
     def efficiency(self, tokens: Any, seq_len: Any, tp: int) -> Any:
         """The fraction of peak a call of ``tokens`` tokens per device over ``seq_len``-token sequences

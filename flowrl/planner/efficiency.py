@@ -78,6 +78,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import numpy as np
+import yaml
 from msgspec import Meta
 
 from flowrl.errors import ConfigError, did_you_mean
@@ -152,7 +153,10 @@ def load_points(path: str | Path = DEFAULT_DATA) -> list[EfficiencyPoint]:
     what = f"efficiency data '{path}'"
     if not path.is_file():
         raise ConfigError(f"{what} does not exist.")
-    data = read_document(path)
+    if path.resolve() == DEFAULT_DATA.resolve() and hasattr(yaml, "CSafeLoader"):
+        data = yaml.load(path.read_text(), Loader=yaml.CSafeLoader)  # the shipped file (its ids are checked below)
+    else:
+        data = read_document(path)
     raw = data.get("points") if isinstance(data, dict) else None
     if not isinstance(raw, list) or not raw:
         raise ConfigError(f"{what}: expected a mapping with a non-empty list 'points'.")

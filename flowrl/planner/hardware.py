@@ -173,13 +173,15 @@ class EfficiencyCurve(CheckedSpec, kw_only=True):
     k_w: NonNegative  # cost of streaming the weights once per call, per unit of ridge / tokens
     k_a: NonNegative  # cost of activation traffic, per unit of ridge * tp / hidden
     e_attn: Fraction  # efficiency of attention FLOPs
-    ridge: Positive  # the device's peak FLOP/s / memory bytes/s (FLOP per byte)
+    ridge: Positive | None = None  # the device's peak FLOP/s / memory bytes/s (None: its hardware's)
 
     def at(self, tokens: Any, hidden: int, seq_len: Any = 0, *, tp: int = 1) -> Any:
         """Fraction of peak in (0, 1] for work of ``tokens`` per device per call (floats or numpy arrays;
         an array in gives an array out). Fewer than one token is read as one."""
         if hidden < 1 or tp < 1:
             raise ValueError(f"EfficiencyCurve.at: hidden and tp must be >= 1, got hidden={hidden}, tp={tp}")
+        if self.ridge is None:
+            raise ValueError("EfficiencyCurve.at: the curve has no ridge; take it from its hardware (with_ridge)")
         t = np.maximum(np.asarray(tokens, dtype=float), 1.0)
         length = np.maximum(np.asarray(seq_len, dtype=float), 0.0)
         a = length / (length + DENSE_PER_LAYER * hidden)
@@ -240,6 +242,9 @@ class HardwareSpec(CheckedSpec, kw_only=True):
         super().__post_init__()
         if not self.name.strip():
             raise SpecFieldError("HardwareSpec field 'name' must not be empty")
+        if self.efficiency is not None and self.efficiency.ridge is None:  # the curve's ridge is this hardware's
+            ridge = self.peak_flops_bf16 / self.memory_bandwidth
+            msgspec.structs.force_setattr(self, "efficiency", self.efficiency.with_ridge(ridge))
 
 
 #: Devices beyond which a cluster is a typo (the largest published RL runs use a few thousand).

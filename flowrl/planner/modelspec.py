@@ -158,7 +158,8 @@ def load_model_specs(text: str) -> tuple[ModelSpec | None, dict[str, ModelSpec]]
     if "=" not in name:
         if path.is_file() and path.suffix.lower() in (".yaml", ".yml", ".toml"):
             data = read_document(path)
-            if isinstance(data, dict) and data and "layers" not in data:
+            # a per-role file maps roles to models; a file with any ModelSpec field is one model (typos named)
+            if isinstance(data, dict) and data and not set(data) & set(ModelSpec.__struct_fields__):
                 return _role_file(data, path)
         return load_model_spec(name), {}
     default: ModelSpec | None = None
@@ -202,12 +203,17 @@ def _role_file(data: dict[str, Any], path: Path) -> tuple[ModelSpec | None, dict
     return out.pop("default", None), out
 
 
-def role_models(default: ModelSpec, given: dict[str, ModelSpec], models: dict[str, str]) -> dict[str, ModelSpec]:
-    """Every graph model's shape from per-role ``given`` (keys: a graph model's name or a role).
-    ``models``: graph model name -> role. A model not named takes its role's entry; a reference
-    the actor's; a critic or cost model the reward model's; else ``default``."""
+#: The key of ``ClusterTarget.models`` that holds ``--model``'s default entry until ``resolve`` expands it.
+DEFAULT_ROLE = "*"
+
+
+def role_models(given: dict[str, ModelSpec], models: dict[str, str]) -> dict[str, ModelSpec]:
+    """Every graph model's shape from per-role ``given`` (keys: a graph model's name, a role, or
+    ``DEFAULT_ROLE``). ``models``: graph model name -> role. A model not named takes its role's
+    entry; a reference the actor's; a critic or cost model the reward model's; else the default, or
+    without one the actor's."""
     roles = set(models.values())
-    unknown = [k for k in given if k not in models and k not in roles]
+    unknown = [k for k in given if k not in models and k not in roles and k != DEFAULT_ROLE]
     if unknown:
         raise ConfigError(
             f"--model names {', '.join(repr(k) for k in unknown)}, which is neither a model of this graph "
@@ -216,7 +222,16 @@ def role_models(default: ModelSpec, given: dict[str, ModelSpec], models: dict[st
     actors = [m for m, r in models.items() if r == "actor"]
     actor = next((given[k] for k in (*actors, "actor") if k in given), None)
     fallback = {"reference": actor, "critic": given.get("reward"), "cost": given.get("reward")}
-    return {name: given.get(name) or given.get(role) or fallback.get(role) or default for name, role in models.items()}
+    out: dict[str, ModelSpec] = {}
+    for name, role in models.items():
+        spec = given.get(name) or given.get(role) or fallback.get(role) or given.get(DEFAULT_ROLE) or actor
+        if spec is None:
+            raise ConfigError(
+                f"--model gives no model for '{name}' (role {role}); name it ({name}=MODEL) or add a default "
+                "model (e.g. --model llama-7b,reward=llama-1b)."
+            )
+        out[name] = spec
+    return out
 
 
 def from_model_dir(path: str) -> ModelSpec:

@@ -180,7 +180,7 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     cfg = msgspec.structs.replace(cfg, rollout=rollout)
     target = plan.target
     if target.models:  # per-role models: every graph model's own shape, the first actor's as the base
-        models = role_models(target.model, target.models, {m: d.role for m, d in graph.models.items()})
+        models = role_models(target.models, {m: d.role for m, d in graph.models.items()})
         first = next(m for m, d in graph.models.items() if d.role == "actor") if graph.models else None
         target = msgspec.structs.replace(target, models=models, model=models.get(first or "", target.model))
     if target.workload is None:
@@ -441,11 +441,16 @@ def _place(
         rows=plan_rows(ctx, plan),
         constraints=opts.get("require"),
         models=t.models or None,
+        micro_batch=plan.config.train.micro_batch_size,
     )
     pins = {k: opts.get(k) for k in ("placement", "weight_sync")}
     if single is not None and any(pins.values()):
         raise PlanError("--placement / --sync choose among cluster plans; this plan is for one device.")
     require = opts.get("require")
+    for key, flag, field_ in (("placement", "--placement", "placement"), ("weight_sync", "--sync", "sync")):
+        wanted = getattr(require, key, None) if require else None
+        if pins[key] and wanted and pins[key] != wanted:
+            raise PlanError(f"{flag} {pins[key]} contradicts --require {field_}={wanted}; keep one.")
     if single is not None and require:
         raise PlanError("--require chooses among a cluster's plans; this plan is for one device (add --cluster).")
     free_policy = rollout_policy(plan.config.rollout)
@@ -466,7 +471,10 @@ def _place(
     if require and opts.get("compare"):  # the unconstrained winner, for --explain to set beside it
         tuner.constraints = Constraints()
         tuner._layout_cache.clear()
-        ctx.cache["unconstrained"] = tuner.search(budget_s=budget, rollout=free_policy, chunk_tokens=chunk, **pins)
+        free = tuner.search(budget_s=budget, rollout=free_policy, chunk_tokens=chunk, **pins)
+        if result.ranked[0].result.iteration_s < free.ranked[0].result.iteration_s:
+            free = result  # the constrained winner is in the unconstrained space: a shorter search missed it
+        ctx.cache["unconstrained"] = free
     return _replace(plan, layout=result.best), result
 
 
@@ -656,13 +664,15 @@ def _verify_layout(graph: Graph, plan: ExecutionPlan) -> None:
                 f"model '{m.model}': dp {p.dp} must divide the mini-batch of {mini_batch} sequences and "
                 f"micro-batch {m.micro_batch} fit in a rank's share."
             )
-    gen = c.generation
-    heads = t.spec(gen.model or (generating_models(graph) or [None])[0]).heads
-    if gen.group not in groups or gen.tp * gen.replicas != groups[gen.group].devices or heads % gen.tp:
-        raise PlanError(
-            f"generation: tp {gen.tp} x {gen.replicas} replicas must fill group '{gen.group}' and tp must "
-            "divide the heads."
-        )
+    first = (generating_models(graph) or [None])[0]
+    for gen in (c.generation, *c.generations):
+        model = gen.model or first
+        heads = t.spec(model).heads
+        if gen.group not in groups or gen.tp * gen.replicas != groups[gen.group].devices or heads % gen.tp:
+            raise PlanError(
+                f"generation of '{model}': tp {gen.tp} x {gen.replicas} replicas must fill group '{gen.group}' and "
+                f"tp must divide its {heads} heads."
+            )
 
 
 PIPELINE = ("resolve", "place", "micro_batch", "memory")

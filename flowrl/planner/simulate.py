@@ -207,10 +207,10 @@ def padded_length(lengths: np.ndarray, prompt: int, rows: int) -> float:
         return float(prompt)
     ordered = np.sort(lengths)
     rows = max(rows, 1)
-    padded = sum(
-        min(rows, ordered.size - i) * ordered[min(i + rows, ordered.size) - 1] for i in range(0, ordered.size, rows)
-    )
-    return prompt + float(padded) / ordered.size
+    starts = np.arange(0, ordered.size, rows)
+    ends = np.minimum(starts + rows, ordered.size)
+    padded = float(np.sum((ends - starts) * ordered[ends - 1].astype(float)))
+    return prompt + padded / ordered.size
 
 
 # ------------------------------------------------------------------ the schedule

@@ -41,7 +41,7 @@ class LogNormal(LengthDistribution, kw_only=True, tag="lognormal"):
     """``clamp(round(exp(N(log(median), sigma))), 1, max)``: RL response lengths have a long tail."""
 
     median: PositiveFloat
-    sigma: NonNegativeFloat
+    sigma: Annotated[float, Meta(ge=0, le=10)]  # beyond 10 the mean overflows; real RL tails are sigma < 2
     max: Count
 
 

@@ -619,7 +619,7 @@ BROKEN: dict[str, tuple[Callable[[ExecutionPlan], dict[str, Any]], str]] = {
     ),
     "generation outside the cluster": (
         lambda p: _layout(p, generation=GenerationLayout(group="all", tp=1, replicas=2)),
-        "generation: tp 1 x 2 replicas must fill group 'all'",
+        "generation of 'actor': tp 1 x 2 replicas must fill group 'all'",
     ),
     "memory over capacity": (
         lambda p: {"memory": (msgspec.structs.replace(p.memory[0], required_bytes=p.memory[0].capacity_bytes + 1),)},

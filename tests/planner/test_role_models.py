@@ -24,11 +24,11 @@ def test_per_role_entries_parse_with_an_optional_default():
 
 def test_unnamed_roles_follow_the_actor_or_the_reward_model():
     big, small = MODEL_PRESETS["llama-34b"], MODEL_PRESETS["llama-7b"]
-    shapes = role_models(big, {"actor": big, "reward": small}, ROLES)
+    shapes = role_models({"actor": big, "reward": small}, ROLES)
     assert shapes == {"actor": big, "ref": big, "rm": small, "critic": small}
     # a graph model's own name wins over its role; a default covers what nothing names
     mid = MODEL_PRESETS["llama-13b"]
-    shapes = role_models(mid, {"critic": big}, ROLES)
+    shapes = role_models({"*": mid, "critic": big}, ROLES)
     assert shapes == {"actor": mid, "ref": mid, "rm": mid, "critic": big}
 
 
@@ -100,7 +100,7 @@ def test_a_per_role_model_file(tmp_path):
     ("model", "message"),
     [
         ("actor=llama-34b,judge=llama-7b", "'judge', which is neither a model of this graph"),
-        ("reward=llama-7b", "names no model for the actor"),
+        ("reward=llama-7b", "gives no model for 'actor' (role actor)"),
     ],
 )
 def test_per_role_errors_exit_2_with_one_paragraph(model, message, capsys):
