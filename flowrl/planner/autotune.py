@@ -235,7 +235,7 @@ class Tuner:
         members = [m for m, g in sk.assignment if g == group]
         peaks = {f"{m} activations": choice[m][3] for m in members}
         if sk.generation.group == group:  # the policies generate in turn: each engine is a peak of its own
-            for actor in self.roles.actors or (self.roles.actor,):
+            for actor in self.roles.policies:
                 gen = mem.generation_bytes(
                     self.specs[actor], self.numerics, sk.generation, self.w.sequences, self.max_len
                 )
@@ -345,7 +345,7 @@ class Tuner:
             self.specs[self.roles.actor].heads,
             self.specs[self.roles.actor].kv_heads,
         )
-        policies = [self.specs[a] for a in self.roles.actors or (self.roles.actor,)]
+        policies = [self.specs[a] for a in self.roles.policies]
         sks = [sk for sk in sks if all(p.heads % sk.generation.tp == 0 for p in policies)]  # each policy's own heads
         c = self.constraints
         sks = _pinned(sks, placement or c.placement, weight_sync or c.weight_sync, rollout)
@@ -353,7 +353,7 @@ class Tuner:
             have = sorted({sk.generation.tp for sk in sks})
             sks = [sk for sk in sks if sk.generation.tp == c.generation_tp]
             if not sks:
-                heads = {a: self.specs[a].heads for a in self.roles.actors or (self.roles.actor,)}
+                heads = {a: self.specs[a].heads for a in self.roles.policies}
                 odd = [f"the {h} heads of '{a}'" for a, h in heads.items() if h % c.generation_tp]
                 why = f": tp {c.generation_tp} does not divide {', '.join(odd)}" if odd else ""
                 raise PlanError(
@@ -502,7 +502,7 @@ class Tuner:
         if len(shapes) <= 1:
             spec = next(iter(shapes.values()), self.model)
             return f"{spec.name} ({spec.parameters() / 1e9:.1f}B parameters)"
-        return ", ".join(f"{m}={s.name} ({s.parameters() / 1e9:.1f}B)" for m, s in self.specs.items())
+        return shapes_line(self.specs)
 
     def _nothing_fits(self, infeasible: list[Infeasible]) -> str:
         hw = self.cluster.hardware
@@ -565,6 +565,11 @@ class Tuner:
         )
 
 
+def shapes_line(specs: Mapping[str, ModelSpec]) -> str:
+    """``actor=llama-34b (33.7B), rm=llama-7b (6.7B)``: each graph model's shape."""
+    return ", ".join(f"{m}={s.name} ({s.parameters() / 1e9:.1f}B)" for m, s in specs.items())
+
+
 def explain(
     result: TuneResult,
     model: ModelSpec,
@@ -581,7 +586,7 @@ def explain(
         "skeletons rejected for memory)",
     ]
     if models:
-        lines.append("models: " + ", ".join(f"{m}={s.name} ({s.parameters() / 1e9:.1f}B)" for m, s in models.items()))
+        lines.append("models: " + shapes_line(models))
     lines += [
         f"winner: {pred.iteration_s:.2f} s/iteration  {best.plan.summary()}",
         "  per node (mean seconds per iteration):",

@@ -84,8 +84,7 @@ def continuous_seconds(cost: CostModel, lengths: np.ndarray, prompt: int, tp: in
     ends.sort()
     t = np.arange(1, int(ends[-1]) + 1)
     live = slots - np.searchsorted(ends, t, side="left")
-    half = float(np.sum(lengths.astype(float) ** 2) / (2 * max(float(lengths.sum()), 1.0)))  # mean KV a live row holds
-    context = prompt + np.minimum(t, half)
+    context = prompt + np.minimum(t, live_half(lengths))
     total = float(np.sum(cost.decode_step(live.astype(float), context, tp)))
     return total + cost.prefill(lengths.size, prompt, tp)
 
@@ -93,8 +92,14 @@ def continuous_seconds(cost: CostModel, lengths: np.ndarray, prompt: int, tp: in
 def paged_context(workload: WorkloadSpec) -> float:
     """Tokens the KV cache holds per live sequence on average under continuous batching: the prompt
     plus half a response, length-biased (long responses stay live longer)."""
-    lengths = sample_lengths(workload.response_length, 4096, np.random.default_rng(0)).astype(float)
-    return workload.prompt_length + float(np.sum(lengths**2) / (2 * max(float(lengths.sum()), 1.0)))
+    return workload.prompt_length + live_half(sample_lengths(workload.response_length, 4096, np.random.default_rng(0)))
+
+
+def live_half(lengths: np.ndarray) -> float:
+    """The response tokens a live sequence holds on average: half a response, length-biased (a long
+    response stays live longer), ``sum(L^2) / (2 sum(L))``."""
+    lengths = lengths.astype(float)
+    return float(np.sum(lengths**2) / (2 * max(float(lengths.sum()), 1.0)))
 
 
 class Generator:
@@ -277,7 +282,7 @@ def simulate(
     costs = dict(cost) if isinstance(cost, Mapping) else {m: cost for m in graph.models}
     gens = {
         m: Generator(plan, costs[m], workload, static_gen_bytes, rng, sampled_replicas, numerics, model=m)
-        for m in roles.actors or (roles.actor,)
+        for m in roles.policies
     }
     lead = plan.rollout.lead
     warm = 1 + lead  # iterations before the pipeline of rollouts is full

@@ -161,6 +161,11 @@ class Roles:
     def role_of(self, model: str) -> str:
         return dict(self.role)[model]
 
+    @property
+    def policies(self) -> tuple[str, ...]:
+        """Every generating model: ``actors``, or the actor alone when they are not listed."""
+        return self.actors or (self.actor,)
+
 
 @dataclass(frozen=True)
 class Skeleton:
@@ -226,7 +231,7 @@ def skeletons(
                 ]
             syncs = (
                 [WeightSync(strategy="reshard")]
-                if all(gen_group == assignment[a] for a in roles.actors or (roles.actor,))
+                if all(gen_group == assignment[a] for a in roles.policies)
                 else [
                     WeightSync(strategy="full"),
                     WeightSync(strategy="bucketed"),
