@@ -12,7 +12,7 @@ import statistics
 import torch
 
 from flowrl import api
-from flowrl.tasks.builtin import Prompt
+from flowrl.data import Prompt
 
 
 def main() -> None:

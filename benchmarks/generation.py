@@ -73,7 +73,9 @@ def main() -> None:
     graph, plan = api.plan("grpo", overrides=sampling, emit=lambda s: None)
     trainers, _ = api.check(graph, plan).engines(graph, plan)
     local = trainers["actor"]
-    vllm = VLLMEngine(EngineContext(decl=graph.models["actor"], plan=plan, device="cpu", source=local))
+    vllm = VLLMEngine(
+        EngineContext(decl=graph.models["actor"], spec=plan.model_run("actor"), device="cpu", source=local)
+    )
     prompts = make_task(plan.config.task).prompts(random.Random(0), args.prompts)
     local_tps = _throughput(local, prompts, args.samples, args.repeats)
     vllm_tps = _throughput(vllm, prompts, args.samples, args.repeats)

@@ -238,9 +238,10 @@ def run(args: argparse.Namespace) -> dict:
     import trl
     from trl import GRPOConfig, GRPOTrainer
 
+    from flowrl.data import Prompt
     from flowrl.errors import TaskError
     from flowrl.specs import TinyModelConfig
-    from flowrl.tasks.builtin import Prompt, make_task
+    from flowrl.tasks.builtin import make_task
     from flowrl.tasks.tokenizer import build_tokenizer
 
     datasets.disable_progress_bars()

@@ -16,11 +16,11 @@ import msgspec
 from flowrl.errors import FlowRLError, PlanError, PluginError
 from flowrl.graph.ir import Graph
 from flowrl.graph.loading import build_graph, find_graph
-from flowrl.planner.capabilities import Capabilities
+from flowrl.planner.capabilities import Capabilities, for_run
 from flowrl.planner.hardware import ClusterSpec, HardwareSpec, cpu_cluster
 from flowrl.planner.manager import initial_plan, run_passes
 from flowrl.planner.modelspec import ModelSpec, for_config
-from flowrl.planner.passes import PIPELINE, PlanContext, verify_plan
+from flowrl.planner.passes import PIPELINE, PlanContext
 from flowrl.planner.plan import ClusterTarget, ExecutionPlan
 from flowrl.plugins.manager import Entry, Registry
 from flowrl.plugins.manager import registry as default_registry
@@ -88,7 +88,7 @@ def local_target(cfg: RunConfig, reg: Registry, devices: int = 1) -> ClusterTarg
     machine = entry.meta.get("machine")
     if machine is None:
         raise PlanError(f"executor '{cfg.backend}' does not describe this machine; plan with --cluster.")
-    caps: Capabilities = entry.obj.capabilities
+    caps: Capabilities = for_run(entry.obj.capabilities, reg, cfg)
     try:
         hardware = machine(cfg)
     except FlowRLError:
@@ -129,7 +129,7 @@ def plan(
     if target is None:
         target = local_target(cfg, reg)
     elif for_backend:
-        caps = executor_entry(cfg, reg).obj.capabilities
+        caps = for_run(executor_entry(cfg, reg).obj.capabilities, reg, cfg)
         target = msgspec.structs.replace(target, numerics=caps.numerics, capabilities=caps)
     ctx = PlanContext(graph=graph, registry=reg, cache=cache if cache is not None else {}, options=dict(options or {}))
     initial = initial_plan(graph, source, cfg, target)
@@ -139,8 +139,8 @@ def plan(
 
 
 def graph_for_plan(p: ExecutionPlan, registry: Registry | None = None, source: str | None = None) -> Graph:
-    """Rebuild the graph a plan names (or the graph file ``source``), with the plan's config, and
-    re-check the plan on it: a graph other than the planned one is refused."""
+    """Rebuild the graph a plan names (or the graph file ``source``), with the plan's config: a graph
+    other than the planned one is refused (the executor checks the rest of the plan)."""
     reg = registry or default_registry()
     graph = build_graph(find_graph(source or p.graph.source, _algorithms(reg), reg), p.config)
     if graph.fingerprint() != p.graph.fingerprint:
@@ -148,7 +148,6 @@ def graph_for_plan(p: ExecutionPlan, registry: Registry | None = None, source: s
             f"the plan was made for graph '{p.graph.name}' {p.graph.fingerprint} ('{p.graph.source}'), but "
             f"'{source or p.graph.source}' builds '{graph.name}' {graph.fingerprint()}. Re-run `flowrl plan`."
         )
-    verify_plan(graph, p)
     return graph
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from flowrl.data import Prompt
 from flowrl.specs import AlgoConfig
-from flowrl.tasks.builtin import Prompt
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from flowrl.runtime.batch import Sequences
+    from flowrl.data import Sequences
 else:  # the planner resolves these annotations (typing.get_type_hints) to check node options, without torch
     Tensor = Sequences = Any
 
@@ -61,7 +61,7 @@ def gae_op(
     from flowrl.algorithms import advantages as adv
     from flowrl.runtime.batch import sequences_in
 
-    seqs = sequences_in(inputs, "advantage estimator 'gae'")
+    seqs = sequences_in(inputs, "compute function 'gae'")
     mask = seqs.sampled_mask
     values = inputs["values"].float() * mask
     rewards, metrics = _token_rewards(inputs, seqs, algo, kl_coef)
@@ -76,7 +76,7 @@ def grpo_op(inputs: Batch, algo: AlgoConfig, *, eps: float = 1e-6, scale: bool =
     from flowrl.algorithms import advantages as adv
     from flowrl.runtime.batch import sequences_in
 
-    seqs = sequences_in(inputs, "advantage estimator 'grpo'")
+    seqs = sequences_in(inputs, "compute function 'grpo'")
     a = adv.grpo(inputs["rewards"].float(), seqs.prompt_index, eps=eps, scale=scale)
     return {"advantages": adv.broadcast_to_tokens(a, seqs.sampled_mask)}
 
@@ -86,7 +86,7 @@ def rloo_op(inputs: Batch, algo: AlgoConfig) -> dict[str, Tensor]:
     from flowrl.algorithms import advantages as adv
     from flowrl.runtime.batch import sequences_in
 
-    seqs = sequences_in(inputs, "advantage estimator 'rloo'")
+    seqs = sequences_in(inputs, "compute function 'rloo'")
     a = adv.rloo(inputs["rewards"].float(), seqs.prompt_index)
     return {"advantages": adv.broadcast_to_tokens(a, seqs.sampled_mask)}
 
@@ -100,7 +100,7 @@ def remax_op(inputs: Batch, algo: AlgoConfig) -> dict[str, Tensor]:
     from flowrl.algorithms import advantages as adv
     from flowrl.runtime.batch import sequences_in
 
-    seqs = sequences_in(inputs, "advantage estimator 'remax'")
+    seqs = sequences_in(inputs, "compute function 'remax'")
     baseline = inputs["baseline_rewards"].float()[seqs.prompt_index]
     a = adv.broadcast_to_tokens(adv.remax(inputs["rewards"].float(), baseline), seqs.sampled_mask)
     if algo.whiten_advantages:
@@ -115,7 +115,7 @@ def reinforce_pp_op(
     from flowrl.algorithms import advantages as adv
     from flowrl.runtime.batch import sequences_in
 
-    seqs = sequences_in(inputs, "advantage estimator 'reinforce_pp'")
+    seqs = sequences_in(inputs, "compute function 'reinforce_pp'")
     rewards, metrics = _token_rewards(inputs, seqs, algo, kl_coef)
     return {"advantages": adv.reinforce_pp(rewards, seqs.sampled_mask, gamma=algo.gamma)}, metrics
 
@@ -214,12 +214,13 @@ def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, 
     seqs = sequences_in(batch, "loss 'ppo'")
     mask = seqs.sampled_mask
     weights, is_stats = None, {}
-    if seqs.logprobs is not None and seqs.versions is not None and "policy_version" in batch:
+    policy_version = getattr(batch, "policy_version", None)  # a train step's StepBatch carries it
+    if seqs.logprobs is not None and seqs.versions is not None and policy_version is not None:
         weights, is_stats = losses.behaviour_weights(
             batch["old_logprobs"],
             seqs.logprobs,
             seqs.versions,
-            int(batch["policy_version"]),
+            int(policy_version),
             mask,
             algo.is_correction,
             algo.is_cap,

@@ -1,7 +1,13 @@
-"""What an executor can run, declared by the backend; the tuner searches only that, and an
-executor refuses any other plan before it builds a model."""
+"""What a run can do, declared by who does it: an executor declares what it can place and schedule
+(`Capabilities`), each engine what it can compute (`EngineCapabilities`, given when it is
+registered). `compose` gives what a run with that executor and those engines can run; the tuner
+searches only that, and the executor refuses any other plan before it builds a model."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
 
 from flowrl.graph.ir import Generate, Graph
 from flowrl.planner.memory import Numerics
@@ -14,7 +20,10 @@ from flowrl.planner.space import (
     SyncStrategy,
     WeightSync,
 )
-from flowrl.specs import Spec
+from flowrl.specs import AUTO, RunConfig, Spec
+
+if TYPE_CHECKING:
+    from flowrl.plugins.manager import Registry
 
 
 class Capabilities(Spec):
@@ -24,9 +33,51 @@ class Capabilities(Spec):
     partial_rollouts: bool = True
     streaming: bool = True  # scoring nodes on finished groups while generation goes on
     weight_sync: tuple[SyncStrategy, ...] = ("reshard", "full", "bucketed", "sparse")
-    model_parallel: bool = True  # tp or pp > 1
+    model_parallel: bool = True  # a trained model's layout with tp or pp > 1
+    generation_parallel: bool = True  # generation replicas with tp > 1
     optimizer_offload: bool = True
     numerics: Numerics = Numerics()
+
+
+class EngineCapabilities(Spec):
+    """What an engine can compute, declared when it is registered
+    (``register(name, factory, capabilities=EngineCapabilities(...))``); an engine that declares
+    nothing runs one unsplit model per rank, without offload."""
+
+    model_parallel: bool = False  # its model split over ranks (tensor / pipeline parallel)
+    optimizer_offload: bool = False  # optimizer states in host memory between steps
+
+
+def compose(
+    executor: Capabilities, training: EngineCapabilities, generation: EngineCapabilities | None = None
+) -> Capabilities:
+    """What a run can do with this executor and these engines (``generation`` None: the training
+    engine generates): the executor places and schedules, the engines compute."""
+    generation = generation or training
+    return msgspec.structs.replace(
+        executor,
+        model_parallel=executor.model_parallel and training.model_parallel,
+        generation_parallel=executor.generation_parallel and generation.model_parallel,
+        optimizer_offload=executor.optimizer_offload and training.optimizer_offload,
+    )
+
+
+def for_run(executor: Capabilities, registry: Registry, cfg: RunConfig) -> Capabilities:
+    """``executor``'s capabilities composed with those the config's engines declared when they were
+    registered (an ``auto`` generation engine, chosen later, counts as the training engine)."""
+    train = _declared(registry, "training_engines", cfg.train.engine, "train.engine")
+    gen_name = cfg.generation.engine
+    gen = (
+        None
+        if gen_name in (AUTO, cfg.train.engine)
+        else _declared(registry, "generation_engines", gen_name, "generation.engine")
+    )
+    return compose(executor, train, gen)
+
+
+def _declared(registry: Registry, kind: str, name: str, field: str) -> EngineCapabilities:
+    caps = registry.entry(kind, name, field=field).meta.get("capabilities")
+    return caps if isinstance(caps, EngineCapabilities) else EngineCapabilities()
 
 
 def supports(
@@ -39,7 +90,7 @@ def supports(
         and (caps.partial_rollouts or not rollout.partial)
         and (caps.streaming or not rollout.streaming)
         and sync.strategy in caps.weight_sync
-        and (caps.model_parallel or generation_tp == 1)
+        and (caps.generation_parallel or generation_tp == 1)
     )
 
 
@@ -66,11 +117,16 @@ def unsupported(caps: Capabilities, layout: ClusterPlan, devices: int) -> list[s
         out.append(f"weight sync '{layout.weight_sync.strategy}' (runs: {', '.join(caps.weight_sync)})")
     for m in layout.models:
         if not caps.model_parallel and m.parallel.tp * m.parallel.pp > 1:
-            out.append(f"model '{m.model}' split tp {m.parallel.tp} x pp {m.parallel.pp} (no model parallelism)")
+            out.append(
+                f"model '{m.model}' split tp {m.parallel.tp} x pp {m.parallel.pp} (no model parallelism: the "
+                "training engine does not declare it, or the executor cannot place it)"
+            )
         if not caps.optimizer_offload and m.offload_optimizer:
             out.append(f"model '{m.model}' with its optimizer offloaded (no offload)")
-    if not caps.model_parallel and layout.generation.tp > 1:
-        out.append(f"generation tp {layout.generation.tp} (no model parallelism)")
+    for gen in (layout.generation, *layout.generations):
+        if not caps.generation_parallel and gen.tp > 1:
+            out.append(f"generation tp {gen.tp} (the generation engine splits no model)")
+            break
     return out
 
 

@@ -26,7 +26,15 @@ from flowrl.planner import memory as mem
 from flowrl.planner.capabilities import rollout_conflict, supports
 from flowrl.planner.constraints import Constraints
 from flowrl.planner.modelspec import role_models
-from flowrl.planner.plan import ExecutionPlan, MemoryEstimate, NodePlan
+from flowrl.planner.plan import (
+    ExecutionPlan,
+    MemoryEstimate,
+    ModelRun,
+    NodeOptions,
+    NodePlan,
+    OptimizerSpec,
+    SamplingSpec,
+)
 from flowrl.planner.space import (
     ClusterPlan,
     DeviceGroup,
@@ -37,7 +45,7 @@ from flowrl.planner.space import (
     WeightSync,
 )
 from flowrl.planner.workload import Fixed, Histogram, Lengths, WorkloadSpec
-from flowrl.specs import AUTO, AlgoConfig, RolloutConfig, rollout_parts
+from flowrl.specs import AUTO, AlgoConfig, RolloutConfig, RunConfig, rollout_parts
 
 if TYPE_CHECKING:
     from flowrl.planner.autotune import TuneResult
@@ -90,7 +98,7 @@ def node_options(graph: Graph, name: str, algo: AlgoConfig, registry: Registry) 
 def _function(registry: Registry, node: Any) -> Any:
     """The registered function a compute or reward node calls (None for other kinds)."""
     if isinstance(node, Compute):
-        return registry.get("advantage_estimators", node.fn)
+        return registry.get("compute_functions", node.fn)
     if isinstance(node, Reward):
         return registry.get("reward_functions", node.fn)
     if isinstance(node, Filter):
@@ -137,11 +145,12 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     task = make_task(cfg.task, cfg.task_options, registry={e.name: e.obj for e in reg.entries("tasks")})
     rows = node_rows(graph, cfg.rollout.prompts_per_step)
     seqs = graph.sequence_keys()
+    resolved: dict[str, NodeOptions] = {}
     for node in graph.nodes.values():
         if isinstance(node, Reward):
             reg.entry("reward_functions", node.fn)
         elif isinstance(node, Compute):
-            entry = reg.entry("advantage_estimators", node.fn)
+            entry = reg.entry("compute_functions", node.fn)
             _check_keys(node, f"compute function '{node.fn}'", entry.meta, seqs, node.updates)
         elif isinstance(node, Filter):
             entry = reg.entry("filters", node.fn)
@@ -158,10 +167,10 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
                     f"node '{node.name}': loss '{node.loss}' trains on {entry.meta.get('output')}, but model "
                     f"'{decl.name}' (role {decl.role}) produces {want}."
                 )
-        _, options = node_options(graph, node.name, cfg.algo, reg)
+        resolved[node.name] = node_plan_options(graph, node.name, cfg, reg)
         if isinstance(node, Train):
-            mini_batches = options.get("mini_batches", cfg.train.mini_batches)
-            where = "the node's mini_batches option" if "mini_batches" in options else "train.mini_batches"
+            mini_batches = resolved[node.name].options["mini_batches"]
+            where = "the node's mini_batches option" if "mini_batches" in node.options else "train.mini_batches"
             if mini_batches > rows[node.name]:
                 raise PlanError(
                     f"node '{node.name}': {mini_batches} mini-batches but only {rows[node.name]} rows per "
@@ -194,7 +203,65 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
             mini_batches=min(cfg.train.mini_batches, cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt),
         )
         target = msgspec.structs.replace(target, workload=workload)
-    return _replace(plan, config=cfg, target=target)
+    return _replace(plan, config=cfg, target=target, options=resolved, models=model_runs(graph, cfg))
+
+
+def node_plan_options(graph: Graph, name: str, cfg: RunConfig, registry: Registry) -> NodeOptions:
+    """A node's resolved options; a train node's epochs and mini-batches default to the config's."""
+    algo, options = node_options(graph, name, cfg.algo, registry)
+    if isinstance(graph.nodes[name], Train):
+        options = {"epochs": cfg.train.epochs, "mini_batches": cfg.train.mini_batches, **options}
+    return NodeOptions(algo=algo, options=options)
+
+
+def model_runs(graph: Graph, cfg: RunConfig) -> dict[str, ModelRun]:
+    """What each graph model's engines run: where its weights come from, how it samples (and takes
+    log-probs), its optimizer when trainable. The generation engine and its tp are `place`'s."""
+    generating = set(generating_models(graph))
+    roll, train = cfg.rollout, cfg.train
+    sampling = SamplingSpec(
+        temperature=roll.temperature,
+        top_p=roll.top_p,
+        max_new_tokens=roll.max_new_tokens or 16,
+        ignore_eos=roll.ignore_eos,
+        dtype=cfg.generation.dtype,
+    )
+    runs = {}
+    for name, decl in graph.models.items():
+        optimizer = None
+        if decl.trainable:
+            lr = train.critic_lr if decl.scalar_head and train.critic_lr else train.lr
+            optimizer = OptimizerSpec(
+                lr=lr,
+                betas=train.betas,
+                weight_decay=train.weight_decay,
+                grad_clip=train.grad_clip,
+                skip_nonfinite=train.skip_nonfinite,
+            )
+        runs[name] = ModelRun(
+            model=name,
+            checkpoint=cfg.model,
+            tiny=cfg.tiny_model,
+            seed=cfg.seed,
+            training_engine=train.engine,
+            generation_engine=cfg.generation.engine if name in generating else None,
+            sampling=sampling,
+            optimizer=optimizer,
+        )
+    return runs
+
+
+def _with_generation(plan: ExecutionPlan, engine: str) -> ExecutionPlan:
+    """``plan`` with its generating models' runs set to ``engine`` and their layout's tp."""
+    if plan.layout is None:
+        return plan
+    runs = dict(plan.models)
+    for name, run in plan.models.items():
+        if run.generation_engine is not None:
+            tp = plan.layout.generation_of(name).tp
+            sampling = msgspec.structs.replace(run.sampling, tp=tp)
+            runs[name] = msgspec.structs.replace(run, generation_engine=engine, sampling=sampling)
+    return _replace(plan, models=runs)
 
 
 def task_lengths(task: Any, budget: int, ignore_eos: bool) -> tuple[int, Lengths]:
@@ -261,8 +328,8 @@ def plan_rows(ctx: PlanContext, plan: ExecutionPlan) -> dict[str, int]:
     filter passes, and one row per prompt after a compute function that reduces to prompts."""
     reduced = {}
     for node in ctx.graph.nodes.values():
-        if isinstance(node, Compute) and node.fn in ctx.registry.names("advantage_estimators"):
-            port = ctx.registry.entry("advantage_estimators", node.fn).meta.get("rows")
+        if isinstance(node, Compute) and node.fn in ctx.registry.names("compute_functions"):
+            port = ctx.registry.entry("compute_functions", node.fn).meta.get("rows")
             if port is not None:
                 reduced[node.name] = node.ports.get(port, port)
     w = plan.workload
@@ -400,7 +467,7 @@ def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     if cfg.generation.engine != chosen:
         placed = _replace(placed, config=msgspec.structs.replace(cfg, generation=msgspec.structs.replace(
             cfg.generation, engine=chosen)))  # fmt: skip
-    return placed
+    return _with_generation(placed, chosen)
 
 
 def _place(

@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
-from flowrl.errors import ConfigError
+from flowrl.errors import ConfigError, PlanError
 from flowrl.planner.capabilities import Capabilities
 from flowrl.planner.hardware import ClusterSpec
 from flowrl.planner.memory import Numerics
 from flowrl.planner.modelspec import ModelSpec
 from flowrl.planner.space import ClusterPlan
 from flowrl.planner.workload import WorkloadSpec
-from flowrl.specs import RunConfig, Spec, convert, read_document
+from flowrl.specs import AlgoConfig, RunConfig, Spec, TinyModelConfig, convert, read_document
 
 
 class GraphRef(Spec):
@@ -57,6 +58,58 @@ class NodePlan(Spec):
     micro_batch_size: int
 
 
+class NodeOptions(Spec):
+    """A node's resolved options: the algorithm settings it runs with (the config's, with the node's
+    overrides) and the keyword options its function receives (train nodes: epochs, mini_batches)."""
+
+    algo: AlgoConfig
+    options: dict[str, Any] = {}
+
+
+class SamplingSpec(Spec):
+    """How a model samples, and the temperature its log-probs are taken at."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16  # the response budget (tokens, EOS included)
+    ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
+    stop: tuple[str, ...] = ()  # texts that end a response (the text is kept, the rest cut)
+    dtype: str = "float32"  # the precision generation samples in
+    tp: int = 1  # tensor-parallel size of each generation replica
+
+
+class OptimizerSpec(Spec):
+    """A trainable model's optimizer (AdamW) and step rules."""
+
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    skip_nonfinite: bool = False  # skip a step whose loss or gradient is not finite (else stop, naming the node)
+
+
+class EngineNumerics(Spec):
+    """How a training engine computes: weight dtype, attention kernel, activation recomputation."""
+
+    dtype: str = "float32"
+    attention: str = "eager"
+    recompute: bool = False
+
+
+class ModelRun(Spec):
+    """Everything an engine needs to build and run one graph model, resolved by the planner."""
+
+    model: str
+    checkpoint: str | None = None  # an HF-format model folder; None: a fresh tiny model
+    tiny: TinyModelConfig = TinyModelConfig()
+    seed: int = 0
+    training_engine: str = "local"
+    generation_engine: str | None = None  # None: the model does not generate
+    sampling: SamplingSpec = SamplingSpec()
+    optimizer: OptimizerSpec | None = None  # None: frozen
+    numerics: EngineNumerics = EngineNumerics()
+
+
 class MemoryEstimate(Spec):
     group: str
     capacity_bytes: int  # usable bytes of one device of the group
@@ -72,6 +125,8 @@ class ExecutionPlan(Spec, kw_only=True):
     config: RunConfig
     target: ClusterTarget
     layout: ClusterPlan | None = None  # set by `place`
+    options: dict[str, NodeOptions] = {}  # node -> its resolved options; set by `resolve`
+    models: dict[str, ModelRun] = {}  # graph model -> what its engines run; set by `resolve` (generation by `place`)
     nodes: tuple[NodePlan, ...] = ()  # set by `micro_batch`
     memory: tuple[MemoryEstimate, ...] = ()  # set by `memory`
     passes: tuple[str, ...] = ()
@@ -89,6 +144,18 @@ class ExecutionPlan(Spec, kw_only=True):
         if self.target.workload is None:
             raise ConfigError("the plan has no workload yet; the 'resolve' pass derives it from the config.")
         return self.target.workload
+
+    def node_options(self, name: str) -> NodeOptions:
+        """Node ``name``'s resolved options (the `resolve` pass sets them)."""
+        if name not in self.options:
+            raise PlanError(f"the plan has no resolved options for node '{name}'; make it with `flowrl plan`.")
+        return self.options[name]
+
+    def model_run(self, model: str) -> ModelRun:
+        """What the engines of graph model ``model`` run (the `resolve` pass sets it)."""
+        if model not in self.models:
+            raise PlanError(f"the plan has no resolved spec for model '{model}'; make it with `flowrl plan`.")
+        return self.models[model]
 
     def node(self, name: str) -> NodePlan:
         for n in self.nodes:

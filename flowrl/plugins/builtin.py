@@ -35,7 +35,7 @@ def register_algorithms(register: Register) -> None:
 
 
 @hookimpl
-def register_advantage_estimators(register: Register) -> None:
+def register_compute_functions(register: Register) -> None:
     from flowrl.algorithms.ops import COMPUTE_FUNCTIONS
 
     for name, (fn, meta) in COMPUTE_FUNCTIONS.items():
@@ -108,12 +108,26 @@ def _local_training_engine(ctx: Any) -> Any:
 
 @hookimpl
 def register_generation_engines(register: Register) -> None:
-    register("local", _local_generation_engine, description="torch sampling with a KV cache, in this process")
+    from flowrl.planner.capabilities import EngineCapabilities
+
+    register(
+        "local",
+        _local_generation_engine,
+        description="torch sampling with a KV cache, in this process",
+        capabilities=EngineCapabilities(model_parallel=False, optimizer_offload=False),
+    )
 
 
 @hookimpl
 def register_training_engines(register: Register) -> None:
-    register("local", _local_training_engine, description="HF models in this process: forward, AdamW train steps")
+    from flowrl.planner.capabilities import EngineCapabilities
+
+    register(
+        "local",
+        _local_training_engine,
+        description="HF models in this process: forward, AdamW train steps (FSDP2 data parallel over a group)",
+        capabilities=EngineCapabilities(model_parallel=False, optimizer_offload=False),
+    )
 
 
 @hookimpl

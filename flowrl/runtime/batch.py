@@ -1,92 +1,19 @@
 """Columnar data that flows along graph edges.
 
-A batch is a ``dict[key, value]``. Sequence-level values have one row per sampled response
+A batch is a mapping of key to value (a ``dict``, or a train step's `StepBatch`, which these
+functions return as a `StepBatch` again). Sequence-level values have one row per sampled response
 (B rows): tensors with B as their first dimension, lists of length B, or `Sequences`.
 Micro-batching slices all of them with the same row index.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-
-@dataclass(frozen=True)
-class Sequences:
-    """Prompt + response token rows: prompts left-padded, responses right-padded."""
-
-    prompt_ids: Tensor  # [B, P] long
-    prompt_mask: Tensor  # [B, P] long, 1 for real prompt tokens
-    response_ids: Tensor  # [B, R] long
-    response_mask: Tensor  # [B, R] float, 1 for generated tokens (EOS included)
-    prompt_index: Tensor  # [B] long: which prompt of the step this row answers (the group)
-    texts: tuple[str, ...]  # decoded responses (special tokens removed)
-    version: int = 0  # weight version of the model that generated them (the oldest, when they span several)
-    logprobs: Tensor | None = None  # [B, R] behaviour log-prob of each response token (None: not generated here)
-    versions: Tensor | None = None  # [B, R] long: the weight version that sampled each response token
-    # [B, R] float: 1 for the tokens the model sampled, 0 for what an environment wrote into the
-    # response (multi-turn); None: every response token was sampled
-    action_mask: Tensor | None = None
-
-    @property
-    def sampled_mask(self) -> Tensor:
-        """1 for the response tokens the model sampled: what losses, advantages and KL cover."""
-        return self.response_mask if self.action_mask is None else self.action_mask
-
-    def __len__(self) -> int:
-        return int(self.prompt_ids.shape[0])
-
-    @property
-    def prompt_len(self) -> int:
-        return int(self.prompt_ids.shape[1])
-
-    @property
-    def input_ids(self) -> Tensor:
-        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
-
-    @property
-    def attention_mask(self) -> Tensor:
-        return torch.cat([self.prompt_mask, self.response_mask.long()], dim=1)
-
-    @property
-    def response_lengths(self) -> Tensor:
-        return self.response_mask.sum(-1).long()
-
-    def num_tokens(self) -> int:
-        return int(self.response_mask.sum().item())
-
-    def to(self, device: torch.device | str) -> Sequences:
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return Sequences(
-            prompt_ids=move(self.prompt_ids),
-            prompt_mask=move(self.prompt_mask),
-            response_ids=move(self.response_ids),
-            response_mask=move(self.response_mask),
-            prompt_index=move(self.prompt_index),
-            texts=self.texts,
-            version=self.version,
-            logprobs=move(self.logprobs),
-            versions=move(self.versions),
-            action_mask=move(self.action_mask),
-        )
-
-    def select(self, idx: Tensor | slice) -> Sequences:
-        rows = range(len(self))[idx] if isinstance(idx, slice) else idx.tolist()
-        return Sequences(
-            prompt_ids=self.prompt_ids[idx],
-            prompt_mask=self.prompt_mask[idx],
-            response_ids=self.response_ids[idx],
-            response_mask=self.response_mask[idx],
-            prompt_index=self.prompt_index[idx],
-            texts=tuple(self.texts[i] for i in rows),
-            version=self.version,
-            logprobs=None if self.logprobs is None else self.logprobs[idx],
-            versions=None if self.versions is None else self.versions[idx],
-            action_mask=None if self.action_mask is None else self.action_mask[idx],
-        )
+from flowrl.data import Sequences, StepBatch
 
 
 def by_length(seqs: Sequences, rows: Tensor | None = None) -> Tensor:
@@ -102,31 +29,24 @@ def trim(batch: dict[str, Any], key: str) -> dict[str, Any]:
     value aligned with the responses."""
     seqs: Sequences = batch[key]
     width = seqs.response_ids.shape[1]
-    keep_r = int(seqs.response_lengths.max()) if len(seqs) else 0
-    keep_p = int(seqs.prompt_mask.sum(-1).max()) if len(seqs) else 0
-    if keep_r == width and keep_p == seqs.prompt_len:
+    cut = seqs.trimmed()
+    if cut is seqs:
         return batch
-    cut = lambda t: None if t is None else t[:, :keep_r]  # noqa: E731
+    keep_r = cut.response_ids.shape[1]
     out = {}
     for k, v in batch.items():
         if k == key:
-            out[k] = Sequences(
-                prompt_ids=v.prompt_ids[:, v.prompt_len - keep_p :],
-                prompt_mask=v.prompt_mask[:, v.prompt_len - keep_p :],
-                response_ids=cut(v.response_ids),
-                response_mask=cut(v.response_mask),
-                prompt_index=v.prompt_index,
-                texts=v.texts,
-                version=v.version,
-                logprobs=cut(v.logprobs),
-                versions=cut(v.versions),
-                action_mask=cut(v.action_mask),
-            )
+            out[k] = cut
         elif isinstance(v, Tensor) and v.dim() >= 2 and v.shape[0] == len(seqs) and v.shape[1] == width:
             out[k] = v[:, :keep_r]
         else:
             out[k] = v
-    return out
+    return _like(batch, out)
+
+
+def _like(batch: Any, out: dict[str, Any]) -> Any:
+    """``out`` as the same kind of batch as ``batch`` (a `StepBatch` keeps its step facts)."""
+    return batch.with_columns(out) if isinstance(batch, StepBatch) else out
 
 
 def padded_rows(
@@ -184,12 +104,12 @@ def select_rows(batch: dict[str, Any], idx: Tensor, n_rows: int) -> dict[str, An
             out[key] = [value[i] for i in idx.tolist()]
         else:
             out[key] = value
-    return out
+    return _like(batch, out)
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Tensors and Sequences of a batch on ``device`` (other values unchanged)."""
-    return {k: v.to(device) if isinstance(v, (Tensor, Sequences)) else v for k, v in batch.items()}
+    return _like(batch, {k: v.to(device) if isinstance(v, (Tensor, Sequences)) else v for k, v in batch.items()})
 
 
 def sequences_in(batch: dict[str, Any], who: str) -> Sequences:

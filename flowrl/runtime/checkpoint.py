@@ -31,11 +31,11 @@ STATE = "state.json"  # the last file written into a checkpoint folder (its mani
 
 
 def _types() -> dict[str, type]:
-    from flowrl.runtime.batch import Sequences
+    from flowrl.data import GenerateResult, Part, Prompt, Sequences
     from flowrl.runtime.rollout import RolloutBuffer, Row
-    from flowrl.tasks.builtin import Prompt
 
-    return {"Sequences": Sequences, "Prompt": Prompt, "Row": Row, "RolloutBuffer": RolloutBuffer}
+    types = (Sequences, Prompt, Part, GenerateResult, Row, RolloutBuffer)
+    return {t.__name__: t for t in types}
 
 
 # ------------------------------------------------------------------ trees

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from flowrl.runtime.batch import Sequences
+from flowrl.data import Sequences, _pad
 
 Dispatch = Literal["rows", "replicate", "driver", "sync"]
 
@@ -51,63 +51,20 @@ def lockstep_steps(rows: int, world: int, micro: int) -> int:
     return max(1, -(-per_rank // max(micro, 1)))
 
 
-def _pad_right(t: Tensor, width: int, fill: float) -> Tensor:
-    if t.shape[1] == width:
-        return t
-    out = torch.full((t.shape[0], width, *t.shape[2:]), fill, dtype=t.dtype)
-    out[:, : t.shape[1]] = t
-    return out
-
-
-def _pad_left(t: Tensor, width: int, fill: float) -> Tensor:
-    if t.shape[1] == width:
-        return t
-    out = torch.full((t.shape[0], width, *t.shape[2:]), fill, dtype=t.dtype)
-    out[:, width - t.shape[1] :] = t
-    return out
-
-
 def concat_rows(parts: Sequence[Tensor], fill: float = 0.0) -> Tensor:
     """[B_i] or [B_i, R_i] results of the ranks as one [sum B_i, max R_i] tensor (right-padded)."""
     parts = [p for p in parts]
     if parts[0].dim() >= 2:
         width = max(p.shape[1] for p in parts)
-        parts = [_pad_right(p, width, fill) for p in parts]
+        parts = [_pad(p, width, fill) for p in parts]
     return torch.cat(parts, 0)
-
-
-def concat_sequences(parts: Sequence[Sequences], pad_id: int, index_offsets: Sequence[int]) -> Sequences:
-    """Sequences of the ranks as one: prompts re-padded on the left, responses on the right;
-    ``prompt_index`` shifted by each shard's first prompt."""
-    p_width = max(s.prompt_ids.shape[1] for s in parts)
-    r_width = max(s.response_ids.shape[1] for s in parts)
-    return Sequences(
-        prompt_ids=torch.cat([_pad_left(s.prompt_ids, p_width, pad_id) for s in parts]),
-        prompt_mask=torch.cat([_pad_left(s.prompt_mask, p_width, 0) for s in parts]),
-        response_ids=torch.cat([_pad_right(s.response_ids, r_width, pad_id) for s in parts]),
-        response_mask=torch.cat([_pad_right(s.response_mask, r_width, 0.0) for s in parts]),
-        prompt_index=torch.cat([s.prompt_index + off for s, off in zip(parts, index_offsets)]),
-        texts=tuple(t for s in parts for t in s.texts),
-        version=min(s.version for s in parts),
-        logprobs=_both(parts, "logprobs", r_width, 0.0),
-        versions=_both(parts, "versions", r_width, 0),
-        action_mask=_both(parts, "action_mask", r_width, 0.0),
-    )
-
-
-def _both(parts: Sequence[Sequences], field: str, width: int, fill: float) -> Tensor | None:
-    """A per-token field of every part, right-padded and concatenated (None unless all have it)."""
-    values = [getattr(s, field) for s in parts]
-    if any(v is None for v in values):
-        return None
-    return torch.cat([_pad_right(v, width, fill) for v in values])
 
 
 def concat_parts(values: Sequence[Any]) -> Any:
     """Parts of one per-row value (streamed parts, dynamic-sampling rounds) as one, by rows in
     order: Sequences re-padded, tensors and lists concatenated; another value is the last part's."""
     if isinstance(values[0], Sequences):
-        return concat_sequences(values, 0, [0] * len(values))
+        return Sequences.concat(values, 0, [0] * len(values))
     if isinstance(values[0], Tensor) and values[0].dim() > 0:
         return concat_rows(values)
     if isinstance(values[0], list):

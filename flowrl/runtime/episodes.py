@@ -16,10 +16,9 @@ from typing import Any
 
 import torch
 
+from flowrl.data import Prompt, Rollout, Sequences
 from flowrl.errors import FlowRLError, GraphError
-from flowrl.runtime.batch import Sequences, padded_rows, ragged
-from flowrl.runtime.protocols import Rollout
-from flowrl.tasks.builtin import Prompt
+from flowrl.runtime.batch import padded_rows, ragged
 
 
 @dataclass

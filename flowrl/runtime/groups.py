@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from flowrl.data import Rollout
 from flowrl.runtime import dispatch
-from flowrl.runtime.protocols import Rollout
 
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from flowrl.data import Sequences
     from flowrl.graph.ir import ModelDecl
-    from flowrl.runtime.batch import Sequences
     from flowrl.runtime.protocols import Batch, LossFn, TrainStep
 
 
@@ -123,17 +123,6 @@ class GenerationGroup:
         self.version = 0
         self.resumable = resumable
 
-    def _collect(self, parts: Sequence[Rollout], offsets: Sequence[int]) -> Rollout:
-        if len(parts) == 1 and offsets[0] == 0:
-            return parts[0]
-        seqs = dispatch.concat_sequences([p.sequences for p in parts], self.pad_id, offsets)
-        return Rollout(
-            sequences=seqs,
-            logprobs=dispatch.concat_rows([p.logprobs for p in parts]),
-            finished=torch.cat([p.finished for p in parts]),
-            greedy=parts[0].greedy,
-        )
-
     def generate(
         self,
         prompts: Sequence[Any],
@@ -148,7 +137,7 @@ class GenerationGroup:
         used = [(r, s) for r, s in zip(self.ranks, cuts) if s.stop > s.start] or [(self.ranks[0], cuts[0])]
         args = [(self.model, list(prompts[s]), n, greedy, seed + i, max_new_tokens) for i, (_, s) in enumerate(used)]
         parts = self.transport.call([r for r, _ in used], "generate", args, CURRENT_TASK.get())
-        return self._collect(parts, [s.start for _, s in used])
+        return Rollout.concat(parts, self.pad_id, [s.start for _, s in used])
 
     def resume(self, rollout: Rollout, *, generator: torch.Generator, max_new_tokens: int | None = None) -> Rollout:
         seed = dispatch.draw_seed(generator)
@@ -156,18 +145,26 @@ class GenerationGroup:
         used = [(r, s) for r, s in zip(self.ranks, cuts) if s.stop > s.start]
         args = []
         for i, (_, s) in enumerate(used):
-            part = Rollout(
-                sequences=rollout.sequences.select(s),
-                logprobs=rollout.logprobs[s],
-                finished=rollout.finished[s],
-                greedy=rollout.greedy,
-            )
-            args.append((self.model, part, seed + i, max_new_tokens))
+            args.append((self.model, rollout.select(s), seed + i, max_new_tokens))
         parts = self.transport.call([r for r, _ in used], "resume", args, CURRENT_TASK.get())
-        return self._collect(parts, [0] * len(parts))
+        return Rollout.concat(parts, self.pad_id, [0] * len(parts))
 
     def load_weights(self, weights: Mapping[str, Tensor], version: int) -> None:
         self.transport.call(
             self.ranks, "load_weights", [(self.model, dict(weights), version)] * len(self.ranks), "load"
         )
         self.version = version
+
+
+def publish(trainer: TrainingGroup, generator: GenerationGroup, strategy: str | None, tag: str) -> dict[str, Any]:
+    """Make ``trainer``'s weights the ones ``generator`` samples with; the trainer's version is the
+    one owner of a model's weight version, and this is the one place the generation side takes it.
+    ``strategy`` None: generation samples with the trained weights in place (nothing moves);
+    otherwise every rank of both groups moves the weights by the plan's strategy."""
+    if strategy is None:
+        generator.version = trainer.version
+        return {}
+    ranks = sorted({*trainer.ranks, *generator.ranks})
+    stats = trainer.transport.call(ranks, "sync", [(trainer.decl.name, strategy, trainer.version)] * len(ranks), tag)
+    generator.version = trainer.version
+    return {"bytes": max(s["bytes"] for s in stats), "strategy": strategy}

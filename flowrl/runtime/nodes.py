@@ -2,8 +2,8 @@
 
 A node sees only the keys it reads and returns the keys it writes plus its metrics. Metrics
 belong to nodes: a generate node reports tokens, response length and a sample; a reward node
-(or a forward node scoring with a reward model) reports ``reward``; registered estimators,
-losses and reward functions add their own (``kl``, ``exact``, ``clipfrac``, ...).
+(or a forward node scoring with a reward model) reports ``reward``; registered compute
+functions, losses and reward functions add their own (``kl``, ``exact``, ``clipfrac``, ...).
 """
 
 from __future__ import annotations
@@ -15,15 +15,13 @@ from typing import Any
 
 import torch
 
+from flowrl.data import Sequences, StepBatch
 from flowrl.errors import BackendError, FlowRLError, GraphError
 from flowrl.graph.ir import Compute, Filter, Forward, Generate, Graph, Reward, Train
-from flowrl.runtime.batch import Sequences, sequences_in
+from flowrl.runtime.batch import sequences_in
 from flowrl.runtime.dispatch import draw_seed
 from flowrl.runtime.protocols import GenerationEngine, TrainingEngine, TrainStep
 from flowrl.specs import AlgoConfig
-
-#: Metrics also logged without the node prefix; the first node (in run order) that reports one wins.
-HEADLINE = ("reward", "kl", "response_length", "sample", "logprob_gap")
 
 
 @dataclass
@@ -127,27 +125,13 @@ def _written(node: Any, out: Mapping[str, Any]) -> dict[str, Any]:
 
 def _run(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     node = rt.graph.nodes[name]
+    runner = RUNNERS.get(type(node))
+    if runner is None:  # generate nodes run as rollouts (`flowrl.runtime.rollout`), filters inside their rounds
+        raise GraphError(f"node '{name}' ({node.kind}) does not run on its own: its generate task runs it.")
     inputs = _read(rt, node, batch)
+    check_rows_read(node, inputs)
     algo, options = rt.options[name]
-    if not isinstance(node, Generate):
-        check_rows_read(node, inputs)
-    if isinstance(node, Generate):
-        out, metrics = _generate(rt, node, inputs)
-    elif isinstance(node, Forward):
-        out, metrics = _forward(rt, node, inputs)
-    elif isinstance(node, Reward):
-        out, metrics = _reward(rt, node, inputs, options)
-    elif isinstance(node, Compute):
-        fn = rt.functions["advantage_estimators"][node.fn]
-        with torch.no_grad():
-            out, metrics = _split(_user(f"compute function '{node.fn}'", fn, inputs, algo, **options), name)
-        out = _written(node, out)
-        _check_rows(node, inputs, out)
-        metrics.update(_update_state(rt, node, out))
-    elif isinstance(node, Train):
-        out, metrics = _train(rt, node, inputs, algo, options)
-    else:  # filters run inside generation (`filter_groups`)
-        raise GraphError(f"node '{name}' ({node.kind}) runs inside its generate node's rounds, not on its own.")
+    out, metrics = runner(rt, node, inputs, algo, options)
     missing = [k for k in node.writes if k not in out]
     if missing:
         raise GraphError(f"node '{name}' did not produce its declared key(s) {', '.join(missing)}.")
@@ -213,6 +197,18 @@ def _check_rows(node: Compute, inputs: Mapping[str, Any], out: Mapping[str, Any]
                 f"{what} with shape {list(shape)}; it reads {rows} responses of {width} tokens, so it must be "
                 f"[{rows}] (one value per response) or [{rows}, {width}] (one per token)."
             )
+
+
+def _compute(
+    rt: NodeRuntime, node: Compute, inputs: dict[str, Any], algo: AlgoConfig, options: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    fn = rt.functions["compute_functions"][node.fn]
+    with torch.no_grad():
+        out, metrics = _split(_user(f"compute function '{node.fn}'", fn, inputs, algo, **options), node.name)
+    out = _written(node, out)
+    _check_rows(node, inputs, out)
+    metrics.update(_update_state(rt, node, out))
+    return out, metrics
 
 
 def _update_state(rt: NodeRuntime, node: Compute, out: Mapping[str, Any]) -> dict[str, float]:
@@ -288,16 +284,6 @@ def _split(result: Any, node: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return dict(out), dict(metrics)
 
 
-def _generate(rt: NodeRuntime, node: Generate, inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    prompts = inputs[node.reads[0]]
-    rollout = rt.generators[node.model].generate(
-        prompts, n=1 if node.greedy else node.n, greedy=node.greedy, generator=rt.rng(node.name)
-    )
-    seqs = rollout.sequences
-    out = dict(zip(node.writes, (seqs, rollout.logprobs)))
-    return out, {"tokens": seqs.num_tokens(), **generate_metrics(prompts, seqs)}
-
-
 def generate_metrics(prompts: list[Any], seqs: Sequences) -> dict[str, Any]:
     """What a generate node reports about its responses: mean length and one sample."""
     return {
@@ -306,7 +292,9 @@ def generate_metrics(prompts: list[Any], seqs: Sequences) -> dict[str, Any]:
     }
 
 
-def _forward(rt: NodeRuntime, node: Forward, inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _forward(
+    rt: NodeRuntime, node: Forward, inputs: dict[str, Any], algo: AlgoConfig, options: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
     values = rt.trainers[node.model].forward(
         sequences_in(inputs, f"node '{node.name}'"), node.output, rt.micro_batch[node.name]
     )
@@ -339,7 +327,7 @@ def logprob_gap(logprobs: torch.Tensor, seqs: Sequences, version: int) -> dict[s
 
 
 def _reward(
-    rt: NodeRuntime, node: Reward, inputs: dict[str, Any], options: dict[str, Any]
+    rt: NodeRuntime, node: Reward, inputs: dict[str, Any], algo: AlgoConfig, options: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     seqs = sequences_in(inputs, f"node '{node.name}'")
     prompts = next((v for v in inputs.values() if isinstance(v, list)), None)
@@ -413,8 +401,12 @@ def _train(
     )
     trainer = rt.trainers[node.model]
     # the version the batch's proximal log-probs were computed with: tokens it sampled are on-policy
-    inputs = {**inputs, "policy_version": trainer.version}
+    batch = StepBatch(inputs, policy_version=trainer.version)
     loss = rt.functions["losses"][node.loss]
-    stats = _user(f"training with loss '{node.loss}'", trainer.train, _checked_loss(loss, node.loss), inputs, step)
+    stats = _user(f"training with loss '{node.loss}'", trainer.train, _checked_loss(loss, node.loss), batch, step)
     stats = {k: round(v, 6) for k, v in stats.items()}
     return ({node.writes[0]: stats} if node.writes else {}), stats
+
+
+#: How each kind of node runs on the controller: ``runner(rt, node, inputs, algo, options) -> (outputs, metrics)``.
+RUNNERS: dict[type, Any] = {Forward: _forward, Reward: _reward, Compute: _compute, Train: _train}

@@ -26,17 +26,20 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from flowrl.data import GenerateResult, Part
 from flowrl.errors import FlowRLError
 from flowrl.graph.ir import streamed_nodes
-from flowrl.planner.space import RolloutPolicy
 from flowrl.runtime.dispatch import concat_parts, weighted_metrics
-from flowrl.runtime.groups import CURRENT_TASK
-from flowrl.runtime.nodes import NodeRuntime, generate_metrics, run_node
-from flowrl.runtime.rollout import Chunk, StepRollout
-from flowrl.runtime.schedule import Schedule, Task
+from flowrl.runtime.groups import CURRENT_TASK, publish
+from flowrl.runtime.nodes import generate_metrics, run_node
+from flowrl.runtime.rollout import Chunk
+from flowrl.runtime.schedule import Task
 from flowrl.runtime.trace import Trace
+
+if TYPE_CHECKING:
+    from flowrl.runtime.assemble import RunParts
 
 
 @dataclass(eq=False)
@@ -62,7 +65,7 @@ class StepState:
     prompts: list[Any] | None = None  # drawn for this step when it was created (None: generation draws)
     units: int = 0
     done: int = 0
-    generated: dict[str, tuple[float, Any]] = field(default_factory=dict)  # generate task -> (seconds, result)
+    generated: dict[str, tuple[float, GenerateResult]] = field(default_factory=dict)  # task -> (seconds, result)
     outputs: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
     parts: dict[str, dict[int, Any]] = field(default_factory=dict)  # key -> part -> value (streaming)
     part_metrics: dict[str, dict[int, tuple[float, dict[str, Any]]]] = field(default_factory=dict)  # (seconds, metrics)
@@ -89,19 +92,10 @@ class Pipeline:
     goes on, or stops when it returns True. ``resume`` continues from such a snapshot.
     """
 
-    def __init__(
-        self,
-        rt: NodeRuntime,
-        schedule: Schedule,
-        policy: RolloutPolicy,
-        sources: dict[str, StepRollout],
-        prompts: Callable[[int], list[Any] | None],
-        trace: Trace,
-        transport: Any,
-        run_task: Callable[[NodeRuntime, Task, dict[str, Any]], tuple[dict[str, Any], dict[str, Any]]],
-    ) -> None:
+    def __init__(self, parts: RunParts, trace: Trace) -> None:
+        rt, schedule, policy, sources = parts.rt, parts.schedule, parts.policy, parts.sources
         self.rt, self.schedule, self.policy, self.sources = rt, schedule, policy, sources
-        self.prompts, self.trace, self.transport, self.run_task = prompts, trace, transport, run_task
+        self.prompts, self.trace, self.transport = parts.prompts, trace, parts.transport
         graph = rt.graph
         self.order = {t.name: i for i, t in enumerate(schedule.tasks)}
         self.streamed = streamed_nodes(graph) if policy.streaming else set()
@@ -295,21 +289,23 @@ class Pipeline:
             return "chunk", chunk, start, time.time()
         if unit.gather:
             return "done", None, start, time.time()
-        if unit.part is not None:
-            return "done", run_node(self.rt, unit.task.name, view), start, time.time()
-        return "done", self.run_task(self.rt, unit.task, view), start, time.time()
+        if unit.task.kind == "sync":
+            model = unit.task.model or ""
+            stats = publish(self.rt.trainers[model], self.rt.generators[model], unit.task.strategy, unit.task.name)
+            return "done", ({}, stats), start, time.time()
+        return "done", run_node(self.rt, unit.task.name, view), start, time.time()
 
-    def _add_parts(self, unit: Unit, state: StepState, parts: list[Any], pending: list[Unit]) -> None:
+    def _add_parts(self, unit: Unit, state: StepState, parts: list[Part], pending: list[Unit]) -> None:
         """Streamed parts of a step's responses: keep them and start the scoring nodes on them."""
         if not self.streamed:
             return
         node = self.rt.graph.nodes[unit.task.name]
-        for seqs, logprobs, prompts in parts:
+        for part in parts:
             j = len(state.parts.get(node.writes[0], {}))
-            for key, value in zip(node.writes, (seqs, logprobs)):
+            for key, value in zip(node.writes, (part.sequences, part.sequences.logprobs)):
                 state.parts.setdefault(key, {})[j] = value
             if self.policy.partial:  # the batch's prompts grow with its parts (prompt_index numbers them)
-                state.batch.setdefault(node.reads[0], []).extend(prompts)
+                state.batch.setdefault(node.reads[0], []).extend(part.prompts)
             for t in self.schedule.tasks:
                 if t.name in self.streamed:
                     sub = self._part_unit(unit.step, t, j)
@@ -320,20 +316,19 @@ class Pipeline:
     def _finish(self, unit: Unit, state: StepState, value: Any, pending: list[Unit]) -> None:
         task = unit.task
         if task.kind == "generate":
-            state.generated[task.name] = (unit.seconds, value)
-            prompts, seqs, logprobs, metrics, parts = value[:5]
-            if len(value) > 5:  # dynamic sampling: what the nodes up to the filter wrote, and their metrics
-                extra, nodes = value[5:]
-                state.batch.update(extra)
-                state.outputs.update(nodes)  # node -> (seconds, metrics)
+            result: GenerateResult = value
+            state.generated[task.name] = (unit.seconds, result)
+            state.batch.update(result.outputs)  # dynamic sampling: what the nodes up to the filter wrote
+            state.outputs.update(result.nodes)  # ... and their (seconds, metrics)
             node = self.rt.graph.nodes[task.name]
-            self._add_parts(unit, state, parts[len(state.parts.get(node.writes[0], {})) :], pending)
-            if prompts is not None:
-                state.batch[node.reads[0]] = prompts
-            state.batch.update(zip(node.writes, (seqs, logprobs)))
+            self._add_parts(unit, state, result.parts[len(state.parts.get(node.writes[0], {})) :], pending)
+            if result.prompts is not None:
+                state.batch[node.reads[0]] = result.prompts
+            seqs = result.sequences
+            state.batch.update(zip(node.writes, (seqs, seqs.logprobs)))
             state.outputs[task.name] = (
                 unit.seconds,
-                {**generate_metrics(state.batch[node.reads[0]], seqs), **metrics},
+                {**generate_metrics(state.batch[node.reads[0]], seqs), **result.metrics},
             )
         elif unit.part is not None:
             out, metrics = value
@@ -352,7 +347,7 @@ class Pipeline:
                 and task.model in self.sources_of
             ):
                 # generation samples with these weights in place: they are the next version
-                self.rt.generators[task.model].version = self.rt.trainers[task.model].version
+                publish(self.rt.trainers[task.model], self.rt.generators[task.model], None, task.name)
 
     def _gather(self, task: Task, state: StepState) -> None:
         """A streamed node's outputs: its parts' values concatenated in part order; numeric metrics

@@ -26,46 +26,36 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
+    from flowrl.data import Prompt, Rollout, Sequences, StepBatch
     from flowrl.graph.ir import Graph, ModelDecl
     from flowrl.planner.capabilities import Capabilities
-    from flowrl.planner.plan import ExecutionPlan
-    from flowrl.runtime.batch import Sequences
+    from flowrl.planner.plan import ExecutionPlan, ModelRun
     from flowrl.specs import AlgoConfig
-    from flowrl.tasks.builtin import Prompt
 
-Batch = dict[str, Any]
+Batch = Mapping[str, Any]
 #: ``loss(outputs, batch, algo) -> (loss tensor, stats)``; outputs are the model's log-probs or values.
 LossFn = Callable[["Tensor", Batch, "AlgoConfig"], "tuple[Tensor, dict[str, float]]"]
 
 
 @dataclass(frozen=True)
 class EngineContext:
-    """What an engine factory receives.
+    """What an engine factory receives: the model, what the planner resolved for it, where it runs.
 
-    ``source``: for a training engine, the engine whose weights it starts from (``init_from``),
-    None for the base checkpoint (``config.model``) or a fresh tiny model; for a generation
-    engine, the training engine of the same model, whose ``tokenizer``, ``hf_config`` and
+    ``spec``: the model's resolved `ModelRun` (checkpoint or tiny shape, seed, sampling, optimizer,
+    numerics). ``source``: for a training engine, the engine whose weights it starts from
+    (``init_from``), None for the base checkpoint or a fresh tiny model; for a generation engine,
+    the training engine of the same model, whose ``tokenizer``, ``hf_config`` and
     ``export_weights()`` it starts from.
     """
 
     decl: ModelDecl
-    plan: ExecutionPlan
+    spec: ModelRun
     device: str
     source: Any = None
-    rank: int = 0  # data-parallel rank among the ranks of the model's device group
+    rank: int = 0  # rank among the ranks of the model's device group
     world: int = 1  # ranks of that group; a training engine with world > 1 shards the model
     group: Any = None  # the group's torch.distributed process group (None: one rank)
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """Responses of one generate call: sequences, behaviour log-probs [B, R] of each sampled
-    token, and which rows are finished (EOS or the response budget); the others may resume."""
-
-    sequences: Sequences
-    logprobs: Tensor
-    finished: Tensor  # [B] bool
-    greedy: bool = False  # how it was sampled; resuming samples the same way
+    tp: int = 1  # the model's tensor-parallel size in its training layout (for engines that declare model_parallel)
 
 
 @dataclass(frozen=True)
@@ -94,7 +84,7 @@ class TrainingEngine(Protocol):
         """[B, R] log-probs or values aligned with response tokens, or [B] scores."""
         ...
 
-    def train(self, loss: LossFn, batch: Batch, step: TrainStep) -> dict[str, float]:
+    def train(self, loss: LossFn, batch: StepBatch, step: TrainStep) -> dict[str, float]:
         """Update the model; returns mean stats (loss, grad_norm and the loss's own)."""
         ...
 

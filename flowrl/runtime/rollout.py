@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from flowrl.data import GenerateResult, Part, Prompt, Rollout, Sequences
 from flowrl.errors import BackendError
 from flowrl.planner.space import RolloutPolicy
-from flowrl.runtime.batch import Sequences, padded_rows, ragged, select_rows
-from flowrl.runtime.dispatch import concat_parts, concat_sequences, weighted_metrics
-from flowrl.runtime.protocols import Rollout
-from flowrl.tasks.builtin import Prompt
+from flowrl.runtime.batch import padded_rows, ragged, select_rows
+from flowrl.runtime.dispatch import concat_parts, weighted_metrics
 
 
 @dataclass
@@ -196,7 +195,7 @@ def _take_groups(
 class Chunk:
     """What a generate coroutine yields after a decode chunk: parts ready for streaming."""
 
-    parts: list[tuple[Sequences, Any, list[Prompt]]]  # (responses, behaviour log-probs, prompts) of finished groups
+    parts: list[Part]  # finished groups ready for streaming
 
 
 @dataclass
@@ -236,9 +235,11 @@ class StepRollout:
     def __post_init__(self) -> None:
         self.buffer = RolloutBuffer(eta=self.policy.staleness)
 
-    def run(self, step: int, version: int, prompts: Sequence[Prompt] | None, rng: torch.Generator) -> Iterator[Chunk]:
+    def run(
+        self, step: int, version: int, prompts: Sequence[Prompt] | None, rng: torch.Generator
+    ) -> Generator[Chunk, None, GenerateResult]:
         """Generate the batch trained at ``version`` (step ``step``). Yields a `Chunk` after each
-        decode chunk; returns (prompts of the batch, responses, behaviour log-probs, metrics).
+        decode chunk; returns the step's `GenerateResult`.
         ``prompts``: the step's prompts (None when partial: the buffer draws its own)."""
         gen = self.generator
         if not self.policy.chunked:  # one call, one version
@@ -251,7 +252,7 @@ class StepRollout:
             metrics = {**self._metrics(seqs, tokens, version, 0, 0), "carried": 0, "in_flight": 0}
             if self.episodes is not None:
                 metrics.update(self.episodes.metrics)
-            return None, seqs, seqs.logprobs, metrics, [(seqs, seqs.logprobs, list(prompts))]
+            return GenerateResult(None, seqs, metrics, [Part(seqs, list(prompts))])
         buf = self.buffer
         restarted = buf.enforce(version, step)
         carried = len(buf.groups())
@@ -266,7 +267,7 @@ class StepRollout:
         mine = set(new_groups)
         generated = 0
         emitted: list[int] = []
-        parts: list[tuple[Sequences, Any, list[Prompt]]] = []
+        parts: list[Part] = []
         while True:
             todo = [r for r in buf.rows if not r.finished]
             if new_prompts:  # the first chunk of new prompts: the engine tokenises them
@@ -300,11 +301,11 @@ class StepRollout:
                 )
             yield Chunk(parts=new_parts)
         batch_prompts, rows = buf.take(emitted, version)
-        seqs = concat_sequences([p[0] for p in parts], self.pad_id, [0] * len(parts))
+        seqs = Sequences.concat([p.sequences for p in parts], self.pad_id, [0] * len(parts))
         recycled = sum(before.get(id(r), 0) for r in rows)
         metrics = self._metrics(seqs, generated, version, restarted, recycled)
         metrics.update(carried=carried, in_flight=len(buf.groups()))
-        return (batch_prompts if self.policy.partial else None), seqs, seqs.logprobs, metrics, parts
+        return GenerateResult(batch_prompts if self.policy.partial else None, seqs, metrics, parts)
 
     def _sample(self, prompts: Sequence[Prompt], rng: torch.Generator) -> tuple[Sequences, int]:
         """One generation call for ``prompts`` at the engine's version (an episode per row with an
@@ -322,12 +323,11 @@ class StepRollout:
         )
         return seqs, int(seqs.sampled_mask.sum())
 
-    def _dynamic(self, prompts: list[Prompt], version: int, rng: torch.Generator) -> Any:
+    def _dynamic(self, prompts: list[Prompt], version: int, rng: torch.Generator) -> GenerateResult:
         """Dynamic sampling (DAPO): generate, score and filter rounds of prompts until the filter
         passed ``rounds.groups`` groups or ``rounds.max_rounds`` rounds ran; the batch holds the first
-        groups that passed (every group of the last round when none did). Returns the batch's
-        prompts, responses, log-probs, metrics and parts, plus the between nodes' outputs and the
-        metrics of each of them and of the filter."""
+        groups that passed (every group of the last round when none did). The result carries the
+        between nodes' outputs and the metrics of each of them and of the filter."""
         assert self.rounds is not None
         want, kept, tokens = self.rounds.groups, [], 0
         sampled = passed = rounds = 0
@@ -360,7 +360,7 @@ class StepRollout:
             kept.append(_take_groups(*last))
         batch_prompts = [p for k in kept for p in k[0]]
         offsets = list(itertools.accumulate([0] + [len(k[0]) for k in kept[:-1]]))
-        seqs = concat_sequences([k[1] for k in kept], self.pad_id, offsets)
+        seqs = Sequences.concat([k[1] for k in kept], self.pad_id, offsets)
         extra = {key: concat_parts([k[2][key] for k in kept]) for key in kept[0][2]}
         self.buffer.taken.extend(self.buffer.add(batch_prompts))
         self.buffer.prompts.clear()
@@ -377,14 +377,12 @@ class StepRollout:
                 "fallback": int(fallback),
             },
         )
-        return batch_prompts, seqs, seqs.logprobs, metrics, [(seqs, seqs.logprobs, batch_prompts)], extra, nodes
+        return GenerateResult(batch_prompts, seqs, metrics, [Part(seqs, batch_prompts)], outputs=extra, nodes=nodes)
 
-    def _part(
-        self, groups: Sequence[int], first: int, new_groups: Sequence[int]
-    ) -> tuple[Sequences, Any, list[Prompt]]:
+    def _part(self, groups: Sequence[int], first: int, new_groups: Sequence[int]) -> Part:
         """The rows of finished ``groups`` as Sequences whose prompt_index numbers the batch's
         prompts (partial: in the order groups are taken) or the step's own prompts (otherwise),
-        their behaviour log-probs and their groups' prompts."""
+        with their behaviour log-probs, and their groups' prompts."""
         rows = [r for g in groups for r in self.buffer.rows if r.group == g]
         rollout = rows_to_rollout(rows, self.pad_id, self.greedy)
         if self.policy.partial:
@@ -392,7 +390,7 @@ class StepRollout:
         else:
             index = {g: i for i, g in enumerate(new_groups)}
         seqs = replace(rollout.sequences, prompt_index=torch.tensor([index[r.group] for r in rows]))
-        return seqs, seqs.logprobs, [self.buffer.prompts[g] for g in groups]
+        return Part(seqs, [self.buffer.prompts[g] for g in groups])
 
     def _metrics(self, seqs: Sequences, generated: int, version: int, restarted: int, recycled: int) -> dict[str, Any]:
         tokens = max(seqs.num_tokens(), 1)

@@ -277,3 +277,34 @@ def completed_metrics(path: Path, last_step: int) -> list[dict[str, Any]]:
         os.fsync(fh.fileno())
     tmp.replace(path)
     return records
+
+
+def publish_models(run: Path, trainers: Mapping[str, Any], step_checkpoint: Path | None) -> dict[str, Path]:
+    """Each trainable model's final HF checkpoint in the run folder: the (first) actor's is
+    ``checkpoint``, every other model's ``checkpoint-<model>``. Taken from its folder in the last
+    step checkpoint (hard links where the filesystem allows), or written now when no step ran;
+    an older one is replaced atomically. Returns model -> path."""
+    first_actor = next((n for n, g in trainers.items() if g.decl.role == "actor"), None)
+    published = {}
+    for name, group in trainers.items():
+        if group.decl.trainable:
+            path = run / ("checkpoint" if name == first_actor else f"checkpoint-{name}")
+            _publish(group, step_checkpoint, path)
+            published[name] = path
+    return published
+
+
+def _publish(group: Any, step_checkpoint: Path | None, path: Path) -> None:
+    import shutil
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    with atomic_dir(path) as tmp:
+        if step_checkpoint is None:
+            group.save(tmp.resolve())
+        else:
+            shutil.copytree(step_checkpoint / "models" / group.decl.name, tmp, dirs_exist_ok=True, copy_function=link)

@@ -157,6 +157,7 @@ class Worker:
         train = self.registry.entry("training_engines", cfg.train.engine, field="train.engine")
         gen = self.registry.entry("generation_engines", cfg.generation.engine, field="generation.engine")
         device = self.device
+        assert plan.layout is not None
         built: dict[str, tuple[Any, Any]] = {}
         for name in init_order(models):
             place = schedule.placement(name)
@@ -171,12 +172,13 @@ class Worker:
                 source = self._template(train, models[decl.init_from], plan, device)
             ctx = EngineContext(
                 decl=decl,
-                plan=plan,
+                spec=plan.model_run(name),
                 device=device,
                 source=source,
                 rank=ranks.index(self.rank),
                 world=len(ranks),
                 group=self.dp_groups.get(place.group),
+                tp=plan.layout.layout(name).parallel.tp,
             )
             self.trainers[name] = checked(train.obj(ctx), TrainingEngine, train, name)
             built[name] = (self.trainers[name].tokenizer, self.trainers[name].hf_config)
@@ -194,7 +196,9 @@ class Worker:
             if cfg.generation.engine == cfg.train.engine and isinstance(template, GenerationEngine):
                 engine = template
             else:
-                engine = gen.obj(EngineContext(decl=models[name], plan=plan, device=device, source=template))
+                engine = gen.obj(
+                    EngineContext(decl=models[name], spec=plan.model_run(name), device=device, source=template)
+                )
             self.generators[name] = checked(engine, GenerationEngine, gen, name)
             if self.channels.get(name) is not None and self.rank != schedule.ranks_of(name)[0]:
                 # what syncs receive into: the trainer's export format (names, shapes, dtypes), which the
@@ -206,8 +210,9 @@ class Worker:
     def _template(self, train: Entry, decl: ModelDecl, plan: ExecutionPlan, device: str) -> Any:
         """A one-rank, frozen copy of ``decl``'s initial weights (models build deterministically from the seed)."""
         frozen = msgspec.structs.replace(decl, trainable=False, init_from=None)
+        spec = msgspec.structs.replace(plan.model_run(decl.name), optimizer=None)
         return checked(
-            train.obj(EngineContext(decl=frozen, plan=plan, device=device)), TrainingEngine, train, decl.name
+            train.obj(EngineContext(decl=frozen, spec=spec, device=device)), TrainingEngine, train, decl.name
         )
 
     # ------------------------------------------------------------ engine calls

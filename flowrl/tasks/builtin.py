@@ -21,17 +21,11 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import msgspec
 
+from flowrl.data import Prompt
 from flowrl.errors import TaskError
 from flowrl.specs import Spec
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
-
-
-class Prompt(msgspec.Struct, frozen=True, kw_only=True):
-    """One task instance: what the model sees and the reference answer."""
-
-    text: str
-    answer: str
 
 
 @runtime_checkable

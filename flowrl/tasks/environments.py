@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from flowrl.data import Prompt
 from flowrl.errors import TaskError
-from flowrl.tasks.builtin import Prompt
 
 _PRODUCT = re.compile(r"^\s*(\d+)\s*([*+-])\s*(\d+)\s*:?\s*$")
 

@@ -37,7 +37,7 @@ def test_dynamic_sampling_runs_rounds_until_groups_pass_and_writes_the_acceptanc
 
 def test_the_filter_keeps_only_groups_whose_rewards_differ():
     from flowrl.algorithms.ops import nonconstant_filter
-    from flowrl.runtime.batch import Sequences
+    from flowrl.data import Sequences
     from flowrl.specs import AlgoConfig
 
     index = torch.tensor([0, 0, 1, 1, 2, 2])
@@ -150,8 +150,9 @@ def test_an_in_file_function_may_not_take_a_builtin_name(tmp_path):
 
 
 def test_episodes_train_only_the_model_tokens(tmp_path):
+    from flowrl.data import Prompt
     from flowrl.runtime.episodes import Episodes
-    from flowrl.tasks.builtin import Calc, Prompt
+    from flowrl.tasks.builtin import Calc
     from flowrl.tasks.environments import calculator
     from flowrl.tasks.tokenizer import build_tokenizer
 
@@ -160,8 +161,8 @@ def test_episodes_train_only_the_model_tokens(tmp_path):
             self.tok = tok
 
         def _rollout(self, prompt_ids, index, tokens):
-            from flowrl.runtime.batch import Sequences, padded_rows
-            from flowrl.runtime.protocols import Rollout
+            from flowrl.data import Rollout, Sequences
+            from flowrl.runtime.batch import padded_rows
 
             p, pm, r, rm = padded_rows(prompt_ids, tokens, 0)
             seqs = Sequences(p, pm, r, rm, index, tuple("" for _ in tokens))

@@ -10,13 +10,13 @@ import torch
 from flowrl import api
 from flowrl.backends.local.generation import sample, top_p_filter
 from flowrl.backends.local.models import build_causal_lm, load_tokenizer, model_config
+from flowrl.data import Prompt, Rollout
 from flowrl.errors import ConfigError
 from flowrl.plugins.manager import registry
 from flowrl.runtime.batch import pack_left, select_rows
 from flowrl.runtime.executor import PlanExecutor
-from flowrl.runtime.protocols import GenerationEngine, Rollout, TrainingEngine, TrainStep
+from flowrl.runtime.protocols import GenerationEngine, TrainingEngine, TrainStep
 from flowrl.specs import TinyModelConfig
-from flowrl.tasks.builtin import Prompt
 
 SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "task=copy"]
 

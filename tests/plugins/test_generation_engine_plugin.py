@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from flowrl import api
+from flowrl.data import Prompt
 from flowrl.plugins.manager import Registry, load_plugins
 from flowrl.runtime.protocols import EngineContext, GenerationEngine
-from flowrl.tasks.builtin import Prompt
 
 
 def _load_plugin() -> ModuleType:
@@ -41,7 +41,7 @@ def build(*extra: str):
     reg = plugin_registry()
     overrides = ["generation.engine=hf_generate", *extra]
     graph, plan = api.plan("grpo", registry=reg, overrides=overrides, emit=lambda s: None)
-    ctx = EngineContext(decl=graph.models["actor"], plan=plan, device="cpu")
+    ctx = EngineContext(decl=graph.models["actor"], spec=plan.model_run("actor"), device="cpu")
     trainer = reg.get("training_engines", "local")(ctx)
     return plan, trainer, reg.get("generation_engines", "hf_generate")(dataclasses.replace(ctx, source=trainer))
 

@@ -33,12 +33,12 @@ import torch
 
 from flowrl import api
 from flowrl.cli import main
+from flowrl.data import Prompt
 from flowrl.errors import FlowRLError, GraphError, PlanError, PluginError
 from flowrl.graph import Graph
 from flowrl.planner.plan import load_plan
 from flowrl.planner.workload import load_workload
 from flowrl.runtime.executor import run_dir
-from flowrl.tasks.builtin import Prompt
 from flowrl.tasks.environments import Calculator
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -672,7 +672,7 @@ def test_a_name_clashing_with_a_builtin_is_one_clear_error_from_the_cli(tmp_path
     proc = flowrl("run", "clash.py", "--steps", "1", "--quiet", "--out", "runs", cwd=tmp_path)
     err = " ".join(proc.stderr.split())
     assert proc.returncode == 2 and "Traceback" not in err, err
-    assert "advantage estimator 'grpo' is registered twice" in err and "flowrl.plugins.builtin" in err, err
+    assert "compute function 'grpo' is registered twice" in err and "flowrl.plugins.builtin" in err, err
     assert "clash.py" in err and not (tmp_path / "runs").exists()
 
 

@@ -23,12 +23,12 @@ import yaml
 
 from flowrl import api
 from flowrl.cli import main
+from flowrl.data import Rollout, Sequences
 from flowrl.errors import ConfigError, PlanError
 from flowrl.planner.space import RolloutPolicy
 from flowrl.plugins.manager import registry, set_registry
-from flowrl.runtime.batch import Sequences, ragged
+from flowrl.runtime.batch import ragged
 from flowrl.runtime.executor import PlanExecutor, run_dir
-from flowrl.runtime.protocols import Rollout
 from flowrl.runtime.rollout import StepRollout
 from flowrl.tasks.builtin import make_task
 

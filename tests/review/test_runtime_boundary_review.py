@@ -21,6 +21,7 @@ import yaml
 
 from flowrl import api
 from flowrl.cli import main
+from flowrl.data import Rollout, Sequences
 from flowrl.errors import ConfigError, FlowRLError, GraphError, PlanError, PluginError
 from flowrl.graph import Graph
 from flowrl.planner.hardware import HARDWARE_PRESETS, parse_cluster, save_hardware
@@ -29,8 +30,7 @@ from flowrl.planner.passes import verify_plan
 from flowrl.planner.plan import ClusterTarget, dump_plan, load_plan
 from flowrl.plugins.hookspecs import hookimpl
 from flowrl.plugins.manager import Registry, load_plugins, set_registry
-from flowrl.runtime.batch import Sequences
-from flowrl.runtime.protocols import EngineContext, Rollout
+from flowrl.runtime.protocols import EngineContext
 
 TINY = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "progress=false", "checkpoint=false"]
 SHIPPED = ("grpo", "ppo", "ppo_rm", "remax", "rloo", "reinforce_pp")
@@ -54,7 +54,7 @@ class FakeEngine:
         self.tokenizer = None
         self.hf_config = None
         self.version = 0
-        self.limit = ctx.plan.config.rollout.max_new_tokens or 4
+        self.limit = ctx.spec.sampling.max_new_tokens
 
     def generate(self, prompts, *, n, greedy, generator, max_new_tokens=None) -> Rollout:
         rows = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
@@ -715,11 +715,13 @@ def local_actor():
     set_registry(None)
     graph, plan = api.plan("grpo", overrides=[*TINY, "task=repeat", "rollout.max_new_tokens=8"], emit=quiet)
     reg = load_plugins(entry_points=False)[1]
-    return reg.get("training_engines", "local")(EngineContext(decl=graph.models["actor"], plan=plan, device="cpu"))
+    return reg.get("training_engines", "local")(
+        EngineContext(decl=graph.models["actor"], spec=plan.model_run("actor"), device="cpu")
+    )
 
 
 def test_local_engine_resumes_unfinished_rows_to_the_same_result(local_actor):
-    from flowrl.tasks.builtin import Prompt
+    from flowrl.data import Prompt
 
     prompts = [Prompt(text="ab>", answer="ab"), Prompt(text="dcba>", answer="dcba")]
 

@@ -115,12 +115,12 @@ PROBE = """
 import json, torch
 from flowrl import api
 from flowrl.runtime.protocols import EngineContext
-from flowrl.tasks.builtin import Prompt
+from flowrl.data import Prompt
 from flowrl_vllm.engine import VLLMEngine
 graph, plan = api.plan("grpo", overrides=%r, emit=lambda s: None)
 trainers, _ = api.check(graph, plan).engines(graph, plan)
 actor = trainers["actor"]
-engine = VLLMEngine(EngineContext(decl=graph.models["actor"], plan=plan, device="cpu", source=actor))
+engine = VLLMEngine(EngineContext(decl=graph.models["actor"], spec=plan.model_run("actor"), device="cpu", source=actor))
 out = engine.generate([Prompt(text="abc>", answer="abc"), Prompt(text="ba>", answer="ba")], n=2, greedy=%r,
                       generator=torch.Generator().manual_seed(0))
 seqs = out.sequences

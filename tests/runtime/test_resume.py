@@ -108,7 +108,7 @@ def test_an_interrupted_checkpoint_write_leaves_the_previous_one_latest(tmp_path
 
 
 def test_the_tree_codec_round_trips_and_builds_only_known_types(tmp_path):
-    from flowrl.tasks.builtin import Prompt
+    from flowrl.data import Prompt
 
     tree = {
         0: (torch.arange(3), [1.5, float("nan"), None, "x"]),
@@ -162,7 +162,7 @@ def test_a_run_failing_before_any_step_leaves_no_folder(tmp_path):
 def test_a_non_finite_advantage_stops_the_step_naming_the_node_or_is_skipped(tmp_path, monkeypatch):
     graph, plan = api.plan("grpo", overrides=SMALL, flags={"steps": 2}, emit=lambda s: None)
     estimator = next(n for n in graph.nodes.values() if n.kind == "compute")
-    entry = next(e for e in api.default_registry().entries("advantage_estimators") if e.name == estimator.fn)
+    entry = next(e for e in api.default_registry().entries("compute_functions") if e.name == estimator.fn)
     original = entry.obj
 
     def poisoned(batch, algo, **options):

@@ -14,14 +14,14 @@ from hypothesis import strategies as st
 
 from flowrl import api
 from flowrl.algorithms.losses import behaviour_weights
+from flowrl.data import Prompt, Rollout, Sequences
 from flowrl.errors import ConfigError, PlanError
 from flowrl.planner.space import RolloutPolicy
 from flowrl.plugins.manager import registry
-from flowrl.runtime.batch import Sequences, ragged
+from flowrl.runtime.batch import ragged
 from flowrl.runtime.executor import PlanExecutor, run_dir
-from flowrl.runtime.protocols import Rollout
 from flowrl.runtime.rollout import StepRollout
-from flowrl.tasks.builtin import Prompt, make_task
+from flowrl.tasks.builtin import make_task
 
 TINY = [
     "seed=0",

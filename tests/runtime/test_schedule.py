@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from flowrl import api
+from flowrl.data import Sequences
 from flowrl.errors import PlanError
 from flowrl.planner.capabilities import Capabilities
 from flowrl.planner.hardware import HARDWARE_PRESETS, cpu_cluster
 from flowrl.planner.plan import ClusterTarget
 from flowrl.runtime import dispatch
-from flowrl.runtime.batch import Sequences
 from flowrl.runtime.schedule import lower
 
 SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4"]
@@ -91,7 +91,7 @@ def test_concat_sequences_repads_and_shifts_prompt_index():
             version=3,
         )
 
-    out = dispatch.concat_sequences([seqs(2, 3, 2, [0, 0]), seqs(4, 1, 1, [0])], pad_id=0, index_offsets=[0, 1])
+    out = Sequences.concat([seqs(2, 3, 2, [0, 0]), seqs(4, 1, 1, [0])], pad_id=0, index_offsets=[0, 1])
     assert out.prompt_ids.shape == (3, 4) and out.response_ids.shape == (3, 3)
     assert out.prompt_mask[0].tolist() == [0, 0, 1, 1]  # prompts stay right-aligned
     assert out.response_mask[2].tolist() == [1.0, 0.0, 0.0]

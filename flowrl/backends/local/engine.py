@@ -32,13 +32,13 @@ from flowrl.backends.local.models import (
     model_config,
     save_hf,
 )
+from flowrl.data import Prompt, Rollout, Sequences, StepBatch
 from flowrl.errors import BackendError
 from flowrl.graph.ir import ModelDecl
-from flowrl.planner.plan import ExecutionPlan
-from flowrl.runtime.batch import Sequences, by_length, pack_left, position_ids, select_rows, to_device, trim
+from flowrl.planner.plan import ModelRun
+from flowrl.runtime.batch import by_length, pack_left, position_ids, select_rows, to_device, trim
 from flowrl.runtime.dispatch import lockstep_steps, rank_rows
-from flowrl.runtime.protocols import Batch, EngineContext, LossFn, Rollout, TrainStep
-from flowrl.tasks.builtin import Prompt
+from flowrl.runtime.protocols import EngineContext, LossFn, TrainStep
 
 
 class LocalModel:
@@ -52,7 +52,7 @@ class LocalModel:
         module: nn.Module,
         tokenizer: Any,
         hf_config: Any,
-        plan: ExecutionPlan,
+        spec: ModelRun,
         device: torch.device,
         rank: int = 0,
         world: int = 1,
@@ -66,17 +66,20 @@ class LocalModel:
             _fully_shard(self.module, group, device)
         self.tokenizer = tokenizer
         self.hf_config = hf_config
-        self.cfg = plan.config
+        self.spec = spec
+        self.sampling = spec.sampling
         self.device = device
         self.version = 0
         # sampling draws on the model's device; a CPU generator cannot drive CUDA sampling
-        self.sampler = torch.Generator(device=device).manual_seed(self.cfg.seed) if device.type != "cpu" else None
+        self.sampler = torch.Generator(device=device).manual_seed(spec.seed) if device.type != "cpu" else None
         self.optimizer: torch.optim.Optimizer | None = None
+        opt = spec.optimizer
         if decl.trainable:
-            lr = self.cfg.train.critic_lr if decl.scalar_head and self.cfg.train.critic_lr else self.cfg.train.lr
+            if opt is None:
+                raise BackendError(f"model '{decl.name}' is trainable, but its resolved spec has no optimizer.")
             self.module.requires_grad_(True)  # a copy of a frozen model is trainable here
             self.optimizer = torch.optim.AdamW(
-                self.module.parameters(), lr=lr, betas=self.cfg.train.betas, weight_decay=self.cfg.train.weight_decay
+                self.module.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
             )
         else:
             self.module.requires_grad_(False)
@@ -129,8 +132,8 @@ class LocalModel:
     ) -> Rollout:
         if self.decl.scalar_head:
             raise BackendError(f"model '{self.decl.name}' has a scalar head and cannot generate.")
-        roll = self.cfg.rollout
-        limit = roll.max_new_tokens or 16
+        roll = self.sampling
+        limit = roll.max_new_tokens
         done_len = seqs.response_ids.shape[1]
         budget = min(max_new_tokens or limit, limit - done_len)
         finished = torch.zeros(len(seqs), dtype=torch.bool) if finished is None else finished.clone()
@@ -222,7 +225,7 @@ class LocalModel:
                 return values.gather(1, last[:, None].to(self.device)).squeeze(1)
             return values
         logits = self.module(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, start:-1].float()
-        logp = torch.log_softmax(logits / self.cfg.rollout.temperature, dim=-1)
+        logp = torch.log_softmax(logits / self.sampling.temperature, dim=-1)
         return logp.gather(-1, seqs.response_ids.to(self.device)[..., None]).squeeze(-1)
 
     @torch.no_grad()
@@ -245,9 +248,10 @@ class LocalModel:
         return out
 
     # ------------------------------------------------------------ training
-    def train(self, loss: LossFn, batch: Batch, step: TrainStep) -> dict[str, float]:
+    def train(self, loss: LossFn, batch: StepBatch, step: TrainStep) -> dict[str, float]:
         """PPO-style epochs x mini-batches; each mini-batch is one optimizer step accumulated over micro-batches."""
-        if self.optimizer is None:
+        opt = self.spec.optimizer
+        if self.optimizer is None or opt is None:
             raise BackendError(f"node '{step.node}' trains model '{self.decl.name}', which is frozen.")
         seqs: Sequences = batch[step.sequences_key]
         n_rows = len(seqs)
@@ -279,10 +283,10 @@ class LocalModel:
                     if weight_on:
                         for k, v in {"loss": value.item(), **step_stats}.items():
                             stats.setdefault(k, []).append(v)
-                norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.train.grad_clip)
+                norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), opt.grad_clip)
                 norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
                 if not math.isfinite(float(norm)):  # the same on every rank: the norm is global
-                    if not self.cfg.train.skip_nonfinite:
+                    if not opt.skip_nonfinite:
                         loss_now = stats.get("loss", [math.nan])[-1]
                         raise BackendError(
                             f"node '{step.node}': the loss ({loss_now}) or its gradient (norm {float(norm)}) is not "
@@ -298,7 +302,7 @@ class LocalModel:
         self.version += 1
         finite = {k: [x for x in v if math.isfinite(x)] for k, v in stats.items()}  # a skipped step's loss is not
         out = {k: sum(v) / len(v) for k, v in finite.items() if v}
-        if self.cfg.train.skip_nonfinite:
+        if opt.skip_nonfinite:
             out["skipped"] = float(skipped)
         return out
 
@@ -437,7 +441,7 @@ def _fully_shard(module: nn.Module, group: Any, device: torch.device) -> None:
 
 
 def _unsharded_copy(engine: LocalModel, weights: Mapping[str, Tensor]) -> nn.Module:
-    lm = build_causal_lm(None, engine.hf_config, engine.cfg.seed)
+    lm = build_causal_lm(None, engine.hf_config, engine.spec.seed)
     module = ValueModel(lm) if engine.decl.scalar_head else lm
     module.load_state_dict(dict(weights))
     return module
@@ -456,17 +460,17 @@ def _widen(t: Tensor, width: int, fill: float) -> Tensor:
 def training_engine(ctx: EngineContext) -> LocalModel:
     """A graph model in this process: the base checkpoint (or a fresh tiny model), or a copy of
     the model it initialises from, with a scalar head for critic/reward/cost roles."""
-    cfg, source = ctx.plan.config, ctx.source
+    spec, source = ctx.spec, ctx.source
     if source is None:
-        tokenizer = load_tokenizer(cfg.model)
-        hf_config = model_config(cfg.model, cfg.tiny_model, tokenizer)
-        lm = build_causal_lm(cfg.model, hf_config, cfg.seed)
+        tokenizer = load_tokenizer(spec.checkpoint)
+        hf_config = model_config(spec.checkpoint, spec.tiny, tokenizer)
+        lm = build_causal_lm(spec.checkpoint, hf_config, spec.seed)
     else:
         tokenizer, hf_config = source.tokenizer, source.hf_config
         lm = copy.deepcopy(_as_lm(source))
     module = ValueModel(lm) if ctx.decl.scalar_head else lm
     return LocalModel(
-        ctx.decl, module, tokenizer, hf_config, ctx.plan, torch.device(ctx.device), ctx.rank, ctx.world, ctx.group
+        ctx.decl, module, tokenizer, hf_config, spec, torch.device(ctx.device), ctx.rank, ctx.world, ctx.group
     )
 
 
@@ -474,13 +478,13 @@ def generation_engine(ctx: EngineContext) -> LocalModel:
     """Generation on a separate local copy of the training engine's model (when another
     training engine trains it); weights arrive through `load_weights` after each step."""
     source = ctx.source
-    module = build_causal_lm(None, source.hf_config, ctx.plan.config.seed)
+    module = build_causal_lm(None, source.hf_config, ctx.spec.seed)
     engine = LocalModel(
         msgspec.structs.replace(ctx.decl, trainable=False),
         module,
         source.tokenizer,
         source.hf_config,
-        ctx.plan,
+        msgspec.structs.replace(ctx.spec, optimizer=None),
         torch.device(ctx.device),
     )
     engine.load_weights(source.export_weights(), source.version)

@@ -125,9 +125,9 @@ def calibrate_engine(
     import random
 
     from flowrl import api
+    from flowrl.data import Prompt
     from flowrl.errors import FlowRLError
     from flowrl.specs import TinyModelConfig
-    from flowrl.tasks.builtin import Prompt
 
     overrides = [f"generation.engine={name}", "rollout.ignore_eos=true", "progress=false"]
     try:

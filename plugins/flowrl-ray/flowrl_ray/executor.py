@@ -73,7 +73,7 @@ class RayExecutor(PlanExecutor):
         partial_rollouts=True,
         streaming=True,
         weight_sync=("reshard", "full", "bucketed", "sparse"),
-        model_parallel=False,
+        model_parallel=True,  # groups of any size: whether a model splits over them is its engine's to declare
         optimizer_offload=False,
         numerics=LOCAL_NUMERICS,
     )

