@@ -1,4 +1,4 @@
-"""A custom algorithm in one file: its own reward and advantage estimator, registered here."""
+"""A custom algorithm in one file: its own reward and compute function (advantages), registered here."""
 
 import torch
 
@@ -12,7 +12,7 @@ def concise(prompts, responses, task):
     return [task.score(p, r) - 0.02 * max(len(r) - len(p.answer), 0) for p, r in zip(prompts, responses)]
 
 
-@register.estimator("rank", needs=("scores", "responses"), gives=("advantages",))
+@register.compute("rank", needs=("scores", "responses"), gives=("advantages",))
 def rank(inputs, algo):
     """Each response's rank among the samples of its prompt, scaled to [-1, 1], on every token."""
     scores, seqs = inputs["scores"], inputs["responses"]
@@ -32,7 +32,7 @@ def build(cfg):
     g.forward("old_logprobs", model="actor", output="logprobs", reads="responses", writes="old_logprobs")
     g.forward("ref_logprobs", model="ref", output="logprobs", reads="responses", writes="ref_logprobs")
     g.reward("reward", fn="concise", reads="prompts responses", writes="rewards")
-    # the estimator's input port 'scores' reads the graph key 'rewards'
+    # the compute function's input port 'scores' reads the graph key 'rewards'
     g.compute("advantages", fn="rank", reads="rewards responses", writes="advantages", ports={"scores": "rewards"})
     g.train("train_actor", model="actor", loss="ppo", reads="responses old_logprobs ref_logprobs advantages")
     return g

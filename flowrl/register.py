@@ -1,7 +1,8 @@
 """Register functions from a graph file, without a plugin package.
 
-A graph file may define its own reward, compute function (estimator), loss, filter or
-environment next to ``build(cfg)``, with a decorator::
+A graph file may define its own reward, compute function (``@register.compute``; its older
+name ``@register.estimator`` still works), loss, filter or environment next to ``build(cfg)``,
+with a decorator::
 
     from flowrl import register
 
@@ -42,15 +43,19 @@ def reward(name: str | None = None) -> Callable[[F], F]:
     return _decorator("reward_functions", name, {})
 
 
-def estimator(
+def compute(
     name: str | None = None, *, needs: Iterable[str] = (), gives: Iterable[str] = (), optional: Iterable[str] = ()
 ) -> Callable[[F], F]:
-    """A compute function ``fn(inputs, algo, **options)`` -> {port: tensor} (or (outputs, metrics));
-    ``needs`` / ``gives`` name its input and output ports (a node binds them to keys),
-    ``optional`` the inputs it uses when a node reads them."""
+    """A compute function ``fn(inputs, algo, **options)`` -> {port: tensor} (or (outputs, metrics)), which
+    ``g.compute(..., fn=name)`` nodes call; ``needs`` / ``gives`` name its input and output ports (a node
+    binds them to keys), ``optional`` the inputs it uses when a node reads them."""
     return _decorator(
-        "advantage_estimators", name, {"needs": tuple(needs), "gives": tuple(gives), "optional": tuple(optional)}
+        "compute_functions", name, {"needs": tuple(needs), "gives": tuple(gives), "optional": tuple(optional)}
     )
+
+
+#: The older name of :func:`compute` (graph files written with ``@register.estimator`` keep working).
+estimator = compute
 
 
 def loss(

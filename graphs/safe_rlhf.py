@@ -1,7 +1,7 @@
 """Safe RLHF: maximise reward subject to expected cost <= budget, by a Lagrange multiplier (Dai et al., 2024).
 
-Reward and cost each have a critic and their own GAE advantages (one estimator, bound by ports
-to each); the policy trains on (A_reward - lambda * A_cost) / (1 + lambda). The multiplier lambda
+Reward and cost each have a critic and their own GAE advantages (one compute function, bound by
+ports to each); the policy trains on (A_reward - lambda * A_cost) / (1 + lambda). The multiplier lambda
 is graph state: it grows while the mean cost is above the budget and shrinks once it is met, and
 it is saved in every checkpoint.
 
@@ -34,7 +34,7 @@ def build(cfg: RunConfig) -> Graph:
     g.reward("reward", fn="task", reads="prompts responses", writes="rewards")
     g.reward("cost", fn="verbosity", reads="prompts responses", writes="costs")
 
-    # One GAE estimator, two bindings: the reward side (with the KL penalty) and the cost side.
+    # One GAE compute function, two bindings: the reward side (with the KL penalty) and the cost side.
     g.compute(
         "reward_gae",
         fn="gae",

@@ -3,7 +3,7 @@
 The proposer reads the prompt and writes a hint (2 per prompt). Each hint, appended to its
 prompt, becomes a question the solver answers (4 answers per question). The solver is rewarded
 for its answers; the proposer for the mean reward its hint earned the solver. Each policy has its
-own generate, forward and train nodes and its own optimizer; one GRPO estimator serves both,
+own generate, forward and train nodes and its own optimizer; one GRPO compute function serves both,
 bound by ports to each one's rewards and responses.
 """
 
@@ -40,7 +40,7 @@ def build(cfg: RunConfig) -> Graph:
         ports={"values": "solver_rewards", "prompts": "questions", "responses": "answers", "means": "proposer_rewards"},
     )
 
-    # One estimator, bound to each policy's rewards and responses.
+    # One compute function, bound to each policy's rewards and responses.
     g.compute(
         "solver_advantages",
         fn="grpo",

@@ -95,7 +95,7 @@ def test_builtin_functions_register_without_torch_and_keep_resolvable_annotation
         "import sys, typing\n"
         "from flowrl.plugins.manager import load_plugins\n"
         "_, reg = load_plugins(entry_points=False)\n"
-        "kinds = ('advantage_estimators', 'losses', 'reward_functions', 'filters', 'environments')\n"
+        "kinds = ('compute_functions', 'losses', 'reward_functions', 'filters', 'environments')\n"
         "entries = [e for k in kinds for e in reg.entries(k)]\n"
         "assert entries\n"
         "for e in entries:\n"

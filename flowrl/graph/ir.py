@@ -64,7 +64,7 @@ class _Node(Spec, frozen=True, kw_only=True, tag_field="kind"):
     writes: tuple[str, ...]
     options: dict[str, Any] = {}
     # port -> graph key: the function's named input or output ``port`` is the graph key ``key``
-    # (unbound ports are the key of the same name), so one estimator serves any policy or critic
+    # (unbound ports are the key of the same name), so one function serves any policy or critic
     ports: dict[str, str] = {}
 
     model: str | None = None  # overridden where a node runs on a model
@@ -100,7 +100,7 @@ class Reward(_Node, frozen=True, tag="reward"):
 
 
 class Compute(_Node, frozen=True, tag="compute"):
-    """A tensor computation `fn` on keys (advantage estimators, reward shaping); it may also
+    """A compute function `fn` on keys (advantages, reward shaping); it may also
     update graph state (`updates`): its function returns the state's new value under its name."""
 
     fn: str

@@ -10,6 +10,8 @@ from typing import Any
 
 import pluggy
 
+from flowrl.plugins import kinds
+
 hookspec = pluggy.HookspecMarker("flowrl")
 hookimpl = pluggy.HookimplMarker("flowrl")
 
@@ -22,8 +24,13 @@ def register_algorithms(register: Register) -> None:
 
 
 @hookspec
+def register_compute_functions(register: Register) -> None:
+    """Register compute functions: ``register(name, fn, needs=(ports), gives=(ports))``; compute nodes call them."""
+
+
+@hookspec
 def register_advantage_estimators(register: Register) -> None:
-    """Register compute functions: ``register(name, fn, needs=(keys), gives=(keys))``."""
+    """The older name of ``register_compute_functions``: what it registers are compute functions."""
 
 
 @hookspec
@@ -91,21 +98,7 @@ def register_cli_commands(register: Register) -> None:
     """Register CLI sub-commands: ``register(name, add_arguments, run, help="...")``."""
 
 
-HOOKS: dict[str, str] = {
-    "register_algorithms": "algorithms",
-    "register_advantage_estimators": "advantage_estimators",
-    "register_losses": "losses",
-    "register_reward_functions": "reward_functions",
-    "register_filters": "filters",
-    "register_environments": "environments",
-    "register_tasks": "tasks",
-    "register_executors": "executors",
-    "register_generation_engines": "generation_engines",
-    "register_training_engines": "training_engines",
-    "register_passes": "passes",
-    "register_hardware": "hardware",
-    "register_cost_models": "cost_models",
-    "register_cli_commands": "cli_commands",
-}
+#: hook name -> the kind it fills (derived from the one table, flowrl.plugins.kinds)
+HOOKS: dict[str, str] = kinds.HOOKS
 
 __all__ = ["hookimpl", "hookspec", "HOOKS", "Any"]

@@ -21,6 +21,7 @@ import pluggy
 
 from flowrl.errors import ConfigError, PluginError, did_you_mean
 from flowrl.plugins import hookspecs
+from flowrl.plugins.kinds import KINDS, NODE_FUNCTION_KINDS, canonical
 
 ENTRY_POINT_GROUP = "flowrl"
 
@@ -42,61 +43,33 @@ class PluginInfo:
     source: str  # "built-in", or "dist-name version (entry point module:attr)"
 
 
-SINGULAR = {
-    "algorithms": "algorithm",
-    "advantage_estimators": "advantage estimator",
-    "losses": "loss",
-    "reward_functions": "reward function",
-    "filters": "filter function",
-    "environments": "environment",
-    "tasks": "task",
-    "executors": "executor",
-    "generation_engines": "generation engine",
-    "training_engines": "training engine",
-    "passes": "pass",
-    "hardware": "hardware preset",
-    "cost_models": "cost model",
-    "cli_commands": "CLI command",
-}
+#: How messages name one entry of each kind ("compute function").
+SINGULAR: dict[str, str] = {k.name: k.singular for k in KINDS}
 
 #: flowrl's own sub-commands (flowrl.cli); a plugin command may not reuse one of these names.
 CORE_COMMANDS = ("run", "plan", "show", "plugins")
 
 #: How flowrl calls what each kind registers; the positional arguments are bound against its signature.
-CALLS: dict[str, str] = {
-    "algorithms": "build(cfg)",
-    "advantage_estimators": "fn(inputs, algo, **options)",
-    "losses": "fn(outputs, batch, algo)",
-    "reward_functions": "fn(prompts, responses, task, **options)",
-    "filters": "fn(inputs, algo, **options)",
-    "environments": "factory(task, **options)",
-    "executors": "factory(registry)",
-    "generation_engines": "factory(ctx)",
-    "training_engines": "factory(ctx)",
-    "passes": "fn(ctx, plan)",
-    "cost_models": "factory(model, hardware)",
-    "cli_commands": "add_arguments(parser)",
-}
+CALLS: dict[str, str] = {k.name: k.call for k in KINDS if k.call is not None}
 
 #: Callables passed as metadata: kind -> key -> (how flowrl calls it, whether it is required).
-META_CALLS: dict[str, dict[str, tuple[str, bool]]] = {
-    "executors": {"machine": ("machine(cfg)", False)},
-    "cli_commands": {"run": ("run(args)", True)},
-}
+META_CALLS: dict[str, dict[str, tuple[str, bool]]] = {k.name: dict(k.meta_calls) for k in KINDS if k.meta_calls}
 
 LOSS_OUTPUTS = ("logprobs", "values")
 
 
 class Registry:
-    """kind -> name -> Entry, filled from the hooks."""
+    """kind -> name -> Entry, filled from the hooks. A kind's older name (``advantage_estimators``)
+    finds the kind it names today (``compute_functions``)."""
 
     def __init__(self) -> None:
-        self._items: dict[str, dict[str, Entry]] = {kind: {} for kind in hookspecs.HOOKS.values()}
+        self._items: dict[str, dict[str, Entry]] = {k.name: {} for k in KINDS}
         self.plugins: list[PluginInfo] = []
 
     def add(self, kind: str, plugin: str, name: str, obj: Any, *, again: bool = False, **meta: Any) -> None:
         """Register ``obj``; ``again``: the same plugin may replace its own entry (a graph file
         imported a second time)."""
+        kind = canonical(kind)
         table = self._items[kind]
         what = SINGULAR[kind]
         if not isinstance(name, str) or not name:
@@ -112,6 +85,7 @@ class Registry:
 
     def entry(self, kind: str, name: str, *, field: str | None = None) -> Entry:
         """The entry ``name`` of ``kind``; ``field``: the config field that named it (a ConfigError then)."""
+        kind = canonical(kind)
         table = self._items[kind]
         if name not in table:
             known = ", ".join(sorted(table)) or "none"
@@ -126,10 +100,11 @@ class Registry:
         return self.entry(kind, name).obj
 
     def names(self, kind: str) -> list[str]:
-        return sorted(self._items[kind])
+        return sorted(self._items[canonical(kind)])
 
     def entries(self, kind: str) -> list[Entry]:
-        return [self._items[kind][n] for n in self.names(kind)]
+        table = self._items[canonical(kind)]
+        return [table[n] for n in sorted(table)]
 
     def kinds(self) -> list[str]:
         return list(self._items)
@@ -247,7 +222,7 @@ def load_plugins(
         raise PluginError(
             f"plugin '{pm.get_name(exc.plugin)}' implements an unknown hook: {exc}. Known hooks: {known}."
         ) from None
-    wanted = None if kinds is None else set(kinds)
+    wanted = None if kinds is None else {canonical(k) for k in kinds}
     for hook_name, kind in hookspecs.HOOKS.items():
         if wanted is not None and kind not in wanted:
             continue
@@ -307,3 +282,9 @@ def set_registry(reg: Registry | None) -> None:
     """Replace (or with None, reset) the process-wide registry; for tests and embedding."""
     global _CACHE
     _CACHE = reg
+
+
+def node_functions(registry: Registry) -> dict[str, dict[str, Any]]:
+    """kind -> name -> registered object, for every kind of function a graph node calls (the kinds the
+    table marks ``node_function``: compute, loss, reward and filter functions, environments)."""
+    return {kind: {e.name: e.obj for e in registry.entries(kind)} for kind in NODE_FUNCTION_KINDS}

@@ -750,7 +750,7 @@ def test_unknown_loss(registry: Registry) -> None:
 
 
 def test_unknown_compute_function(registry: Registry) -> None:
-    with pytest.raises(FlowRLError, match="unknown advantage estimator 'grpoo'"):
+    with pytest.raises(FlowRLError, match="unknown compute function 'grpoo'"):
         _resolve(_graph(compute_fn="grpoo"), registry)
 
 

@@ -13,7 +13,8 @@ import pytest
 from flowrl.errors import PluginError
 from flowrl.graph import Graph
 from flowrl.plugins import manager
-from flowrl.plugins.hookspecs import HOOKS, hookimpl
+from flowrl.plugins.hookspecs import hookimpl
+from flowrl.plugins.kinds import KINDS
 from flowrl.plugins.manager import Registry, load_plugins
 from flowrl.specs import RunConfig
 
@@ -42,7 +43,7 @@ def test_builtin_registrations(builtin: Registry) -> None:
         "two_agent",
     ]
     assert builtin.names("losses") == ["gspo", "ppo", "value"]
-    assert builtin.names("advantage_estimators") == [
+    assert builtin.names("compute_functions") == [
         "followup_prompts",
         "gae",
         "group_mean",
@@ -65,7 +66,7 @@ def test_builtin_registrations(builtin: Registry) -> None:
     assert builtin.names("cost_models") == ["analytic"]
     assert builtin.names("reward_functions") == ["task", "verbosity"]
     assert builtin.names("cli_commands") == ["profile"]
-    assert builtin.kinds() == list(HOOKS.values())
+    assert builtin.kinds() == [k.name for k in KINDS]
     assert [p.name for p in builtin.plugins] == [BUILTIN]
     for kind in builtin.kinds():
         assert all(e.plugin == BUILTIN for e in builtin.entries(kind))
@@ -74,8 +75,8 @@ def test_builtin_registrations(builtin: Registry) -> None:
 def test_builtin_metadata(builtin: Registry) -> None:
     assert builtin.entry("losses", "ppo").meta["output"] == "logprobs"
     assert builtin.entry("losses", "value").meta["output"] == "values"
-    assert set(builtin.entry("advantage_estimators", "gae").meta["needs"]) >= {"rewards", "values"}
-    assert tuple(builtin.entry("advantage_estimators", "gae").meta["gives"]) == ("advantages", "returns")
+    assert set(builtin.entry("compute_functions", "gae").meta["needs"]) >= {"rewards", "values"}
+    assert tuple(builtin.entry("compute_functions", "gae").meta["gives"]) == ("advantages", "returns")
     assert builtin.entry("algorithms", "ppo").meta["source"].endswith("ppo.py")
     from flowrl.planner.passes import BUILTIN_PASSES
 

@@ -10,10 +10,11 @@ import pytest
 from flowrl.errors import PluginError
 from flowrl.planner.capabilities import Capabilities
 from flowrl.planner.hardware import HARDWARE_PRESETS
-from flowrl.plugins.hookspecs import HOOKS, hookimpl
+from flowrl.plugins.hookspecs import hookimpl
+from flowrl.plugins.kinds import KINDS
 from flowrl.plugins.manager import CALLS, CORE_COMMANDS, SINGULAR, Registry, load_plugins
 
-HOOK_OF = {kind: hook for hook, kind in HOOKS.items()}
+HOOK_OF = {k.name: k.hook for k in KINDS}
 
 
 def plugin(kind: str, name: str, obj: Any, **meta: Any) -> types.ModuleType:
@@ -81,7 +82,7 @@ class Good:
         register("good", lambda cfg: None)
 
     @hookimpl
-    def register_advantage_estimators(self, register: Any) -> None:
+    def register_compute_functions(self, register: Any) -> None:
         def fn(inputs: Any, algo: Any, *, gamma: float = 1.0) -> dict[str, Any]:
             return {}
 
@@ -138,7 +139,7 @@ class Good:
 
 def test_a_good_plugin_of_each_kind_loads() -> None:
     reg = load(("good_plugin", Good()))
-    for kind in HOOKS.values():
+    for kind in HOOK_OF:
         assert reg.entry(kind, "good").plugin == "good_plugin", kind
     assert reg.entry("cli_commands", "good").meta["run"] is run_command
     assert reg.get("cost_models", "good") is GoodCostModel
@@ -239,7 +240,7 @@ def needs_keyword(*args: Any, required: Any) -> None:
     [
         ("losses", lambda outputs, batch: None, "too many positional arguments"),
         ("losses", lambda outputs, batch, algo, extra: None, "missing a required argument: 'extra'"),
-        ("advantage_estimators", too_few, "too many positional arguments"),
+        ("compute_functions", too_few, "too many positional arguments"),
         ("reward_functions", lambda prompts, responses: None, "too many positional arguments"),
         ("passes", lambda plan: plan, "too many positional arguments"),
         ("algorithms", lambda: None, "too many positional arguments"),
@@ -278,8 +279,8 @@ def test_loss_output_must_be_logprobs_or_values() -> None:
     [
         ("losses", "needs", "advantages"),  # a bare string, not a tuple of keys
         ("losses", "gives", ("advantages", 1)),
-        ("advantage_estimators", "needs", None),
-        ("advantage_estimators", "gives", {"advantages"}),
+        ("compute_functions", "needs", None),
+        ("compute_functions", "gives", {"advantages"}),
     ],
 )
 def test_needs_and_gives_must_be_lists_of_strings(kind: str, key: str, value: Any) -> None:
