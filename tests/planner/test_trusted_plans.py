@@ -1,11 +1,11 @@
-"""Review of issue 12, "plans users can trust", as a demanding new ML engineer tries the cluster
+"""Plans users can trust (issue 12), as a new ML engineer tries the cluster
 planner: `flowrl plan --require` constraints and `--explain`'s constrained-vs-unconstrained
 comparison, per-role models (`--model actor=llama-34b,reward=llama-7b` and per-role YAML files),
 generation with continuous batching and offload, the fitted efficiency curve and its cluster-file
 override, the wider placement space, bad inputs, `--budget`, and plan files (written, read back,
 re-planned, refused by `flowrl run --plan` when they are forecasts).
 
-Tests of what works keep it working; each bug this review found is a test marked
+Tests of what works keep it working; each known bug is a test marked
 ``xfail(strict=True)`` that fails while the bug is there. Where a result depends on how many
 candidates the search simulates within ``--budget``, the tuner's clock is replaced: ``frozen``
 never runs out (the whole space is searched, the same on every machine) and ``slow`` runs out

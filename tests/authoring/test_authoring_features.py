@@ -1,10 +1,10 @@
-"""Review of the graph-authoring features as a demanding new user tries them: ports binding a
+"""The graph-authoring features as a new user tries them end to end: ports binding a
 function's inputs and outputs to keys, graph state (updated, clamped, logged, checkpointed and
 resumed), filter nodes with dynamic sampling, in-file registration (`flowrl.register`),
 multi-turn environment generation, multi-policy graphs and their plans, and rows of two
 generate nodes mixed in one node.
 
-Bugs this review found that were fixed while it ran (commit 5b5c5ef) keep their tests as
+Bugs found by trying them and fixed at once (commit 5b5c5ef) keep their tests as
 regressions: unknown port names on train and filter nodes, a port bound elsewhere while its own
 name is read (inputs) or is another output's name (outputs), graph state read by a reward node,
 a finished run with a filter whose re-written plan.yaml could not be resumed, plan rows ignoring
@@ -12,7 +12,7 @@ a filter's groups and a generate node's own n, a raising filter function not nam
 DAPO's overlong budget fixed at the copy task's, and a reward node scoring responses against
 another generate node's prompts (a raw IndexError, or silently wrong pairs).
 
-The five it left open were fixed after it: episode metrics with a filter, one graph file
+The five left open then were fixed later: episode metrics with a filter, one graph file
 registering a name twice, an environment reply the tokenizer cannot encode, plan rows after a
 per-prompt reduction, and the forecast of each generate node at its own rows. Runs are tiny
 (4 prompts x 2 samples, 1-4 steps, no checkpoints unless resume is the point).
@@ -905,7 +905,7 @@ def test_two_agent_trains_both_policies_on_their_own_rows(tmp_path):
 
 
 def test_two_agent_plan_rows_of_generate_nodes_keep_their_own_n():
-    """Found by this review (the proposer's n=2 was replaced by samples_per_prompt); fixed."""
+    """A regression (the proposer's n=2 was replaced by samples_per_prompt); fixed."""
     _, p = plan(str(GRAPHS / "two_agent.py"), "rollout.samples_per_prompt=4")
     rows = {n.node: n.rows for n in p.nodes}
     assert rows["propose"] == 4 * 2 and rows["solve"] == 4 * 2 * 4 and rows["train_solver"] == 4 * 2 * 4

@@ -1,7 +1,7 @@
-"""Review of rollout modes (README "Rollout modes") as a demanding user tries them: every mode from
+"""Rollout modes (README "Rollout modes") as a user meets them: every mode from
 the CLI and the API on each shipped algorithm, bad inputs, the metrics each step reports, the
 same seed giving the same run, no prompt lost or trained twice, small and odd sizes, `plan
---explain` and plan files. Seven bugs this review found are fixed; their tests stay.
+--explain` and plan files. Seven bugs found by trying them are fixed; their tests stay.
 
 Tiny sizes (4 prompts x 2 samples, 2-3 steps): the whole module runs in well under a minute.
 No Ray session is started: the two cluster tests only plan for the Ray backend.

@@ -1,8 +1,8 @@
-"""Review of "One plan shape, one runtime boundary": what a user of the CLI and the Python API should get.
+"""One plan shape, one runtime boundary: what a user of the CLI and the Python API should get.
 
 Fast by construction: most runs use a fake engine pair registered in-process (the real loss and advantage
 functions, no model), a few use the local engines with a tiny config. Tests marked ``xfail(strict=True)``
-pin bugs found in review; each reason names the file at fault.
+pin known bugs; each reason names the file at fault.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class FakeEngine:
         path.mkdir(parents=True, exist_ok=True)
 
 
-def plugin(name: str = "review_fake", **hooks: Any) -> types.ModuleType:
+def plugin(name: str = "fake_engines_plugin", **hooks: Any) -> types.ModuleType:
     """A module plugin implementing ``hooks`` (hook name -> function taking ``register``)."""
     module = types.ModuleType(name)
     for hook, fn in hooks.items():
@@ -124,7 +124,7 @@ def fake_engines(register: Any) -> None:
 
 def fake_registry(*extra: tuple[str, Any]) -> Registry:
     fake = plugin(register_generation_engines=fake_engines, register_training_engines=fake_engines)
-    return load_plugins(entry_points=False, extra=[("review_fake", fake), *extra])[1]
+    return load_plugins(entry_points=False, extra=[("fake_engines_plugin", fake), *extra])[1]
 
 
 FAKE = ["train.engine=fake", "generation.engine=fake"]

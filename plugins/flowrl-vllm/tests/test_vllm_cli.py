@@ -1,8 +1,8 @@
-"""Review of the vLLM generation engine (plugins/flowrl-vllm) as a demanding user tries it from the
-CLI and the Python API: the plugin is listed, bad combinations are refused as one paragraph,
-a partial+async run resumed from a mid-run checkpoint repeats the uninterrupted run exactly, and
-runs leave no shared-memory files behind. (The tiny model's default heads are 32 since commit 231e01a;
-HEADS pins them anyway.)
+"""The vLLM generation engine (plugins/flowrl-vllm) as a user meets it from the CLI and the Python
+API: the plugin is listed, bad combinations are refused as one paragraph, a partial+async run
+resumed from a mid-run checkpoint repeats the uninterrupted run exactly, and runs leave no
+shared-memory files behind. (The tiny model's default heads are 32 since commit 231e01a; HEADS
+pins them anyway.)
 
 Bugs found: the sampler's log-probs disagreed with the trainer's for top_p < 1 (fixed: raw log-probs
 at temperature 1; refused at other temperatures), for temperature < 0.01 (fixed: refused, vLLM
@@ -23,7 +23,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # whole runs in subprocesses, each starting a vLLM engine
+
+ROOT = Path(__file__).resolve().parents[3]
 GRPO = str(ROOT / "graphs" / "grpo.py")
 HEADS = ["tiny_model.num_heads=2", "tiny_model.num_kv_heads=1"]
 SMALL = ["progress=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4"]

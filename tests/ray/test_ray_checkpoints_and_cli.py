@@ -1,4 +1,4 @@
-"""Review of the Ray backend (issue 7) as a demanding user tries it: checkpoints of every
+"""The Ray backend as a user meets it (issue 7): checkpoints of every
 placement load and hold the trainer's final weights, worker errors read as one paragraph,
 a one-device Ray plan runs on this machine's CPU, traces are valid Chrome traces, and the
 in-process local backend still runs.
