@@ -36,9 +36,10 @@ from flowrl.data import Prompt, Rollout, Sequences, StepBatch
 from flowrl.errors import BackendError
 from flowrl.graph.ir import ModelDecl
 from flowrl.planner.plan import ModelRun
-from flowrl.runtime.batch import by_length, pack_left, position_ids, select_rows, to_device, trim
+from flowrl.runtime.batch import by_length, position_ids, ragged, select_rows, to_device, trim
 from flowrl.runtime.dispatch import lockstep_steps, rank_rows
 from flowrl.runtime.protocols import EngineContext, LossFn, TrainStep
+from flowrl.runtime.responses import Response, ResponseRules, prompt_rows, responses_of, to_rollout
 
 
 class LocalModel:
@@ -68,6 +69,9 @@ class LocalModel:
         self.hf_config = hf_config
         self.spec = spec
         self.sampling = spec.sampling
+        # how responses end and what text rewards see: the rules every generation engine shares
+        self.rules = ResponseRules.of(tokenizer, spec.sampling)
+        self.context = int(getattr(hf_config, "max_position_embeddings", None) or 1 << 30)  # prompt + response
         self.device = device
         self.version = 0
         # sampling draws on the model's device; a CPU generator cannot drive CUDA sampling
@@ -99,114 +103,68 @@ class LocalModel:
         texts = [p.text for p in prompts for _ in range(n)]
         enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=True)
         index = torch.arange(len(prompts)).repeat_interleave(n)
-        empty = torch.zeros(len(texts), 0, dtype=torch.long)
-        start = Sequences(
-            prompt_ids=enc["input_ids"],
-            prompt_mask=enc["attention_mask"],
-            response_ids=empty,
-            response_mask=empty.float(),
-            prompt_index=index,
-            texts=("",) * len(texts),
-            version=self.version,
-        )
-        return self._continue(
-            start, torch.zeros(len(texts), 0), torch.arange(len(texts)), greedy, generator, max_new_tokens
-        )
+        start = [Response([], []) for _ in texts]
+        return self._continue(enc["input_ids"], enc["attention_mask"], index, start, greedy, generator, max_new_tokens)
 
     def resume(self, rollout: Rollout, *, generator: torch.Generator, max_new_tokens: int | None = None) -> Rollout:
         """Continue the unfinished rows from their prompt and the tokens generated so far."""
-        rows = (~rollout.finished).nonzero().flatten()
+        seqs = rollout.sequences
+        rows = responses_of(rollout, self.rules)
         return self._continue(
-            rollout.sequences, rollout.logprobs, rows, rollout.greedy, generator, max_new_tokens, rollout.finished
+            seqs.prompt_ids, seqs.prompt_mask, seqs.prompt_index, rows, rollout.greedy, generator, max_new_tokens
         )
 
     def _continue(
         self,
-        seqs: Sequences,
-        logprobs: Tensor,
-        rows: Tensor,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        index: Tensor,
+        responses: list[Response],
         greedy: bool,
         generator: torch.Generator,
-        max_new_tokens: int | None,
-        finished: Tensor | None = None,
+        chunk: int | None,
     ) -> Rollout:
+        """Sample the unfinished rows on, each within its own budget, and end them by the rules of
+        `flowrl.runtime.responses` (EOS, stop strings, budget, the model's context)."""
         if self.decl.scalar_head:
             raise BackendError(f"model '{self.decl.name}' has a scalar head and cannot generate.")
-        roll = self.sampling
-        limit = roll.max_new_tokens
-        done_len = seqs.response_ids.shape[1]
-        budget = min(max_new_tokens or limit, limit - done_len)
-        finished = torch.zeros(len(seqs), dtype=torch.bool) if finished is None else finished.clone()
-        if budget <= 0 or len(rows) == 0:
-            return Rollout(sequences=seqs, logprobs=logprobs, finished=finished | (budget <= 0), greedy=greedy)
-        part = seqs.select(rows)
-        ids, mask = pack_left(part.input_ids, part.attention_mask)
-        tokens, new_logprobs, alive = sample(
-            self.module,
-            ids.to(self.device),
-            mask.to(self.device),
-            max_new_tokens=budget,
-            eos_id=self.tokenizer.eos_token_id,
-            pad_id=self.tokenizer.pad_token_id,
-            temperature=roll.temperature,
-            top_p=roll.top_p,
-            greedy=greedy,
-            ignore_eos=roll.ignore_eos,
-            generator=self.sampler or generator,
-        )
-        tokens, new_logprobs, alive = (
-            tokens.cpu(),
-            new_logprobs.cpu(),
-            alive.cpu(),
-        )  # batches live on the host between nodes
-        eos = ((tokens == self.tokenizer.eos_token_id) & alive.bool()).any(-1) & (not roll.ignore_eos)
-        if done_len == 0 and len(rows) == len(seqs):  # a fresh batch: the samples are the responses
-            response_ids, response_mask, all_logprobs = tokens, alive, new_logprobs
-            texts = self._decode(response_ids, response_mask)
-        else:
-            width = done_len + tokens.shape[1]
-            response_ids = _widen(seqs.response_ids, width, self.tokenizer.pad_token_id)
-            response_mask = _widen(seqs.response_mask, width, 0.0)
-            all_logprobs = _widen(logprobs, width, 0.0)
-            # append each row's new tokens after its own last token (all rows at once)
-            k = alive.sum(-1).long()
-            at = seqs.response_mask[rows].sum(-1).long()
-            src = torch.repeat_interleave(torch.arange(len(rows)), k)
-            col = torch.arange(int(k.sum())) - torch.repeat_interleave(torch.cumsum(k, 0) - k, k)
-            dst_row, dst_col = rows[src], at[src] + col
-            response_ids[dst_row, dst_col] = tokens[src, col]
-            response_mask[dst_row, dst_col] = 1.0
-            all_logprobs[dst_row, dst_col] = new_logprobs[src, col]
-            used = int(response_mask.sum(-1).max())
-            response_ids, response_mask, all_logprobs = (
-                response_ids[:, :used],
-                response_mask[:, :used],
-                all_logprobs[:, :used],
+        rules, roll = self.rules, self.sampling
+        prompts = prompt_rows(prompt_ids, prompt_mask)
+        rooms = [self.context - len(p) - len(r.ids) for p, r in zip(prompts, responses)]
+        todo = []
+        for i, r in enumerate(responses):
+            if r.finished:
+                continue
+            if rules.budget(len(r.ids), chunk or None, rooms[i]) > 0:
+                todo.append(i)
+            else:  # at its budget or the context's end
+                responses[i] = rules.extend(r, [], [], rooms[i])
+        if todo:
+            rows = [prompts[i] + responses[i].ids for i in todo]
+            width = max(len(r) for r in rows)
+            ids = ragged(rows, width, self.tokenizer.pad_token_id, torch.long, left=True)
+            mask = ragged([[1] * len(r) for r in rows], width, 0, torch.long, left=True)
+            tokens, logprobs, alive = sample(
+                self.module,
+                ids.to(self.device),
+                mask.to(self.device),
+                max_new_tokens=max(rules.budget(len(responses[i].ids), chunk or None, rooms[i]) for i in todo),
+                eos_id=self.tokenizer.eos_token_id,
+                pad_id=self.tokenizer.pad_token_id,
+                temperature=roll.temperature,
+                top_p=roll.top_p,
+                greedy=greedy,
+                ignore_eos=roll.ignore_eos,
+                generator=self.sampler or generator,
             )
-            texts = list(seqs.texts)  # only the rows that went on change their text
-            for r, text in zip(rows.tolist(), self._decode(response_ids[rows], response_mask[rows])):
-                texts[r] = text
-        finished[rows] = eos | (response_mask[rows].sum(-1) >= limit)
-        out = Sequences(
-            prompt_ids=seqs.prompt_ids,
-            prompt_mask=seqs.prompt_mask,
-            response_ids=response_ids,
-            response_mask=response_mask,
-            prompt_index=seqs.prompt_index,
-            texts=tuple(texts),
-            version=self.version,
-        )
-        return Rollout(sequences=out, logprobs=all_logprobs, finished=finished, greedy=greedy)
-
-    def _decode(self, tokens: Tensor, mask: Tensor) -> list[str]:
-        """Response text up to EOS. Other special tokens stay visible, so a reward cannot be
-        gamed by padding an answer with tokens that would otherwise decode to nothing."""
-        eos = self.tokenizer.eos_token_id
-        rows = []
-        for ids, n in zip(tokens.tolist(), mask.sum(-1).long().tolist()):
-            ids = ids[:n]
-            rows.append(ids[:-1] if ids and ids[-1] == eos else ids)
-        return self.tokenizer.batch_decode(rows, skip_special_tokens=False)
+            # batches live on the host between nodes
+            lengths = alive.sum(-1).long().tolist()
+            tokens, logprobs = tokens.cpu().tolist(), logprobs.cpu().tolist()
+            for j, i in enumerate(todo):
+                k = lengths[j]
+                responses[i] = rules.extend(responses[i], tokens[j][:k], logprobs[j][:k], rooms[i])
+        pad = self.tokenizer.pad_token_id
+        return to_rollout(prompt_ids, prompt_mask, responses, index, version=self.version, greedy=greedy, pad_id=pad)
 
     def load_weights(self, weights: Mapping[str, Tensor], version: int) -> None:
         self.import_weights(weights)
@@ -445,13 +403,6 @@ def _unsharded_copy(engine: LocalModel, weights: Mapping[str, Tensor]) -> nn.Mod
     module = ValueModel(lm) if engine.decl.scalar_head else lm
     module.load_state_dict(dict(weights))
     return module
-
-
-def _widen(t: Tensor, width: int, fill: float) -> Tensor:
-    """``t`` [B, R] right-padded with ``fill`` to [B, width]."""
-    out = torch.full((t.shape[0], width), fill, dtype=t.dtype)
-    out[:, : t.shape[1]] = t
-    return out
 
 
 # ------------------------------------------------------------ factories (registered as engine "local")

