@@ -2,7 +2,7 @@
 
 Every plan is for a cluster; without one it is this machine as the run's executor describes
 it (``local``: one device). Executors and engines come from the plugin registry by the names
-the run config gives (``backend``, ``generation.engine``, ``train.engine``).
+the run config gives (``executor``, ``generation.engine``, ``train.engine``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import msgspec
 from flowrl.errors import FlowRLError, PlanError, PluginError
 from flowrl.graph.ir import Graph
 from flowrl.graph.loading import build_graph, find_graph
-from flowrl.planner.capabilities import Capabilities, for_run
+from flowrl.planner.capabilities import Capabilities, of_config
 from flowrl.planner.hardware import ClusterSpec, HardwareSpec, cpu_cluster
 from flowrl.planner.manager import initial_plan, run_passes
 from flowrl.planner.modelspec import ModelSpec, for_config
@@ -71,7 +71,7 @@ def response_budget(cfg: RunConfig, registry: Registry | None = None) -> int:
 
 
 def executor_entry(cfg: RunConfig, reg: Registry) -> Entry:
-    return reg.entry("executors", cfg.backend, field="backend")
+    return reg.entry("executors", cfg.executor, field="executor")
 
 
 def model_spec(cfg: RunConfig) -> ModelSpec:
@@ -87,17 +87,17 @@ def local_target(cfg: RunConfig, reg: Registry, devices: int = 1) -> ClusterTarg
     entry = executor_entry(cfg, reg)
     machine = entry.meta.get("machine")
     if machine is None:
-        raise PlanError(f"executor '{cfg.backend}' does not describe this machine; plan with --cluster.")
-    caps: Capabilities = for_run(entry.obj.capabilities, reg, cfg)
+        raise PlanError(f"executor '{cfg.executor}' does not describe this machine; plan with --cluster.")
+    caps: Capabilities = of_config(entry.obj.capabilities, reg, cfg)
     try:
         hardware = machine(cfg)
     except FlowRLError:
         raise
     except Exception as exc:
-        where = f"executor '{cfg.backend}' (plugin '{entry.plugin}')"
+        where = f"executor '{cfg.executor}' (plugin '{entry.plugin}')"
         raise PluginError(f"{where}: machine(cfg) failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(hardware, HardwareSpec):
-        where = f"executor '{cfg.backend}' (plugin '{entry.plugin}')"
+        where = f"executor '{cfg.executor}' (plugin '{entry.plugin}')"
         raise PluginError(f"{where}: machine(cfg) returned {hardware!r}, not a HardwareSpec.")
     cluster = (
         ClusterSpec(nodes=1, devices_per_node=1, hardware=hardware) if devices == 1 else cpu_cluster(hardware, devices)
@@ -129,7 +129,7 @@ def plan(
     if target is None:
         target = local_target(cfg, reg)
     elif for_backend:
-        caps = for_run(executor_entry(cfg, reg).obj.capabilities, reg, cfg)
+        caps = of_config(executor_entry(cfg, reg).obj.capabilities, reg, cfg)
         target = msgspec.structs.replace(target, numerics=caps.numerics, capabilities=caps)
     ctx = PlanContext(graph=graph, registry=reg, cache=cache if cache is not None else {}, options=dict(options or {}))
     initial = initial_plan(graph, source, cfg, target)

@@ -5,6 +5,7 @@ searches only that, and the executor refuses any other plan before it builds a m
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -62,21 +63,36 @@ def compose(
     )
 
 
-def for_run(executor: Capabilities, registry: Registry, cfg: RunConfig) -> Capabilities:
-    """``executor``'s capabilities composed with those the config's engines declared when they were
-    registered (an ``auto`` generation engine, chosen later, counts as the training engine)."""
-    train = _declared(registry, "training_engines", cfg.train.engine, "train.engine")
-    gen_name = cfg.generation.engine
-    gen = (
-        None
-        if gen_name in (AUTO, cfg.train.engine)
-        else _declared(registry, "generation_engines", gen_name, "generation.engine")
-    )
+def for_run(
+    executor: Capabilities, registry: Registry, training: Iterable[str], generation: Iterable[str] = ()
+) -> Capabilities:
+    """``executor``'s capabilities composed with those the named engines declared when they were
+    registered: a run can do what every one of its engines can. A generation engine that is
+    ``auto`` (chosen later) or the training engine itself counts as the training engine."""
+    training = list(dict.fromkeys(training))
+    train = _all([_declared(registry, "training_engines", n) for n in training])
+    others = [n for n in dict.fromkeys(generation) if n != AUTO and n not in training]
+    gen = _all([train, *(_declared(registry, "generation_engines", n) for n in others)]) if others else None
     return compose(executor, train, gen)
 
 
-def _declared(registry: Registry, kind: str, name: str, field: str) -> EngineCapabilities:
-    caps = registry.entry(kind, name, field=field).meta.get("capabilities")
+def of_config(executor: Capabilities, registry: Registry, cfg: RunConfig) -> Capabilities:
+    """`for_run` with the engines a run config names (what the planner may search)."""
+    return for_run(executor, registry, [cfg.train.engine], [cfg.generation.engine])
+
+
+def _all(declared: list[EngineCapabilities]) -> EngineCapabilities:
+    return EngineCapabilities(
+        model_parallel=all(d.model_parallel for d in declared),
+        optimizer_offload=all(d.optimizer_offload for d in declared),
+    )
+
+
+def _declared(registry: Registry, kind: str, name: str) -> EngineCapabilities:
+    """What engine ``name`` declared (nothing for a name not registered: the `resolve` pass names it)."""
+    if name not in registry.names(kind):
+        return EngineCapabilities()
+    caps = registry.entry(kind, name).meta.get("capabilities")
     return caps if isinstance(caps, EngineCapabilities) else EngineCapabilities()
 
 

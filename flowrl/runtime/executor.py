@@ -86,9 +86,11 @@ class PlanExecutor:
                 "older flowrl?); make it again with `flowrl plan`."
             )
         verify_plan(graph, plan)
-        backend = plan.config.backend
-        replan = "Plan it for an executor that runs it: `flowrl plan ... --backend NAME` (see `flowrl plugins`)."
-        caps = for_run(self.capabilities, self.registry, plan.config)
+        backend = plan.config.executor
+        replan = "Plan it for an executor that runs it: `flowrl plan ... --executor NAME` (see `flowrl plugins`)."
+        runs = plan.models.values()
+        engines = [r.training_engine for r in runs], [r.generation_engine for r in runs if r.generation_engine]
+        caps = for_run(self.capabilities, self.registry, *engines)
         missing = unsupported(caps, plan.layout, plan.target.cluster.devices)
         if missing:
             raise PlanError(
@@ -96,7 +98,7 @@ class PlanExecutor:
             )
         if plan.target.capabilities is None:
             raise PlanError(
-                f"this plan is a forecast for {plan.target.cluster.label} (planned with --cluster and no --backend); "
+                f"this plan is a forecast for {plan.target.cluster.label} (planned with --cluster and no --executor); "
                 f"executor '{backend}' runs only plans made for it. {replan}"
             )
         from flowrl.planner.modelspec import for_config
@@ -120,7 +122,10 @@ class PlanExecutor:
         conflict = rollout_conflict(graph, plan.layout.rollout)
         if conflict:
             raise PlanError(conflict)
-        self.registry.entry("generation_engines", cfg.generation.engine, field="generation.engine")
+        for run in runs:  # the engines the plan names are installed here
+            self.registry.entry("training_engines", run.training_engine, field="train.engine")
+            if run.generation_engine is not None:
+                self.registry.entry("generation_engines", run.generation_engine, field="generation.engine")
 
     # ------------------------------------------------------------ workers
     def schedule(self, graph: Graph, plan: ExecutionPlan) -> Schedule:

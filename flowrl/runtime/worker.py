@@ -153,9 +153,6 @@ class Worker:
     def _build(
         self, models: Mapping[str, ModelDecl], plan: ExecutionPlan, schedule: Schedule
     ) -> dict[str, tuple[Any, Any]]:
-        cfg = plan.config
-        train = self.registry.entry("training_engines", cfg.train.engine, field="train.engine")
-        gen = self.registry.entry("generation_engines", cfg.generation.engine, field="generation.engine")
         device = self.device
         assert plan.layout is not None
         built: dict[str, tuple[Any, Any]] = {}
@@ -164,8 +161,9 @@ class Worker:
             ranks = schedule.group(place.group).ranks
             if self.rank not in ranks:
                 continue
-            decl = models[name]
-            _seed_for(plan.config.seed, name)  # the same initial weights wherever the model is placed
+            decl, run = models[name], plan.model_run(name)
+            train = self.registry.entry("training_engines", run.training_engine, field="train.engine")
+            _seed_for(run.seed, name)  # the same initial weights wherever the model is placed
             source = self.trainers.get(decl.init_from) if decl.init_from is not None else None
             if decl.init_from is not None and (source is None or len(schedule.ranks_of(decl.init_from)) > 1):
                 # the source lives elsewhere or is sharded: a one-rank copy of its (identical) initial weights
@@ -191,9 +189,12 @@ class Worker:
                 self.generators[name] = trainer
                 continue
             # a replica of the model's initial weights; syncs bring it the trained ones
-            _seed_for(plan.config.seed, name)
+            run = plan.model_run(name)
+            train = self.registry.entry("training_engines", run.training_engine, field="train.engine")
+            gen = self.registry.entry("generation_engines", run.generation_engine or "", field="generation.engine")
+            _seed_for(run.seed, name)
             template = self._template(train, models[name], plan, device)
-            if cfg.generation.engine == cfg.train.engine and isinstance(template, GenerationEngine):
+            if run.generation_engine == run.training_engine and isinstance(template, GenerationEngine):
                 engine = template
             else:
                 engine = gen.obj(

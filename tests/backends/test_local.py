@@ -16,7 +16,7 @@ from flowrl.plugins.manager import registry
 from flowrl.runtime.batch import pack_left, select_rows
 from flowrl.runtime.executor import PlanExecutor
 from flowrl.runtime.protocols import GenerationEngine, TrainingEngine, TrainStep
-from flowrl.specs import TinyModelConfig
+from flowrl.specs import AlgoConfig, TinyModelConfig
 
 SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "task=copy"]
 
@@ -136,7 +136,7 @@ def _step(engine, micro: int) -> TrainStep:
         micro_batch=micro,
         epochs=1,
         mini_batches=1,
-        algo=engine.cfg.algo,
+        algo=AlgoConfig(),
         generator=torch.Generator().manual_seed(0),
     )
 

@@ -66,7 +66,7 @@ def test_id_changes_when_any_field_changes(plan: ExecutionPlan) -> None:
     ids = {plan.id}
     changes = [
         {"config": msgspec.structs.replace(plan.config, seed=plan.config.seed + 1)},
-        {"config": msgspec.structs.replace(plan.config, backend="other")},
+        {"config": msgspec.structs.replace(plan.config, executor="other")},
         {
             "target": msgspec.structs.replace(
                 plan.target, numerics=msgspec.structs.replace(plan.target.numerics, weight_bytes=2)
@@ -102,7 +102,10 @@ def test_edit_is_accepted_when_the_id_line_is_removed(plan: ExecutionPlan, tmp_p
     back = load_plan(path)
     assert back.config.seed == 1
     assert back.id == back.content_id() != plan.id
-    assert back == msgspec.structs.replace(plan, config=msgspec.structs.replace(plan.config, seed=1)).sealed()
+    # every 'seed: 0' line was edited: the config's and each model's resolved run spec (what engines build with)
+    models = {m: msgspec.structs.replace(run, seed=1) for m, run in plan.models.items()}
+    edited_plan = msgspec.structs.replace(plan, config=msgspec.structs.replace(plan.config, seed=1), models=models)
+    assert back == edited_plan.sealed()
 
 
 def test_json_edit_refused_then_accepted_without_id(plan: ExecutionPlan, tmp_path: Path) -> None:

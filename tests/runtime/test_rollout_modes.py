@@ -144,7 +144,8 @@ def test_buffer_never_hands_training_a_sample_older_than_eta(seed, eta, mode, ov
             try:
                 next(coro)
             except StopIteration as stop:
-                prompts, seqs, logprobs, metrics, _ = stop.value
+                result = stop.value
+                prompts, seqs, metrics = result.prompts, result.sequences, result.metrics
                 break
         assert len(prompts) == 3 and len(seqs) == 6
         oldest = torch.where(seqs.response_mask.bool(), seqs.versions, trained_at).min(-1).values
@@ -200,7 +201,7 @@ def test_greedy_abort_and_resume_through_the_buffer_gives_the_uninterrupted_toke
             try:
                 next(coro)
             except StopIteration as stop:
-                batch_prompts, seqs, *_ = stop.value
+                batch_prompts, seqs = stop.value.prompts, stop.value.sequences
                 break
         trained += [(p.text, seqs.texts[i]) for i, p in enumerate(batch_prompts)]
     assert source.buffer.restarts == 0 and any(r.tokens for r in source.buffer.rows)  # some were cut short

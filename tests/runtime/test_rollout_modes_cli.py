@@ -338,7 +338,8 @@ def test_every_trained_row_answers_the_prompt_its_index_names(policy):
             try:
                 next(coro)
             except StopIteration as stop:
-                prompts, seqs, logprobs, metrics, parts = stop.value
+                result = stop.value
+                prompts, seqs, metrics, parts = result.prompts, result.sequences, result.metrics, result.parts
                 break
         prompts = prompts if policy.partial else given
         assert len(prompts) == per_step and len(seqs) == per_step * n
@@ -346,8 +347,8 @@ def test_every_trained_row_answers_the_prompt_its_index_names(policy):
         for i in range(len(seqs)):
             ids = seqs.prompt_ids[i][seqs.prompt_mask[i].bool()].tolist()
             assert "".join(map(chr, ids)) == prompts[int(seqs.prompt_index[i])].text, (step, i)
-        assert [t for p, *_ in parts for t in p.texts] == list(seqs.texts)
-        assert torch.equal(logprobs, seqs.logprobs)
+        assert [t for p in parts for t in p.sequences.texts] == list(seqs.texts)
+        assert seqs.logprobs is not None
 
 
 # ------------------------------------------------------------------ bad inputs: exit 2, one paragraph naming the field
