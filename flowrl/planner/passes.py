@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from flowrl.errors import GraphError, PlanError
+from flowrl.errors import ConfigError, GraphError, PlanError, did_you_mean
 from flowrl.graph.ir import Compute, Filter, Forward, Generate, Graph, Reward, Train
 from flowrl.planner import memory as mem
 from flowrl.planner.capabilities import rollout_conflict, supports
@@ -72,18 +72,24 @@ def _replace(plan: ExecutionPlan, **changes: Any) -> ExecutionPlan:
 # ------------------------------------------------------------------ resolve
 
 
-def node_options(graph: Graph, name: str, algo: AlgoConfig, registry: Registry) -> tuple[AlgoConfig, dict[str, Any]]:
-    """A node's options: those naming AlgoConfig fields override ``algo``; the rest must be
-    keyword arguments of its function (train nodes: epochs, mini_batches)."""
+def node_options(
+    graph: Graph, name: str, algo: AlgoConfig, registry: Registry, configured: dict[str, Any] | None = None
+) -> tuple[AlgoConfig, dict[str, Any]]:
+    """A node's options: the graph's, with ``configured`` (the config's ``nodes.NAME``) over them.
+    Those naming AlgoConfig fields override ``algo``; the rest must be keyword arguments of its
+    function (train nodes: epochs, mini_batches)."""
     node = graph.nodes[name]
-    overrides = {k: v for k, v in node.options.items() if k in ALGO_FIELDS}
-    rest = {k: v for k, v in node.options.items() if k not in ALGO_FIELDS}
+    given = {**node.options, **(configured or {})}
+    overrides = {k: v for k, v in given.items() if k in ALGO_FIELDS}
+    rest = {k: v for k, v in given.items() if k not in ALGO_FIELDS}
     fn = _function(registry, node)
     allowed = TRAIN_OPTIONS if isinstance(node, Train) else _keyword_arguments(fn)
     bad = [k for k in rest if k not in allowed]
     if bad:
         known = ", ".join(sorted([*allowed, *ALGO_FIELDS]))
-        raise GraphError(f"node '{name}': unknown option(s) {', '.join(bad)}; allowed: {known}.")
+        configs = [f"nodes.{name}.{k}" for k in bad if k in (configured or {})]
+        by = f" (set by the config: {', '.join(configs)})" if configs else ""
+        raise GraphError(f"node '{name}': unknown option(s) {', '.join(bad)}{by}; allowed: {known}.")
     _check_option_types(name, fn, rest)
     try:
         algo = msgspec.convert({**msgspec.to_builtins(algo), **overrides}, AlgoConfig)
@@ -170,23 +176,25 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
         resolved[node.name] = node_plan_options(graph, node.name, cfg, reg)
         if isinstance(node, Train):
             mini_batches = resolved[node.name].options["mini_batches"]
-            where = "the node's mini_batches option" if "mini_batches" in node.options else "train.mini_batches"
+            where = (
+                "the node's mini_batches option"
+                if "mini_batches" in {**node.options, **cfg.nodes.get(node.name, {})}
+                else "train.mini_batches"
+            )
             if mini_batches > rows[node.name]:
                 raise PlanError(
                     f"node '{node.name}': {mini_batches} mini-batches but only {rows[node.name]} rows per "
                     f"step; lower {where}."
                 )
     for kind, name, field_ in (
-        ("executors", cfg.backend, "backend"),
+        ("executors", cfg.executor, "executor"),
         ("generation_engines", cfg.generation.engine, "generation.engine"),
         ("training_engines", cfg.train.engine, "train.engine"),
     ):
         if name != AUTO:  # an 'auto' generation engine is chosen by `place`
             reg.entry(kind, name, field=field_)
-    rollout = cfg.rollout
-    if rollout.max_new_tokens is None:
-        rollout = msgspec.structs.replace(rollout, max_new_tokens=task.max_new_tokens())
-    cfg = msgspec.structs.replace(cfg, rollout=rollout)
+    budget = cfg.rollout.max_new_tokens if cfg.rollout.max_new_tokens is not None else task.max_new_tokens()
+    cfg = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, max_new_tokens=budget))
     target = plan.target
     if target.models:  # per-role models: every graph model's own shape, the first actor's as the base
         models = role_models(target.models, {m: d.role for m, d in graph.models.items()})
@@ -203,26 +211,40 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
             mini_batches=min(cfg.train.mini_batches, cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt),
         )
         target = msgspec.structs.replace(target, workload=workload)
-    return _replace(plan, config=cfg, target=target, options=resolved, models=model_runs(graph, cfg))
+    return _replace(plan, config=cfg, target=target, options=resolved, models=model_runs(graph, cfg, budget))
 
 
 def node_plan_options(graph: Graph, name: str, cfg: RunConfig, registry: Registry) -> NodeOptions:
-    """A node's resolved options; a train node's epochs and mini-batches default to the config's."""
-    algo, options = node_options(graph, name, cfg.algo, registry)
+    """A node's resolved options (the graph's, with the config's ``nodes.NAME`` over them); a train
+    node's epochs and mini-batches default to the config's."""
+    algo, options = node_options(graph, name, cfg.algo, registry, configured_options(graph, cfg, name))
     if isinstance(graph.nodes[name], Train):
         options = {"epochs": cfg.train.epochs, "mini_batches": cfg.train.mini_batches, **options}
     return NodeOptions(algo=algo, options=options)
 
 
-def model_runs(graph: Graph, cfg: RunConfig) -> dict[str, ModelRun]:
+def configured_options(graph: Graph, cfg: RunConfig, name: str) -> dict[str, Any]:
+    """The options the config sets for node ``name`` (``nodes: {NAME: {OPTION: VALUE}}``, ``--set
+    nodes.NAME.OPTION=VALUE``); a node the graph does not have is refused, naming the graph's nodes."""
+    for given in cfg.nodes:
+        if given not in graph.nodes:
+            raise ConfigError(
+                f"config field 'nodes.{given}': graph '{graph.name}' has no node '{given}'."
+                f"{did_you_mean(given, list(graph.nodes))} Its nodes: {', '.join(graph.nodes)}."
+            )
+    return cfg.nodes.get(name, {})
+
+
+def model_runs(graph: Graph, cfg: RunConfig, budget: int) -> dict[str, ModelRun]:
     """What each graph model's engines run: where its weights come from, how it samples (and takes
-    log-probs), its optimizer when trainable. The generation engine and its tp are `place`'s."""
+    log-probs), its optimizer when trainable; ``budget``: the response budget. The generation engine
+    and its tp are `place`'s."""
     generating = set(generating_models(graph))
     roll, train = cfg.rollout, cfg.train
     sampling = SamplingSpec(
         temperature=roll.temperature,
         top_p=roll.top_p,
-        max_new_tokens=roll.max_new_tokens or 16,
+        max_new_tokens=budget,
         ignore_eos=roll.ignore_eos,
         dtype=cfg.generation.dtype,
     )
@@ -568,7 +590,11 @@ def micro_batch(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
             if isinstance(node, (Forward, Train)):
                 size = min(cfg.train.micro_batch_size or lay.micro_batch, rows)
                 if isinstance(node, Train):  # a micro-batch never spans two mini-batches
-                    mini_batches = int(node.options.get("mini_batches", cfg.train.mini_batches))
+                    mini_batches = int(
+                        plan.options[name].options["mini_batches"]
+                        if name in plan.options
+                        else node.options.get("mini_batches", cfg.train.mini_batches)
+                    )
                     size = min(size, max(rows // mini_batches, 1))
         nodes.append(NodePlan(node=name, kind=node.kind, group=group, rows=rows, micro_batch_size=max(size, 1)))
     return _replace(plan, nodes=tuple(nodes))

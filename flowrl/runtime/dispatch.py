@@ -1,6 +1,5 @@
-"""Dispatch and collect by data-parallel rank, defined once.
-
-Modes (the schedule names one per task):
+"""Dispatch and collect by data-parallel rank, defined once (`flowrl.runtime.groups` applies them
+by the kind of call):
 
 - ``rows``: the rows of a call (prompts to generate from, sequences to score) are cut into
   contiguous, near-equal shards, one per rank; results are concatenated in rank order.
@@ -13,14 +12,12 @@ Modes (the schedule names one per task):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from flowrl.data import Sequences, _pad
-
-Dispatch = Literal["rows", "replicate", "driver", "sync"]
 
 
 def draw_seed(generator: torch.Generator) -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Compute, Forward, Generate, Graph, Reward, Train
 from flowrl.planner.plan import ExecutionPlan
-from flowrl.runtime.dispatch import Dispatch
 from flowrl.specs import Spec
 
 
@@ -24,7 +23,6 @@ class Task(Spec):
     kind: str  # generate | forward | reward | compute | train | sync
     groups: tuple[str, ...]  # device groups it occupies; () runs on the controller
     deps: tuple[str, ...]  # tasks of the same iteration that must finish first
-    dispatch: Dispatch
     model: str | None = None
     micro_batch: int = 0
     strategy: str | None = None  # sync tasks: reshard | full | bucketed | sparse
@@ -117,22 +115,22 @@ def lower(graph: Graph, plan: ExecutionPlan, *, same_engine: bool = True) -> Sch
                 kind="generate",
                 groups=(layout.generation_of(node.model).group,),
                 deps=deps,
-                dispatch="rows",
                 model=node.model,
                 absorbs=absorbed.get(name, ()),
             )
-        elif isinstance(node, (Forward, Train)):  # scoring cuts rows per rank; a train step goes to every rank
+        elif isinstance(
+            node, (Forward, Train)
+        ):  # groups.TrainingGroup: scoring cuts rows per rank, a train step goes to every rank
             task = Task(
                 name=name,
                 kind=node.kind,
                 groups=(by_model[node.model].group,),
                 deps=deps,
-                dispatch="rows" if isinstance(node, Forward) else "replicate",
                 model=node.model,
                 micro_batch=micro.get(name, 0),
             )
         elif isinstance(node, (Reward, Compute)):
-            task = Task(name=name, kind=node.kind, groups=(), deps=deps, dispatch="driver")
+            task = Task(name=name, kind=node.kind, groups=(), deps=deps)
         else:  # pragma: no cover - the IR is a closed set
             raise TypeError(node)
         tasks.append(task)
@@ -149,7 +147,6 @@ def lower(graph: Graph, plan: ExecutionPlan, *, same_engine: bool = True) -> Sch
                 kind="sync",
                 groups=tuple(dict.fromkeys((place.group, gen_group))),
                 deps=(name,),
-                dispatch="sync",
                 model=node.model,
                 strategy=layout.weight_sync.strategy,
             )

@@ -35,7 +35,7 @@ def test_the_local_plan_lowers_to_one_rank_with_generation_in_place():
     assert [t.name for t in s.tasks] == g.order()
     train = next(t for t in s.tasks if t.name == "train_actor")
     assert set(train.deps) == {"rollout", "old_logprobs", "ref_logprobs", "advantages"}
-    assert train.dispatch == "replicate"
+    assert train.model == "actor" and train.groups == (s.placement("actor").group,)
     assert next(t for t in s.tasks if t.name == "reward").groups == ()  # the controller's work
     # a different generation engine than the trainer takes the weights by a sync task, even on one rank
     s2 = lower(g, plan, same_engine=False)
@@ -51,7 +51,7 @@ def test_disaggregated_generation_gets_a_sync_task_over_both_groups(strategy):
     sync = next(t for t in s.tasks if t.kind == "sync")
     assert sync.strategy == strategy and set(sync.groups) == {"gen", "train"} and sync.deps == ("train_actor",)
     gen = next(t for t in s.tasks if t.kind == "generate")
-    assert gen.groups == ("gen",) and gen.dispatch == "rows"
+    assert gen.groups == ("gen",) and gen.model == "actor"
 
 
 def test_colocated_data_parallel_reshards_and_reshard_across_groups_is_refused():
