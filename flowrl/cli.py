@@ -41,7 +41,8 @@ def _config_args(p: argparse.ArgumentParser, run_out: bool = True) -> None:
     if run_out:
         p.add_argument("--out", metavar="DIR", dest="run_out", help="where runs/<name> goes (default: runs)")
     p.add_argument("--name", help="run name (default: the graph's name)")
-    p.add_argument("--backend", help="the executor that runs the plan (default: local; see `flowrl plugins`)")
+    p.add_argument("--executor", help="the executor that runs the plan (default: local; see `flowrl plugins`)")
+    p.add_argument("--backend", help="the older name of --executor")
 
 
 def _pin_args(p: argparse.ArgumentParser) -> None:
@@ -105,9 +106,15 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
         "task": args.task,
         "out": getattr(args, "run_out", None),
         "name": args.name,
-        "backend": args.backend,
+        "executor": args.executor,
+        "backend": args.backend,  # the older name of executor (specs.OLDER_NAMES)
         "save_every": getattr(args, "save_every", None),
     }
+
+
+def _executor_flag(args: argparse.Namespace) -> str | None:
+    """--executor, or --backend (its older name)."""
+    return args.executor or args.backend
 
 
 def _load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -163,16 +170,15 @@ def _resume(args: argparse.Namespace) -> tuple[Any, Any, Path]:
     from flowrl.planner.plan import load_plan
 
     folder = Path(args.resume)
-    others = [n for n, v in _flags(args).items() if v is not None and n != "steps"]
-    if args.plan or args.config or args.overrides or args.cluster or args.placement or args.sync or others:
-        raise ConfigError(
-            "--resume continues a run exactly as it was planned; only --steps (to extend it) may change. Start "
-            "a new run for other settings."
-        )
+    if args.plan:
+        raise ConfigError(f"--resume continues the run in '{folder}' with its own plan; drop --plan.")
+    settings = _run_settings(args, "--resume")
     if not (folder / "plan.yaml").is_file():
         what = "does not exist" if not folder.exists() else "is not a run folder (it has no plan.yaml)"
         raise ConfigError(f"--resume '{folder}' {what}; name a folder a run wrote, e.g. runs/grpo.")
     plan = load_plan(folder / "plan.yaml")
+    if settings:
+        plan = plan.with_run_settings(settings)
     graph = _graph_of_plan(args, plan, "--resume", str(folder))
     if args.steps is not None and args.steps != plan.config.steps:
         from flowrl.runtime.checkpoint import latest
@@ -189,6 +195,53 @@ def _resume(args: argparse.Namespace) -> tuple[Any, Any, Path]:
     return graph, plan, folder
 
 
+#: What a --plan or --resume run may change besides the plan: where the run goes and how it
+#: checkpoints and reports (specs.RUN_SETTINGS; --resume's folder is the run's own, and --steps extends it).
+_RUN_SETTINGS_HELP = {
+    "--plan": "With --plan, only where the run goes and how it checkpoints may change: --out DIR, --name NAME, "
+    "--save-every N, --set keep_checkpoints=N, --set progress=false.",
+    "--resume": "With --resume, only --steps N (to extend it) and how the run checkpoints may change: --save-every N, "
+    "--set keep_checkpoints=N, --set progress=false.",
+}
+
+
+def _run_settings(args: argparse.Namespace, flag: str) -> dict[str, Any]:
+    """The run settings given with ``--plan`` / ``--resume`` (by flags, ``--set`` or ``--config``).
+    Anything else would change what was planned and is refused, naming it."""
+    from flowrl.specs import RUN_SETTINGS, current_names, merge, nested, parse_override, read_document
+
+    pinned = [f for f, v in (("--cluster", args.cluster), ("--placement", args.placement), ("--sync", args.sync)) if v]
+    flags = {k: v for k, v in _flags(args).items() if v is not None and not (flag == "--resume" and k == "steps")}
+    given: dict[str, Any] = {}
+    for layer in [read_document(args.config)] if args.config else []:
+        given = merge(given, current_names(layer))
+    for text in args.overrides:
+        given = merge(given, current_names(nested(*parse_override(text))))
+    refused = pinned + [f"--{k.replace('_', '-')}" for k in flags if k not in RUN_SETTINGS]
+    refused += [path for k, v in given.items() if k not in RUN_SETTINGS for path in _dotted(k, v)]
+    if flag == "--resume":
+        folder = [f"--{k}" if k in flags else k for k in ("out", "name") if k in flags or k in given]
+        if folder:
+            verb, them = ("choose", "them") if len(folder) > 1 else ("chooses", "it")
+            raise ConfigError(
+                f"--resume continues the run in its own folder '{args.resume}'; {' and '.join(folder)} {verb} where "
+                f"a new run goes: drop {them}. {_RUN_SETTINGS_HELP[flag]}"
+            )
+    if refused:
+        raise ConfigError(
+            f"{flag} runs a plan exactly as planned; {', '.join(refused)} would change what was planned: put config "
+            f"changes into `flowrl plan` instead (or start a new run). {_RUN_SETTINGS_HELP[flag]}"
+        )
+    return {k: v for k, v in merge(given, current_names(flags)).items() if k in RUN_SETTINGS}
+
+
+def _dotted(key: str, value: Any) -> list[str]:
+    """The dotted field paths a config mapping sets under ``key`` (``train`` -> ``train.lr``)."""
+    if isinstance(value, dict) and value:
+        return [path for k, v in value.items() for path in _dotted(f"{key}.{k}", v)]
+    return [key]
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from flowrl import api
     from flowrl.planner.plan import load_plan
@@ -197,10 +250,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.resume:
         graph, plan, folder = _resume(args)
     elif args.plan:
-        pinned = args.cluster or args.placement or args.sync
-        if args.config or args.overrides or pinned or any(v is not None for v in _flags(args).values()):
-            raise ConfigError("--plan runs a plan exactly as planned; put config changes into `flowrl plan` instead.")
+        settings = _run_settings(args, "--plan")
         plan = load_plan(args.plan)
+        if settings:
+            plan = plan.with_run_settings(settings)
         graph = _graph_of_plan(args, plan, "--plan", args.plan)
     else:
         kwargs = _load_kwargs(args)
@@ -217,7 +270,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.address:
         if not hasattr(executor, "address"):
             raise ConfigError(
-                f"--address joins an existing cluster; executor '{plan.config.backend}' runs in this process."
+                f"--address joins an existing cluster; executor '{plan.config.executor}' runs in this process."
             )
         executor.address = args.address
     cfg = plan.config
@@ -377,7 +430,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         options=options,
         cache=cache,
         passes=passes,
-        for_backend=args.backend is not None or (args.cluster is not None and cpu_devices(args.cluster) is not None),
+        for_backend=_executor_flag(args) is not None
+        or (args.cluster is not None and cpu_devices(args.cluster) is not None),
         **kwargs,
     )
     if args.explain and "tune" in cache:
@@ -403,7 +457,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         hint = (
             f"; run it with `{' '.join(['flowrl run', *_file_arg(plan), '--plan', str(path)])}`"
             if runnable
-            else f" (a forecast: executor '{plan.config.backend}' cannot run it)"
+            else f" (a forecast: executor '{plan.config.executor}' cannot run it)"
         )
         print(f"flowrl: plan {plan.id} written to {path}{hint}")
     elif not args.explain:
@@ -427,14 +481,14 @@ def _cluster_target(args: argparse.Namespace, load_kwargs: dict[str, Any], for_r
     if devices is not None:
         if getattr(args, "workload", None):
             raise ConfigError("--cluster cpu:N runs the run config's workload; drop --workload (use --set rollout...).")
-        if args.backend is None and devices > 1:
+        if _executor_flag(args) is None and devices > 1:
             if "ray" not in {e.name for e in registry().entries("executors")}:
                 raise ConfigError(
                     f"--cluster {args.cluster} runs on the Ray backend, which is not installed (`pip install -e "
                     "./plugins/flowrl-ray`, as in README's setup) or not enabled (FLOWRL_PLUGINS); or name another "
-                    "executor with --backend."
+                    "executor with --executor."
                 )
-            args.backend = load_kwargs["flags"]["backend"] = "ray"
+            args.executor = load_kwargs["flags"]["executor"] = "ray"
         load_kwargs["overrides"] = [*load_kwargs["overrides"], "device=cpu"]
         _, cfg = api.load(_need_graph(args), **load_kwargs)
         return api.local_target(cfg, registry(), devices=devices)

@@ -115,7 +115,7 @@ class RunConfig(Spec):
     seed: int = 0
     out: str = "runs"
     name: str | None = None  # None: the graph's name
-    backend: str = "local"  # the executor (a registered plugin) that runs the plan
+    executor: str = "local"  # the executor (a registered plugin) that runs the plan; older name: backend
     device: str = "cpu"
     threads: int | None = None  # torch intra-op threads; None: torch's default
     memory_limit_gib: float | None = None  # None: what the device reports
@@ -123,6 +123,8 @@ class RunConfig(Spec):
     save_every: int | None = None  # steps between checkpoints; None: about ten per run; 0: only at the end
     keep_checkpoints: int = 2  # the newest K step checkpoints kept in runs/<name>/checkpoints
     progress: bool = True
+    # node -> option -> value, over the options the graph gives its nodes (--set nodes.select.mode=correct)
+    nodes: dict[str, dict[str, Any]] = {}
 
     def checkpoint_due(self, step: int) -> bool:
         """Whether a checkpoint is written after ``step`` (0-based): every save_every steps and at the end."""
@@ -275,9 +277,7 @@ def read_document(path: str | Path) -> dict[str, Any]:
         if path.suffix in (".yaml", ".yml"):
             data = yaml.load(raw, Loader=_UniqueKeyLoader) or {}
         elif path.suffix == ".toml":
-            import tomllib
-
-            data = tomllib.loads(raw.decode())
+            data = _toml().loads(raw.decode())
         elif path.suffix == ".json":
             import json
 
@@ -294,6 +294,15 @@ def read_document(path: str | Path) -> dict[str, Any]:
     if bad is not None:
         raise ConfigError(f"config file '{path}': key {bad} is not text; field names are words such as train.lr.")
     return data
+
+
+def _toml() -> Any:
+    """The TOML reader: tomllib from Python 3.11 on, its backport tomli before."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib
 
 
 class _DuplicateKey(ValueError):
@@ -399,12 +408,49 @@ def nested(path: list[str], value: Any) -> dict[str, Any]:
     return value
 
 
+#: Config fields under an older name: older name -> field. Config files, ``--set`` and plan files
+#: written before the rename still say the older name; each layer is read as if it said the field.
+OLDER_NAMES = {"backend": "executor"}
+
+#: Where a run goes and how it checkpoints and reports: not plan content. They may change for a
+#: ``--plan`` or ``--resume`` run without changing what is planned (the plan's id leaves them out).
+RUN_SETTINGS = ("out", "name", "save_every", "keep_checkpoints", "progress")
+
+
+def current_names(layer: dict[str, Any]) -> dict[str, Any]:
+    """``layer`` (one config mapping) with each field's older name (``backend``) read as the field
+    (``executor``); a layer giving both with different values is refused."""
+    if not isinstance(layer, dict) or not any(old in layer for old in OLDER_NAMES):
+        return layer
+    out = dict(layer)
+    for old, new in OLDER_NAMES.items():
+        if old not in out:
+            continue
+        value = out.pop(old)
+        if new in out and out[new] != value:
+            raise ConfigError(
+                f"the config gives both {new}={out[new]!r} and {old}={value!r}; '{old}' is the older name of "
+                f"'{new}': give only {new}."
+            )
+        out[new] = value
+    return out
+
+
 def build_config(*layers: dict[str, Any]) -> RunConfig:
     """Merge layers (lowest precedence first) and validate into a RunConfig."""
     data: dict[str, Any] = {}
     for layer in layers:
-        data = merge(data, layer)
-    return convert(data, RunConfig, "config")
+        data = merge(data, current_names(layer))
+    try:
+        return convert(data, RunConfig, "config")
+    except ConfigError as exc:
+        nodes = [k for k, v in data.items() if k not in RunConfig.__struct_fields__ and isinstance(v, dict)]
+        if not nodes:
+            raise
+        raise ConfigError(
+            f"{exc} If '{nodes[0]}' is a node of the graph, its options go under nodes: "
+            f"--set nodes.{nodes[0]}.OPTION=VALUE."
+        ) from None
 
 
 def convert(data: Any, type_: type, what: str) -> Any:

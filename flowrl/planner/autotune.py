@@ -378,7 +378,7 @@ class Tuner:
             if caps.max_devices is not None and self.cluster.devices > caps.max_devices:
                 raise PlanError(
                     f"the executor runs at most {caps.max_devices} device(s); this cluster has "
-                    f"{self.cluster.devices}. Plan without --backend for a forecast, or pick an executor that "
+                    f"{self.cluster.devices}. Plan without --executor for a forecast, or pick an executor that "
                     "runs it."
                 )
             sks = [sk for sk in sks if supports(caps, sk.placement, sk.rollout, sk.weight_sync, sk.generation.tp)]

@@ -18,7 +18,16 @@ from flowrl.planner.memory import Numerics
 from flowrl.planner.modelspec import ModelSpec
 from flowrl.planner.space import ClusterPlan
 from flowrl.planner.workload import WorkloadSpec
-from flowrl.specs import AlgoConfig, RunConfig, Spec, TinyModelConfig, convert, read_document
+from flowrl.specs import (
+    RUN_SETTINGS,
+    AlgoConfig,
+    RunConfig,
+    Spec,
+    TinyModelConfig,
+    convert,
+    current_names,
+    read_document,
+)
 
 
 class GraphRef(Spec):
@@ -132,8 +141,22 @@ class ExecutionPlan(Spec, kw_only=True):
     passes: tuple[str, ...] = ()
 
     def content_id(self) -> str:
-        body = msgspec.json.encode(msgspec.structs.replace(self, id=""), order="sorted")
-        return hashlib.sha256(body).hexdigest()[:16]
+        """The hash of what is planned: every field but the id and the config's run settings
+        (``RUN_SETTINGS``: where the run goes, how it checkpoints), which may change without
+        changing the plan."""
+        body = msgspec.to_builtins(msgspec.structs.replace(self, id=""))
+        for name in RUN_SETTINGS:
+            body["config"].pop(name, None)
+        return hashlib.sha256(msgspec.json.encode(body, order="sorted")).hexdigest()[:16]
+
+    def with_run_settings(self, settings: dict[str, Any]) -> ExecutionPlan:
+        """This plan with run settings replaced (``--out``, ``--save-every`` for a ``--plan`` or
+        ``--resume`` run); its id does not change, and the run's plan.yaml records them."""
+        bad = sorted(set(settings) - set(RUN_SETTINGS))
+        if bad:
+            raise ConfigError(f"{', '.join(bad)}: not run settings ({', '.join(RUN_SETTINGS)}); they are plan content.")
+        config = convert({**msgspec.to_builtins(self.config), **settings}, RunConfig, "config")
+        return msgspec.structs.replace(self, config=config).sealed()
 
     def sealed(self) -> ExecutionPlan:
         """This plan with ``id`` set to its content hash."""
@@ -189,11 +212,28 @@ def encode_plan(plan: ExecutionPlan, fmt: str = "yaml") -> str:
 
 
 def load_plan(path: str | Path) -> ExecutionPlan:
-    """Read a plan file; a plan whose content no longer matches its id is refused."""
-    plan = convert(read_document(path), ExecutionPlan, f"plan file '{path}'")
-    if plan.id and plan.id != plan.content_id():
+    """Read a plan file; a plan whose content no longer matches its id is refused.
+
+    A plan an earlier flowrl wrote loads too: its config's older field names are read as today's
+    (``backend`` -> ``executor``), and its id, the hash of the whole document as written then,
+    is checked against the document; it gets today's content id."""
+    raw = read_document(path)
+    data = dict(raw)
+    if isinstance(data.get("config"), dict):
+        try:
+            data["config"] = current_names(data["config"])
+        except ConfigError as exc:
+            raise ConfigError(f"plan file '{path}': {exc}") from None
+    plan = convert(data, ExecutionPlan, f"plan file '{path}'")
+    if plan.id and plan.id != plan.content_id() and plan.id != _written_id(raw):
         raise ConfigError(
             f"plan file '{path}' was edited after it was planned (id {plan.id} != content "
             f"{plan.content_id()}). Re-run `flowrl plan`, or delete the 'id' line to accept the edit."
         )
     return plan.sealed()
+
+
+def _written_id(document: dict[str, Any]) -> str:
+    """The id an earlier flowrl gave a plan document: the hash of all of it (its id empty), as written."""
+    body = msgspec.json.encode({**document, "id": ""}, order="sorted")
+    return hashlib.sha256(body).hexdigest()[:16]

@@ -873,7 +873,7 @@ CASES: list[Case] = [
     ),
     C("plan-unknown-algorithm", run_plan(("  source: grpo\n", "  source: nosuchalgo\n")), "nosuchalgo"),
     C("plan-graph-file-missing", run_plan(("  source: grpo\n", "  source: /no/such/g.py\n")), "/no/such/g.py"),
-    C("plan-unknown-backend", run_plan(("  backend: local\n", "  backend: nosuch\n")), "backend", "nosuch"),
+    C("plan-unknown-executor", run_plan(("  executor: local\n", "  executor: nosuch\n")), "executor", "nosuch"),
     C(
         "plan-unknown-generation-engine",
         run_plan(("  generation:\n    engine: local\n", "  generation:\n    engine: nosuch\n")),
@@ -937,7 +937,7 @@ CASES: list[Case] = [
         "{tmp}/small_vocab",
     ),
     # ------------------------------------------------------------ plugins: executors, engines, tasks, passes
-    C("plugin-unknown-backend", lambda t: ["run", "grpo", "--backend", "nosuch", *RUN1], "backend", "nosuch"),
+    C("plugin-unknown-backend", lambda t: ["run", "grpo", "--backend", "nosuch", *RUN1], "executor", "nosuch"),
     C("plugin-unknown-task", lambda t: ["plan", "grpo", "--task", "nosuchtask"], "nosuchtask"),
     C("plugin-task-did-you-mean", lambda t: ["plan", "grpo", "--task", "coppy"], "coppy", "copy"),
     C("plugin-unknown-generation-engine", plan_set("generation.engine=nosuch"), "generation.engine"),

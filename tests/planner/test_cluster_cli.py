@@ -297,7 +297,7 @@ def test_run_refuses_a_cluster_plan(planned, capsys):
     code = main(["run", "--plan", str(out), "--quiet"])
     err = flat(capsys.readouterr().err)
     assert code == 2 and err.startswith("flowrl: error:") and "Traceback" not in err
-    for needle in ("executor 'local' cannot run this plan", "a cluster of 16 devices (at most 1)", "--backend NAME"):
+    for needle in ("executor 'local' cannot run this plan", "a cluster of 16 devices (at most 1)", "--executor NAME"):
         assert needle in err, (needle, err)
 
 

@@ -680,7 +680,7 @@ def test_cuda_without_cuda_is_refused_at_plan_time_and_by_the_executor(
 @pytest.mark.parametrize(
     ("override", "field", "what"),
     [
-        ("backend=nope", "backend", "executor"),
+        ("backend=nope", "executor", "executor"),
         ("generation.engine=nope", "generation.engine", "generation engine"),
         ("train.engine=nope", "train.engine", "training engine"),
     ],

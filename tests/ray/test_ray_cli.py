@@ -30,7 +30,7 @@ def test_plan_for_cpu2_then_run_the_plan_on_ray(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "winner:" in out.stdout and f"run it with `flowrl run graphs/ppo.py --plan {plan}`" in out.stdout
-    assert "backend: ray" in plan.read_text()
+    assert "executor: ray" in plan.read_text()
     run = flowrl("run", "graphs/ppo.py", "--plan", str(plan), "--quiet")
     assert run.returncode == 0, run.stderr
     folder = next(runs.iterdir())

@@ -261,7 +261,6 @@ def test_save_every_0_writes_only_the_last_checkpoint_and_keep_1_keeps_one(tmp_p
     "extra",
     [
         ["--seed", "1"],
-        ["--save-every", "1"],
         ["--set", "train.lr=1e-3"],
         ["--name", "x"],
         ["--out", "elsewhere"],

@@ -190,7 +190,7 @@ def cluster16_plan(tmp_path_factory):
     [
         (["--set", "generation.engine=vllm"], "generation.engine"),
         (["--set", "train.engine=locl"], "train.engine"),
-        (["--backend", "ray"], "backend"),
+        (["--backend", "ray"], "executor"),
     ],
 )
 def test_unknown_engine_or_executor_is_exit_2_naming_the_field(capsys, args, field):

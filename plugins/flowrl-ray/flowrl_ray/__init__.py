@@ -1,4 +1,4 @@
-"""flowrl's Ray backend: a plan's device groups as Ray actors (`flowrl run --backend ray`)."""
+"""flowrl's Ray backend: a plan's device groups as Ray actors (`flowrl run --executor ray`)."""
 
 from __future__ import annotations
 
