@@ -146,7 +146,7 @@ def main() -> None:
                 overrides = [
                     f"steps={args.steps}",
                     "seed=0",
-                    "backend=ray",
+                    "executor=ray",
                     "device=cpu",
                     "checkpoint=false",
                     "progress=false",
