@@ -15,6 +15,7 @@ import torch
 from flowrl import api
 from flowrl.plugins.manager import registry
 from flowrl.runtime.executor import PlanExecutor
+from flowrl.runtime.groups import TrainingGroup
 from flowrl.runtime.protocols import TrainStep
 from flowrl.tasks.builtin import Copy
 
@@ -84,8 +85,7 @@ def test_a_two_rank_fsdp2_train_step_equals_the_one_process_step(tmp_path):
     sched = ex.schedule(g2, plan2)
     transport, built = ex.launch(g2, plan2, sched, tmp_path)
     try:
-        trainers, _ = ex.groups(g2, sched, transport, built)
-        sharded = trainers["actor"]
+        sharded = TrainingGroup(g2.models["actor"], sched.ranks_of("actor"), transport, *built["actor"])
         g1, plan1 = api.plan("grpo", overrides=[*SMALL, "device=cpu"], emit=lambda s: None)
         local = PlanExecutor(registry()).engines(g1, plan1)[0]["actor"]
         start = local.export_weights()
