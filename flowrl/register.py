@@ -61,7 +61,7 @@ estimator = compute
 def loss(
     name: str | None = None, *, needs: Iterable[str] = (), output: str = "logprobs", optional: Iterable[str] = ()
 ) -> Callable[[F], F]:
-    """A loss ``fn(outputs, batch, algo)`` -> (scalar tensor, stats), trained on the model's
+    """A loss ``fn(outputs, batch, algo, **options)`` -> (scalar tensor, stats), trained on the model's
     ``output`` ("logprobs" or "values"); ``needs`` names the batch ports it reads, ``optional``
     those it uses when the node reads them."""
     return _decorator("losses", name, {"needs": tuple(needs), "output": output, "optional": tuple(optional)})

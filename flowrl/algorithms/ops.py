@@ -201,6 +201,12 @@ def nonconstant_filter(inputs: Batch, algo: AlgoConfig, *, min_spread: float = 1
     return (high - low) > min_spread
 
 
+def threshold_filter(inputs: Batch, algo: AlgoConfig, *, min_reward: float = 1.0) -> Tensor:
+    """Rejection sampling: keep the responses whose reward is at least ``min_reward`` (one bool
+    per response; with ``keep="rows"`` the node keeps single rows)."""
+    return inputs["rewards"].float() >= min_reward
+
+
 # ---------------------------------------------------------------- losses
 
 
@@ -265,6 +271,18 @@ def gspo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor,
     return pg.mean(), stats
 
 
+def sft_loss(
+    logprobs: Tensor, batch: Batch, algo: AlgoConfig, *, scale: float = 1.0
+) -> tuple[Tensor, dict[str, float]]:
+    """Supervised fine-tuning on the batch's responses: scale * token-mean of -log pi(token)
+    (rejection-sampling SFT trains it on the responses a filter kept)."""
+    from flowrl.algorithms import advantages as adv
+    from flowrl.runtime.batch import sequences_in
+
+    nll = adv.masked_mean(-logprobs, sequences_in(batch, "loss 'sft'").sampled_mask)
+    return scale * nll, {"nll": float(nll.detach())}
+
+
 def value_loss(values: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
     """Clipped value loss, scaled by vf_coef."""
     from flowrl.algorithms import losses
@@ -323,10 +341,14 @@ COMPUTE_FUNCTIONS = {
     ),
     "followup_prompts": (followup_prompts_op, {"needs": ("prompts", "responses"), "gives": ("followups",)}),
 }
-FILTERS = {"nonconstant": (nonconstant_filter, {"needs": ("rewards", "responses")})}
+FILTERS = {
+    "nonconstant": (nonconstant_filter, {"needs": ("rewards", "responses")}),
+    "threshold": (threshold_filter, {"needs": ("rewards",)}),
+}
 LOSSES = {
     "ppo": (ppo_loss, {"needs": ("old_logprobs", "advantages"), "output": "logprobs", "optional": ("ref_logprobs",)}),
     "value": (value_loss, {"needs": ("values", "returns"), "output": "values"}),
     "gspo": (gspo_loss, {"needs": ("old_logprobs", "advantages"), "output": "logprobs"}),
+    "sft": (sft_loss, {"needs": (), "output": "logprobs", "optional": ()}),
 }
 REWARD_FUNCTIONS = {"task": task_reward, "verbosity": verbosity_cost}

@@ -108,13 +108,16 @@ class Compute(_Node, frozen=True, tag="compute"):
 
 
 class Filter(_Node, frozen=True, tag="filter"):
-    """Keep the groups (all samples of one prompt) that `fn` accepts; every node after it sees
-    only the kept rows. Dynamic sampling: with `groups` N, generation samples more prompts until
-    N groups passed, at most `max_rounds` rounds; the batch holds the first N that passed."""
+    """Keep what `fn` accepts; every node after it sees only the kept rows. `keep="groups"`: whole
+    groups (all samples of one prompt; a group stays when `fn` accepts it, or all its rows);
+    `keep="rows"`: single rows (a group passes when any of its rows does; its other rows are
+    dropped). Dynamic sampling: with `groups` N, generation samples more prompts until N groups
+    passed, at most `max_rounds` rounds; the batch holds the first N that passed."""
 
     fn: str
     groups: int | None = None  # None: the step's prompts_per_step
     max_rounds: int = 1
+    keep: Literal["groups", "rows"] = "groups"
 
 
 class Train(_Node, frozen=True, tag="train"):
@@ -332,11 +335,15 @@ class Graph:
         reads: Iterable[str] | str,
         groups: int | None = None,
         max_rounds: int = 1,
+        keep: str = "groups",
         ports: dict[str, str] | None = None,
         **options: Any,
     ) -> str:
-        """Keep the groups filter function ``fn`` accepts. ``groups`` N and ``max_rounds`` K: dynamic
-        sampling, generating more prompts until N groups passed, at most K rounds."""
+        """Keep the groups filter function ``fn`` accepts (``keep="rows"``: the rows it accepts).
+        ``groups`` N and ``max_rounds`` K: dynamic sampling, generating more prompts until N groups
+        passed, at most K rounds."""
+        if keep not in ("groups", "rows"):
+            raise GraphError(f"node '{name}': keep must be 'groups' or 'rows', got {keep!r}.")
         for what, v, low in (("groups", groups, 1), ("max_rounds", max_rounds, 1)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not low <= v <= MAX_SAMPLES):
                 raise GraphError(f"node '{name}': {what} must be a whole number in [1, {MAX_SAMPLES}], got {v!r}.")
@@ -348,6 +355,7 @@ class Graph:
                 writes=(),
                 groups=groups,
                 max_rounds=max_rounds,
+                keep=keep,  # type: ignore[arg-type]
                 ports=_ports(ports, name),
                 options=options,
             )

@@ -83,7 +83,7 @@ def node_options(
     overrides = {k: v for k, v in given.items() if k in ALGO_FIELDS}
     rest = {k: v for k, v in given.items() if k not in ALGO_FIELDS}
     fn = _function(registry, node)
-    allowed = TRAIN_OPTIONS if isinstance(node, Train) else _keyword_arguments(fn)
+    allowed = (*TRAIN_OPTIONS, *_keyword_arguments(fn)) if isinstance(node, Train) else _keyword_arguments(fn)
     bad = [k for k in rest if k not in allowed]
     if bad:
         known = ", ".join(sorted([*allowed, *ALGO_FIELDS]))
@@ -102,7 +102,8 @@ def node_options(
 
 
 def _function(registry: Registry, node: Any) -> Any:
-    """The registered function a compute or reward node calls (None for other kinds)."""
+    """The registered function a node calls: compute, reward and filter functions, an environment,
+    a train node's loss (None for other kinds)."""
     if isinstance(node, Compute):
         return registry.get("compute_functions", node.fn)
     if isinstance(node, Reward):
@@ -111,6 +112,8 @@ def _function(registry: Registry, node: Any) -> Any:
         return registry.get("filters", node.fn)
     if isinstance(node, Generate) and node.env is not None:
         return registry.get("environments", node.env)
+    if isinstance(node, Train):
+        return registry.get("losses", node.loss)
     return None
 
 
@@ -166,6 +169,7 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
         elif isinstance(node, Train):
             entry = reg.entry("losses", node.loss)
             _check_keys(node, f"loss '{node.loss}'", _inputs_only(entry.meta), seqs)
+            _check_unused(node, f"loss '{node.loss}'", entry.meta, seqs)
             decl = graph.models[node.model]
             want = "values" if decl.scalar_head else "logprobs"
             if entry.meta.get("output", "logprobs") != want:
@@ -339,6 +343,22 @@ def _check_keys(
                     f"node '{node.name}': port '{port}' (bound to key '{key}') is not a port of {what}; its ports: "
                     f"{', '.join(sorted(known)) or 'none'}."
                 )
+
+
+def _check_unused(node: Any, what: str, meta: dict[str, Any], sequence_keys: set[str]) -> None:
+    """A node whose function declares its ports reads no key the function does not use: such a read
+    only makes the producer run for nothing (a reference forward whose log-probs no loss reads)."""
+    declared = set(meta.get("needs", ())) | set(meta.get("optional", ()))
+    if not declared:
+        return
+    port_of = {key: port for port, key in node.ports.items()}
+    unused = [k for k in node.reads if k not in sequence_keys and port_of.get(k, k) not in declared]
+    if unused:
+        raise PlanError(
+            f"node '{node.name}' reads {', '.join(repr(k) for k in unused)}, which {what} does not use (it reads "
+            f"{', '.join(sorted(declared))}); computing it would be wasted work. Drop it from the node's reads "
+            "(and the node that produces it, if nothing else reads it), or use a loss that reads it."
+        )
 
 
 # ------------------------------------------------------------------ place

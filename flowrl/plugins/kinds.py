@@ -43,7 +43,7 @@ KINDS: tuple[Kind, ...] = (
         node_function=True,
         aliases=("advantage_estimators",),
     ),
-    Kind("losses", "loss", "fn(outputs, batch, algo)", node_function=True),
+    Kind("losses", "loss", "fn(outputs, batch, algo, **options)", node_function=True),
     Kind("reward_functions", "reward function", "fn(prompts, responses, task, **options)", node_function=True),
     Kind("filters", "filter function", "fn(inputs, algo, **options)", node_function=True),
     Kind("environments", "environment", "factory(task, **options)", node_function=True),

@@ -144,7 +144,13 @@ def _rounds(graph: Graph, gen: Generate, rt: NodeRuntime, prompts_per_step: int)
         metrics[name] = (time.perf_counter() - start, {})
         return {k: batch[k] for inner in between for k in graph.nodes[inner].writes}, keep, metrics
 
-    return Rounds(run=run, groups=node.groups or prompts_per_step, max_rounds=node.max_rounds, filter=name)
+    return Rounds(
+        run=run,
+        groups=node.groups or prompts_per_step,
+        max_rounds=node.max_rounds,
+        filter=name,
+        rows=node.keep == "rows",
+    )
 
 
 def _episodes(gen: Generate, rt: NodeRuntime, tokenizer: Any, budget: int) -> Any:

@@ -241,8 +241,9 @@ def _update_state(rt: NodeRuntime, node: Compute, out: Mapping[str, Any]) -> dic
 
 def filter_groups(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
     """Run filter ``name`` on ``batch``: which of the responses' groups (prompts, by
-    ``prompt_index``) it keeps, as a bool tensor over prompt numbers 0..max(prompt_index). An
-    error of its function names the node."""
+    ``prompt_index``) it keeps, as a bool tensor over prompt numbers 0..max(prompt_index); for a
+    filter that keeps rows (``keep="rows"``), which rows, one bool per response. An error of its
+    function names the node."""
     return _naming(name, _filter_groups, rt, name, batch)
 
 
@@ -266,6 +267,8 @@ def _filter_groups(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tupl
             f"node '{name}': filter function '{node.fn}' must return one bool per group ({groups}) or per response "
             f"({len(seqs)}); got {type(result).__name__}" + ("" if keep is None else f" of {keep.numel()}") + "."
         )
+    if node.keep == "rows":  # one bool per row (a group's verdict holds for each of its rows)
+        return (keep if keep.numel() == len(seqs) else keep[seqs.prompt_index]), {}
     if keep.numel() == len(seqs) and groups != len(seqs):  # per row: a group stays when all its rows do
         per_group = torch.ones(groups, dtype=torch.bool)
         per_group[seqs.prompt_index[~keep]] = False
@@ -367,11 +370,12 @@ def _reward(
     return {node.writes[0]: scores}, {name: round(float(scores.mean()), 6), **dict(metrics)}
 
 
-def _checked_loss(loss: Any, name: str) -> Any:
-    """``loss`` returning what the engine backpropagates: (a scalar tensor, a dict of stats)."""
+def _checked_loss(loss: Any, name: str, options: Mapping[str, Any]) -> Any:
+    """``loss`` called with the node's ``options`` (keyword arguments), returning what the engine
+    backpropagates: (a scalar tensor, a dict of stats)."""
 
     def checked(out: Any, batch: Any, algo: Any) -> tuple[torch.Tensor, dict[str, float]]:
-        result = _user(f"loss '{name}'", loss, out, batch, algo)
+        result = _user(f"loss '{name}'", loss, out, batch, algo, **options)
         value, stats = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
         if not isinstance(value, torch.Tensor) or value.numel() != 1 or not isinstance(stats, Mapping):
             got = (
@@ -389,6 +393,8 @@ def _train(
     rt: NodeRuntime, node: Train, inputs: dict[str, Any], algo: AlgoConfig, options: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     seqs_key = next(k for k, v in inputs.items() if isinstance(v, Sequences))
+    if not len(inputs[seqs_key]):  # a filter that keeps rows kept none this step: nothing to learn from
+        return ({node.writes[0]: {}} if node.writes else {}), {"empty": 1}
     step = TrainStep(
         node=node.name,
         sequences_key=seqs_key,
@@ -403,7 +409,9 @@ def _train(
     # the version the batch's proximal log-probs were computed with: tokens it sampled are on-policy
     batch = StepBatch(inputs, policy_version=trainer.version)
     loss = rt.functions["losses"][node.loss]
-    stats = _user(f"training with loss '{node.loss}'", trainer.train, _checked_loss(loss, node.loss), batch, step)
+    loss_options = {k: v for k, v in options.items() if k not in ("epochs", "mini_batches")}
+    checked = _checked_loss(loss, node.loss, loss_options)
+    stats = _user(f"training with loss '{node.loss}'", trainer.train, checked, batch, step)
     stats = {k: round(v, 6) for k, v in stats.items()}
     return ({node.writes[0]: stats} if node.writes else {}), stats
 

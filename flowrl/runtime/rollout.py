@@ -177,13 +177,17 @@ def fresh_rows(groups: Sequence[int], out: Rollout, n: int, version: int, step: 
 
 
 def _take_groups(
-    prompts: Sequence[Prompt], seqs: Sequences, outputs: dict[str, Any], groups: torch.Tensor
+    prompts: Sequence[Prompt],
+    seqs: Sequences,
+    outputs: dict[str, Any],
+    groups: torch.Tensor,
+    rows_kept: torch.Tensor | None = None,
 ) -> tuple[list[Prompt], Sequences, dict[str, Any]]:
-    """The rows of prompt numbers ``groups`` (in that order), renumbered 0..len(groups)-1, with
-    the same rows of each per-row output."""
+    """The rows of prompt numbers ``groups`` (in that order; only those ``rows_kept`` marks, when
+    given), renumbered 0..len(groups)-1, with the same rows of each per-row output."""
     order = {int(g): i for i, g in enumerate(groups)}
-    rows = torch.tensor([r for g in order for r in (seqs.prompt_index == g).nonzero().flatten().tolist()])
-    rows = rows.long()
+    mine = [r for g in order for r in (seqs.prompt_index == g).nonzero().flatten().tolist()]
+    rows = torch.tensor([r for r in mine if rows_kept is None or bool(rows_kept[r])], dtype=torch.long)
     picked = replace(seqs.select(rows), prompt_index=torch.tensor([order[int(g)] for g in seqs.prompt_index[rows]]))
     return [prompts[int(g)] for g in groups], picked, select_rows(outputs, rows, len(seqs))
 
@@ -212,6 +216,7 @@ class Rounds:
     groups: int
     max_rounds: int
     filter: str  # the filter node's name (its metrics)
+    rows: bool = False  # the kept value is one bool per row (a filter with keep="rows"), else per group
 
 
 @dataclass
@@ -344,6 +349,11 @@ class StepRollout:
             if self.episodes is not None:
                 episode_runs.append((len(seqs), dict(self.episodes.metrics)))
             outputs, keep, metrics = self.rounds.run(prompts, seqs, seqs.logprobs)
+            rows_kept = None
+            if self.rounds.rows:  # one bool per row: a group passes when any of its rows does
+                rows_kept = keep
+                keep = torch.zeros(len(prompts), dtype=torch.bool)
+                keep[seqs.prompt_index[rows_kept]] = True
             for node, (took, m) in metrics.items():
                 node_runs.setdefault(node, []).append((len(seqs), m))
                 node_seconds[node] = node_seconds.get(node, 0.0) + took
@@ -353,11 +363,14 @@ class StepRollout:
             last = (prompts, seqs, outputs, torch.arange(len(prompts)))
             take = groups[: max(want - sum(len(k[0]) for k in kept), 0)]
             if take:
-                kept.append(_take_groups(prompts, seqs, outputs, torch.tensor(take)))
+                kept.append(_take_groups(prompts, seqs, outputs, torch.tensor(take), rows_kept))
         fallback = not kept
-        if fallback:  # nothing passed: train on the last round as it is (a filtered-out group adds no gradient)
+        if fallback:  # nothing passed
             assert last is not None
-            kept.append(_take_groups(*last))
+            if self.rounds.rows:  # no row: an empty batch (the train node skips its step)
+                kept.append(_take_groups(*last, rows_kept=torch.zeros(len(last[1]), dtype=torch.bool)))
+            else:  # train on the last round as it is (a filtered-out group adds no gradient)
+                kept.append(_take_groups(*last))
         batch_prompts = [p for k in kept for p in k[0]]
         offsets = list(itertools.accumulate([0] + [len(k[0]) for k in kept[:-1]]))
         seqs = Sequences.concat([k[1] for k in kept], self.pad_id, offsets)
