@@ -48,7 +48,7 @@ def _stopped_and_resumed(graph, plan, folder: Path, crash: int) -> api.RunResult
 
 @pytest.mark.parametrize(
     "algo,mode",
-    # (more algorithms and modes: tests/review/test_resume_review.py)
+    # (more algorithms and modes: test_resume_edge_cases.py)
     [("grpo", "sync"), ("grpo", "one_step_off"), ("ppo", "partial+async")],
 )
 def test_a_resumed_run_equals_the_uninterrupted_run_bit_for_bit(tmp_path, algo, mode):
