@@ -86,6 +86,7 @@ class PlanExecutor:
                 "older flowrl?); make it again with `flowrl plan`."
             )
         verify_plan(graph, plan)
+        _check_resolved(plan)
         backend = plan.config.executor
         replan = "Plan it for an executor that runs it: `flowrl plan ... --executor NAME` (see `flowrl plugins`)."
         runs = plan.models.values()
@@ -276,6 +277,33 @@ class PlanExecutor:
 
             plot_rewards(result.metrics, out_dir / "reward.png", title=f"{graph.name} on {cfg.task}")
         return result
+
+
+def _check_resolved(plan: ExecutionPlan) -> None:
+    """The plan's resolved model runs (what engines are built with) agree with the config it was
+    resolved from: a config field edited in a plan file afterwards would otherwise be ignored."""
+    cfg = plan.config
+    for name, run in plan.models.items():
+        fields: dict[str, tuple[Any, Any]] = {
+            "train.engine": (cfg.train.engine, run.training_engine),
+            "seed": (cfg.seed, run.seed),
+            "model": (cfg.model, run.checkpoint),
+            "tiny_model": (cfg.tiny_model, run.tiny),
+            "rollout.temperature": (cfg.rollout.temperature, run.sampling.temperature),
+            "rollout.top_p": (cfg.rollout.top_p, run.sampling.top_p),
+            "rollout.max_new_tokens": (cfg.rollout.max_new_tokens, run.sampling.max_new_tokens),
+            "rollout.ignore_eos": (cfg.rollout.ignore_eos, run.sampling.ignore_eos),
+            "generation.dtype": (cfg.generation.dtype, run.sampling.dtype),
+        }
+        if run.generation_engine is not None:
+            fields["generation.engine"] = (cfg.generation.engine, run.generation_engine)
+        for field, (said, resolved) in fields.items():
+            if said != resolved:
+                raise PlanError(
+                    f"config field '{field}' is {said!r} in the plan, but model '{name}' was resolved with "
+                    f"{resolved!r}: the plan was edited after it was made. Re-plan with `flowrl plan` (the plan's "
+                    "'models' section is what runs), or edit both."
+                )
 
 
 class _StopRequest:

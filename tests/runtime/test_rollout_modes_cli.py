@@ -339,7 +339,7 @@ def test_every_trained_row_answers_the_prompt_its_index_names(policy):
                 next(coro)
             except StopIteration as stop:
                 result = stop.value
-                prompts, seqs, metrics, parts = result.prompts, result.sequences, result.metrics, result.parts
+                prompts, seqs, parts = result.prompts, result.sequences, result.parts
                 break
         prompts = prompts if policy.partial else given
         assert len(prompts) == per_step and len(seqs) == per_step * n
