@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 import msgspec
 import networkx as nx
@@ -59,6 +59,12 @@ class StateDecl(Spec):
 
 
 class _Node(Spec, frozen=True, kw_only=True, tag_field="kind"):
+    """The fields every node has. Each kind's class below is also its row of the graph layer's
+    table of node kinds: the class-level facts here (overridden per kind) and the small methods
+    are all that verify(), the edges, streaming and the printer ask of a kind. A new kind is one
+    class here and a member of ``Node`` (plus its runner in flowrl/runtime/nodes.py and its
+    lowering and costs in the planner)."""
+
     name: str
     reads: tuple[str, ...]
     writes: tuple[str, ...]
@@ -69,9 +75,54 @@ class _Node(Spec, frozen=True, kw_only=True, tag_field="kind"):
 
     model: str | None = None  # overridden where a node runs on a model
 
+    #: It samples responses to one key of prompts (its only read): its first write holds them, the
+    #: rows of an iteration start here, and the next iteration's run reads the trained weights.
+    samples: ClassVar[bool] = False
+    #: It updates its model's weights (model@v -> v+1); every other node on the model runs first.
+    trains: ClassVar[bool] = False
+    #: It drops rows: every node after it sees only the rows it keeps.
+    keeps_rows: ClassVar[bool] = False
+    #: What it produces besides keys ("weights", "rows"); None: only keys or state, so it must write some.
+    effect: ClassVar[str | None] = None
+    #: How many keys it writes (fewest, most), and what they are (str.format with node=the node), for
+    #: the message when the count is wrong; None: any number.
+    write_count: ClassVar[tuple[int, int] | None] = None
+    writes_doc: ClassVar[str] = ""
+    #: It reads exactly one key of generated responses.
+    reads_sequences: ClassVar[bool] = False
+    #: It also reads the prompts its responses answer (and no other prompts).
+    reads_prompts: ClassVar[bool] = False
+    #: It passes graph state to its function; if not, why it cannot read state.
+    reads_state: ClassVar[bool] = False
+    no_state_because: ClassVar[str] = "only compute and train nodes pass state to their functions"
+    #: It may run between a generate node and its filter: again in every dynamic-sampling round.
+    in_sampling_rounds: ClassVar[bool] = False
+    #: It may run on parts of a step's responses while generation goes on (streaming).
+    streams: ClassVar[bool] = False
+    #: How the drawings show it (graphviz shape, matplotlib colour).
+    dot_shape: ClassVar[str] = "box"
+    color: ClassVar[str] = "#bde0fe"
+
     @property
     def kind(self) -> str:
         return type(self).__struct_config__.tag  # type: ignore[attr-defined]
+
+    @property
+    def updated_states(self) -> tuple[str, ...]:
+        """The graph state it writes for the next iteration."""
+        return ()
+
+    def model_problem(self, decl: ModelDecl) -> str | None:
+        """Why ``decl`` (the model it runs on) cannot run this node, or None."""
+        return None
+
+    def label(self) -> str:
+        """What it runs, as the printer shows it: its model at version v, or its function."""
+        return f"{self.model}@v" if self.model is not None else ""
+
+    def details(self) -> list[str]:
+        """Its kind's settings, as the printer shows them."""
+        return []
 
 
 class Generate(_Node, frozen=True, tag="generate"):
@@ -85,6 +136,27 @@ class Generate(_Node, frozen=True, tag="generate"):
     env: str | None = None
     turns: int = 1
 
+    samples = True
+    write_count = (1, 2)
+    writes_doc = "responses and, optionally, their log-probs"
+    color = "#8ecae6"
+
+    def model_problem(self, decl: ModelDecl) -> str | None:
+        if decl.scalar_head:
+            return (
+                f"node '{self.name}' generates with model '{decl.name}', a {decl.role} model with a scalar "
+                "head; generate needs an actor or reference model."
+            )
+        return None
+
+    def details(self) -> list[str]:
+        parts = [f"n={self.n}"]
+        if self.greedy:
+            parts.append("greedy")
+        if self.env is not None:
+            parts.append(f"env={self.env} turns={self.turns}")
+        return parts
+
 
 class Forward(_Node, frozen=True, tag="forward"):
     """Score given sequences with `model`: token log-probs, token values, or a scalar score."""
@@ -92,32 +164,85 @@ class Forward(_Node, frozen=True, tag="forward"):
     model: str
     output: ForwardOutput
 
+    write_count = (1, 1)
+    writes_doc = "exactly one key (its {node.output})"
+    reads_sequences = True
+    streams = True
 
-class Reward(_Node, frozen=True, tag="reward"):
-    """A rule-based reward function `fn` (a registered reward function)."""
+    def model_problem(self, decl: ModelDecl) -> str | None:
+        need_scalar = self.output in ("values", "scores")
+        if need_scalar != decl.scalar_head:
+            want = "a critic, reward or cost model" if need_scalar else "an actor or reference model"
+            return (
+                f"node '{self.name}' asks model '{decl.name}' (role {decl.role}) for {self.output}; that needs {want}."
+            )
+        return None
+
+    def details(self) -> list[str]:
+        return [f"output={self.output}"]
+
+
+class _Function(_Node, frozen=True):
+    """A node that runs a registered function `fn` on the controller (no model)."""
 
     fn: str
 
+    def label(self) -> str:
+        return super().label() or f"fn={self.fn}"
 
-class Compute(_Node, frozen=True, tag="compute"):
+
+class Reward(_Function, frozen=True, tag="reward"):
+    """A rule-based reward function `fn` (a registered reward function)."""
+
+    write_count = (1, 1)
+    writes_doc = "exactly one key (the scores)"
+    reads_sequences = True
+    reads_prompts = True
+    in_sampling_rounds = True
+    streams = True
+    dot_shape = "diamond"
+    color = "#ffb703"
+
+
+class Compute(_Function, frozen=True, tag="compute"):
     """A compute function `fn` on keys (advantages, reward shaping); it may also
     update graph state (`updates`): its function returns the state's new value under its name."""
 
-    fn: str
     updates: tuple[str, ...] = ()
 
+    reads_state = True
+    in_sampling_rounds = True
+    dot_shape = "ellipse"
+    color = "#cdeac0"
 
-class Filter(_Node, frozen=True, tag="filter"):
+    @property
+    def updated_states(self) -> tuple[str, ...]:
+        return self.updates
+
+    def details(self) -> list[str]:
+        return [f"updates={','.join(self.updates)}"] if self.updates else []
+
+
+class Filter(_Function, frozen=True, tag="filter"):
     """Keep what `fn` accepts; every node after it sees only the kept rows. `keep="groups"`: whole
     groups (all samples of one prompt; a group stays when `fn` accepts it, or all its rows);
     `keep="rows"`: single rows (a group passes when any of its rows does; its other rows are
     dropped). Dynamic sampling: with `groups` N, generation samples more prompts until N groups
     passed, at most `max_rounds` rounds; the batch holds the first N that passed."""
 
-    fn: str
     groups: int | None = None  # None: the step's prompts_per_step
     max_rounds: int = 1
     keep: Literal["groups", "rows"] = "groups"
+
+    keeps_rows = True
+    effect = "rows"
+    reads_sequences = True
+    no_state_because = "a filter runs inside generation, ahead of training, where state is not settled"
+    dot_shape = "invtrapezium"
+    color = "#f4a261"
+
+    def details(self) -> list[str]:
+        return [f"groups={self.groups or 'prompts_per_step'} max_rounds={self.max_rounds}"]
 
 
 class Train(_Node, frozen=True, tag="train"):
@@ -126,9 +251,32 @@ class Train(_Node, frozen=True, tag="train"):
     model: str
     loss: str
 
+    trains = True
+    effect = "weights"
+    write_count = (0, 1)
+    writes_doc = "at most one key (its stats)"
+    reads_sequences = True
+    reads_state = True
+    dot_shape = "doubleoctagon"
+    color = "#fb8500"
+
+    def model_problem(self, decl: ModelDecl) -> str | None:
+        if not decl.trainable:
+            return (
+                f"node '{self.name}' trains model '{decl.name}', which is frozen (role {decl.role}). Declare "
+                "it trainable=True or remove the train node."
+            )
+        return None
+
+    def label(self) -> str:
+        return f"{self.model}@v->v+1"
+
+    def details(self) -> list[str]:
+        return [f"loss={self.loss}"]
+
 
 Node = Generate | Forward | Reward | Compute | Filter | Train
-NODE_KINDS = ("generate", "forward", "reward", "compute", "filter", "train")
+NODE_KINDS = tuple(kind.__struct_config__.tag for kind in get_args(Node))
 
 
 class GraphSpec(Spec):
@@ -408,7 +556,7 @@ class Graph:
         return out
 
     def train_nodes(self, model: str) -> list[str]:
-        return [n.name for n in self.nodes.values() if isinstance(n, Train) and n.model == model]
+        return [n.name for n in self.nodes.values() if n.trains and n.model == model]
 
     def dag(self) -> nx.DiGraph:
         """Nodes and per-iteration edges. Edge attrs: keys (data) and/or version (model name)."""
@@ -424,7 +572,7 @@ class Graph:
                     g.add_edge(src, node.name)
                     g.edges[src, node.name].setdefault("keys", []).append(key)
         for node in self.nodes.values():
-            if node.model is None or isinstance(node, Train):
+            if node.model is None or node.trains:
                 continue
             for t in self.train_nodes(node.model):
                 if not g.has_edge(node.name, t):
@@ -436,11 +584,11 @@ class Graph:
                     if not g.has_edge(node.name, updater):
                         g.add_edge(node.name, updater)
                     g.edges[node.name, updater]["state"] = state
-        for f in [n for n in self.nodes.values() if isinstance(n, Filter)]:
+        for f in [n for n in self.nodes.values() if n.keeps_rows]:
             if f.name not in g:
                 continue
             segment = nx.ancestors(g, f.name)
-            for gen in [n for n in segment if isinstance(self.nodes[n], Generate)]:
+            for gen in [n for n in segment if self.nodes[n].samples]:
                 for v in nx.descendants(g, gen) - segment - {f.name}:
                     if not nx.has_path(g, v, f.name) and not g.has_edge(f.name, v):
                         g.add_edge(f.name, v)
@@ -449,14 +597,14 @@ class Graph:
 
     def state_updaters(self) -> dict[str, str]:
         """state -> the node that updates it."""
-        return {s: n.name for n in self.nodes.values() if isinstance(n, Compute) for s in n.updates}
+        return {s: n.name for n in self.nodes.values() for s in n.updated_states}
 
     def filter_segment(self, name: str) -> tuple[str, list[str]]:
         """Filter ``name``'s generate node and the nodes between them (in run order): what runs in
         each dynamic-sampling round."""
         dag = self.dag()
         ancestors = nx.ancestors(dag, name)
-        gens = [n for n in self.order() if n in ancestors and isinstance(self.nodes[n], Generate)]
+        gens = [n for n in self.order() if n in ancestors and self.nodes[n].samples]
         between = [n for n in self.order() if n in ancestors and n not in gens]
         return gens[0], between
 
@@ -464,7 +612,7 @@ class Graph:
         """generate node -> the filter of its rows."""
         out = {}
         for node in self.nodes.values():
-            if isinstance(node, Filter):
+            if node.keeps_rows:
                 out[self.filter_segment(node.name)[0]] = node.name
         return out
 
@@ -472,7 +620,7 @@ class Graph:
         """(train node, generate node, model): next iteration's generate reads model@v+1."""
         out = []
         for node in self.nodes.values():
-            if isinstance(node, Generate):
+            if node.samples:
                 out.extend((t, node.name, node.model) for t in self.train_nodes(node.model))
         return out
 
@@ -533,10 +681,9 @@ class Graph:
                         f"({', '.join(self.inputs)}) or state.{did}",
                         node.name,
                     )
-            updates = node.updates if isinstance(node, Compute) else ()
-            if not node.writes and not updates and not isinstance(node, (Train, Filter)):
+            if not node.writes and not node.updated_states and node.effect is None:
                 raise self._fail(f"node '{node.name}' writes no keys, so nothing can use its result.", node.name)
-            self._check_ports(node, updates)
+            self._check_ports(node, node.updated_states)
         self._check_states(producers)
         self._check_arity()
         for decl in self.models.values():
@@ -595,29 +742,19 @@ class Graph:
                 raise GraphError(f"state '{name}' has the name of a model; give the state another name.")
         seen: dict[str, str] = {}
         for node in self.nodes.values():
-            if isinstance(node, Generate):
-                for key in node.reads:
-                    if key in self.states:
-                        raise self._fail(
-                            f"node '{node.name}' reads state '{key}'; a generate node reads exactly one key of "
-                            "prompts.",
-                            node.name,
-                        )
-            if not isinstance(node, (Compute, Train)):
-                for key in node.reads:
-                    if key in self.states:
-                        why = (
-                            "a filter runs inside generation, ahead of training, where state is not settled"
-                            if isinstance(node, Filter)
-                            else "only compute and train nodes pass state to their functions"
-                        )
-                        raise self._fail(
-                            f"node '{node.name}' ({node.kind}) reads state '{key}'; {why}. Read it in a compute node.",
-                            node.name,
-                        )
-            if not isinstance(node, Compute):
-                continue
-            for name in node.updates:
+            for key in node.reads:
+                if key in self.states and node.samples:
+                    raise self._fail(
+                        f"node '{node.name}' reads state '{key}'; a {node.kind} node reads exactly one key of prompts.",
+                        node.name,
+                    )
+                if key in self.states and not node.reads_state:
+                    raise self._fail(
+                        f"node '{node.name}' ({node.kind}) reads state '{key}'; {node.no_state_because}. Read it in "
+                        "a compute node.",
+                        node.name,
+                    )
+            for name in node.updated_states:
                 if name not in self.states:
                     did = did_you_mean(name, list(self.states))
                     raise self._fail(
@@ -639,7 +776,7 @@ class Graph:
         compute) nodes that do not read state."""
         gens: dict[str, str] = {}
         for node in self.nodes.values():
-            if not isinstance(node, Filter):
+            if not node.keeps_rows:
                 continue
             gen, between = self.filter_segment(node.name)
             if gen in gens:
@@ -650,7 +787,7 @@ class Graph:
                 )
             gens[gen] = node.name
             dag = self.dag()
-            others = [n for n in nx.ancestors(dag, node.name) if isinstance(self.nodes[n], Generate) and n != gen]
+            others = [n for n in nx.ancestors(dag, node.name) if self.nodes[n].samples and n != gen]
             if others:
                 raise self._fail(
                     f"filter '{node.name}' reads rows of two generate nodes ('{gen}', '{others[0]}'); a filter keeps "
@@ -659,7 +796,7 @@ class Graph:
                 )
             for name in between:
                 inner = self.nodes[name]
-                if not isinstance(inner, (Reward, Compute)):
+                if not inner.in_sampling_rounds:
                     raise self._fail(
                         f"filter '{node.name}' depends on {inner.kind} node '{name}'; what a filter reads is computed "
                         "again in every dynamic-sampling round, inside generation, so it must come from reward and "
@@ -667,7 +804,7 @@ class Graph:
                         node.name,
                     )
                 stateful = [k for k in inner.reads if k in self.states]
-                if stateful or (isinstance(inner, Compute) and inner.updates):
+                if stateful or inner.updated_states:
                     raise self._fail(
                         f"filter '{node.name}' depends on node '{name}', which reads or updates graph state; nodes "
                         "before a filter run during generation, ahead of training, where state is not settled.",
@@ -676,7 +813,7 @@ class Graph:
 
     def sequence_keys(self) -> set[str]:
         """Keys holding generated responses: the first key each generate node writes."""
-        return {n.writes[0] for n in self.nodes.values() if isinstance(n, Generate) and n.writes}
+        return {n.writes[0] for n in self.nodes.values() if n.samples and n.writes}
 
     def _check_arity(self) -> None:
         """How many keys each node kind reads and writes, and which of them hold responses."""
@@ -684,39 +821,28 @@ class Graph:
         for node in self.nodes.values():
             read_seqs = [k for k in node.reads if k in seqs]
             problem = None
-            if isinstance(node, Generate):
-                if len(node.reads) != 1 or read_seqs:
-                    problem = f"reads {list(node.reads)}; a generate node reads exactly one key of prompts"
-                elif len(node.writes) > 2:
-                    problem = (
-                        f"writes {list(node.writes)}; a generate node writes responses and, optionally, their log-probs"
-                    )
-            elif isinstance(node, Forward) and len(node.writes) != 1:
-                problem = f"writes {list(node.writes)}; a forward node writes exactly one key (its {node.output})"
-            elif isinstance(node, Reward) and len(node.writes) != 1:
-                problem = f"writes {list(node.writes)}; a reward node writes exactly one key (the scores)"
-            elif isinstance(node, Train) and len(node.writes) > 1:
-                problem = f"writes {list(node.writes)}; a train node writes at most one key (its stats)"
-            if problem is None and isinstance(node, (Forward, Reward, Train, Filter)) and len(read_seqs) != 1:
+            if node.samples and (len(node.reads) != 1 or read_seqs):
+                problem = f"reads {list(node.reads)}; a {node.kind} node reads exactly one key of prompts"
+            elif node.write_count is not None and not node.write_count[0] <= len(node.writes) <= node.write_count[1]:
+                problem = f"writes {list(node.writes)}; a {node.kind} node writes {node.writes_doc.format(node=node)}"
+            if problem is None and node.reads_sequences and len(read_seqs) != 1:
                 problem = (
                     f"reads {len(read_seqs)} keys of generated responses "
                     f"({', '.join(read_seqs) or 'none'}); it needs exactly one, e.g. 'responses'"
                 )
-            prompt_keys = set(self.inputs) | {
-                n.reads[0] for n in self.nodes.values() if isinstance(n, Generate) and n.reads
-            }
-            if problem is None and isinstance(node, Reward) and read_seqs:
-                gen = next(n for n in self.nodes.values() if isinstance(n, Generate) and read_seqs[0] in n.writes)
+            prompt_keys = set(self.inputs) | {n.reads[0] for n in self.nodes.values() if n.samples and n.reads}
+            if problem is None and node.reads_prompts and read_seqs:
+                gen = next(n for n in self.nodes.values() if n.samples and read_seqs[0] in n.writes)
                 other = [k for k in node.reads if k in prompt_keys and k != gen.reads[0]]
                 if other and gen.reads:
                     problem = (
                         f"reads prompts '{other[0]}', but its responses '{read_seqs[0]}' answer the prompts "
-                        f"'{gen.reads[0]}' (generate node '{gen.name}'); read '{gen.reads[0]}' instead"
+                        f"'{gen.reads[0]}' ({gen.kind} node '{gen.name}'); read '{gen.reads[0]}' instead"
                     )
-            if problem is None and isinstance(node, Reward) and not any(k in prompt_keys for k in node.reads):
+            if problem is None and node.reads_prompts and not any(k in prompt_keys for k in node.reads):
                 problem = (
-                    "reads no prompts; a reward node scores responses against their prompts (add "
-                    "'prompts' to its reads)"
+                    f"reads no prompts; a {node.kind} node scores responses against their prompts (add 'prompts' "
+                    "to its reads)"
                 )
             if problem is not None:
                 raise self._fail(f"node '{node.name}' {problem}.", node.name)
@@ -741,39 +867,21 @@ class Graph:
                 f"({_known(self.models)}). Add g.model('{node.model}', ...).",
                 node.name,
             )
-        if isinstance(node, Train) and not decl.trainable:
-            raise self._fail(
-                f"node '{node.name}' trains model '{decl.name}', which is frozen (role {decl.role}). Declare "
-                "it trainable=True or remove the train node.",
-                node.name,
-            )
-        if isinstance(node, Generate) and decl.scalar_head:
-            raise self._fail(
-                f"node '{node.name}' generates with model '{decl.name}', a {decl.role} model with a scalar "
-                "head; generate needs an actor or reference model.",
-                node.name,
-            )
-        if isinstance(node, Forward):
-            need_scalar = node.output in ("values", "scores")
-            if need_scalar != decl.scalar_head:
-                want = "a critic, reward or cost model" if need_scalar else "an actor or reference model"
-                raise self._fail(
-                    f"node '{node.name}' asks model '{decl.name}' (role {decl.role}) for {node.output}; that "
-                    f"needs {want}.",
-                    node.name,
-                )
+        problem = node.model_problem(decl)
+        if problem is not None:
+            raise self._fail(problem, node.name)
 
 
 def streamed_nodes(graph: Graph) -> set[str]:
     """Nodes that can run on parts of a step's responses while generation goes on (streaming):
     reward and forward (scoring) nodes that read what generation writes and otherwise only graph
     inputs and what other such nodes write."""
-    gen_keys = {k for n in graph.nodes.values() if isinstance(n, Generate) for k in n.writes}
+    gen_keys = {k for n in graph.nodes.values() if n.samples for k in n.writes}
     known = set(graph.inputs) | gen_keys
     out: set[str] = set()
     for name in graph.order():
         node = graph.nodes[name]
-        if isinstance(node, (Forward, Reward)) and set(node.reads) <= known and set(node.reads) - set(graph.inputs):
+        if node.streams and set(node.reads) <= known and set(node.reads) - set(graph.inputs):
             out.add(name)
             known |= set(node.writes)
     return out

@@ -4,35 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flowrl.graph.ir import Compute, Filter, Forward, Generate, Graph, Node, Reward, Train
-
-
-def _what(node: Node) -> str:
-    if isinstance(node, Train):
-        return f"{node.model}@v->v+1"
-    if node.model is not None:
-        return f"{node.model}@v"
-    if isinstance(node, (Reward, Compute, Filter)):
-        return f"fn={node.fn}"
-    return ""
+from flowrl.graph.ir import Graph, Node
 
 
 def _detail(node: Node) -> str:
-    parts: list[str] = []
-    if isinstance(node, Generate):
-        parts.append(f"n={node.n}")
-        if node.greedy:
-            parts.append("greedy")
-        if node.env is not None:
-            parts.append(f"env={node.env} turns={node.turns}")
-    elif isinstance(node, Forward):
-        parts.append(f"output={node.output}")
-    elif isinstance(node, Train):
-        parts.append(f"loss={node.loss}")
-    elif isinstance(node, Filter):
-        parts.append(f"groups={node.groups or 'prompts_per_step'} max_rounds={node.max_rounds}")
-    if isinstance(node, Compute) and node.updates:
-        parts.append(f"updates={','.join(node.updates)}")
+    parts = node.details()
     if node.ports:
         parts.append("ports=" + ",".join(f"{p}:{k}" for p, k in node.ports.items()))
     parts.extend(f"{k}={v}" for k, v in sorted(node.options.items()))
@@ -40,9 +16,9 @@ def _detail(node: Node) -> str:
 
 
 def node_line(node: Node) -> str:
-    out = "(weights)" if isinstance(node, Train) else "(rows)" if isinstance(node, Filter) else "(state)"
+    out = f"({node.effect or 'state'})"  # what a node that writes no keys produces
     flow = f"{', '.join(node.reads)} -> {', '.join(node.writes) or out}"
-    return f"{node.name:<16} {node.kind:<9} {_what(node):<18} {flow}" + (
+    return f"{node.name:<16} {node.kind:<9} {node.label():<18} {flow}" + (
         f"  [{_detail(node)}]" if _detail(node) else ""
     )
 
@@ -90,18 +66,10 @@ def neighbourhood(graph: Graph, name: str) -> str:
 
 def to_dot(graph: Graph) -> str:
     """Graphviz DOT: data edges solid (labelled with keys), version edges dashed, loop edges dotted."""
-    shapes = {
-        "generate": "box",
-        "forward": "box",
-        "reward": "diamond",
-        "compute": "ellipse",
-        "filter": "invtrapezium",
-        "train": "doubleoctagon",
-    }
     out = [f'digraph "{graph.name}" {{', "  rankdir=TB;", '  node [fontname="Helvetica"];']
     for node in graph.nodes.values():
-        label = f"{node.name}\\n{node.kind} {_what(node)}"
-        out.append(f'  "{node.name}" [shape={shapes[node.kind]}, label="{label}"];')
+        label = f"{node.name}\\n{node.kind} {node.label()}"
+        out.append(f'  "{node.name}" [shape={node.dot_shape}, label="{label}"];')
     for u, v, data in graph.dag().edges(data=True):
         if data.get("keys"):
             out.append(f'  "{u}" -> "{v}" [label="{", ".join(data["keys"])}"];')
@@ -130,14 +98,6 @@ def draw_png(graph: Graph, path: str | Path) -> Path:
             pos[name] = (col - (len(stage) - 1) / 2, -row)
     width = max(len(s) for s in stages)
     fig, ax = plt.subplots(figsize=(max(6, 2.8 * width), 1.4 * len(stages) + 1))
-    colors = {
-        "generate": "#8ecae6",
-        "forward": "#bde0fe",
-        "reward": "#ffb703",
-        "compute": "#cdeac0",
-        "filter": "#f4a261",
-        "train": "#fb8500",
-    }
     data_edges = [(u, v) for u, v, d in dag.edges(data=True) if d.get("keys")]
     version_edges = [(u, v) for u, v, d in dag.edges(data=True) if not d.get("keys")]
     nx.draw_networkx_edges(dag, pos, edgelist=data_edges, ax=ax, arrows=True, node_size=3000, edge_color="#444")
@@ -151,9 +111,9 @@ def draw_png(graph: Graph, path: str | Path) -> Path:
         font_size=7,
         ax=ax,
     )
-    labels = {n: f"{n}\n{graph.nodes[n].kind}\n{_what(graph.nodes[n])}" for n in dag.nodes}
+    labels = {n: f"{n}\n{graph.nodes[n].kind}\n{graph.nodes[n].label()}" for n in dag.nodes}
     nx.draw_networkx_nodes(
-        dag, pos, ax=ax, node_size=3000, node_shape="s", node_color=[colors[graph.nodes[n].kind] for n in dag.nodes]
+        dag, pos, ax=ax, node_size=3000, node_shape="s", node_color=[graph.nodes[n].color for n in dag.nodes]
     )
     nx.draw_networkx_labels(dag, pos, labels=labels, font_size=7, ax=ax)
     ax.set_title(f"{graph.name}: one row per stage; dashed = model version order", fontsize=9)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flowrl.graph.ir import Forward, Generate, Graph, Train, streamed_nodes
+from flowrl.graph.ir import Forward, Graph, streamed_nodes
 from flowrl.planner.cost import CostModel
 from flowrl.planner.memory import Numerics, kv_capacity
 from flowrl.planner.space import ClusterPlan, Roles
@@ -223,7 +223,7 @@ def padded_length(lengths: np.ndarray, prompt: int, rows: int) -> float:
 
 def node_group(plan: ClusterPlan, graph: Graph, name: str) -> tuple[str, ...]:
     node = graph.nodes[name]
-    if isinstance(node, Generate):
+    if node.samples:  # on its model's generation layout
         return (plan.generation_of(node.model).group,)
     if node.model is not None:
         return (plan.layout(node.model).group,)
@@ -302,7 +302,7 @@ def simulate(
             + costs[graph.nodes[n].model].offload_seconds(gens[graph.nodes[n].model].offloaded),
         )
         for n in order
-        if isinstance(graph.nodes[n], Train) and graph.nodes[n].model in roles.actors
+        if graph.nodes[n].trains and graph.nodes[n].model in roles.actors
     }
     epochs, minis = workload.ppo_epochs, workload.mini_batches
     flops_total = 0.0  # forward and train nodes, over all iterations
@@ -340,7 +340,7 @@ def simulate(
         nonlocal gen_flops, gen_tokens
         for name in order:
             node = graph.nodes[name]
-            if not isinstance(node, Generate):
+            if not node.samples:
                 continue
             count = sequences if not node.greedy else max(sequences // max(workload.samples_per_prompt, 1), 1)
             group = 1 if node.greedy else workload.samples_per_prompt
@@ -376,11 +376,11 @@ def simulate(
             launched += 1
         for name in order:
             node = graph.nodes[name]
-            if isinstance(node, Generate):
+            if node.samples:
                 continue
             deps = [finish[(it, p)] for p in dag.predecessors(name)]
             n_rows = node_rows.get(name, sequences) if node_rows else sequences
-            if isinstance(node, (Forward, Train)):
+            if node.trains or isinstance(node, Forward):
                 lay = plan.layout(node.model)
                 rows = max(1, lay.micro_batch * lay.parallel.dp * lengths[it].size // max(sequences, 1))
                 padded = int(round(padded_length(lengths[it], workload.prompt_length, rows)))
@@ -389,7 +389,7 @@ def simulate(
                 c = costs[node.model]
                 seconds = c.forward(plan.layout(node.model), n_rows, padded, backward=False, sharded=sharded)
                 flops_total += n_rows * seq_len * c.model.flops_per_token(seq_len // 2)
-            elif isinstance(node, Train):
+            elif node.trains:
                 c, layout = costs[node.model], plan.layout(node.model)
                 seconds = epochs * c.forward(
                     layout, n_rows, padded, backward=True, sharded=sharded
@@ -404,10 +404,8 @@ def simulate(
             run(it, task, groups, [finish[(it, train)]], sync_s)
             finish[(it, f"weight_sync:{model}")] = finish[(it, task)]
     # an iteration ends when its last training-side task does (rollouts of later steps may run on)
-    ends = [
-        max(s.end for s in spans if s.iteration == it and not isinstance(graph.nodes.get(s.task), Generate))
-        for it in range(iterations)
-    ]
+    sampling = {name for name, node in graph.nodes.items() if node.samples}
+    ends = [max(s.end for s in spans if s.iteration == it and s.task not in sampling) for it in range(iterations)]
     iteration_s = (ends[-1] - ends[warm - 1]) / (iterations - warm)
     window = (ends[warm - 1], ends[-1])
     length = max(window[1] - window[0], 1e-12)
