@@ -13,8 +13,8 @@ def build(cfg: RunConfig) -> Graph:
     g.model("actor", "actor")
     g.generate("rollout", model="actor", reads="prompts", writes="responses", n=cfg.rollout.samples_per_prompt)
     g.reward("reward", fn="task", reads="prompts responses", writes="rewards")
-    # keep="rows": single responses pass, not whole groups; min_reward 1.0 keeps exact answers only
+    # by_row: single responses pass, not whole groups; min_reward 1.0 keeps exact answers only
     # (change it from the command line: --set nodes.select.min_reward=0.9)
-    g.filter("select", fn="threshold", reads="rewards responses", keep="rows", min_reward=1.0)
+    g.filter("select", fn="threshold", reads="rewards responses", by_row=True, min_reward=1.0)
     g.train("train_actor", model="actor", loss="sft", reads="responses")
     return g

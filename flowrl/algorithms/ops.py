@@ -203,7 +203,7 @@ def nonconstant_filter(inputs: Batch, algo: AlgoConfig, *, min_spread: float = 1
 
 def threshold_filter(inputs: Batch, algo: AlgoConfig, *, min_reward: float = 1.0) -> Tensor:
     """Rejection sampling: keep the responses whose reward is at least ``min_reward`` (one bool
-    per response; with ``keep="rows"`` the node keeps single rows)."""
+    per response; with ``by_row`` the node keeps single rows)."""
     return inputs["rewards"].float() >= min_reward
 
 

@@ -224,15 +224,15 @@ class Compute(_Function, frozen=True, tag="compute"):
 
 
 class Filter(_Function, frozen=True, tag="filter"):
-    """Keep what `fn` accepts; every node after it sees only the kept rows. `keep="groups"`: whole
-    groups (all samples of one prompt; a group stays when `fn` accepts it, or all its rows);
-    `keep="rows"`: single rows (a group passes when any of its rows does; its other rows are
-    dropped). Dynamic sampling: with `groups` N, generation samples more prompts until N groups
-    passed, at most `max_rounds` rounds; the batch holds the first N that passed."""
+    """Keep what `fn` accepts; every node after it sees only the kept rows. By default whole groups
+    (all samples of one prompt; a group stays when `fn` accepts it, or all its rows); `by_row`:
+    single rows (a group passes when any of its rows does; its other rows are dropped). Dynamic
+    sampling: with `groups` N, generation samples more prompts until N groups passed, at most
+    `max_rounds` rounds; the batch holds the first N that passed."""
 
     groups: int | None = None  # None: the step's prompts_per_step
     max_rounds: int = 1
-    keep: Literal["groups", "rows"] = "groups"
+    by_row: bool = False
 
     keeps_rows = True
     effect = "rows"
@@ -483,15 +483,15 @@ class Graph:
         reads: Iterable[str] | str,
         groups: int | None = None,
         max_rounds: int = 1,
-        keep: str = "groups",
+        by_row: bool = False,
         ports: dict[str, str] | None = None,
         **options: Any,
     ) -> str:
-        """Keep the groups filter function ``fn`` accepts (``keep="rows"``: the rows it accepts).
+        """Keep the groups filter function ``fn`` accepts (``by_row``: the single rows it accepts).
         ``groups`` N and ``max_rounds`` K: dynamic sampling, generating more prompts until N groups
         passed, at most K rounds."""
-        if keep not in ("groups", "rows"):
-            raise GraphError(f"node '{name}': keep must be 'groups' or 'rows', got {keep!r}.")
+        if not isinstance(by_row, bool):
+            raise GraphError(f"node '{name}': by_row must be True or False, got {by_row!r}.")
         for what, v, low in (("groups", groups, 1), ("max_rounds", max_rounds, 1)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not low <= v <= MAX_SAMPLES):
                 raise GraphError(f"node '{name}': {what} must be a whole number in [1, {MAX_SAMPLES}], got {v!r}.")
@@ -503,7 +503,7 @@ class Graph:
                 writes=(),
                 groups=groups,
                 max_rounds=max_rounds,
-                keep=keep,  # type: ignore[arg-type]
+                by_row=by_row,
                 ports=_ports(ports, name),
                 options=options,
             )

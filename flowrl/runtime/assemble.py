@@ -149,7 +149,7 @@ def _rounds(graph: Graph, gen: Generate, rt: NodeRuntime, prompts_per_step: int)
         groups=node.groups or prompts_per_step,
         max_rounds=node.max_rounds,
         filter=name,
-        rows=node.keep == "rows",
+        rows=node.by_row,
     )
 
 

@@ -242,7 +242,7 @@ def _update_state(rt: NodeRuntime, node: Compute, out: Mapping[str, Any]) -> dic
 def filter_groups(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
     """Run filter ``name`` on ``batch``: which of the responses' groups (prompts, by
     ``prompt_index``) it keeps, as a bool tensor over prompt numbers 0..max(prompt_index); for a
-    filter that keeps rows (``keep="rows"``), which rows, one bool per response. An error of its
+    filter that keeps rows (``by_row``), which rows, one bool per response. An error of its
     function names the node."""
     return _naming(name, _filter_groups, rt, name, batch)
 
@@ -267,7 +267,7 @@ def _filter_groups(rt: NodeRuntime, name: str, batch: Mapping[str, Any]) -> tupl
             f"node '{name}': filter function '{node.fn}' must return one bool per group ({groups}) or per response "
             f"({len(seqs)}); got {type(result).__name__}" + ("" if keep is None else f" of {keep.numel()}") + "."
         )
-    if node.keep == "rows":  # one bool per row (a group's verdict holds for each of its rows)
+    if node.by_row:  # one bool per row (a group's verdict holds for each of its rows)
         return (keep if keep.numel() == len(seqs) else keep[seqs.prompt_index]), {}
     if keep.numel() == len(seqs) and groups != len(seqs):  # per row: a group stays when all its rows do
         per_group = torch.ones(groups, dtype=torch.bool)

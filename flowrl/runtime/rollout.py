@@ -216,7 +216,7 @@ class Rounds:
     groups: int
     max_rounds: int
     filter: str  # the filter node's name (its metrics)
-    rows: bool = False  # the kept value is one bool per row (a filter with keep="rows"), else per group
+    rows: bool = False  # the kept value is one bool per row (a filter with by_row), else per group
 
 
 @dataclass

@@ -62,11 +62,11 @@ def test_a_filter_declares_how_it_keeps() -> None:
     g.model("actor", "actor")
     g.generate("rollout", model="actor", reads="prompts", writes="responses", n=2)
     g.reward("reward", fn="task", reads="prompts responses", writes="rewards")
-    g.filter("select", fn="threshold", reads="rewards responses", keep="rows")
+    g.filter("select", fn="threshold", reads="rewards responses", by_row=True)
     node = g.nodes["select"]
-    assert isinstance(node, Filter) and node.keep == "rows"
-    with pytest.raises(FlowRLError, match="keep must be 'groups' or 'rows'"):
-        g.filter("other", fn="threshold", reads="rewards responses", keep="row")
+    assert isinstance(node, Filter) and node.by_row
+    with pytest.raises(FlowRLError, match="by_row must be True or False"):
+        g.filter("other", fn="threshold", reads="rewards responses", by_row="yes")
 
 
 def test_a_loss_takes_node_options(tmp_path: Path) -> None:
