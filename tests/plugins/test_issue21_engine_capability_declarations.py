@@ -1,0 +1,68 @@
+"""Issue 21: engines declare what they can compute at registration, composed with the executor's.
+
+- A generation engine that declares model parallelism (vLLM does, for tp replicas) must give a run
+  generation tp > 1 when the training engine is another one: `compose` says so, but `for_run` folds
+  the training engine's declaration into the generation engine's, so a local trainer with such a
+  generation engine gets ``generation_parallel=False`` (the Ray executor can no longer be planned
+  with vLLM at generation tp 2; before the change it could).
+- An engine registered with ``capabilities=`` something other than an `EngineCapabilities` (the
+  executor's `Capabilities`, a dict) is silently treated as declaring nothing; the plan is then
+  refused with "the training engine does not declare it". Executors' capabilities are checked at
+  registration; engines' should be too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from flowrl.errors import PluginError
+from flowrl.planner.capabilities import Capabilities, EngineCapabilities, compose, for_run
+from flowrl.plugins.hookspecs import hookimpl
+from flowrl.plugins.manager import load_plugins
+
+
+def _factory(ctx: Any) -> Any:
+    raise NotImplementedError("a declaration-only engine")
+
+
+class SplittingSampler:
+    """A generation engine that splits its model over ranks (as vLLM's tp replicas do)."""
+
+    @hookimpl
+    def register_generation_engines(self, register: Any) -> None:
+        register("splitter", _factory, capabilities=EngineCapabilities(model_parallel=True))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 21: for_run folds the trainer's declaration into the generation engine's")
+def test_a_splitting_generation_engine_beside_the_local_trainer_may_run_generation_tp() -> None:
+    reg = load_plugins(entry_points=False, extra=[("splitter", SplittingSampler())])[1]
+    executor = Capabilities()  # places anything (as the Ray executor does)
+    declared = reg.entry("generation_engines", "splitter").meta["capabilities"]
+    expected = compose(executor, EngineCapabilities(), declared)
+    assert expected.generation_parallel  # what compose says: the generation engine splits its model
+    run = for_run(executor, reg, ["local"], ["splitter"])
+    assert run.generation_parallel
+    assert not run.model_parallel  # the local trainer still splits nothing
+
+
+class MisdeclaredEngines:
+    """A plugin author passes the executor's Capabilities (or a dict) instead of EngineCapabilities."""
+
+    def __init__(self, capabilities: Any) -> None:
+        self.capabilities = capabilities
+
+    @hookimpl
+    def register_training_engines(self, register: Any) -> None:
+        register("tp_typo", _factory, capabilities=self.capabilities)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 21: an engine's capabilities are not checked at registration")
+@pytest.mark.parametrize(
+    "capabilities",
+    [Capabilities(model_parallel=True), {"model_parallel": True}],
+    ids=["executor-Capabilities", "dict"],
+)
+def test_an_engine_registered_with_something_else_than_engine_capabilities_is_refused(capabilities) -> None:
+    with pytest.raises(PluginError, match="capabilities"):
+        load_plugins(entry_points=False, extra=[("tp-typo", MisdeclaredEngines(capabilities))])
