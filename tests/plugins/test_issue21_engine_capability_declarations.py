@@ -66,3 +66,46 @@ class MisdeclaredEngines:
 def test_an_engine_registered_with_something_else_than_engine_capabilities_is_refused(capabilities) -> None:
     with pytest.raises(PluginError, match="capabilities"):
         load_plugins(entry_points=False, extra=[("tp-typo", MisdeclaredEngines(capabilities))])
+
+
+class AnyLayoutExecutor:
+    """An executor plugin that places any layout on any number of devices (as the Ray executor does)."""
+
+    @hookimpl
+    def register_executors(self, register: Any) -> None:
+        from flowrl.backends.local.executor import LocalExecutor, machine
+
+        class Placer(LocalExecutor):
+            capabilities = Capabilities()
+
+        register("placer", Placer, machine=machine)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 21: the refusal blames head/layer/mini-batch divisibility")
+def test_requiring_tp_of_an_engine_that_splits_nothing_names_the_engine_not_divisibility() -> None:
+    """`--require actor.tp=2` with the local training engine (which declares no model parallelism) on
+    an executor that could place it: the message must say that the engine cannot split a model,
+    not that "tp must divide the model's heads" (2 divides the tiny model's 2 heads)."""
+    from flowrl import api
+    from flowrl.errors import PlanError
+    from flowrl.planner.constraints import parse_requirements
+
+    reg = load_plugins(entry_points=False, extra=[("placer", AnyLayoutExecutor())])[1]
+    overrides = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "executor=placer"]
+    overrides += ["train.engine=local", "generation.engine=local"]
+    graph, cfg = api.load("grpo", registry=reg, overrides=overrides)
+    assert cfg.tiny_model.num_heads % 2 == 0
+    target = api.local_target(cfg, reg, devices=2)
+    require = parse_requirements(["actor.tp=2", "placement=colocate"], graph.models)
+    with pytest.raises(PlanError) as refused:
+        api.plan(
+            "grpo",
+            registry=reg,
+            overrides=overrides,
+            target=target,
+            for_backend=True,
+            options={"require": require},
+            emit=lambda s: None,
+        )
+    message = str(refused.value)
+    assert "model parallel" in message or "splits no model" in message or "engine 'local'" in message, message
