@@ -128,7 +128,11 @@ class Sequences:
         return self.replaced(prompt=move, response=move, row=move)
 
     def select(self, idx: Tensor | slice) -> Sequences:
-        rows = range(len(self))[idx] if isinstance(idx, slice) else idx.tolist()
+        """The rows ``idx`` names: a slice, row numbers, or a bool mask over the rows."""
+        if isinstance(idx, slice):
+            rows = list(range(len(self))[idx])
+        else:
+            rows = idx.nonzero().flatten().tolist() if idx.dtype == _bool_dtype() else idx.tolist()
         take = lambda t, _=None: t[idx]  # noqa: E731
         return self.replaced(prompt=take, response=take, row=take, texts=[self.texts[i] for i in rows])
 
@@ -168,6 +172,12 @@ class Sequences:
             **{n: join(n, f, p_width, True) for n, f in PROMPT_FIELDS.items()},
             **{n: join(n, f, r_width, False) for n, f in RESPONSE_FIELDS.items()},
         )
+
+
+def _bool_dtype() -> Any:
+    import torch
+
+    return torch.bool
 
 
 def _pad(t: Tensor, width: int, fill: float, left: bool = False) -> Tensor:

@@ -349,6 +349,7 @@ LOSSES = {
     "ppo": (ppo_loss, {"needs": ("old_logprobs", "advantages"), "output": "logprobs", "optional": ("ref_logprobs",)}),
     "value": (value_loss, {"needs": ("values", "returns"), "output": "values"}),
     "gspo": (gspo_loss, {"needs": ("old_logprobs", "advantages"), "output": "logprobs"}),
-    "sft": (sft_loss, {"needs": (), "output": "logprobs", "optional": ()}),
+    # reads only the responses (found by their type): declared, so a train node reading more is refused
+    "sft": (sft_loss, {"needs": (), "output": "logprobs", "optional": ("responses",)}),
 }
 REWARD_FUNCTIONS = {"task": task_reward, "verbosity": verbosity_cost}

@@ -242,7 +242,8 @@ class Filter(_Function, frozen=True, tag="filter"):
     color = "#f4a261"
 
     def details(self) -> list[str]:
-        return [f"groups={self.groups or 'prompts_per_step'} max_rounds={self.max_rounds}"]
+        keeps = " by_row" if self.by_row else ""
+        return [f"groups={self.groups or 'prompts_per_step'} max_rounds={self.max_rounds}{keeps}"]
 
 
 class Train(_Node, frozen=True, tag="train"):

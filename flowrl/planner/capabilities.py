@@ -72,7 +72,7 @@ def for_run(
     training = list(dict.fromkeys(training))
     train = _all([_declared(registry, "training_engines", n) for n in training])
     others = [n for n in dict.fromkeys(generation) if n != AUTO and n not in training]
-    gen = _all([train, *(_declared(registry, "generation_engines", n) for n in others)]) if others else None
+    gen = _all([_declared(registry, "generation_engines", n) for n in others]) if others else None
     return compose(executor, train, gen)
 
 

@@ -114,6 +114,14 @@ def _problem(kind: str, name: str, obj: Any, meta: dict[str, Any]) -> str | None
     """Why ``obj`` (with ``meta``) cannot be registered as a ``kind`` named ``name``; None if it can."""
     if kind == "tasks":
         return None if isinstance(obj, type) else f"{obj!r} is not a class"
+    if kind in ("generation_engines", "training_engines") and "capabilities" in meta:
+        from flowrl.planner.capabilities import EngineCapabilities
+
+        if not isinstance(meta["capabilities"], EngineCapabilities):
+            return (
+                f"meta 'capabilities' is {meta['capabilities']!r}; it must be a "
+                "flowrl.planner.capabilities.EngineCapabilities (what the engine can compute)"
+            )
     if kind == "hardware":
         from flowrl.planner.hardware import HardwareSpec  # lazy: the planner is not needed to load plugins
 

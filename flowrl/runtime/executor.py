@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from flowrl.errors import ConfigError, PlanError, plain_name
 from flowrl.graph.ir import Graph
 from flowrl.planner.capabilities import Capabilities, for_run, rollout_conflict, unsupported
@@ -80,13 +82,22 @@ class PlanExecutor:
                 f"the plan was made for graph '{plan.graph.name}' {plan.graph.fingerprint}, but "
                 f"'{plan.graph.source}' now builds {graph.fingerprint()}. Re-run `flowrl plan`."
             )
-        if plan.layout is None or not plan.nodes or not plan.models or sorted(plan.options) != sorted(graph.nodes):
+        if plan.layout is None or not plan.nodes or not plan.models or not plan.options:
             raise PlanError(
                 "the plan is incomplete (no placement, node plans or resolved options and models: made by an "
                 "older flowrl?); make it again with `flowrl plan`."
             )
+        for what, planned, graph_has in (
+            ("nodes (options)", plan.options, graph.nodes),
+            ("models", plan.models, graph.models),
+        ):
+            if sorted(planned) != sorted(graph_has):
+                raise PlanError(
+                    f"the plan resolves {what} {', '.join(sorted(planned))}, but the graph has "
+                    f"{', '.join(sorted(graph_has))}; make the plan again with `flowrl plan`."
+                )
         verify_plan(graph, plan)
-        _check_resolved(plan)
+        _check_resolved(graph, plan)
         backend = plan.config.executor
         replan = "Plan it for an executor that runs it: `flowrl plan ... --executor NAME` (see `flowrl plugins`)."
         runs = plan.models.values()
@@ -279,11 +290,13 @@ class PlanExecutor:
         return result
 
 
-def _check_resolved(plan: ExecutionPlan) -> None:
-    """The plan's resolved model runs (what engines are built with) agree with the config it was
-    resolved from: a config field edited in a plan file afterwards would otherwise be ignored."""
+def _check_resolved(graph: Graph, plan: ExecutionPlan) -> None:
+    """The plan's resolved sections (each model's run, each node's options: what runs) agree with the
+    config they were resolved from: a config field edited in a plan file afterwards would otherwise
+    be ignored. This compares what `resolve` copied; it re-derives nothing."""
     cfg = plan.config
     for name, run in plan.models.items():
+        decl = graph.models[name]
         fields: dict[str, tuple[Any, Any]] = {
             "train.engine": (cfg.train.engine, run.training_engine),
             "seed": (cfg.seed, run.seed),
@@ -297,13 +310,45 @@ def _check_resolved(plan: ExecutionPlan) -> None:
         }
         if run.generation_engine is not None:
             fields["generation.engine"] = (cfg.generation.engine, run.generation_engine)
-        for field, (said, resolved) in fields.items():
-            if said != resolved:
-                raise PlanError(
-                    f"config field '{field}' is {said!r} in the plan, but model '{name}' was resolved with "
-                    f"{resolved!r}: the plan was edited after it was made. Re-plan with `flowrl plan` (the plan's "
-                    "'models' section is what runs), or edit both."
+        if run.optimizer is not None:
+            lr = cfg.train.critic_lr if decl.scalar_head and cfg.train.critic_lr else cfg.train.lr
+            opt = run.optimizer
+            fields["train.critic_lr" if lr != cfg.train.lr else "train.lr"] = (lr, opt.lr)
+            fields["train.betas"] = (tuple(cfg.train.betas), tuple(opt.betas))
+            fields["train.weight_decay"] = (cfg.train.weight_decay, opt.weight_decay)
+            fields["train.grad_clip"] = (cfg.train.grad_clip, opt.grad_clip)
+            fields["train.skip_nonfinite"] = (cfg.train.skip_nonfinite, opt.skip_nonfinite)
+        _agree(fields, f"model '{name}'")
+    algo = msgspec.to_builtins(cfg.algo)
+    train_fields = {"epochs": cfg.train.epochs, "mini_batches": cfg.train.mini_batches}
+    for name, resolved in plan.options.items():
+        node = graph.nodes[name]
+        given = {**node.options, **cfg.nodes.get(name, {})}
+        resolved_algo = msgspec.to_builtins(resolved.algo)
+        fields = {}
+        for key, value in algo.items():
+            where = f"nodes.{name}.{key}" if key in cfg.nodes.get(name, {}) else f"algo.{key}"
+            fields[where] = (given.get(key, value), resolved_algo[key])
+        for key, value in given.items():
+            if key not in algo:
+                fields[f"nodes.{name}.{key}"] = (value, resolved.options.get(key))
+        if node.trains:
+            for key, value in train_fields.items():
+                fields[f"train.{key}" if key not in given else f"nodes.{name}.{key}"] = (
+                    given.get(key, value),
+                    resolved.options.get(key),
                 )
+        _agree(fields, f"node '{name}'")
+
+
+def _agree(fields: dict[str, tuple[Any, Any]], whose: str) -> None:
+    for field, (said, resolved) in fields.items():
+        if said != resolved:
+            raise PlanError(
+                f"config field '{field}' is {said!r} in the plan, but {whose} was resolved with {resolved!r}: "
+                "the plan was edited after it was made. Re-plan with `flowrl plan` (the plan's 'models' and "
+                "'options' sections are what runs), or edit both."
+            )
 
 
 class _StopRequest:

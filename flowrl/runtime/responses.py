@@ -114,6 +114,8 @@ class ResponseRules:
         for it (and their log-probs): cut where the response ends, with its finished flag, reason
         and text. ``room``: positions the model's context had left for this row before these tokens
         (None: unlimited)."""
+        if before.finished:  # an ended response takes no more tokens
+            return before
         new = [int(t) for t in new_ids]
         if len(new_logprobs) < len(new):
             raise ValueError(f"{len(new)} new tokens but {len(new_logprobs)} log-probs")

@@ -55,6 +55,28 @@ def checked(engine: Any, protocol: type, entry: Entry, model: str) -> Any:
     )
 
 
+def built_by(entry: Entry, ctx: EngineContext) -> Any:
+    """The engine ``entry``'s factory builds for ``ctx``; what the factory raises (beyond flowrl's own
+    errors) becomes a BackendError naming the engine, its plugin and the model."""
+    from flowrl.errors import FlowRLError
+
+    try:
+        return entry.obj(ctx)
+    except FlowRLError:
+        raise
+    except Exception as exc:
+        hint = ""
+        if isinstance(exc, AttributeError) and "'plan'" in str(exc):
+            hint = (
+                " Engines no longer receive the plan: ctx.spec holds what the planner resolved for the model "
+                "(checkpoint, seed, sampling, optimizer, numerics; see flowrl/runtime/protocols.py EngineContext)."
+            )
+        raise BackendError(
+            f"engine '{entry.name}' (plugin '{entry.plugin}') failed to build model '{ctx.decl.name}': "
+            f"{type(exc).__name__}: {exc}.{hint}"
+        ) from exc
+
+
 def _seed_for(seed: int, model: str) -> None:
     import torch
 
@@ -178,7 +200,7 @@ class Worker:
                 group=self.dp_groups.get(place.group),
                 tp=plan.layout.layout(name).parallel.tp,
             )
-            self.trainers[name] = checked(train.obj(ctx), TrainingEngine, train, name)
+            self.trainers[name] = checked(built_by(train, ctx), TrainingEngine, train, name)
             built[name] = (self.trainers[name].tokenizer, self.trainers[name].hf_config)
         for place in schedule.models:
             name = place.model
@@ -197,8 +219,8 @@ class Worker:
             if run.generation_engine == run.training_engine and isinstance(template, GenerationEngine):
                 engine = template
             else:
-                engine = gen.obj(
-                    EngineContext(decl=models[name], spec=plan.model_run(name), device=device, source=template)
+                engine = built_by(
+                    gen, EngineContext(decl=models[name], spec=plan.model_run(name), device=device, source=template)
                 )
             self.generators[name] = checked(engine, GenerationEngine, gen, name)
             if self.channels.get(name) is not None and self.rank != schedule.ranks_of(name)[0]:
@@ -213,7 +235,7 @@ class Worker:
         frozen = msgspec.structs.replace(decl, trainable=False, init_from=None)
         spec = msgspec.structs.replace(plan.model_run(decl.name), optimizer=None)
         return checked(
-            train.obj(EngineContext(decl=frozen, spec=spec, device=device)), TrainingEngine, train, decl.name
+            built_by(train, EngineContext(decl=frozen, spec=spec, device=device)), TrainingEngine, train, decl.name
         )
 
     # ------------------------------------------------------------ engine calls

@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from flowrl.graph import Graph
 from flowrl.graph.printer import node_line
 
@@ -20,7 +18,6 @@ def graph(by_row: bool) -> Graph:
     return g
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21: the printer does not show by_row")
 def test_show_tells_a_row_filter_from_a_group_filter() -> None:
     rows, groups = (node_line(graph(b).nodes["select"]) for b in (True, False))
     assert rows != groups

@@ -53,7 +53,6 @@ def test_gspo_reading_reference_logprobs_is_refused(tmp_path: Path) -> None:
         plan(tmp_path, "gspo_ref", "gspo", "responses old_logprobs ref_logprobs advantages", GRPO)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21: a loss declaring no ports (sft) is not checked for unused reads")
 def test_sft_reading_reference_logprobs_is_refused(tmp_path: Path) -> None:
     with pytest.raises(FlowRLError, match="reads 'ref_logprobs', which loss 'sft' does not use"):
         plan(tmp_path, "sft_ref", "sft", "responses ref_logprobs", RAFT)

@@ -34,7 +34,6 @@ class SplittingSampler:
         register("splitter", _factory, capabilities=EngineCapabilities(model_parallel=True))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21: for_run folds the trainer's declaration into the generation engine's")
 def test_a_splitting_generation_engine_beside_the_local_trainer_may_run_generation_tp() -> None:
     reg = load_plugins(entry_points=False, extra=[("splitter", SplittingSampler())])[1]
     executor = Capabilities()  # places anything (as the Ray executor does)
@@ -57,7 +56,6 @@ class MisdeclaredEngines:
         register("tp_typo", _factory, capabilities=self.capabilities)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21: an engine's capabilities are not checked at registration")
 @pytest.mark.parametrize(
     "capabilities",
     [Capabilities(model_parallel=True), {"model_parallel": True}],

@@ -31,7 +31,6 @@ class EngineWrittenForTheOldContext:
 SMALL = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "progress=false", "checkpoint=false"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21: an engine factory's error is not wrapped naming engine and plugin")
 def test_an_engine_reading_ctx_plan_fails_naming_the_engine_and_its_plugin(tmp_path: Path) -> None:
     reg = load_plugins(entry_points=False, extra=[("old-engine-plugin", EngineWrittenForTheOldContext())])[1]
     overrides = [*SMALL, "generation.engine=old_gen"]

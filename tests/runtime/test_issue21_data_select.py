@@ -7,7 +7,6 @@ responses. `Rollout.select` inherits it."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from flowrl.data import Rollout, Sequences
@@ -30,14 +29,12 @@ def test_select_with_row_numbers_keeps_rows_and_texts_together() -> None:
     assert s.response_ids.flatten().tolist() == [12, 10] and s.texts == ("c", "a")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21: Sequences.select takes texts by idx.tolist(), wrong for a bool mask")
 def test_select_with_a_boolean_mask_keeps_rows_and_texts_together() -> None:
     s = sequences(("a", "b", "c")).select(torch.tensor([False, True, True]))
     assert s.response_ids.flatten().tolist() == [11, 12]
     assert s.texts == ("b", "c")  # today ('a', 'b', 'b'): three texts for two rows
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21: Sequences.select takes texts by idx.tolist(), wrong for a bool mask")
 def test_rollout_select_with_a_boolean_mask_keeps_rows_and_texts_together() -> None:
     seqs = sequences(("a", "b", "c"))
     rollout = Rollout(sequences=seqs, logprobs=torch.zeros(3, 1), finished=torch.tensor([True, False, True]))

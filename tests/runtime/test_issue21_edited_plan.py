@@ -40,7 +40,6 @@ def test_an_edited_sampling_field_is_refused(planned) -> None:
         api.check(graph, edited(plan, "rollout", top_p=0.5))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21: _check_resolved ignores the optimizer, algo, train and nodes fields")
 @pytest.mark.parametrize(
     ("section", "change", "field"),
     [

@@ -20,7 +20,6 @@ def planned():
     return api.plan("grpo", overrides=SMALL, flags={"steps": 2}, emit=lambda s: None)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21: check does not compare plan.models with the graph's models")
 def test_a_plan_missing_a_models_resolved_spec_is_refused_by_the_check(planned) -> None:
     import msgspec
 
@@ -30,7 +29,6 @@ def test_a_plan_missing_a_models_resolved_spec_is_refused_by_the_check(planned) 
         api.check(graph, msgspec.structs.replace(plan, models=models).sealed())
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21: check does not compare plan.models with the graph's models")
 def test_a_plan_resolving_a_model_the_graph_lacks_is_refused_by_the_check(planned) -> None:
     import msgspec
 

@@ -131,13 +131,10 @@ class LocalModel:
         rules, roll = self.rules, self.sampling
         prompts = prompt_rows(prompt_ids, prompt_mask)
         rooms = [self.context - len(p) - len(r.ids) for p, r in zip(prompts, responses)]
-        todo = []
+        budgets = [rules.budget(len(r.ids), chunk or None, room) for r, room in zip(responses, rooms)]
+        todo = [i for i, r in enumerate(responses) if not r.finished and budgets[i] > 0]
         for i, r in enumerate(responses):
-            if r.finished:
-                continue
-            if rules.budget(len(r.ids), chunk or None, rooms[i]) > 0:
-                todo.append(i)
-            else:  # at its budget or the context's end
+            if not r.finished and budgets[i] == 0:  # at its budget or the context's end
                 responses[i] = rules.extend(r, [], [], rooms[i])
         if todo:
             rows = [prompts[i] + responses[i].ids for i in todo]
@@ -148,7 +145,7 @@ class LocalModel:
                 self.module,
                 ids.to(self.device),
                 mask.to(self.device),
-                max_new_tokens=max(rules.budget(len(responses[i].ids), chunk or None, rooms[i]) for i in todo),
+                max_new_tokens=max(budgets[i] for i in todo),  # each row is cut at its own budget
                 eos_id=self.tokenizer.eos_token_id,
                 pad_id=self.tokenizer.pad_token_id,
                 temperature=roll.temperature,
