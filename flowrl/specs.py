@@ -94,6 +94,22 @@ class AlgoConfig(Spec):
     is_cap: float = 5.0
 
 
+def algo_problems(algo: AlgoConfig) -> list[tuple[str, str]]:
+    """(field, why) for each AlgoConfig value out of its range: the config's and each node's own."""
+    checks = [
+        (0 < algo.clip_low < 1, "clip_low", "must be in (0, 1)"),
+        (0 < algo.clip_high < math.inf, "clip_high", "must be > 0"),
+        (algo.dual_clip is None or 1 < algo.dual_clip < math.inf, "dual_clip", "must be > 1"),
+        (0 <= algo.kl_coef < math.inf, "kl_coef", "must be >= 0"),
+        (0 <= algo.gamma <= 1, "gamma", "must be in [0, 1]"),
+        (0 <= algo.lam <= 1, "lam", "must be in [0, 1]"),
+        (algo.vf_clip is None or 0 < algo.vf_clip < math.inf, "vf_clip", "must be > 0"),
+        (0 <= algo.vf_coef < math.inf, "vf_coef", "must be >= 0"),
+        (math.isfinite(algo.is_cap) and algo.is_cap >= 1, "is_cap", "must be finite and >= 1"),
+    ]
+    return [(field, why) for ok, field, why in checks if not ok]
+
+
 #: Bounds beyond which a number is a typo rather than a run (each would take years or petabytes).
 MAX_STEPS = 10**9
 MAX_PROMPTS = 1 << 20
@@ -173,7 +189,6 @@ class RunConfig(Spec):
                 "must be >= 1",
             ),
             (self.rollout.stream_groups >= 1, "rollout.stream_groups", "must be >= 1"),
-            (self.algo.is_cap >= 1, "algo.is_cap", "must be >= 1"),
             (
                 self.generation.dtype == "float32" or self.generation.engine != self.train.engine,
                 "generation.dtype",
@@ -195,21 +210,13 @@ class RunConfig(Spec):
             (0 <= self.train.weight_decay < math.inf, "train.weight_decay", "must be >= 0"),
             (math.isfinite(self.train.lr), "train.lr", "must be finite"),
             (self.train.critic_lr is None or 0 < self.train.critic_lr < math.inf, "train.critic_lr", "must be > 0"),
-            (0 < self.algo.clip_low < 1, "algo.clip_low", "must be in (0, 1)"),
-            (0 < self.algo.clip_high < math.inf, "algo.clip_high", "must be > 0"),
-            (self.algo.dual_clip is None or 1 < self.algo.dual_clip < math.inf, "algo.dual_clip", "must be > 1"),
-            (0 <= self.algo.kl_coef < math.inf, "algo.kl_coef", "must be >= 0"),
-            (0 <= self.algo.gamma <= 1, "algo.gamma", "must be in [0, 1]"),
-            (0 <= self.algo.lam <= 1, "algo.lam", "must be in [0, 1]"),
-            (self.algo.vf_clip is None or 0 < self.algo.vf_clip < math.inf, "algo.vf_clip", "must be > 0"),
-            (0 <= self.algo.vf_coef < math.inf, "algo.vf_coef", "must be >= 0"),
-            (math.isfinite(self.algo.is_cap), "algo.is_cap", "must be finite"),
             (
                 self.name is None or plain_name(self.name),
                 "name",
                 "must be one plain folder name (no '/', '\\' or '..')",
             ),
         ]
+        checks += [(False, f"algo.{field}", why) for field, why in algo_problems(self.algo)]
         for ok, field, why in checks:
             if not ok:
                 raise ConfigError(f"config field '{field}' {why}.")

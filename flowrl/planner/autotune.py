@@ -128,10 +128,13 @@ class Tuner:
         constraints: Constraints | None = None,
         models: Mapping[str, ModelSpec] | None = None,
         micro_batch: int | None = None,
+        train_steps: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
-        """``model``: every graph model's shape, unless ``models`` names one for it (per-role models)."""
+        """``model``: every graph model's shape, unless ``models`` names one for it (per-role models).
+        ``train_steps``: train nodes' own (epochs, mini-batches), as the plan resolved them."""
         self.graph, self.model, self.cluster, self.w, self.seed = graph, model, cluster, workload, seed
         self.rows = rows  # per node, when it differs from the workload's sequences (multi-policy, filters)
+        self.train_steps = train_steps
         self.micro_batch = micro_batch  # configured (train.micro_batch_size): every layout uses it
         self.constraints = constraints or Constraints()  # what the user requires (--require)
         self.numerics = numerics or mem.Numerics()
@@ -308,6 +311,7 @@ class Tuner:
             sampled_replicas=max_replicas,
             numerics=self.numerics,
             node_rows=self.rows,
+            train_steps=self.train_steps,
         )
         memory = {}
         choice = {m.model: self.score(m) for m in plan.models}
@@ -516,6 +520,15 @@ class Tuner:
         if infeasible and not sized:
             models = sorted({key.split(":")[0] for i in infeasible for key in i.breakdown})
             required = self.constraints.describe()
+            caps = self.capabilities
+            split = any(d.get("tp", 1) * d.get("pp", 1) > 1 for d in self.constraints.parallel.values())
+            if caps is not None and not caps.model_parallel and split:
+                return (
+                    f"no plan fits {self.graph.name}: --require {required} splits a model over devices, but the "
+                    "run's training engine declares no model parallelism (it splits no model; see `flowrl "
+                    "plugins`), or its executor cannot place one. Use an engine that declares "
+                    "EngineCapabilities(model_parallel=True), or drop the tp/pp requirement."
+                )
             return (
                 f"no plan fits {self.graph.name} on {self.cluster.devices} x {hw.name}: no parallel layout of "
                 f"{', '.join(models)}{f' with --require {required}' if required else ''} fills a device group of "

@@ -45,7 +45,7 @@ from flowrl.planner.space import (
     WeightSync,
 )
 from flowrl.planner.workload import Fixed, Histogram, Lengths, WorkloadSpec
-from flowrl.specs import AUTO, AlgoConfig, RolloutConfig, RunConfig, rollout_parts
+from flowrl.specs import AUTO, AlgoConfig, RolloutConfig, RunConfig, algo_problems, rollout_parts
 
 if TYPE_CHECKING:
     from flowrl.planner.autotune import TuneResult
@@ -85,6 +85,14 @@ def node_options(
     fn = _function(registry, node)
     allowed = (*TRAIN_OPTIONS, *_keyword_arguments(fn)) if isinstance(node, Train) else _keyword_arguments(fn)
     bad = [k for k in rest if k not in allowed]
+    fields = [k for k in bad if k in type(node).__struct_fields__ and k in (configured or {})]
+    if fields:
+        raise GraphError(
+            f"node '{name}': {', '.join(fields)} {'is a field' if len(fields) == 1 else 'are fields'} of the "
+            f"{node.kind} node in the graph (set in the graph file, where `flowrl show` reads it), not an option; "
+            f"`--set nodes.{name}.OPTION` sets the keyword options of its function only. Change it in the graph, "
+            "or give the graph's build() a config-driven value."
+        )
     if bad:
         known = ", ".join(sorted([*allowed, *ALGO_FIELDS]))
         configs = [f"nodes.{name}.{k}" for k in bad if k in (configured or {})]
@@ -95,6 +103,10 @@ def node_options(
         algo = msgspec.convert({**msgspec.to_builtins(algo), **overrides}, AlgoConfig)
     except msgspec.ValidationError as exc:
         raise GraphError(f"node '{name}': bad option: {exc}") from None
+    for key, why in algo_problems(algo):
+        if key in overrides:
+            where = f"nodes.{name}.{key}" if key in (configured or {}) else f"option '{key}'"
+            raise GraphError(f"node '{name}': {where} = {overrides[key]!r} {why}.")
     for key in TRAIN_OPTIONS:
         if key in rest and (isinstance(rest[key], bool) or not isinstance(rest[key], int) or rest[key] < 1):
             raise GraphError(f"node '{name}': option '{key}' must be an integer >= 1, got {rest[key]!r}.")
@@ -548,6 +560,11 @@ def _place(
         capabilities=t.capabilities,
         generation_engine=engine,
         rows=plan_rows(ctx, plan),
+        train_steps={
+            n: (int(o.options["epochs"]), int(o.options["mini_batches"]))
+            for n, o in plan.options.items()
+            if "epochs" in o.options
+        },
         constraints=opts.get("require"),
         models=t.models or None,
         micro_batch=plan.config.train.micro_batch_size,

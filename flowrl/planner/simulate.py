@@ -273,10 +273,12 @@ def simulate(
     sampled_replicas: int | None = None,
     numerics: Numerics | None = None,
     node_rows: dict[str, int] | None = None,
+    train_steps: Mapping[str, tuple[int, int]] | None = None,
 ) -> SimResult:
     """Simulate ``iterations`` steps of ``plan``. ``cost``: one cost model for every graph model, or
     one per model (per-role models). ``node_rows``: the sequences each node sees per step (default:
-    the workload's prompts x samples, one per prompt for a greedy generate node)."""
+    the workload's prompts x samples, one per prompt for a greedy generate node). ``train_steps``:
+    a train node's own (epochs, mini-batches), where its options set them (default: the workload's)."""
     rng = np.random.default_rng(seed)
     order = graph.order()
     costs = dict(cost) if isinstance(cost, Mapping) else {m: cost for m in graph.models}
@@ -304,7 +306,6 @@ def simulate(
         for n in order
         if graph.nodes[n].trains and graph.nodes[n].model in roles.actors
     }
-    epochs, minis = workload.ppo_epochs, workload.mini_batches
     flops_total = 0.0  # forward and train nodes, over all iterations
     gen_flops = 0.0  # generation, over all launched rollouts
     gen_tokens = 0.0
@@ -391,6 +392,7 @@ def simulate(
                 flops_total += n_rows * seq_len * c.model.flops_per_token(seq_len // 2)
             elif node.trains:
                 c, layout = costs[node.model], plan.layout(node.model)
+                epochs, minis = (train_steps or {}).get(name, (workload.ppo_epochs, workload.mini_batches))
                 seconds = epochs * c.forward(
                     layout, n_rows, padded, backward=True, sharded=sharded
                 ) + epochs * minis * c.optimizer_step(layout)

@@ -93,7 +93,10 @@ def pack_left(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def select_rows(batch: dict[str, Any], idx: Tensor, n_rows: int) -> dict[str, Any]:
-    """Slice every sequence-level value of ``batch`` with row index ``idx``; keep the rest."""
+    """Slice every sequence-level value of ``batch`` with row index ``idx`` (row numbers or a bool
+    mask); keep the rest."""
+    if idx.dtype == torch.bool:
+        idx = idx.nonzero().flatten()
     out: dict[str, Any] = {}
     for key, value in batch.items():
         if isinstance(value, Sequences):

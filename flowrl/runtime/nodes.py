@@ -298,9 +298,11 @@ def generate_metrics(prompts: list[Any], seqs: Sequences) -> dict[str, Any]:
 def _forward(
     rt: NodeRuntime, node: Forward, inputs: dict[str, Any], algo: AlgoConfig, options: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    values = rt.trainers[node.model].forward(
-        sequences_in(inputs, f"node '{node.name}'"), node.output, rt.micro_batch[node.name]
-    )
+    seqs = sequences_in(inputs, f"node '{node.name}'")
+    if not len(seqs):  # a filter that keeps rows kept none this step
+        shape = (0,) if node.output == "scores" else (0, seqs.response_ids.shape[1])
+        return {node.writes[0]: torch.zeros(shape)}, {"empty": 1}
+    values = rt.trainers[node.model].forward(seqs, node.output, rt.micro_batch[node.name])
     metrics: dict[str, Any] = {}
     role = rt.graph.models[node.model].role
     if node.output == "scores" and role in ("reward", "cost"):
@@ -393,8 +395,6 @@ def _train(
     rt: NodeRuntime, node: Train, inputs: dict[str, Any], algo: AlgoConfig, options: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     seqs_key = next(k for k, v in inputs.items() if isinstance(v, Sequences))
-    if not len(inputs[seqs_key]):  # a filter that keeps rows kept none this step: nothing to learn from
-        return ({node.writes[0]: {}} if node.writes else {}), {"empty": 1}
     step = TrainStep(
         node=node.name,
         sequences_key=seqs_key,
@@ -413,6 +413,8 @@ def _train(
     checked = _checked_loss(loss, node.loss, loss_options)
     stats = _user(f"training with loss '{node.loss}'", trainer.train, checked, batch, step)
     stats = {k: round(v, 6) for k, v in stats.items()}
+    if not len(inputs[seqs_key]):  # a filter that keeps rows kept none: the engine took a step without an update
+        stats["empty"] = 1
     return ({node.writes[0]: stats} if node.writes else {}), stats
 
 

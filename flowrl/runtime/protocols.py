@@ -85,7 +85,9 @@ class TrainingEngine(Protocol):
         ...
 
     def train(self, loss: LossFn, batch: StepBatch, step: TrainStep) -> dict[str, float]:
-        """Update the model; returns mean stats (loss, grad_norm and the loss's own)."""
+        """Update the model; returns mean stats (loss, grad_norm and the loss's own). A batch may
+        hold no rows (a filter that keeps rows kept none): take no optimizer step, but count the
+        version as a step, like every other train call."""
         ...
 
     def export_weights(self) -> dict[str, Tensor]: ...

@@ -27,7 +27,6 @@ def test_the_config_wide_field_is_refused(capsys, tmp_path: Path) -> None:
     assert code == 2 and "algo.clip_low' must be in (0, 1)" in err, err
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21: node algo overrides skip RunConfig's range checks")
 @pytest.mark.parametrize(
     "setting",
     [

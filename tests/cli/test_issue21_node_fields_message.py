@@ -18,7 +18,6 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, " ".join(err.split())
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21: a node's graph field set with --set nodes... is called unknown")
 @pytest.mark.parametrize(
     ("graph", "setting"),
     [("dapo", "nodes.dynamic_sampling.max_rounds=5"), ("tool_use", "nodes.episodes.turns=3")],

@@ -22,7 +22,6 @@ def test_train_epochs_are_costed() -> None:
     assert four.layout.predicted.breakdown["train_actor"] > 3 * one.layout.predicted.breakdown["train_actor"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21: the cost model ignores a train node's own epochs option")
 def test_a_train_nodes_own_epochs_are_costed_as_the_configs() -> None:
     by_config, by_node = planned("train.epochs=4"), planned("nodes.train_actor.epochs=4")
     assert by_node.node_options("train_actor").options["epochs"] == 4  # what runs

@@ -67,7 +67,8 @@ def test_a_tensor_parallel_engine_plugin_is_accepted_by_the_ray_executor(reg) ->
 def test_the_same_layout_with_the_local_engine_is_refused_naming_the_feature(reg) -> None:
     graph, plan = tp2_plan(reg, "tp")
     runs = {m: msgspec.structs.replace(run, training_engine="local") for m, run in plan.models.items()}
-    as_local = msgspec.structs.replace(plan, models=runs)  # the plan as if its models trained on the local engine
+    cfg = msgspec.structs.replace(plan.config, train=msgspec.structs.replace(plan.config.train, engine="local"))
+    as_local = msgspec.structs.replace(plan, models=runs, config=cfg)  # as if its models trained on the local engine
     with pytest.raises(PlanError, match="no model parallelism"):
         api.executor(as_local, reg).check(graph, as_local)
 

@@ -79,7 +79,6 @@ class AnyLayoutExecutor:
         register("placer", Placer, machine=machine)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21: the refusal blames head/layer/mini-batch divisibility")
 def test_requiring_tp_of_an_engine_that_splits_nothing_names_the_engine_not_divisibility() -> None:
     """`--require actor.tp=2` with the local training engine (which declares no model parallelism) on
     an executor that could place it: the message must say that the engine cannot split a model,

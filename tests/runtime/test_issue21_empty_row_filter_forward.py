@@ -10,8 +10,6 @@ import json
 import textwrap
 from pathlib import Path
 
-import pytest
-
 from flowrl import api
 from flowrl.runtime.executor import run_dir
 
@@ -44,7 +42,6 @@ SMALL = [
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21: forward nodes after a by_row filter that kept no row crash")
 def test_forward_nodes_after_a_row_filter_that_kept_nothing_skip_like_the_train_node(tmp_path: Path) -> None:
     source = tmp_path / "row_grpo.py"
     source.write_text(textwrap.dedent(GRAPH))

@@ -210,6 +210,9 @@ class LocalModel:
             raise BackendError(f"node '{step.node}' trains model '{self.decl.name}', which is frozen.")
         seqs: Sequences = batch[step.sequences_key]
         n_rows = len(seqs)
+        if n_rows == 0:  # a filter kept no row: a step without an update (the version still counts it)
+            self.version += 1
+            return {}
         micro = step.micro_batch or n_rows
         stats: dict[str, list[float]] = {}
         skipped = 0  # optimizer steps skipped for a non-finite gradient (train.skip_nonfinite)
