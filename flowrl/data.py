@@ -263,6 +263,8 @@ class StepBatch(Mapping[str, Any]):
     policy_version: int = 0
 
     def __getitem__(self, key: str) -> Any:
+        if key == "policy_version" and key not in self.columns:  # how losses written before StepBatch read it
+            return self.policy_version
         return self.columns[key]
 
     def __iter__(self) -> Iterator[str]:
