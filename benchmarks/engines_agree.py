@@ -1,8 +1,8 @@
 """Do the local and vLLM generation engines learn alike? The default job over several seeds; one JSON line.
 
 The default job is ``flowrl run graphs/grpo.py`` (GRPO on task 'copy', its defaults), run for
-each seed with ``generation.engine=local`` and ``generation.engine=vllm``, each run in a fresh
-subprocess (one in-process vLLM engine per process), one after another. A run's final reward is
+each seed with ``generation.engine=local`` and ``generation.engine=vllm``, one after another
+(each vLLM run in a subprocess of its own: one in-process vLLM engine per process). A run's final reward is
 its mean reward over the last 10 % of its steps. Printed: each run, each engine's mean and
 standard deviation of the final reward over seeds, and a last JSON line with the gap between the
 engines' means against their seed-to-seed spread (``agree``: the gap is within ``--tolerance``
@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,18 +82,21 @@ def within_sd(rewards: list[float], share: float = 0.1) -> float:
     return statistics.stdev(rewards[-k:])
 
 
-def agreement(finals: dict[str, list[float]], noise: dict[str, list[float]], tolerance: float = 3.0) -> dict:
+def agreement(
+    finals: dict[str, list[float]], noise: dict[str, list[float]], tolerance: float = 3.0, min_spread: float = 0.0
+) -> dict:
     """Whether two engines' final rewards (one per seed) agree within their seed-to-seed spread.
 
     spread = the pooled standard deviation over seeds of both engines, at least the runs' own
     step-to-step noise (``noise``: `within_sd` of each run; a few seeds can agree by chance more
-    closely than one run is steady). The engines agree when their means differ by at most
+    closely than one run is steady) and at least ``min_spread`` (a spread measured over more seeds,
+    for a test that runs only two). The engines agree when their means differ by at most
     ``tolerance`` standard errors of a difference of means: tolerance * spread * sqrt(1/n_a + 1/n_b)."""
     (a, fa), (b, fb) = list(finals.items())[:2]
     var = [statistics.variance(f) for f in (fa, fb) if len(f) > 1]
     seed_sd = math.sqrt(statistics.fmean(var)) if var else 0.0
     run_sd = statistics.fmean(x for e in (a, b) for x in noise[e])
-    spread = max(seed_sd, run_sd)
+    spread = max(seed_sd, run_sd, min_spread)
     bound = tolerance * spread * math.sqrt(1 / len(fa) + 1 / len(fb))
     gap = abs(statistics.fmean(fa) - statistics.fmean(fb))
     return {
@@ -104,7 +108,7 @@ def agreement(finals: dict[str, list[float]], noise: dict[str, list[float]], tol
     }
 
 
-def summary(runs: list[dict], engines: list[str], tolerance: float) -> dict:
+def summary(runs: list[dict], engines: list[str], tolerance: float, min_spread: float = 0.0) -> dict:
     """Per engine: final rewards over seeds, their mean and standard deviation, the first steps'
     reward; the agreement of the first two engines (`agreement`)."""
     out: dict = {"benchmark": "engines_agree", "steps": runs[0]["steps"], "seeds": sorted({r["seed"] for r in runs})}
@@ -124,7 +128,7 @@ def summary(runs: list[dict], engines: list[str], tolerance: float) -> dict:
             "seconds": round(sum(r["seconds"] for r in mine), 1),
         }
     if len(engines) >= 2:
-        out.update(agreement(finals, noise, tolerance))
+        out.update(agreement(finals, noise, tolerance, min_spread))
     return out
 
 
@@ -171,14 +175,21 @@ def compare(
     png: str | None = None,
     save: str | None = None,
     emit=print,
+    min_spread: float = 0.0,
+    isolate: Sequence[str] = ("vllm",),
 ) -> dict:
-    """Every (seed, engine) run, each in its own subprocess, seeds outermost so machine noise hits
-    the engines alike; the summary (see `summary`)."""
+    """Every (seed, engine) run, seeds outermost so machine noise hits the engines alike; the runs
+    of the engines in ``isolate`` each in a subprocess of its own (vLLM: one in-process engine per
+    process), the others in this process. The summary (see `summary`)."""
     runs = []
     with tempfile.TemporaryDirectory(prefix="flowrl-engines-") as tmp:
         for seed in seeds:
             for engine in engines:
-                run = run_in_subprocess(engine, seed, steps, list(extra), str(Path(tmp) / f"{engine}-{seed}"))
+                where = str(Path(tmp) / f"{engine}-{seed}")
+                if engine in isolate:
+                    run = run_in_subprocess(engine, seed, steps, list(extra), where)
+                else:
+                    run = one_run(engine, seed, steps, list(extra), where)
                 runs.append(run)
                 if save:
                     Path(save).write_text(json.dumps(runs))
@@ -187,7 +198,7 @@ def compare(
                     f"{final_reward(run['reward']):.3f} (exact {final_reward(run['exact']):.3f}), "
                     f"{run['seconds']:.0f}s"
                 )
-    out = summary(runs, list(engines), tolerance)
+    out = summary(runs, list(engines), tolerance, min_spread)
     for e in engines:
         s = out[e]
         emit(f"{e:>6}: final reward {s['mean']:.3f} +- {s['std']:.3f} over {len(seeds)} seeds {s['final']}")

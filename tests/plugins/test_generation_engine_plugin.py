@@ -130,24 +130,49 @@ def test_the_plugin_samples_with_the_weights_it_is_given():
     assert max_diff(rollout.logprobs, trainer.forward(seqs, "logprobs", 0), seqs.response_mask) < 1e-4
 
 
-def mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
+def _benchmark() -> ModuleType:
+    """benchmarks/engines_agree.py (its final-reward and agreement rules), from its file."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "engines_agree.py"
+    spec = importlib.util.spec_from_file_location("engines_agree", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.slow
 def test_grpo_with_the_plugins_generation_engine_learns_like_the_builtin_engine(tmp_path):
-    """Only the public hooks: the plugin is registered in-process and chosen by `generation.engine`."""
+    """Only the public hooks: the plugin is registered in-process and chosen by `generation.engine`.
+    Two seeds per engine: both learn, and their final rewards agree within a bound derived from the
+    seed-to-seed spread (one seed each, compared after 150 steps, was flaky: by then seeds spread
+    apart, 0.33 to 0.58). At 50 steps the seeds still agree closely (final reward sd 0.015-0.03 over
+    six seeds, local and vLLM: plugins/flowrl-vllm/tests/test_engines_agree.py), which bounds the spread
+    from below."""
+    bench = _benchmark()
     reg = plugin_registry()
-    settings = ["steps=150", "rollout.prompts_per_step=16", "rollout.samples_per_prompt=8"]
+    settings = ["steps=50", "rollout.prompts_per_step=16", "rollout.samples_per_prompt=8"]
     settings += ["checkpoint=false", "progress=false"]
-    curves = {}
-    for engine in ("local", "hf_generate"):
-        overrides = [*settings, f"generation.engine={engine}", f"out={tmp_path / engine}"]
-        graph, plan = api.plan("grpo", registry=reg, overrides=overrides, emit=lambda s: None)
-        result = api.run(graph, plan, registry=reg)
-        rewards = [m["reward"] for m in result.metrics]
-        curves[engine] = (mean(rewards[:10]), mean(rewards[-10:]))
-        print(f"GRPO copy, generation engine {engine}: reward {curves[engine][0]:.3f} -> {curves[engine][1]:.3f}")
-    for engine, (first, last) in curves.items():  # measured: local 0.024 -> 0.571, hf_generate 0.024 -> 0.521
-        assert last > first + 0.3, (engine, curves)
-    assert abs(curves["hf_generate"][1] - curves["local"][1]) < 0.15, curves
+    finals: dict[str, list[float]] = {}
+    noise: dict[str, list[float]] = {}
+    firsts: dict[str, list[float]] = {}
+    for seed in (0, 1):
+        for engine in ("local", "hf_generate"):
+            overrides = [
+                *settings,
+                f"seed={seed}",
+                f"generation.engine={engine}",
+                f"out={tmp_path / engine / str(seed)}",
+            ]
+            graph, plan = api.plan("grpo", registry=reg, overrides=overrides, emit=lambda s: None)
+            rewards = [m["reward"] for m in api.run(graph, plan, registry=reg).metrics]
+            finals.setdefault(engine, []).append(bench.final_reward(rewards))
+            noise.setdefault(engine, []).append(bench.within_sd(rewards))
+            firsts.setdefault(engine, []).append(sum(rewards[:10]) / 10)
+            print(
+                f"GRPO copy, engine {engine}, seed {seed}: reward {firsts[engine][-1]:.3f} -> {finals[engine][-1]:.3f}"
+            )
+    verdict = bench.agreement(finals, noise, min_spread=0.025)
+    print(verdict)
+    for engine in finals:  # both learn
+        assert min(finals[engine]) > max(firsts[engine]) + 0.08, (engine, finals, firsts)
+    assert verdict["agree"], (verdict, finals)

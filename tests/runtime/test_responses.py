@@ -124,6 +124,7 @@ def test_the_models_context_end_finishes_a_row():
     assert r.ids == ids("abc") and r.finished and r.reason == LENGTH
     r = rules().extend(Response(ids("ab"), lps(2)), [], [], room=0)
     assert r.finished and r.reason == LENGTH and r.text == "ab"
+    assert rules().extend(r, ids("cd"), lps(2)) == r  # an ended response takes no more tokens
 
 
 @pytest.mark.parametrize("sampling", [{}, {"stop": ("ca",)}, {"ignore_eos": True}, {"max_new_tokens": 5}])
