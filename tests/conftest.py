@@ -1,10 +1,13 @@
-"""Test isolation: no installed plugin leaks into a test, and property tests are seeded.
+"""Test isolation: no installed plugin leaks into a test, property tests are seeded, and no
+result depends on the machine's speed.
 
 Entry-point plugins are blocked for every test (``FLOWRL_PLUGINS=""``, inherited by CLI
 subprocesses too); a test that exercises entry points sets ``FLOWRL_PLUGINS`` itself with
 monkeypatch. Hypothesis runs derandomized (the same examples on every run and machine) with
 no per-example deadline (a loaded CI box is slow); ``HYPOTHESIS_PROFILE=explore`` searches
-randomly with more examples.
+randomly with more examples. The auto-tuner's search budget (``--budget``, ``budget_s``) is
+wall-clock time; in this process its clock is a counter (``PlannerClock``), so a budget buys
+the same candidates on every machine. CLI subprocesses keep the real clock.
 """
 
 from __future__ import annotations
@@ -24,6 +27,46 @@ settings.register_profile(
 )
 settings.register_profile("explore", deadline=None, max_examples=500, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+class PlannerClock:
+    """``time`` for flowrl.planner.autotune: every read of ``perf_counter`` advances ``TICK``
+    seconds. The search reads it once per candidate, so a budget of B seconds simulates about
+    B / TICK candidates (0.7 B / TICK on the greedy path), and ``TuneResult.seconds`` counts
+    reads. TICK is a slow machine's cost of a candidate (a 2-core box takes 13-60 ms), and a power
+    of two, so that differences of readings are exact wherever the counter stands."""
+
+    TICK = 1 / 16
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += self.TICK
+        return self.now
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _deterministic_planner_clock():
+    """The tuner's budget in candidates, not seconds, for every test and module fixture (a test may
+    install its own clock over it with monkeypatch)."""
+    from flowrl.planner import autotune
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(autotune, "time", PlannerClock())
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """Tests run tiny models: one intra-op thread is as fast, and far faster on a loaded 2-core box,
+    where two threads wait on each other at every op. (Subprocesses keep torch's default.)"""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)

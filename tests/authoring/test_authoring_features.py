@@ -249,6 +249,7 @@ def build(cfg):
 """
 
 
+@pytest.mark.slow
 def test_a_port_bound_to_another_key_gets_that_key(tmp_path):
     src = graph_file(tmp_path, SPY_INPUT.format(reads="costs responses"))
     run(tmp_path, src, steps=1)
@@ -265,6 +266,7 @@ def test_a_port_bound_elsewhere_while_its_own_name_is_read_is_refused_or_gets_th
     assert module_of(src).SEEN["rewards"].tolist() == [0.0] * 8
 
 
+@pytest.mark.slow
 def test_an_output_port_bound_onto_another_outputs_name_writes_the_bound_port(tmp_path):
     src = graph_file(
         tmp_path,
@@ -329,6 +331,7 @@ def build(cfg):
 
 
 @pytest.mark.parametrize("mode", ["sync", "one_step_off"])
+@pytest.mark.slow
 def test_state_is_read_as_of_the_last_update_clamped_and_logged(tmp_path, mode):
     src = graph_file(tmp_path, STATE_GRAPH.format(new='inputs["lam"] + by'))
     recs = run(tmp_path, src, f"rollout.mode={mode}", steps=4)
@@ -337,6 +340,7 @@ def test_state_is_read_as_of_the_last_update_clamped_and_logged(tmp_path, mode):
     assert all(isinstance(v, float) for v in module_of(src).SEEN)
 
 
+@pytest.mark.slow
 def test_state_is_clamped_to_low(tmp_path):
     src = graph_file(tmp_path, STATE_GRAPH.format(new='inputs["lam"] - 10 * by'))
     recs = run(tmp_path, src, steps=2)
@@ -359,6 +363,7 @@ def test_a_bad_state_update_is_an_error_naming_node_function_and_state(tmp_path,
     assert "node 'step'" in msg and "rv_step" in msg and all(w in msg for w in words), msg
 
 
+@pytest.mark.slow
 def test_a_state_update_that_is_not_returned_is_an_error(tmp_path):
     src = graph_file(tmp_path, STATE_GRAPH.format(new='inputs["lam"]').replace('{"lam": inputs["lam"]}', "{}"))
     with pytest.raises(FlowRLError) as exc:
@@ -403,6 +408,7 @@ def test_a_state_named_like_a_key_or_read_by_a_generate_node_is_refused():
         g.verify()
 
 
+@pytest.mark.slow
 def test_safe_rlhf_multiplier_is_checkpointed_and_resume_continues_it(tmp_path):
     whole, part = crash_and_resume(tmp_path, str(GRAPHS / "safe_rlhf.py"))
     lams = [r["multiplier_step/multiplier"] for r in records(whole)]
@@ -479,6 +485,7 @@ def test_dynamic_sampling_runs_rounds_until_enough_groups_pass_and_writes_the_ac
     assert load_workload(tmp_path / "f" / "plan.yaml").acceptance_rate == 0.5  # what `plan --workload` reads
 
 
+@pytest.mark.slow
 def test_a_finished_run_with_a_filter_can_be_extended(tmp_path, capsys):
     src = filter_graph(tmp_path, keep=2)
     base = ["--quiet", "--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=2"]
@@ -490,6 +497,7 @@ def test_a_finished_run_with_a_filter_can_be_extended(tmp_path, capsys):
     assert [r["step"] for r in records(tmp_path / "f")] == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_falls_back_to_the_last_round_when_no_group_passes(tmp_path):
     src = filter_graph(tmp_path, keep=0)
     recs = run(tmp_path, src, steps=1)
@@ -497,6 +505,7 @@ def test_dynamic_sampling_falls_back_to_the_last_round_when_no_group_passes(tmp_
     assert recs[0]["keep/groups"] == 4 and recs[0]["rollout/samples"] == 8
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_with_more_groups_than_prompts_per_step(tmp_path):
     src = filter_graph(tmp_path, keep=4, groups=", groups=8")
     recs = run(tmp_path, src, steps=1)
@@ -518,6 +527,7 @@ def test_plan_rows_after_a_filter_count_its_groups(tmp_path):
         ("1 / 0", ["raised ZeroDivisionError"]),
     ],
 )
+@pytest.mark.slow
 def test_a_bad_filter_function_result_is_an_error_naming_node_and_function(tmp_path, result, words):
     src = filter_graph(tmp_path, keep=1, result=result)
     with pytest.raises(GraphError) as exc:
@@ -557,6 +567,7 @@ def test_filter_structure_is_checked():
         g.filter("k2", fn="nonconstant", reads="rewards responses", max_rounds=0)
 
 
+@pytest.mark.slow
 def test_dapo_resume_with_dynamic_sampling_equals_the_uninterrupted_run(tmp_path):
     whole, part = crash_and_resume(tmp_path, str(GRAPHS / "dapo.py"), "rollout.mode=one_step_off")
     assert all(r["dynamic_sampling/rounds"] >= 1 for r in records(whole))
@@ -626,6 +637,7 @@ def mine_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     return proc, folder / "runs" / "mine"
 
 
+@pytest.mark.slow
 def test_a_graph_file_registering_every_kind_runs_from_the_cli(mine_run):
     proc, folder = mine_run
     assert proc.returncode == 0, proc.stderr
@@ -638,6 +650,7 @@ def test_a_graph_file_registering_every_kind_runs_from_the_cli(mine_run):
         assert 0 < r["reward"] <= 0.5
 
 
+@pytest.mark.slow
 def test_episode_metrics_are_logged_with_dynamic_sampling(mine_run):
     _, folder = mine_run
     assert all("rollout/turns" in r and "rollout/env_replies" in r for r in records(folder))
@@ -655,6 +668,7 @@ def test_a_graph_file_loaded_twice_in_one_process_registers_its_newest_functions
     assert entry.plugin == f"graph file {src}"
 
 
+@pytest.mark.slow
 def test_a_name_clashing_with_a_builtin_is_one_clear_error_from_the_cli(tmp_path):
     (tmp_path / "clash.py").write_text(
         HEADER
@@ -792,6 +806,7 @@ def build(cfg):
 """
 
 
+@pytest.mark.slow
 def test_the_action_mask_covers_exactly_the_model_tokens_of_an_episode(tmp_path):
     from flowrl.tasks.tokenizer import build_tokenizer
 
@@ -842,6 +857,7 @@ def test_the_calculator_answers_a_key_press_once():
     assert calc.reply(Prompt(text="hello", answer=""), ["="]) == "error|"
 
 
+@pytest.mark.slow
 def test_tool_use_runs_on_calc_and_refuses_chunked_rollouts(tmp_path):
     recs = run(tmp_path, str(GRAPHS / "tool_use.py"), steps=1)
     assert recs[0]["episodes/samples"] == 8 and 1.0 <= recs[0]["episodes/turns"] <= 2.0
@@ -897,6 +913,7 @@ def test_a_measured_acceptance_rate_costs_more_generation_rounds(capsys, tmp_pat
     assert rollouts[0.5] > 1.5 * rollouts[1.0], rollouts
 
 
+@pytest.mark.slow
 def test_two_agent_trains_both_policies_on_their_own_rows(tmp_path):
     recs = run(tmp_path, str(GRAPHS / "two_agent.py"), steps=1)
     r = recs[0]

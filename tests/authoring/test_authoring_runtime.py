@@ -59,6 +59,7 @@ class Crash(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_graph_state_is_updated_checkpointed_and_resumed_exactly(tmp_path):
     from flowrl.planner.plan import load_plan
     from flowrl.runtime.executor import run_dir
@@ -114,6 +115,7 @@ def build(cfg):
 '''
 
 
+@pytest.mark.slow
 def test_a_graph_file_registers_its_own_reward_and_estimator_and_runs_from_the_cli(tmp_path):
     src = tmp_path / "own.py"
     src.write_text(GRAPH_WITH_OWN_FUNCTIONS)
@@ -221,6 +223,7 @@ def build(cfg):
         run(str(src), tmp_path, 1, "checkpoint=false")
 
 
+@pytest.mark.slow
 def test_the_readme_walkthrough_is_the_example_file_and_it_runs_from_the_cli(tmp_path):
     from pathlib import Path
 
@@ -246,6 +249,7 @@ def test_the_readme_walkthrough_is_the_example_file_and_it_runs_from_the_cli(tmp
     assert len((tmp_path / "custom" / "metrics.jsonl").read_text().splitlines()) == 3
 
 
+@pytest.mark.slow
 def test_a_runs_plan_yaml_is_a_workload_file_with_its_measured_acceptance(tmp_path):
     from flowrl.planner.workload import load_workload
 

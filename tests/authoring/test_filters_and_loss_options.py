@@ -28,6 +28,7 @@ def _run(tmp_path: Path, graph: str, *overrides: str) -> list[dict]:
     return _records(result.out_dir)
 
 
+@pytest.mark.slow
 def test_a_row_filter_trains_on_exactly_the_rows_it_kept(tmp_path: Path) -> None:
     # min_reward 0: every row passes; 1.01: none does (the step's train is skipped, not run on junk)
     every = _run(tmp_path / "all", "graphs/rejection_sft.py", "steps=2", "nodes.select.min_reward=0.0")

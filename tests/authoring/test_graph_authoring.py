@@ -164,7 +164,9 @@ def test_environment_generation_needs_a_registered_environment_and_turns_need_on
         g.generate("rollout", model="actor", turns=3)
 
 
-@pytest.mark.parametrize("graph", ["dapo", "safe_rlhf", "two_agent", "tool_use"])
+@pytest.mark.parametrize(
+    "graph", [*(pytest.param(g, marks=pytest.mark.slow) for g in ("dapo", "safe_rlhf", "two_agent")), "tool_use"]
+)
 def test_shipped_graphs_plan_for_a_cluster_with_explain(graph):
     from flowrl.cli import main
 
@@ -182,6 +184,7 @@ def test_two_policies_get_their_own_generation_layouts_and_syncs():
     assert {m.model for m in schedule.models if m.generation_group is not None} == {"proposer", "solver"}
 
 
+@pytest.mark.slow
 def test_the_planner_costs_dynamic_sampling_rounds_from_the_acceptance_rate(tmp_path):
     from flowrl.cli import main
     from flowrl.planner.plan import load_plan

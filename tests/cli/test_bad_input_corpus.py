@@ -1226,12 +1226,42 @@ def invoke(argv: Sequence[str], timeout_s: float = CASE_TIMEOUT_S) -> tuple[int 
         signal.signal(signal.SIGUSR1, old)
 
 
+#: cases that run a training step before they fail (half a second or more each): the full suite
+#: runs them, the quick lane (-m "not slow") does not
+SLOW_CASES = {
+    "new-resume-checkpoint-model-missing",
+    "new-resume-truncated-checkpoint",
+    "new-resume-checkpoint-manifest-garbage",
+    "new-resume-checkpoint-wrong-format",
+    "new-loss-nan",
+    "new-compute-nan-output",
+    "new-graph-import-timeout",
+    "new-graph-import-timeout-not-swallowed",
+    "reward-metric-not-a-number",
+    "reward-calls-sys-exit",
+    "reward-returns-none",
+    "reward-returns-nan",
+    "reward-returns-inf",
+    "reward-wrong-length",
+    "reward-raises",
+    "reward-returns-strings",
+    "reward-metrics-not-a-mapping",
+    "loss-returns-a-float",
+    "loss-raises",
+    "compute-not-a-mapping",
+}
+
+
 def _params(cases: list[Case]) -> list[Any]:
     ids = [c.id for c in cases]
     assert len(ids) == len(set(ids)), "case ids must be unique"
+    known = {c.id for c in (*CASES, *NEW_FEATURES)}
+    assert SLOW_CASES <= known, SLOW_CASES - known
     out = []
     for c in cases:
         marks = c.marks
+        if c.id in SLOW_CASES:
+            marks += (pytest.mark.slow,)
         if c.id in FAILING_TODAY:
             marks += (pytest.mark.xfail(reason=FAILING_TODAY[c.id], strict=True),)
         out.append(pytest.param(c, id=c.id, marks=marks))

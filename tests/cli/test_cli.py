@@ -174,6 +174,7 @@ def test_plugins_lists_builtins(capsys):
         assert f"  {name} " in out
 
 
+@pytest.mark.slow
 def test_python_dash_m_runs_the_cli():
     proc = subprocess.run(
         [sys.executable, "-m", "flowrl", "show", "grpo"], capture_output=True, text=True, cwd=REPO, timeout=120

@@ -289,6 +289,7 @@ EXAMPLES = 60 if os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci" else setting
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(sets=overrides, command=st.sampled_from(["show", "plan"]))
 def test_random_overrides_exit_0_or_2(isolated: Path, sets: list[str], command: str) -> None:
@@ -299,6 +300,7 @@ def test_random_overrides_exit_0_or_2(isolated: Path, sets: list[str], command: 
 _counter = itertools.count()
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(name=graph_names, body=graph_bodies, defaults=defaults, sets=st.lists(override, max_size=2))
 def test_random_graph_files_exit_0_or_2(

@@ -101,6 +101,7 @@ def test_a_plan_file_giving_both_names_differently_is_refused_naming_the_file(tm
         load_plan(path)
 
 
+@pytest.mark.slow
 def test_an_old_plan_runs_and_an_old_run_folder_resumes(capsys, tmp_path: Path) -> None:
     code, out, err = run_cli(capsys, "run", "--plan", str(LEGACY), "--out", str(tmp_path), "--quiet")
     assert code == 0, err
@@ -116,6 +117,7 @@ def test_an_old_plan_runs_and_an_old_run_folder_resumes(capsys, tmp_path: Path) 
 # ---------------------------------------------------------------------------- the command line
 
 
+@pytest.mark.slow
 def test_plan_runs_where_out_says_with_its_checkpoint_settings_and_the_same_id(
     capsys, plan: ExecutionPlan, tmp_path: Path
 ) -> None:

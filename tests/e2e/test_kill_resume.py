@@ -12,9 +12,12 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 from flowrl.runtime import checkpoint
+
+pytestmark = pytest.mark.slow  # flowrl subprocesses, killed and resumed
 
 STEPS = 14
 RUN = ["--steps", str(STEPS), "--save-every", "1", "--quiet", "--set", "rollout.prompts_per_step=4"]

@@ -51,6 +51,7 @@ def test_llama_70b_ppo_on_8_a100_40g_fails_with_the_shortfall(capsys):
     assert at_least and count >= int(at_least.group(1)) > 8
 
 
+@pytest.mark.slow
 def test_the_suggested_cluster_is_enough():
     err = None
     try:
@@ -145,6 +146,7 @@ def test_plugin_hardware_preset_is_a_cluster(reg):
     assert "A100-80G" in reg.names("hardware")  # the built-ins are still there
 
 
+@pytest.mark.slow
 def test_plugin_pass_runs_after_the_tuner(reg):
     target = ClusterTarget(
         cluster=tpu_cluster(reg),
@@ -246,6 +248,7 @@ def planned(tmp_path_factory):
     return out, png
 
 
+@pytest.mark.slow
 def test_timeline_png_and_json_beside_it(planned):
     _, png = planned
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -108,6 +108,7 @@ def test_hardware_files_keep_their_engine_calibrations(tmp_path, reg):
     assert load_hardware(save_hardware(hw, tmp_path / "hw.yaml")) == hw
 
 
+@pytest.mark.slow
 def test_plan_explain_names_the_generation_engine():
     out = subprocess.run(
         [sys.executable, "-m", "flowrl", "plan", "grpo", "--explain"], capture_output=True, text=True, timeout=300

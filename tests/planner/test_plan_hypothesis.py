@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,6 +30,7 @@ lengths = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None)
 @given(
     devices=st.sampled_from([1, 2, 3, 8, 12, 16, 64, 128, 1000]),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from flowrl import api
 from flowrl.plugins.manager import load_plugins
 
@@ -19,6 +21,7 @@ def install_metadata(site: Path) -> None:
     (info / "entry_points.txt").write_text("[flowrl]\nexample_under_test = flowrl_example\n")
 
 
+@pytest.mark.slow
 def test_entry_point_plugin_registers_and_runs(tmp_path, monkeypatch):
     install_metadata(tmp_path / "site")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))

@@ -24,7 +24,8 @@ ray = pytest.importorskip("ray")
 SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "progress=false", "checkpoint=false"]
 
 
-pytestmark = pytest.mark.usefixtures("ray_session")  # one private Ray for the module (tests/conftest.py)
+# one private Ray for the module (tests/conftest.py); runs end to end on Ray workers
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
 
 
 def cpu2_plan(graph: str, tmp_path, *extra: str, **pins: str):

@@ -31,7 +31,8 @@ SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "progress
 CLI_SMALL = ["--steps", "2", "--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=4", "--quiet"]
 
 
-pytestmark = pytest.mark.usefixtures("ray_session")  # one private Ray for the module (tests/conftest.py)
+# one private Ray for the module (tests/conftest.py); runs end to end on Ray workers
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
 
 
 def plan_for(graph: str, out: Path, *extra: str, devices: int = 2, **pins: str):

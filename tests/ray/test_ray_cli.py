@@ -12,6 +12,8 @@ import yaml
 
 pytest.importorskip("ray")
 
+pytestmark = pytest.mark.slow  # each `flowrl` subprocess starts and stops a Ray
+
 SMALL = ["--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=4", "--steps", "2"]
 
 

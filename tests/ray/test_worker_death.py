@@ -19,6 +19,8 @@ from flowrl.plugins.manager import registry
 
 ray = pytest.importorskip("ray")
 
+pytestmark = pytest.mark.slow  # a private Ray per test, workers killed mid-run
+
 
 def test_a_killed_worker_stops_the_run_naming_the_worker_group_and_iteration(tmp_path, monkeypatch):
     monkeypatch.setenv("FLOWRL_PLUGINS", "ray")

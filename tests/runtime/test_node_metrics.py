@@ -20,7 +20,9 @@ TINY = [
 ]
 
 
-@pytest.mark.parametrize("graph", BUILTIN_GRAPHS)
+@pytest.mark.parametrize(
+    "graph", [g if g in ("grpo", "ppo") else pytest.param(g, marks=pytest.mark.slow) for g in BUILTIN_GRAPHS]
+)
 def test_every_shipped_graph_logs_reward_kl_and_length(graph, tmp_path):
     g, plan = api.plan(graph, overrides=[*TINY, f"out={tmp_path}"], emit=lambda s: None)
     result = api.run(g, plan)

@@ -51,6 +51,7 @@ def _stopped_and_resumed(graph, plan, folder: Path, crash: int) -> api.RunResult
     # (more algorithms and modes: test_resume_edge_cases.py)
     [("grpo", "sync"), ("grpo", "one_step_off"), ("ppo", "partial+async")],
 )
+@pytest.mark.slow
 def test_a_resumed_run_equals_the_uninterrupted_run_bit_for_bit(tmp_path, algo, mode):
     graph, plan = api.plan(algo, overrides=[*SMALL, f"rollout.mode={mode}"], flags={"steps": 7}, emit=lambda s: None)
     whole = run_dir(str(tmp_path), "whole")
@@ -124,6 +125,7 @@ def test_the_tree_codec_round_trips_and_builds_only_known_types(tmp_path):
         checkpoint.load_tree(tmp_path / "t")
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_checkpoint_of_another_run_and_a_corrupt_one(tmp_path):
     graph, plan = api.plan("grpo", overrides=SMALL, flags={"steps": 2}, emit=lambda s: None)
     folder = api.run(graph, plan, out_dir=run_dir(str(tmp_path), "a")).out_dir
@@ -138,6 +140,7 @@ def test_resume_refuses_a_checkpoint_of_another_run_and_a_corrupt_one(tmp_path):
         api.run(graph, plan, out_dir=folder, resume=True)
 
 
+@pytest.mark.slow
 def test_a_run_killed_before_its_first_checkpoint_starts_over_on_resume(tmp_path):
     graph, plan = api.plan("grpo", overrides=[*SMALL, "save_every=0"], flags={"steps": 3}, emit=lambda s: None)
     folder = run_dir(str(tmp_path), "a")
@@ -159,6 +162,7 @@ def test_a_run_failing_before_any_step_leaves_no_folder(tmp_path):
     assert not folder.exists()
 
 
+@pytest.mark.slow
 def test_a_non_finite_advantage_stops_the_step_naming_the_node_or_is_skipped(tmp_path, monkeypatch):
     graph, plan = api.plan("grpo", overrides=SMALL, flags={"steps": 2}, emit=lambda s: None)
     estimator = next(n for n in graph.nodes.values() if n.kind == "compute")

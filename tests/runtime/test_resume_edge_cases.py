@@ -1,11 +1,11 @@
-"""Review of checkpoints and resume (README "Checkpoints and resume", issue 9 "Lose nothing") as a
-demanding user tries them from the CLI: resume in every rollout mode and with several algorithms
+"""Checkpoints and resume at their edges (README "Checkpoints and resume", issue 9 "Lose nothing"),
+from the CLI as a user meets them: resume in every rollout mode and with several algorithms
 and tasks, extend a run, resume a finished run, stop with Ctrl-C / SIGTERM (delivered in this
 process through the progress-bar hook, or to a subprocess), damaged and deleted checkpoints,
 folders copied elsewhere, other working directories, `--model` from an earlier run, concurrent
 resumes, and what each command prints.
 
-The fourteen bugs this review found (a stop without checkpoints, the last step's HF checkpoint, a
+Fourteen bugs found by trying them (a stop without checkpoints, the last step's HF checkpoint, a
 smaller --steps, damaged newest checkpoints, the optimizer state, a changed base model, the trace,
 relative paths, a finished run without checkpoints, SIGTERM during setup, two resumes at once)
 are fixed; their tests stay as regressions.
@@ -137,6 +137,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         ("ppo_rm", "streaming", "copy"),
     ],
 )
+@pytest.mark.slow
 def test_a_crashed_run_resumed_equals_the_uninterrupted_run(tmp_path, algo, mode, task):
     """Modes x algorithms x tasks the shipped tests do not cover: a crash after step 3 loses the
     steps after the last checkpoint (step 1), which are run again, bit for bit."""
@@ -169,6 +170,7 @@ def test_a_crashed_run_resumed_equals_the_uninterrupted_run(tmp_path, algo, mode
     assert stripped(whole) == stripped(part)
 
 
+@pytest.mark.slow
 def test_ctrl_c_twice_in_a_row_then_resume_equals_the_uninterrupted_run(tmp_path, capsys, monkeypatch):
     """async: Ctrl-C during step 1 stops with a checkpoint of step 1 (exit 130, says how to go on);
     resumed, Ctrl-C during step 3 stops again; the last resume ends equal to a run never stopped.
@@ -195,6 +197,7 @@ def test_ctrl_c_twice_in_a_row_then_resume_equals_the_uninterrupted_run(tmp_path
     assert (folder / "checkpoint" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_extending_a_finished_sync_run_equals_the_longer_run(tmp_path, capsys, runs, monkeypatch):
     """--resume DIR --steps 6 on a finished 4-step run: same metrics as the 6-step run (but for
     prompts_drawn, which counts the prompts of steps created ahead); plan.yaml says 6 steps."""
@@ -232,6 +235,7 @@ def test_a_folder_copied_elsewhere_with_its_newest_checkpoint_deleted_falls_back
     assert stripped(runs["six"]) == stripped(folder)
 
 
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_is_one_error_naming_the_file(tmp_path, capsys, runs):
     folder = copy(runs["four"], tmp_path / "four")
     (folder / "checkpoints" / "step-000003" / "models" / "actor" / "model.safetensors").unlink()
@@ -245,6 +249,7 @@ def test_a_damaged_newest_checkpoint_is_one_error_naming_the_file(tmp_path, caps
     assert rc == 2 and "Traceback" not in err and "model.safetensors" in err, err
 
 
+@pytest.mark.slow
 def test_save_every_0_writes_only_the_last_checkpoint_and_keep_1_keeps_one(tmp_path, capsys):
     rc, _, err = cli(capsys, "run", "grpo", "--steps", "3", "--save-every", "0", "--out", str(tmp_path), *SMALL)
     assert rc == 0, err
@@ -309,6 +314,7 @@ def _flaky_registry(state: dict[str, int]) -> Any:
     return load_plugins(entry_points=False, extra=[("flaky_fns", module)])[1]
 
 
+@pytest.mark.slow
 def test_a_failure_after_a_checkpoint_keeps_the_folder_and_says_how_to_resume(tmp_path):
     state = {"calls": 0, "fail_at": 4}  # the reward of step 3 fails; checkpoints after steps 1, 3, 5
     reg = _flaky_registry(state)
@@ -336,6 +342,7 @@ def test_ctrl_c_stops_a_run_without_checkpoints_too(tmp_path, capsys, monkeypatc
     assert rc == 130 and len(records(tmp_path / "grpo")) == 2
 
 
+@pytest.mark.slow
 def test_a_run_stopped_during_its_last_step_gets_its_hf_checkpoint_on_resume(tmp_path, capsys, monkeypatch):
     signal_at(monkeypatch, 3)
     cli(capsys, "run", "grpo", "--steps", "4", "--save-every", "2", "--out", str(tmp_path), *SMALL)
@@ -378,6 +385,7 @@ def test_a_checkpoint_without_its_optimizer_state_is_refused(tmp_path, capsys, r
     assert (rc == 2 and "optimizer" in err) or stripped(runs["six"]) == stripped(folder)
 
 
+@pytest.mark.slow
 def test_resume_notices_that_the_base_model_folder_changed(tmp_path, capsys, runs):
     a = copy(runs["four"], tmp_path / "A")
     args = ["--steps", "4", "--save-every", "2", "--model", str(a / "checkpoint"), "--out", str(tmp_path), *SMALL]
@@ -404,6 +412,7 @@ def test_resume_from_inside_the_runs_folder(tmp_path, capsys, runs, monkeypatch)
     assert rc == 0, err
 
 
+@pytest.mark.slow
 def test_resume_a_relative_graph_file_run_from_another_directory(tmp_path, capsys, monkeypatch):
     (tmp_path / "a" / "graphs").mkdir(parents=True)
     shutil.copy(ROOT / "graphs" / "grpo.py", tmp_path / "a" / "graphs" / "mine.py")
@@ -417,6 +426,7 @@ def test_resume_a_relative_graph_file_run_from_another_directory(tmp_path, capsy
     assert rc == 0, err
 
 
+@pytest.mark.slow
 def test_resume_a_run_with_a_relative_model_path_from_another_directory(tmp_path, capsys, runs, monkeypatch):
     copy(runs["four"] / "checkpoint", tmp_path / "base")
     (tmp_path / "b").mkdir()
@@ -428,6 +438,7 @@ def test_resume_a_run_with_a_relative_model_path_from_another_directory(tmp_path
     assert rc == 0, err
 
 
+@pytest.mark.slow
 def test_resuming_a_finished_run_without_checkpoints_does_not_run_it_again(tmp_path, capsys):
     rc, _, _ = cli(capsys, "run", "grpo", "--steps", "2", "--set", "checkpoint=false", "--out", str(tmp_path), *SMALL)
     assert rc == 0
@@ -436,6 +447,7 @@ def test_resuming_a_finished_run_without_checkpoints_does_not_run_it_again(tmp_p
     assert (tmp_path / "grpo" / "metrics.jsonl").read_bytes() == before
 
 
+@pytest.mark.slow  # a flowrl subprocess
 def test_sigterm_while_the_run_starts_leaves_no_folder(tmp_path, start_flowrl):
     proc = start_flowrl("grpo", "--steps", "20", "--out", str(tmp_path), *SMALL)
     plan = tmp_path / "grpo" / "plan.yaml"
@@ -448,6 +460,7 @@ def test_sigterm_while_the_run_starts_leaves_no_folder(tmp_path, start_flowrl):
     assert not folder.exists() or (folder / "metrics.jsonl").is_file(), sorted(p.name for p in folder.iterdir())
 
 
+@pytest.mark.slow  # a flowrl subprocess
 def test_two_resumes_of_one_folder_at_once(tmp_path, start_flowrl):
     assert quiet_main("run", "grpo", "--steps", "2", "--save-every", "1", "--out", str(tmp_path), *SMALL) == 0
     folder = tmp_path / "grpo"

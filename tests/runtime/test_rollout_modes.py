@@ -105,6 +105,7 @@ class ScriptedEngine:
         return self._extend(rollout.sequences, rollout.logprobs, rollout.finished, max_new_tokens or 99)
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(
     seed=st.integers(0, 10_000),
@@ -187,6 +188,7 @@ def actor():
     return generators["actor"]
 
 
+@pytest.mark.slow
 def test_greedy_abort_and_resume_through_the_buffer_gives_the_uninterrupted_tokens(actor):
     """Partial rollouts with 2-token chunks abort unfinished responses at every step and continue
     them later; under greedy decoding every trained response equals one uninterrupted generation."""
@@ -231,6 +233,7 @@ def _records(result):
 TIMING = ("step_seconds", "tokens_per_s", "spans")
 
 
+@pytest.mark.slow
 def test_one_step_off_with_eta_zero_is_sync(tmp_path):
     _, _, sync = run(tmp_path / "a", None)
     _, _, off = run(tmp_path / "b", "one_step_off", "rollout.staleness=0")
@@ -241,7 +244,13 @@ def test_one_step_off_with_eta_zero_is_sync(tmp_path):
         assert record["rollout/staleness_0"] == 1.0
 
 
-@pytest.mark.parametrize("mode", ["one_step_off", "async", "partial", "partial+async", "streaming"])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "mode",
+    ["one_step_off", *(pytest.param(m, marks=SLOW) for m in ("async", "partial", "partial+async", "streaming"))],
+)
 def test_every_mode_runs_locally_within_its_bound(tmp_path, mode):
     plan, executor, result = run(tmp_path, mode, steps=4)
     eta = plan.layout.rollout.staleness

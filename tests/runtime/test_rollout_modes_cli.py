@@ -135,6 +135,7 @@ def check_prompts(executor, steps: int, prompts: int = PPS) -> None:
         ("grpo", "one_step_off+partial+streaming"),
     ],
 )
+@pytest.mark.slow
 def test_each_algorithm_runs_in_each_mode(runs, graph, mode):
     plan, executor, records = runs(mode, graph=graph)
     check_records(plan, records, 3)
@@ -155,6 +156,7 @@ def test_sync_is_on_policy_everywhere(runs):
     assert all(r["rollout/staleness_0"] == 1.0 and r["train_actor/is_mean"] == 1.0 for r in records)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["async", "partial+async", "streaming+async", "partial"])
 def test_same_seed_gives_the_same_metrics(runs, mode):
     """Interleavings of generation chunks and training are part of the plan, not of timing."""
@@ -163,6 +165,7 @@ def test_same_seed_gives_the_same_metrics(runs, mode):
     assert without_timing(a) == without_timing(b)
 
 
+@pytest.mark.slow
 def test_partial_streaming_runs_from_the_cli(tmp_path, capsys):
     rc = main(
         [
@@ -185,6 +188,7 @@ def test_partial_streaming_runs_from_the_cli(tmp_path, capsys):
 # ------------------------------------------------------------------ small and odd sizes
 
 
+@pytest.mark.slow
 def test_partial_without_overprovision_carries_nothing(runs):
     plan, executor, records = runs("partial", "rollout.overprovision=0")
     assert plan.layout.rollout.partial and plan.layout.rollout.overprovision == 0.0
@@ -196,6 +200,7 @@ def test_partial_without_overprovision_carries_nothing(runs):
 
 
 @pytest.mark.parametrize("mode", ["partial+async", "streaming"])
+@pytest.mark.slow
 def test_response_budget_below_the_chunk_is_kept(runs, mode):
     plan, executor, records = runs(mode, "rollout.max_new_tokens=2", "rollout.chunk_tokens=8", steps=2)
     check_records(plan, records, 2)
@@ -203,18 +208,21 @@ def test_response_budget_below_the_chunk_is_kept(runs, mode):
     assert all(0 < r["rollout/response_length"] <= 2 for r in records)
 
 
+@pytest.mark.slow
 def test_one_sample_per_prompt_streams(runs):
     plan, executor, records = runs("streaming", "rollout.samples_per_prompt=1", steps=2)
     check_records(plan, records, 2, samples=PPS)
     check_prompts(executor, 2)
 
 
+@pytest.mark.slow
 def test_one_prompt_per_step_partial_async(runs):
     plan, executor, records = runs("partial+async", "rollout.prompts_per_step=1", steps=3)
     check_records(plan, records, 3, samples=SPP)
     check_prompts(executor, 3, prompts=1)
 
 
+@pytest.mark.slow
 def test_restarted_rows_lose_no_prompt(runs):
     """eta=1 with 200% overprovision and 1-token chunks: rows carried twice are restarted."""
     plan, executor, records = runs(
@@ -225,6 +233,7 @@ def test_restarted_rows_lose_no_prompt(runs):
     assert executor.sources["rollout"].buffer.restarts == sum(r["rollout/restarted"] for r in records) > 0
 
 
+@pytest.mark.slow
 def test_one_step_off_partial_keeps_carried_responses(tmp_path):
     try:
         _, _, records = run_mode(
@@ -237,6 +246,7 @@ def test_one_step_off_partial_keeps_carried_responses(tmp_path):
     assert not all(r["rollout/carried"] > 0 and r["rollout/restarted"] == SPP * r["rollout/carried"] for r in later)
 
 
+@pytest.mark.slow
 def test_every_mode_reports_carried(runs):
     for mode in ("sync", "one_step_off"):
         _, _, records = runs(mode, graph="ppo" if mode == "one_step_off" else "grpo")
@@ -435,6 +445,7 @@ def test_remax_refuses_chunked_modes_clearly(tmp_path, mode):
     assert_user_error(rc, err, "remax", "rollout", "greedy", "one_step_off")
 
 
+@pytest.mark.slow
 def test_remax_runs_one_step_off(runs):
     plan, executor, records = runs("one_step_off", graph="remax", steps=2)
     check_records(plan, records, 2)
@@ -451,6 +462,7 @@ def test_plan_explain_shows_the_pinned_mode():
     assert "| rollout async eta=2 partial+25% |" in winner, out
 
 
+@pytest.mark.slow
 def test_a_plan_file_with_a_mode_runs_as_planned(tmp_path):
     path = tmp_path / "plan.yaml"
     sets = [x for s in (*TINY, f"out={tmp_path / 'runs'}", "rollout.mode=partial+async") for x in ("--set", s)]
@@ -507,6 +519,7 @@ def test_the_tuner_only_picks_modes_the_executor_runs(ray_plugin):
     api.check(g, plan)  # today: PlanError "decodes in chunks for one generate node"
 
 
+@pytest.mark.slow
 def test_chunk_tokens_holds_when_the_tuner_chooses_the_mode(tmp_path):
     g, plan = api.plan("grpo", overrides=[*TINY, "steps=1", f"out={tmp_path}", "rollout.chunk_tokens=3"], emit=quiet)
     # the policy as the tuner's search space writes it (flowrl/planner/space.py skeletons)

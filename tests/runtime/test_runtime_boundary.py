@@ -601,6 +601,7 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+@pytest.mark.slow
 def test_plan_out_then_run_plan_equals_run(capsys, tmp_path):
     set_registry(fake_registry())
     sets = [a for s in [*TINY, *FAKE, f"out={tmp_path}"] for a in ("--set", s)]
@@ -665,6 +666,7 @@ def test_an_engine_factory_returning_none_is_named(tmp_path):
         api.run(graph, plan, registry=reg, out_dir=tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_a_generation_factory_registered_under_the_train_engines_name_is_used(tmp_path):
     class TrainOnly(FakeEngine):
         generate = None  # type: ignore[assignment]
@@ -720,6 +722,7 @@ def local_actor():
     )
 
 
+@pytest.mark.slow
 def test_local_engine_resumes_unfinished_rows_to_the_same_result(local_actor):
     from flowrl.data import Prompt
 
@@ -747,6 +750,7 @@ def test_local_engine_resumes_unfinished_rows_to_the_same_result(local_actor):
     assert torch.equal(again.sequences.response_ids, full.sequences.response_ids) and bool(again.finished.all())
 
 
+@pytest.mark.slow
 def test_a_separate_local_generation_engine_tracks_the_trained_weights(tmp_path):
     from flowrl.plugins.builtin import _local_generation_engine
 

@@ -16,6 +16,8 @@ import torch
 
 pytest.importorskip("vllm")
 
+pytestmark = pytest.mark.slow  # vLLM engines start in seconds; `flowrl profile` calibrates for a minute
+
 from flowrl_vllm.engine import VLLMEngine  # noqa: E402
 
 from flowrl import api  # noqa: E402
