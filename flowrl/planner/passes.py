@@ -560,11 +560,7 @@ def _place(
         capabilities=t.capabilities,
         generation_engine=engine,
         rows=plan_rows(ctx, plan),
-        train_steps={
-            n: (int(o.options["epochs"]), int(o.options["mini_batches"]))
-            for n, o in plan.options.items()
-            if "epochs" in o.options
-        },
+        train_steps=_own_train_steps(ctx.graph, plan),
         constraints=opts.get("require"),
         models=t.models or None,
         micro_batch=plan.config.train.micro_batch_size,
@@ -602,6 +598,18 @@ def _place(
             free = result  # the constrained winner is in the unconstrained space: a shorter search missed it
         ctx.cache["unconstrained"] = free
     return _replace(plan, layout=result.best), result
+
+
+def _own_train_steps(graph: Graph, plan: ExecutionPlan) -> dict[str, tuple[int, int]]:
+    """Train nodes whose own options (graph or ``nodes.*``) set epochs or mini-batches: their
+    (epochs, mini-batches), the workload's where the node sets only one."""
+    out = {}
+    for name in plan.options:
+        own = {**graph.nodes[name].options, **plan.config.nodes.get(name, {})}
+        if graph.nodes[name].trains and ("epochs" in own or "mini_batches" in own):
+            w = plan.workload
+            out[name] = (int(own.get("epochs", w.ppo_epochs)), int(own.get("mini_batches", w.mini_batches)))
+    return out
 
 
 # ------------------------------------------------------------------ micro_batch

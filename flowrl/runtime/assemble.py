@@ -112,7 +112,7 @@ def _source(
         greedy=gen.greedy,
         policy=policy,
         prompts_per_step=cfg.rollout.prompts_per_step,
-        chunk_tokens=policy.chunk_tokens or policy.chunk(budget),  # the planner set the configured chunk
+        chunk_tokens=policy.chunk_tokens or cfg.rollout.chunk_tokens or policy.chunk(budget),
         stream_groups=cfg.rollout.stream_groups,
         pad_id=pad_id(built[gen.model][0]),
         draw=stream,

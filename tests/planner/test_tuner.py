@@ -31,7 +31,7 @@ from flowrl.graph.ir import Graph
 from flowrl.planner import autotune
 from flowrl.planner import memory as mem
 from flowrl.planner.autotune import FINAL, Tuner, TuneResult, explain, roles_of
-from flowrl.planner.capabilities import Capabilities, unsupported
+from flowrl.planner.capabilities import Capabilities, of_config, unsupported
 from flowrl.planner.hardware import HARDWARE_PRESETS, ClusterSpec, parse_cluster
 from flowrl.planner.modelspec import MODEL_PRESETS, ModelSpec
 from flowrl.planner.passes import PIPELINE, colocated, verify_plan
@@ -467,7 +467,10 @@ def test_planning_for_the_backend_restricts_to_the_local_executor():
     target = ClusterTarget(cluster=parse_cluster("1xA100-80G"), model=QWEN, workload=load(64))
     graph, plan = api.plan("grpo", target=target, for_backend=True, options={"budget_s": 2}, emit=quiet)
     caps = api.executor(plan).capabilities
-    assert plan.target.numerics == caps.numerics != mem.Numerics() and plan.target.capabilities == caps
+    # what the executor places and schedules, composed with what the configured engines declared
+    composed = of_config(caps, api.default_registry(), plan.config)
+    assert plan.target.numerics == caps.numerics != mem.Numerics() and plan.target.capabilities == composed
+    assert composed.placements == caps.placements and not composed.model_parallel
     lay = plan.layout
     assert (lay.placement, lay.rollout.mode, lay.rollout.partial, lay.weight_sync.strategy) == (
         "colocate", "sync", False, "reshard",

@@ -42,7 +42,7 @@ def test_builtin_registrations(builtin: Registry) -> None:
         "tool_use",
         "two_agent",
     ]
-    assert builtin.names("losses") == ["gspo", "ppo", "value"]
+    assert builtin.names("losses") == ["gspo", "ppo", "sft", "value"]
     assert builtin.names("compute_functions") == [
         "followup_prompts",
         "gae",
@@ -55,7 +55,7 @@ def test_builtin_registrations(builtin: Registry) -> None:
         "remax",
         "rloo",
     ]
-    assert builtin.names("filters") == ["nonconstant"]
+    assert builtin.names("filters") == ["nonconstant", "threshold"]
     assert builtin.names("environments") == ["calculator"]
     assert builtin.names("tasks") == ["add", "calc", "copy", "repeat"]
     assert builtin.names("executors") == ["local"]
