@@ -94,6 +94,51 @@ class AlgoConfig(Spec):
     is_cap: float = 5.0
 
 
+class DataConfig(Spec):
+    """Prompts from the user's files (``--data FILE``): the ``data`` task.
+
+    Files are jsonl, json, csv, parquet or a ``datasets.save_to_disk`` folder. ``prompt_key``
+    names the column with the prompt (text, or a list of ``{role, content}`` messages),
+    ``answer_key`` the ground truth (GSM8K's ``... #### 42`` is read as ``42``); every other
+    column reaches reward functions as the row's metadata (``prompt.meta``)."""
+
+    train: str | list[str] = []
+    val: str | list[str] = []  # evaluated every eval.every steps and once before training
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    source_key: str = "source"  # a column naming each row's source: evaluation reports each one
+    system_prompt: str | None = None
+    chat_template: str = "auto"  # auto: the tokenizer's when it has one | none | a Jinja template FILE
+    max_prompt_tokens: int | None = None  # longer prompts are dropped (counted) or truncated
+    overlong: Literal["drop", "truncate"] = "drop"
+    shuffle: bool = True  # a seeded shuffle per epoch
+    verifier: str = "math"  # how the `task` reward scores a response: math | exact | regex
+
+    def files(self, split: Literal["train", "val"]) -> list[str]:
+        value = getattr(self, split)
+        return [value] if isinstance(value, str) else list(value)
+
+
+class EvalConfig(Spec):
+    """Validation: every ``every`` steps and once before training, ``samples`` responses per prompt at
+    ``temperature`` (mean@K, unbiased pass@K, maj@K) and one greedy response (accuracy)."""
+
+    every: int = 0  # 0: no evaluation
+    samples: int = 4
+    temperature: float = 1.0
+    greedy: bool = True
+    prompts: int = 64  # without data.val: prompts the task draws for evaluation (a fixed, seeded set)
+    max_prompts: int | None = None  # with data.val: at most this many of its rows (None: all)
+
+
+class LogConfig(Spec):
+    """Where metrics go besides metrics.jsonl, and how many sample rows samples.jsonl gets."""
+
+    loggers: list[str] = []  # tensorboard, wandb, mlflow, trackio (--logger tensorboard,wandb)
+    samples_every: int = 0  # steps between (prompt, response, reward) rows in samples.jsonl; 0: at evals only
+    samples: int = 4  # rows written each time
+
+
 def algo_problems(algo: AlgoConfig) -> list[tuple[str, str]]:
     """(field, why) for each AlgoConfig value out of its range: the config's and each node's own."""
     checks = [
@@ -119,9 +164,11 @@ MAX_TOKENS = 1 << 20
 
 
 class RunConfig(Spec):
-    task: str = "copy"
+    task: str = "copy"  # a registered task; "data" reads data.train (what --data sets)
     task_options: dict[str, Any] = {}
-    model: str | None = None  # an HF-format model directory; None: build TinyModelConfig
+    # an HF-format model directory for every model (None: build TinyModelConfig), or per model or
+    # role: "actor=DIR,reward=DIR2" (a bare entry is the default); see `model_folders`
+    model: str | None = None
     tiny_model: TinyModelConfig = TinyModelConfig()
     rollout: RolloutConfig = RolloutConfig()
     train: TrainConfig = TrainConfig()
@@ -141,6 +188,9 @@ class RunConfig(Spec):
     progress: bool = True
     # node -> option -> value, over the options the graph gives its nodes (--set nodes.select.mode=correct)
     nodes: dict[str, dict[str, Any]] = {}
+    data: DataConfig = DataConfig()
+    eval: EvalConfig = EvalConfig()
+    log: LogConfig = LogConfig()
 
     def checkpoint_due(self, step: int) -> bool:
         """Whether a checkpoint is written after ``step`` (0-based): every save_every steps and at the end."""
@@ -216,12 +266,51 @@ class RunConfig(Spec):
                 "must be one plain folder name (no '/', '\\' or '..')",
             ),
         ]
+        checks += [
+            (self.eval.every >= 0, "eval.every", "must be >= 0 (0: no evaluation)"),
+            (1 <= self.eval.samples <= MAX_SAMPLES, "eval.samples", f"must be in [1, {MAX_SAMPLES}]"),
+            (0 < self.eval.temperature < math.inf, "eval.temperature", "must be > 0 and finite"),
+            (1 <= self.eval.prompts <= MAX_PROMPTS, "eval.prompts", f"must be in [1, {MAX_PROMPTS}]"),
+            (self.eval.max_prompts is None or self.eval.max_prompts >= 1, "eval.max_prompts", "must be >= 1"),
+            (self.log.samples_every >= 0, "log.samples_every", "must be >= 0 (0: at evaluations only)"),
+            (self.log.samples >= 0, "log.samples", "must be >= 0"),
+            (
+                self.data.max_prompt_tokens is None or self.data.max_prompt_tokens >= 1,
+                "data.max_prompt_tokens",
+                "must be >= 1",
+            ),
+        ]
         checks += [(False, f"algo.{field}", why) for field, why in algo_problems(self.algo)]
         for ok, field, why in checks:
             if not ok:
                 raise ConfigError(f"config field '{field}' {why}.")
         if self.rollout.mode is not None:
             rollout_parts(self.rollout.mode)
+
+
+def model_folders(model: str | None) -> tuple[str | None, dict[str, str]]:
+    """``RunConfig.model`` -> (the default folder, {model or role name: folder}):
+    ``"DIR"`` -> ("DIR", {}); ``"actor=DIR,reward=DIR2"`` -> (None, {"actor": "DIR", "reward": "DIR2"});
+    a bare entry among named ones is the default. A key names a graph model or a role."""
+    if model is None or "=" not in model:
+        return model, {}
+    default: str | None = None
+    named: dict[str, str] = {}
+    for item in (part.strip() for part in model.split(",")):
+        if not item:
+            continue
+        key, sep, value = (s.strip() for s in item.partition("="))
+        if not sep:
+            if default is not None:
+                raise ConfigError(f"config field 'model' ('{model}') names two default folders; give the others as NAME=DIR.")
+            default = key
+            continue
+        if not key or not value:
+            raise ConfigError(f"config field 'model': entry '{item}' must be NAME=DIR (e.g. actor=DIR,reward=DIR2).")
+        if key in named:
+            raise ConfigError(f"config field 'model' names '{key}' twice.")
+        named[key] = value
+    return default, named
 
 
 ROLLOUT_STARTS = ("sync", "one_step_off", "async")  # when generation of a step may start
@@ -421,7 +510,11 @@ OLDER_NAMES = {"backend": "executor"}
 
 #: Where a run goes and how it checkpoints and reports: not plan content. They may change for a
 #: ``--plan`` or ``--resume`` run without changing what is planned (the plan's id leaves them out).
-RUN_SETTINGS = ("out", "name", "save_every", "keep_checkpoints", "progress")
+RUN_SETTINGS = ("out", "name", "save_every", "keep_checkpoints", "progress", "eval", "log")
+
+#: Config sections added after plans were first written: a plan's id leaves them out while they
+#: hold their defaults, so a plan file an earlier flowrl wrote keeps its id.
+LATER_SECTIONS = ("data",)
 
 
 def current_names(layer: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from flowrl.planner.modelspec import ModelSpec
 from flowrl.planner.space import ClusterPlan
 from flowrl.planner.workload import WorkloadSpec
 from flowrl.specs import (
+    LATER_SECTIONS,
     RUN_SETTINGS,
     AlgoConfig,
     RunConfig,
@@ -147,6 +148,9 @@ class ExecutionPlan(Spec, kw_only=True):
         body = msgspec.to_builtins(msgspec.structs.replace(self, id=""))
         for name in RUN_SETTINGS:
             body["config"].pop(name, None)
+        for name in LATER_SECTIONS:  # left at their defaults, plans written before them keep their ids
+            if body["config"].get(name) == msgspec.to_builtins(getattr(RunConfig(), name)):
+                body["config"].pop(name)
         return hashlib.sha256(msgspec.json.encode(body, order="sorted")).hexdigest()[:16]
 
     def with_run_settings(self, settings: dict[str, Any]) -> ExecutionPlan:
