@@ -38,6 +38,18 @@ def _config_args(p: argparse.ArgumentParser, run_out: bool = True) -> None:
         "config.json",
     )
     p.add_argument("--task", help="a registered task (see `flowrl plugins`)")
+    p.add_argument(
+        "--data",
+        metavar="FILE",
+        action="append",
+        help="train on prompts from a jsonl, json, csv or parquet file or a datasets folder (repeatable; "
+        "the config's data.train)",
+    )
+    p.add_argument(
+        "--logger",
+        metavar="NAMES",
+        help="send metrics to trackers too: tensorboard, wandb, mlflow, trackio (comma-separated; offline)",
+    )
     if run_out:
         p.add_argument("--out", metavar="DIR", dest="run_out", help="where runs/<name> goes (default: runs)")
     p.add_argument("--name", help="run name (default: the graph's name)")
@@ -109,6 +121,10 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
         "executor": args.executor,
         "backend": args.backend,  # the older name of executor (specs.OLDER_NAMES)
         "save_every": getattr(args, "save_every", None),
+        "data": {"train": args.data} if getattr(args, "data", None) else None,
+        "log": {"loggers": [n.strip() for n in args.logger.split(",") if n.strip()]}
+        if getattr(args, "logger", None)
+        else None,
     }
 
 

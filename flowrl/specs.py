@@ -94,6 +94,10 @@ class AlgoConfig(Spec):
     is_cap: float = 5.0
 
 
+#: The task that reads the user's files (data.train).
+DATA_TASK = "data"
+
+
 class DataConfig(Spec):
     """Prompts from the user's files (``--data FILE``): the ``data`` task.
 
@@ -541,6 +545,14 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
     data: dict[str, Any] = {}
     for layer in layers:
         data = merge(data, current_names(layer))
+    files = data.get("data", {}).get("train") if isinstance(data.get("data"), dict) else None
+    if files:  # --data / data.train: the prompts are the user's; the task is `data`
+        task = data.setdefault("task", DATA_TASK)
+        if task != DATA_TASK:
+            raise ConfigError(
+                f"the config gives task '{task}' and data.train ({files!r}); training data is the task "
+                f"'{DATA_TASK}': drop --task (or task), or drop --data to train on '{task}'."
+            )
     try:
         return convert(data, RunConfig, "config")
     except ConfigError as exc:
