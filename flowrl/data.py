@@ -27,10 +27,22 @@ if TYPE_CHECKING:
 
 
 class Prompt(msgspec.Struct, frozen=True, kw_only=True):
-    """One task instance: what the model sees and the reference answer."""
+    """One task instance: what the model sees and the reference answer.
+
+    ``meta`` holds a dataset row's other columns (reward functions read them: ``prompt.meta``);
+    ``templated`` says ``text`` was rendered by a chat template and holds its special tokens, so
+    engines encode it without adding the tokenizer's own (a second BOS)."""
 
     text: str
     answer: str
+    meta: dict[str, Any] = {}
+    templated: bool = False
+
+
+def adds_special_tokens(prompts: Sequence[Prompt]) -> bool:
+    """Whether engines encode ``prompts`` with the tokenizer's special tokens (not when a chat
+    template already wrote them)."""
+    return not any(p.templated for p in prompts)
 
 
 #: Sequences' fields by how they are laid out: prompt columns (left-padded), response columns

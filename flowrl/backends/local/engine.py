@@ -32,7 +32,7 @@ from flowrl.backends.local.models import (
     model_config,
     save_hf,
 )
-from flowrl.data import Prompt, Rollout, Sequences, StepBatch
+from flowrl.data import Prompt, Rollout, Sequences, StepBatch, adds_special_tokens
 from flowrl.errors import BackendError
 from flowrl.graph.ir import ModelDecl
 from flowrl.planner.plan import ModelRun
@@ -101,7 +101,7 @@ class LocalModel:
     ) -> Rollout:
         """``n`` samples for each prompt (rows grouped by prompt), with their log-probs."""
         texts = [p.text for p in prompts for _ in range(n)]
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=True)
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=adds_special_tokens(prompts))
         index = torch.arange(len(prompts)).repeat_interleave(n)
         start = [Response([], []) for _ in texts]
         return self._continue(enc["input_ids"], enc["attention_mask"], index, start, greedy, generator, max_new_tokens)

@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from flowrl.data import Prompt, Rollout
+from flowrl.data import Prompt, Rollout, adds_special_tokens
 from flowrl.errors import PluginError
 from flowrl.runtime.batch import padded_rows
 from flowrl.runtime.protocols import EngineContext
@@ -237,7 +237,8 @@ class VLLMEngine:
         max_new_tokens: int | None = None,
     ) -> Rollout:
         """``n`` samples for each prompt (rows grouped by prompt), with their log-probs."""
-        ids = [self.tokenizer(p.text, add_special_tokens=True)["input_ids"] for p in prompts]
+        special = adds_special_tokens(prompts)
+        ids = [self.tokenizer(p.text, add_special_tokens=special)["input_ids"] for p in prompts]
         rows = [list(i) for i in ids for _ in range(n)]
         index = torch.arange(len(prompts)).repeat_interleave(n)
         return self._continue(rows, [Response([], []) for _ in rows], index, greedy, generator, max_new_tokens)
