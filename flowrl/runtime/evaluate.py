@@ -1,0 +1,196 @@
+"""Evaluation during a run: a fixed set of held-out prompts, answered greedily and ``eval.samples``
+times at ``eval.temperature``, scored by the task.
+
+The set is data.val (at most ``eval.max_prompts`` of its rows) or, for a task that draws its
+prompts, ``eval.prompts`` prompts drawn with their own seeded RNG (never the training stream's).
+It runs once before training and after every ``eval.every`` steps, at a pipeline barrier (nothing
+else runs), with the weights the generation engine holds then and a random stream of its own, so a
+run with evaluation trains exactly like one without.
+
+Metrics (``eval/...`` in metrics.jsonl, the trackers and reward.png; a response is correct when
+the task scores it 1.0):
+
+- ``eval/greedy``: the fraction of prompts whose greedy response is correct;
+- ``eval/mean@K``: the mean score of the K sampled responses; ``eval/pass@1`` and ``eval/pass@K``:
+  the unbiased pass@k estimate (Chen et al., 2021) from the K samples;
+- ``eval/maj@K``: the fraction of prompts whose most frequent final answer (majority vote over the
+  K samples' answers as the task's verifier reads them) is correct;
+- with a ``data.source_key`` column, each of them per source as ``eval/SOURCE/...``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flowrl.data import Prompt
+from flowrl.specs import RunConfig
+
+
+def eval_prompts(cfg: RunConfig, task: Any) -> list[Prompt]:
+    """The run's evaluation set: data.val (capped at eval.max_prompts) or prompts the task draws."""
+    val = getattr(task, "val", None)
+    if val:
+        return list(val[: cfg.eval.max_prompts] if cfg.eval.max_prompts else val)
+    return task.prompts(random.Random(f"flowrl-eval:{cfg.seed}"), cfg.eval.prompts)
+
+
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """The unbiased estimate of pass@k from ``n`` samples of which ``correct`` are correct."""
+    if n - correct < k:
+        return 1.0
+    return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
+
+
+def final_answer(task: Any, response: str) -> str:
+    """What a majority vote counts: the final answer the task's verifier reads from ``response``."""
+    if getattr(task, "verifier", None) == "math":
+        from flowrl.tasks.verifiers import final_answer as math_answer
+
+        found = math_answer(response)
+        return response.strip() if found is None else found
+    return " ".join(response.split()).casefold()
+
+
+@dataclass
+class Scored:
+    """One prompt's evaluation: its greedy response and the K samples, with scores."""
+
+    prompt: Prompt
+    greedy: tuple[str, float] | None
+    samples: list[tuple[str, float]]
+
+
+def summarize(task: Any, rows: Sequence[Scored], k: int, source_key: str) -> dict[str, float]:
+    """``eval/...`` metrics over ``rows``, overall and per source (when the rows have one)."""
+    groups: dict[str, list[Scored]] = {"": list(rows)}
+    for row in rows:
+        source = row.prompt.meta.get(source_key)
+        if isinstance(source, (str, int)) and str(source):
+            groups.setdefault(f"{source}/", []).append(row)
+    if len(groups) == 2:  # one source: the overall numbers say it all
+        groups = {"": list(rows)}
+    out: dict[str, float] = {}
+    for prefix, group in groups.items():
+        name = f"eval/{prefix}"
+        if any(r.greedy is not None for r in group):
+            out[f"{name}greedy"] = _mean([float(r.greedy[1] == 1.0) for r in group if r.greedy is not None])
+        if k:
+            out[f"{name}mean@{k}"] = _mean([s for r in group for _, s in r.samples])
+            out[f"{name}pass@1"] = _mean([pass_at_k(k, _correct(r), 1) for r in group])
+            if k > 1:
+                out[f"{name}pass@{k}"] = _mean([pass_at_k(k, _correct(r), k) for r in group])
+                out[f"{name}maj@{k}"] = _mean([_majority(task, r) for r in group])
+        out[f"{name}prompts"] = float(len(group))
+    return out
+
+
+def _correct(row: Scored) -> int:
+    return sum(1 for _, s in row.samples if s == 1.0)
+
+
+def _majority(task: Any, row: Scored) -> float:
+    """1.0 when the most frequent final answer among the samples is a correct one (ties: the first seen)."""
+    votes: Counter[str] = Counter()
+    score: dict[str, float] = {}
+    for text, s in row.samples:
+        answer = final_answer(task, text)
+        votes[answer] += 1
+        score.setdefault(answer, s)
+    if not votes:
+        return 0.0
+    top = max(votes.values())
+    winner = next(a for a in votes if votes[a] == top)
+    return float(score[winner] == 1.0)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return round(sum(values) / len(values), 6) if values else 0.0
+
+
+class Evaluator:
+    """Evaluates the policy a generation group samples with on the run's evaluation set."""
+
+    def __init__(self, cfg: RunConfig, task: Any, generator: Any, budget: int | None) -> None:
+        self.cfg, self.task, self.generator, self.budget = cfg, task, generator, budget
+        self.prompts = eval_prompts(cfg, task)
+
+    def due(self, step: int) -> bool:
+        """Whether an evaluation follows step ``step`` (0-based)."""
+        every = self.cfg.eval.every
+        return every > 0 and ((step + 1) % every == 0 or step + 1 == self.cfg.steps)
+
+    def run(self, updates: int) -> tuple[dict[str, Any], list[Scored]]:
+        """The metrics record after ``updates`` training steps (0: before training) and the scored rows."""
+        ev = self.cfg.eval
+        g = torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + updates + 17) % 2**62)
+        greedy = self._answers(1, True, g, None) if ev.greedy else None
+        k = ev.samples
+        temperature = None if ev.temperature == self.cfg.rollout.temperature else ev.temperature
+        sampled = self._answers(k, False, g, temperature) if k else []
+        rows = [
+            Scored(
+                prompt=p,
+                greedy=greedy[i][0] if greedy is not None else None,
+                samples=sampled[i] if sampled else [],
+            )
+            for i, p in enumerate(self.prompts)
+        ]
+        record: dict[str, Any] = {"step": updates, "kind": "eval", "version": self.generator.version}
+        record.update(summarize(self.task, rows, k, self.cfg.data.source_key))
+        return record, rows
+
+    def _answers(
+        self, n: int, greedy: bool, generator: torch.Generator, temperature: float | None
+    ) -> list[list[tuple[str, float]]]:
+        """Per prompt, ``n`` (response, score) pairs."""
+        out: list[list[tuple[str, float]]] = [[] for _ in self.prompts]
+        batch = max(1, self.cfg.rollout.prompts_per_step)
+        for start in range(0, len(self.prompts), batch):
+            chunk = self.prompts[start : start + batch]
+            rollout = self.generator.generate(
+                chunk, n=n, greedy=greedy, generator=generator, max_new_tokens=self.budget, temperature=temperature
+            )
+            seqs = rollout.sequences
+            for text, index in zip(seqs.texts, seqs.prompt_index.tolist()):
+                prompt = chunk[index]
+                out[start + index].append((text, float(self.task.score(prompt, text))))
+        return out
+
+
+def sample_rows(step: int, kind: str, rows: Sequence[Scored], count: int) -> list[dict[str, Any]]:
+    """Up to ``count`` (prompt, response, reward) rows of an evaluation for samples.jsonl."""
+    out = []
+    for row in rows[:count]:
+        text, score = row.greedy if row.greedy is not None else (row.samples[0] if row.samples else ("", 0.0))
+        out.append(
+            {"step": step, "kind": kind, "prompt": row.prompt.text, "answer": row.prompt.answer, "response": text,
+             "reward": score}
+        )
+    return out
+
+
+def training_samples(step: int, batch: dict[str, Any], count: int) -> list[dict[str, Any]]:
+    """Up to ``count`` (prompt, response, reward) rows of a training step's batch: its first prompt
+    list, first responses and its ``rewards`` (when the graph writes that key)."""
+    from flowrl.data import Sequences
+
+    prompts = next((v for v in batch.values() if isinstance(v, list) and v and isinstance(v[0], Prompt)), None)
+    seqs = next((v for v in batch.values() if isinstance(v, Sequences)), None)
+    if prompts is None or seqs is None:
+        return []
+    rewards = batch.get("rewards")
+    scores = rewards.tolist() if isinstance(rewards, torch.Tensor) and rewards.numel() == len(seqs) else None
+    out = []
+    for i, (text, index) in enumerate(zip(seqs.texts[:count], seqs.prompt_index.tolist())):
+        prompt = prompts[index]
+        row = {"step": step, "kind": "train", "prompt": prompt.text, "answer": prompt.answer, "response": text}
+        row["reward"] = round(float(scores[i]), 6) if scores is not None else None
+        out.append(row)
+    return out

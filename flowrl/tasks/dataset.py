@@ -1,0 +1,436 @@
+"""The ``data`` task: prompts from the user's files, read through the ``datasets`` library.
+
+``flowrl run GRAPH --data train.jsonl`` (``data.train`` in a config) trains on the rows of jsonl,
+json, csv or parquet files or ``datasets.save_to_disk`` folders:
+
+- ``data.prompt_key`` names the prompt column: text, or a list of ``{role, content}`` messages;
+  ``data.answer_key`` the ground truth (GSM8K's ``... #### 42`` is read as ``42``); every other
+  column of a row reaches reward functions as ``prompt.meta``.
+- ``data.system_prompt`` is prepended as a system turn; the tokenizer's chat template renders the
+  turns (``data.chat_template``: ``auto`` uses it when the tokenizer has one, ``none`` never, or a
+  Jinja template file).
+- Prompts longer than ``data.max_prompt_tokens`` are dropped (counted and reported) or truncated.
+- The run walks the rows epoch by epoch, each epoch in its own seeded order; where it is is the
+  prompt stream's cursor (``prompts_drawn``), which every checkpoint holds, so a resume mid-epoch
+  loses and repeats no prompt.
+- ``data.verifier`` (math | exact | regex, see `flowrl.tasks.verifiers`) scores a response
+  against the row's ground truth.
+
+Every problem with the user's files is a ``ConfigError`` that names the file, row, column or
+field at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import msgspec
+
+from flowrl.data import Prompt
+from flowrl.errors import ConfigError
+from flowrl.specs import DATA_TASK, DataConfig, RunConfig, model_folders
+
+#: The response budget when rollout.max_new_tokens is not set (a dataset has no answer lengths to go by).
+DEFAULT_MAX_NEW_TOKENS = 256
+
+#: File suffix -> the `datasets` builder that reads it.
+BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+_LOADED: dict[Any, DataTask] = {}
+
+
+@dataclass
+class DataReport:
+    """What loading kept and left out, per split (printed when a run starts and in ``data.json``)."""
+
+    rows: dict[str, int] = field(default_factory=dict)  # rows read, per split
+    kept: dict[str, int] = field(default_factory=dict)
+    dropped_long: dict[str, int] = field(default_factory=dict)  # over data.max_prompt_tokens
+    truncated: dict[str, int] = field(default_factory=dict)
+    longest: dict[str, int] = field(default_factory=dict)  # the longest prompt kept, in tokens
+    templated: bool = False
+
+    def lines(self) -> list[str]:
+        out = []
+        for split, rows in self.rows.items():
+            text = f"data {split}: {self.kept[split]} prompts of {rows} rows"
+            if self.dropped_long.get(split):
+                text += f", {self.dropped_long[split]} dropped as longer than data.max_prompt_tokens"
+            if self.truncated.get(split):
+                text += f", {self.truncated[split]} truncated to data.max_prompt_tokens"
+            out.append(text + (" (chat template applied)" if self.templated else ""))
+        return out
+
+
+class DataTask:
+    """Prompts from data.train in seeded epochs; data.val for evaluation."""
+
+    name: ClassVar[str] = DATA_TASK
+    description: ClassVar[str] = "prompts from your files: --data train.jsonl (jsonl, json, csv, parquet, datasets folder)"
+
+    def __init__(
+        self,
+        train: Sequence[Prompt],
+        val: Sequence[Prompt],
+        *,
+        seed: int,
+        shuffle: bool,
+        verifier: str,
+        budget: int,
+        report: DataReport | None = None,
+    ) -> None:
+        if not train:
+            raise ConfigError("data.train holds no prompts to train on.")
+        self.train, self.val = list(train), list(val)
+        self.seed, self.shuffle, self.verifier, self.budget = seed, shuffle, verifier, budget
+        self.report = report or DataReport()
+        self._orders: dict[int, list[int]] = {}
+        self.unparsed = 0  # ground truths the verifier could not read (scored 0)
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> DataTask:
+        """The data task of run config ``cfg`` (loaded once per files, settings and tokenizer)."""
+        return load(cfg)
+
+    # ------------------------------------------------------------ the Task protocol
+    def max_new_tokens(self) -> int:
+        return self.budget
+
+    def prompts(self, rng: random.Random, n: int) -> list[Prompt]:
+        """``n`` rows drawn with ``rng`` (the planner's look at prompt and answer lengths)."""
+        return [self.train[rng.randrange(len(self.train))] for _ in range(n)]
+
+    def score(self, prompt: Prompt, response: str) -> float:
+        from flowrl.tasks import verifiers
+
+        if self.verifier == "none":
+            raise ConfigError(
+                "data.verifier is none, so the 'task' reward has no ground truth to compare responses with: set "
+                "data.verifier (math, exact, regex) or score with a reward function of your own."
+            )
+        return verifiers.verify(self.verifier, response, prompt.answer)
+
+    # ------------------------------------------------------------ the epoch walk
+    def prompt_tokens(self) -> int:
+        """The longest training prompt, in tokens (what the planner sizes prompts by)."""
+        return self.report.longest.get("train", 1)
+
+    def take(self, start: int, n: int) -> list[Prompt]:
+        """The prompts at positions ``start .. start+n`` of the run's stream: epoch after epoch over
+        data.train, each epoch in its own seeded order."""
+        return [self.train[self._order(k // len(self.train))[k % len(self.train)]] for k in range(start, start + n)]
+
+    def position(self, drawn: int) -> dict[str, int]:
+        """Where a stream that gave ``drawn`` prompts stands: its epoch and the index within it."""
+        return {"epoch": drawn // len(self.train), "index": drawn % len(self.train), "rows": len(self.train)}
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self.train)))
+            if self.shuffle:
+                random.Random(f"flowrl-data:{self.seed}:{epoch}").shuffle(order)
+            self._orders = {epoch: order}  # one epoch at a time: a stream moves forward
+        return self._orders[epoch]
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load(cfg: RunConfig) -> DataTask:
+    """Read data.train and data.val of ``cfg`` into a DataTask (cached while the files are unchanged)."""
+    data = cfg.data
+    if not data.files("train"):
+        raise ConfigError(
+            f"task '{DATA_TASK}' reads data.train, which names no file: give --data FILE (jsonl, json, csv, parquet "
+            "or a datasets folder)."
+        )
+    folder = actor_folder(cfg.model)
+    key = (
+        tuple(_stamp(f) for f in data.files("train")),
+        tuple(_stamp(f) for f in data.files("val")),
+        msgspec.json.encode(data),
+        folder,
+        cfg.seed,
+        cfg.rollout.max_new_tokens,
+    )
+    if key not in _LOADED:
+        _LOADED.clear()
+        tokenizer = load_tokenizer(folder)
+        template = chat_template(data, tokenizer)
+        report = DataReport(templated=template is not None)
+        splits = {
+            split: rows_to_prompts(split, data, read_rows(split, data), tokenizer, template, report)
+            for split in ("train", "val")
+        }
+        if not splits["train"]:
+            raise ConfigError(
+                f"data.train: no prompt is left of {report.rows['train']} rows ({report.dropped_long['train']} longer "
+                f"than data.max_prompt_tokens={data.max_prompt_tokens}); raise it or set data.overlong=truncate."
+            )
+        _LOADED[key] = DataTask(
+            splits["train"],
+            splits["val"],
+            seed=cfg.seed,
+            shuffle=data.shuffle,
+            verifier=data.verifier,
+            budget=cfg.rollout.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+            report=report,
+        )
+    return _LOADED[key]
+
+
+def actor_folder(model: str | None) -> str | None:
+    """The folder whose tokenizer renders the prompts: the actor's (``--model actor=DIR,...``) or the default."""
+    default, named = model_folders(model)
+    return named.get("actor", default)
+
+
+def load_tokenizer(folder: str | None) -> Any:
+    """The tokenizer of model folder ``folder``; the character tokenizer of the tiny model without one."""
+    if folder is None:
+        from flowrl.tasks.tokenizer import build_tokenizer
+
+        return build_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--model '{folder}': no tokenizer could be read there ({_first_line(exc)}).") from None
+
+
+def chat_template(data: DataConfig, tokenizer: Any) -> str | None:
+    """The Jinja chat template the prompts are rendered with, or None (the text goes as it is)."""
+    choice = data.chat_template
+    if choice == "none":
+        return None
+    if choice == "auto":
+        return getattr(tokenizer, "chat_template", None) or None
+    path = Path(choice)
+    if not path.is_file():
+        raise ConfigError(
+            f"data.chat_template '{choice}' is not a file; give auto (the tokenizer's template when it has one), "
+            "none, or a Jinja template file."
+        )
+    return path.read_text()
+
+
+def read_rows(split: str, data: DataConfig) -> list[dict[str, Any]]:
+    """Every row of the split's files, as plain dicts (each checked to have the prompt column)."""
+    rows: list[dict[str, Any]] = []
+    for name in data.files(split):  # type: ignore[arg-type]
+        table = _read_file(split, name)
+        columns = list(table.column_names)
+        if len(table) == 0:
+            raise ConfigError(f"data.{split} file '{name}' holds no rows.")
+        for column in (data.prompt_key,):
+            if column not in columns:
+                raise ConfigError(
+                    f"data.{split} file '{name}' has no column '{column}' (data.prompt_key); its columns: "
+                    f"{', '.join(columns)}. Name the prompt column with --set data.prompt_key=COLUMN."
+                )
+        if data.answer_key not in columns and data.verifier != "none":
+            raise ConfigError(
+                f"data.{split} file '{name}' has no column '{data.answer_key}' (data.answer_key), which the "
+                f"'{data.verifier}' verifier compares responses with; its columns: {', '.join(columns)}. Name it "
+                "with --set data.answer_key=COLUMN."
+            )
+        rows.extend({**row, "__file__": name, "__row__": i + 1} for i, row in enumerate(table))
+    return rows
+
+
+def _read_file(split: str, name: str) -> Any:
+    import datasets
+
+    path = Path(name)
+    if not path.exists():
+        raise ConfigError(f"data.{split} file '{name}' does not exist.")
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    if path.is_dir():
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError) as exc:
+            raise ConfigError(
+                f"data.{split} folder '{name}' is not a datasets.save_to_disk folder ({_first_line(exc)})."
+            ) from None
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded and "train" not in loaded:
+                raise ConfigError(f"data.{split} folder '{name}' holds splits {', '.join(loaded)}; name one folder.")
+            loaded = loaded[split] if split in loaded else loaded["train"]
+        return loaded
+    builder = BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise ConfigError(
+            f"data.{split} file '{name}': unknown format '{path.suffix}'; give .jsonl, .json, .csv, .parquet or a "
+            "datasets.save_to_disk folder."
+        )
+    if path.stat().st_size == 0:
+        raise ConfigError(f"data.{split} file '{name}' is empty.")
+    if builder == "json":
+        _check_json(split, path)
+    try:
+        return datasets.Dataset.from_json(str(path)) if builder == "json" else _from(builder, path)
+    except Exception as exc:  # each reader has its own errors
+        raise ConfigError(f"data.{split} file '{name}' cannot be read as {builder}: {_first_line(exc)}") from None
+
+
+def _from(builder: str, path: Path) -> Any:
+    import datasets
+
+    return datasets.Dataset.from_csv(str(path)) if builder == "csv" else datasets.Dataset.from_parquet(str(path))
+
+
+def _check_json(split: str, path: Path) -> None:
+    """A malformed line of a jsonl file (or a json file that is not a list of rows), named before
+    `datasets` fails on it with an error that does not say where."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    stripped = text.lstrip()
+    if path.suffix.lower() == ".json" and stripped.startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"data.{split} file '{path}' is not valid JSON: {exc.msg} at line {exc.lineno}.") from None
+        bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+        if bad is not None:
+            raise ConfigError(f"data.{split} file '{path}': item {bad + 1} is not an object of columns.")
+        if not rows:
+            raise ConfigError(f"data.{split} file '{path}' holds no rows.")
+        return
+    seen = 0
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"data.{split} file '{path}': line {number} is not valid JSON ({exc.msg}); each line of a jsonl file "
+                "holds one row as a JSON object."
+            ) from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"data.{split} file '{path}': line {number} is not a JSON object of columns.")
+        seen += 1
+    if not seen:
+        raise ConfigError(f"data.{split} file '{path}' holds no rows.")
+
+
+def rows_to_prompts(
+    split: str,
+    data: DataConfig,
+    rows: Sequence[Mapping[str, Any]],
+    tokenizer: Any,
+    template: str | None,
+    report: DataReport,
+) -> list[Prompt]:
+    """Each row as a Prompt: the rendered text, the ground truth, the other columns as metadata."""
+    from flowrl.tasks.verifiers import ground_truth
+
+    prompts = []
+    report.rows[split] = len(rows)
+    report.dropped_long[split] = report.truncated[split] = 0
+    for row in rows:
+        where = f"data.{split} file '{row['__file__']}' row {row['__row__']}"
+        turns = _turns(where, data, row[data.prompt_key])
+        answer = ground_truth(row.get(data.answer_key)) if data.answer_key in row else ""
+        meta = {k: v for k, v in row.items() if k not in (data.prompt_key, data.answer_key, "__file__", "__row__")}
+        text = _render(where, turns, tokenizer, template)
+        count = _count(tokenizer, text, template)
+        if data.max_prompt_tokens is not None and count > data.max_prompt_tokens:
+            if data.overlong == "drop":
+                report.dropped_long[split] += 1
+                continue
+            text = _truncate(where, turns, tokenizer, template, data.max_prompt_tokens)
+            report.truncated[split] += 1
+            count = data.max_prompt_tokens
+        report.longest[split] = max(report.longest.get(split, 0), count)
+        prompts.append(Prompt(text=text, answer=answer, meta=meta, templated=template is not None))
+    report.kept[split] = len(prompts)
+    return prompts
+
+
+def _turns(where: str, data: DataConfig, value: Any) -> list[dict[str, str]]:
+    """The prompt column's value as chat turns, the system prompt first when one is set."""
+    system = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+    if isinstance(value, str):
+        return [*system, {"role": "user", "content": value}]
+    if isinstance(value, list) and value and all(isinstance(t, Mapping) for t in value):
+        turns = []
+        for i, turn in enumerate(value):
+            role, content = turn.get("role"), turn.get("content")
+            if not isinstance(role, str) or not isinstance(content, str):
+                raise ConfigError(
+                    f"{where}: message {i + 1} of '{data.prompt_key}' must have text 'role' and 'content' fields, got "
+                    f"{dict(turn)!r}."
+                )
+            turns.append({"role": role, "content": content})
+        if not any(t["role"] == "user" for t in turns):
+            raise ConfigError(f"{where}: the messages in '{data.prompt_key}' have no user turn (roles: "
+                              f"{', '.join(t['role'] for t in turns)}).")
+        has_system = any(t["role"] == "system" for t in turns)
+        return turns if has_system else [*system, *turns]
+    raise ConfigError(
+        f"{where}: the prompt ('{data.prompt_key}') is {type(value).__name__} {value!r:.60}; it must be text or a list "
+        "of {role, content} messages."
+    )
+
+
+def _render(where: str, turns: list[dict[str, str]], tokenizer: Any, template: str | None) -> str:
+    if template is not None:
+        try:
+            return tokenizer.apply_chat_template(
+                turns, tokenize=False, add_generation_prompt=True, chat_template=template
+            )
+        except Exception as exc:  # jinja errors of the user's template
+            raise ConfigError(f"{where}: the chat template could not render it: {_first_line(exc)}") from None
+    if len(turns) > 1 and any(t["role"] not in ("system", "user") for t in turns):
+        raise ConfigError(
+            f"{where}: the prompt is a conversation with {', '.join(t['role'] for t in turns)} turns, which needs a "
+            "chat template, and the tokenizer has none (or data.chat_template=none): give data.chat_template=FILE."
+        )
+    return "\n\n".join(t["content"] for t in turns)
+
+
+def _count(tokenizer: Any, text: str, template: str | None) -> int:
+    return len(tokenizer(text, add_special_tokens=template is None)["input_ids"])
+
+
+def _truncate(where: str, turns: list[dict[str, str]], tokenizer: Any, template: str | None, limit: int) -> str:
+    """The prompt re-rendered with its last user turn cut (from the end) so that it fits in ``limit`` tokens."""
+    last = max(i for i, t in enumerate(turns) if t["role"] == "user")
+    ids = tokenizer(turns[last]["content"], add_special_tokens=False)["input_ids"]
+    overhead = _count(tokenizer, _render(where, _with(turns, last, ""), tokenizer, template), template)
+    keep = limit - overhead
+    if keep < 1:
+        raise ConfigError(
+            f"{where}: data.max_prompt_tokens={limit} leaves no room for the prompt's text: the system prompt and chat "
+            f"template alone take {overhead} tokens."
+        )
+    while keep > 0:
+        text = _render(where, _with(turns, last, tokenizer.decode(ids[:keep])), tokenizer, template)
+        if _count(tokenizer, text, template) <= limit:
+            return text
+        keep -= 1
+    raise ConfigError(f"{where}: cannot truncate the prompt to data.max_prompt_tokens={limit}.")
+
+
+def _with(turns: list[dict[str, str]], index: int, content: str) -> list[dict[str, str]]:
+    return [dict(t, content=content) if i == index else t for i, t in enumerate(turns)]
+
+
+def _stamp(name: str) -> tuple[str, int, int]:
+    path = Path(name)
+    if not path.exists():
+        return (name, -1, -1)
+    files = sorted(path.rglob("*")) if path.is_dir() else [path]
+    return (str(path.resolve()), sum(f.stat().st_size for f in files if f.is_file()), max(f.stat().st_mtime_ns for f in files))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
