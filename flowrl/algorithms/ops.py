@@ -183,6 +183,50 @@ def followup_prompts_op(inputs: Batch, algo: AlgoConfig, *, sep: str = "") -> di
     return {"followups": out}
 
 
+def weighted_sum_op(
+    inputs: Batch, algo: AlgoConfig, *, weights: dict[str, float] | None = None
+) -> tuple[dict[str, Tensor], dict[str, float]]:
+    """Several rewards as one: rewards = sum_k weights[k] * inputs[k], over every key the node reads
+    (responses, found by their type, excepted: read them to have the rows checked). ``weights``
+    names exactly those keys; each value is one number per response (or per token, all of one shape).
+    Metric ``reward``: the mean of the sum (each part's reward node reports its own)."""
+    import torch
+
+    from flowrl.data import Sequences
+    from flowrl.errors import GraphError
+
+    parts = {k: v for k, v in inputs.items() if not isinstance(v, Sequences)}
+    if not weights:
+        raise GraphError(
+            "compute function 'weighted_sum' needs the option weights={KEY: WEIGHT} naming each key it reads "
+            f"({', '.join(sorted(parts)) or 'none'})."
+        )
+    missing, extra = sorted(set(parts) - set(weights)), sorted(set(weights) - set(parts))
+    if missing or extra:
+        problems = []
+        if missing:
+            problems.append(f"no weight for key {', '.join(map(repr, missing))}, which it reads")
+        if extra:
+            problems.append(f"a weight for key {', '.join(map(repr, extra))}, which it does not read")
+        problem = "; ".join(problems)
+        raise GraphError(
+            f"compute function 'weighted_sum': {problem}. Its weights must name exactly the keys it reads "
+            f"({', '.join(sorted(parts)) or 'none'})."
+        )
+    total: Tensor | None = None
+    for key in sorted(parts):  # a fixed order: the sum is the same bits on every run
+        value = torch.as_tensor(parts[key]).float()
+        if total is not None and value.shape != total.shape:
+            raise GraphError(
+                f"compute function 'weighted_sum': key '{key}' has shape {list(value.shape)}, the others "
+                f"{list(total.shape)}; weighted keys must have one shape (one value per response, or per token)."
+            )
+        term = float(weights[key]) * value
+        total = term if total is None else total + term
+    assert total is not None
+    return {"rewards": total}, {"reward": round(float(total.mean()), 6) if total.numel() else 0.0}
+
+
 # ---------------------------------------------------------------- filters
 
 
@@ -297,11 +341,20 @@ def value_loss(values: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, 
 
 
 def task_reward(prompts: list[Prompt], responses: list[str], task: Any) -> tuple[Tensor, dict[str, float]]:
-    """The task's own rule-based score of each response (metric ``exact``: the fraction scoring 1)."""
+    """The task's own rule-based score of each response (metric ``exact``: the fraction scoring 1).
+    A task that scores with a verifier (`flowrl.tasks.verifiers`) also reports ``unparsed_answers``:
+    how many of these responses' ground truths its verifier could not read (each scored 0)."""
     import torch
 
+    from flowrl.tasks import verifiers
+
+    before = verifiers.counts()
     scores = torch.tensor([task.score(p, r) for p, r in zip(prompts, responses)], dtype=torch.float32)
-    return scores, {"exact": round(float((scores == 1.0).float().mean()), 4) if len(scores) else 0.0}
+    metrics = {"exact": round(float((scores == 1.0).float().mean()), 4) if len(scores) else 0.0}
+    after = verifiers.counts()
+    if after.calls > before.calls:
+        metrics["unparsed_answers"] = after.unparsed - before.unparsed
+    return scores, metrics
 
 
 def verbosity_cost(prompts: list[Prompt], responses: list[str], task: Any) -> tuple[Tensor, dict[str, float]]:
@@ -340,6 +393,8 @@ COMPUTE_FUNCTIONS = {
         {"needs": ("values", "prompts", "responses"), "gives": ("means",), "rows": "prompts"},  # one row per prompt
     ),
     "followup_prompts": (followup_prompts_op, {"needs": ("prompts", "responses"), "gives": ("followups",)}),
+    # reads any keys (its weights name them); write another key than 'rewards' with ports={"rewards": KEY}
+    "weighted_sum": (weighted_sum_op, {"needs": (), "gives": ("rewards",)}),
 }
 FILTERS = {
     "nonconstant": (nonconstant_filter, {"needs": ("rewards", "responses")}),
