@@ -16,8 +16,8 @@ pattern for ``regex``) is not fatal: it scores 0 and is counted (:func:`counts`,
 task can report it as the metric ``unparsed_answers``.
 
 Reward functions may run in worker threads: math-verify's timeouts use ``signal.alarm``, which
-works only in the main thread, so elsewhere they are off (answers longer than
-:data:`MAX_ANSWER_CHARS` are not parsed, which bounds the work instead).
+works only in the main thread, so elsewhere (and while another timer is pending) they are off;
+answers longer than :data:`MAX_ANSWER_CHARS` are not parsed, which bounds the work instead.
 """
 
 from __future__ import annotations
@@ -218,8 +218,15 @@ def _math_verify() -> Any:
 
 
 def _timeout() -> int | None:
-    """math-verify's signal-based timeout: only in the main thread (signal.alarm fails elsewhere)."""
-    return MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    """math-verify's signal-based timeout: only in the main thread (signal.alarm fails elsewhere), and
+    only while no other timer is pending (its alarm would replace and then cancel that one)."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if not hasattr(signal, "getitimer") or signal.getitimer(signal.ITIMER_REAL)[0] > 0:
+        return None
+    return MATH_VERIFY_TIMEOUT_S
 
 
 def _mv_parse(mv: Any, text: str) -> list[Any]:

@@ -217,3 +217,20 @@ def test_an_unknown_verifier_is_a_config_error_naming_the_field_and_the_known_on
     assert "data.verifier" in message and all(name in message for name in ("math", "exact", "regex"))
     if kind == "maths":
         assert "Did you mean 'math'?" in message
+
+
+def test_math_leaves_a_pending_timer_alone():
+    """math-verify's alarm would replace a caller's timer and cancel it: with one pending, it is off."""
+    import signal
+
+    fired: list[int] = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(1))
+    signal.setitimer(signal.ITIMER_REAL, 30)
+    try:
+        assert v._timeout() is None
+        assert v.verify("math", r"\boxed{\frac{1}{2}}", "0.5") == 1.0
+        assert signal.getitimer(signal.ITIMER_REAL)[0] > 0  # still pending
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert v._timeout() == v.MATH_VERIFY_TIMEOUT_S and not fired
