@@ -105,11 +105,26 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
         model = str(Path(model).resolve())
     elif model is not None and not getattr(args, "cluster", None):
         from flowrl.planner.modelspec import MODEL_PRESETS
+        from flowrl.specs import model_folders
 
-        if "=" in model or model.strip().lower() in {k.lower() for k in MODEL_PRESETS}:
+        default, named = model_folders(model)  # NAME=DIR,...: a folder per graph model or role
+        entries = {**({"": default} if default is not None and named else {}), **named}
+        missing = [f"'{k or v}'" for k, v in entries.items() if not Path(v).expanduser().is_dir()]
+        if named and not missing:  # every value a folder: kept absolute, like a single folder
+            model = ",".join(
+                f"{k}={Path(v).expanduser().resolve()}" if k else str(Path(v).expanduser().resolve())
+                for k, v in entries.items()
+            )
+        elif named and len(missing) < len(entries):
+            raise ConfigError(
+                f"--model '{model}': the folder of {', '.join(missing)} does not exist; every NAME=DIR entry of a "
+                "run names an HF model directory."
+            )
+        elif named or model.strip().lower() in {k.lower() for k in MODEL_PRESETS}:
             raise ConfigError(
                 f"--model '{model}' is a planner model (a preset or per-role models): it plans for a named cluster, "
-                "so add --cluster (e.g. --cluster 8xH100-80G). To run, give --model an HF model directory."
+                "so add --cluster (e.g. --cluster 8xH100-80G). To run, give --model an HF model directory, or one "
+                "per graph model or role (actor=DIR,reward=DIR2)."
             )
     return {
         "steps": args.steps,

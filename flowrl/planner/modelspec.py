@@ -6,12 +6,13 @@ grouped-query attention, a SwiGLU MLP (gate, up, down) and RMSNorm.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from flowrl.errors import ConfigError, did_you_mean
 from flowrl.planner.hardware import CheckedSpec, Count, SpecFieldError
-from flowrl.specs import TinyModelConfig, convert, read_document
+from flowrl.specs import TinyModelConfig, convert, model_folders, read_document
 
 
 class ModelSpec(CheckedSpec, kw_only=True):
@@ -212,13 +213,7 @@ def role_models(given: dict[str, ModelSpec], models: dict[str, str]) -> dict[str
     ``DEFAULT_ROLE``). ``models``: graph model name -> role. A model not named takes its role's
     entry; a reference the actor's; a critic or cost model the reward model's; else the default, or
     without one the actor's."""
-    roles = set(models.values())
-    unknown = [k for k in given if k not in models and k not in roles and k != DEFAULT_ROLE]
-    if unknown:
-        raise ConfigError(
-            f"--model names {', '.join(repr(k) for k in unknown)}, which is neither a model of this graph "
-            f"({', '.join(models)}) nor one of its roles ({', '.join(sorted(roles))})."
-        )
+    check_model_keys([k for k in given if k != DEFAULT_ROLE], models, "--model")
     actors = [m for m, r in models.items() if r == "actor"]
     actor = next((given[k] for k in (*actors, "actor") if k in given), None)
     fallback = {"reference": actor, "critic": given.get("reward"), "cost": given.get("reward")}
@@ -232,6 +227,27 @@ def role_models(given: dict[str, ModelSpec], models: dict[str, str]) -> dict[str
             )
         out[name] = spec
     return out
+
+
+def check_model_keys(keys: Iterable[str], models: Mapping[str, str], what: str) -> None:
+    """Refuse a per-model key that names neither a graph model nor one of the graph's roles.
+    ``models``: graph model name -> role; ``what``: the flag or field that gave the keys."""
+    roles = set(models.values())
+    unknown = [k for k in keys if k not in models and k not in roles]
+    if unknown:
+        raise ConfigError(
+            f"{what} names {', '.join(repr(k) for k in unknown)}, which is neither a model of this graph "
+            f"({', '.join(models)}) nor one of its roles ({', '.join(sorted(roles))})."
+        )
+
+
+def base_folder(model: str | None) -> str | None:
+    """The folder of a run's base model from config field ``model``: a single folder, else the
+    ``actor=`` entry, else the bare (default) entry; None (the fresh tiny model) when neither is
+    given (``reward=RM`` alone: the actor is the tiny model). The planner costs every model of a
+    run with this shape."""
+    default, named = model_folders(model)
+    return named.get("actor", default)
 
 
 def from_model_dir(path: str) -> ModelSpec:
@@ -254,8 +270,18 @@ def check_model_dir(path: str) -> None:
 
 
 def for_config(model: str | None, tiny: TinyModelConfig, tokenizer_vocab: int) -> ModelSpec:
-    """The base model of a run: the HF model directory ``model``, or the tiny model built from scratch."""
-    return from_model_dir(model) if model is not None else from_tiny(tiny, tokenizer_vocab)
+    """The base model of a run: the HF model directory ``model``, or the tiny model built from scratch.
+    Per-model folders (``actor=DIR,reward=DIR2``: `flowrl.specs.model_folders`) are each checked;
+    the shape is `base_folder`'s."""
+    default, named = model_folders(model)
+    entries = {**({"(default)": default} if named and default is not None else {}), **named}
+    for key, folder in entries.items():
+        try:
+            check_model_dir(folder)
+        except ConfigError as exc:
+            raise ConfigError(f"config field 'model', entry '{key}': {exc}") from None
+    base = base_folder(model)
+    return from_model_dir(base) if base is not None else from_tiny(tiny, tokenizer_vocab)
 
 
 def from_tiny(cfg: TinyModelConfig, tokenizer_vocab: int) -> ModelSpec:

@@ -256,6 +256,7 @@ def model_runs(graph: Graph, cfg: RunConfig, budget: int) -> dict[str, ModelRun]
     log-probs), its optimizer when trainable; ``budget``: the response budget. The generation engine
     and its tp are `place`'s."""
     generating = set(generating_models(graph))
+    checkpoints = model_checkpoints(graph, cfg.model)
     roll, train = cfg.rollout, cfg.train
     sampling = SamplingSpec(
         temperature=roll.temperature,
@@ -278,7 +279,7 @@ def model_runs(graph: Graph, cfg: RunConfig, budget: int) -> dict[str, ModelRun]
             )
         runs[name] = ModelRun(
             model=name,
-            checkpoint=cfg.model,
+            checkpoint=checkpoints[name],
             tiny=cfg.tiny_model,
             seed=cfg.seed,
             training_engine=train.engine,
@@ -287,6 +288,49 @@ def model_runs(graph: Graph, cfg: RunConfig, budget: int) -> dict[str, ModelRun]
             optimizer=optimizer,
         )
     return runs
+
+
+def model_checkpoints(graph: Graph, model: str | None) -> dict[str, str | None]:
+    """Each graph model's HF folder (absolute; None: the fresh tiny model) from config field
+    ``model``: one folder for every model, or per model (``actor=DIR,rm=DIR2``, parsed by
+    `flowrl.specs.model_folders`; keys are graph model names or roles). A model takes, in order:
+    the entry of its name; of its role; its ``init_from`` model's folder (a reference or critic
+    starts where its actor does); the bare (default) entry; the first actor's folder. So models
+    are fresh tiny ones only where no folder reaches them: ``reward=RM`` alone gives a tiny actor
+    (and reference, critic) and the reward model RM. A key naming neither a graph model nor one of
+    its roles is refused."""
+    from pathlib import Path
+
+    from flowrl.planner.modelspec import check_model_keys
+    from flowrl.specs import model_folders
+
+    def absolute(folder: str | None) -> str | None:
+        return None if folder is None else str(Path(folder).expanduser().resolve())
+
+    default, named = model_folders(model)
+    default = absolute(default)
+    if not named:
+        return {name: default for name in graph.models}
+    check_model_keys(named, {m: d.role for m, d in graph.models.items()}, f"config field 'model' ('{model}')")
+    named = {key: absolute(folder) for key, folder in named.items()}
+    actor = next((m for m, d in graph.models.items() if d.role == "actor"), None)
+    out: dict[str, str | None] = {}
+
+    def folder(name: str, seen: tuple[str, ...]) -> str | None:
+        if name not in out:
+            decl = graph.models[name]
+            source = decl.init_from if decl.init_from in graph.models and decl.init_from not in seen else None
+            if name in named or decl.role in named:
+                out[name] = named.get(name, named.get(decl.role))
+            elif source is not None:
+                out[name] = folder(source, (*seen, name))
+            elif default is not None or actor is None or name == actor:
+                out[name] = default
+            else:
+                out[name] = folder(actor, (*seen, name))
+        return out[name]
+
+    return {name: folder(name, ()) for name in graph.models}
 
 
 def _with_generation(plan: ExecutionPlan, engine: str) -> ExecutionPlan:

@@ -294,13 +294,16 @@ def _check_resolved(graph: Graph, plan: ExecutionPlan) -> None:
     """The plan's resolved sections (each model's run, each node's options: what runs) agree with the
     config they were resolved from: a config field edited in a plan file afterwards would otherwise
     be ignored. This compares what `resolve` copied; it re-derives nothing."""
+    from flowrl.planner.passes import model_checkpoints
+
     cfg = plan.config
+    folders = model_checkpoints(graph, cfg.model)  # config field 'model': one folder, or one per model
     for name, run in plan.models.items():
         decl = graph.models[name]
         fields: dict[str, tuple[Any, Any]] = {
             "train.engine": (cfg.train.engine, run.training_engine),
             "seed": (cfg.seed, run.seed),
-            "model": (cfg.model, run.checkpoint),
+            "model": (folders.get(name), run.checkpoint),
             "tiny_model": (cfg.tiny_model, run.tiny),
             "rollout.temperature": (cfg.rollout.temperature, run.sampling.temperature),
             "rollout.top_p": (cfg.rollout.top_p, run.sampling.top_p),

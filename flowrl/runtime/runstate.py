@@ -117,12 +117,21 @@ def write(run: Path, snapshot: Snapshot, st: RunState, manifest: Mapping[str, An
 
 def manifest(plan: Any) -> dict[str, Any]:
     """What a checkpoint must match to continue ``plan``'s run: the graph, the model built and the
-    seed, and the base model's files as they were (the frozen models are rebuilt from them)."""
+    seed, and the base model's files as they were (the frozen models are rebuilt from them): one
+    folder's [[name, size, mtime]], or with per-model folders (``actor=DIR,rm=DIR2``) every
+    planned model folder's, {folder: files}."""
+
+    def files(folder: str) -> list[list[Any]]:
+        found = sorted(p for p in Path(folder).iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin"))
+        return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in found]
+
     cfg = plan.config
-    base = None
-    if cfg.model is not None and Path(cfg.model).is_dir():
-        files = sorted(p for p in Path(cfg.model).iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin"))
-        base = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    base: Any = None
+    if cfg.model is not None and "=" not in cfg.model:
+        base = files(cfg.model) if Path(cfg.model).is_dir() else None
+    elif cfg.model is not None:
+        folders = sorted({run.checkpoint for run in plan.models.values() if run.checkpoint is not None})
+        base = {folder: files(folder) for folder in folders if Path(folder).is_dir()}
     return {"plan_graph": plan.graph.fingerprint, "model": plan.target.model.name, "seed": cfg.seed, "base": base}
 
 

@@ -28,8 +28,10 @@ from flowrl.backends.local.models import (
     VALUE_HEAD_FILE,
     ValueModel,
     build_causal_lm,
+    build_model,
     load_tokenizer,
     model_config,
+    same_tokenizer,
     save_hf,
 )
 from flowrl.data import Prompt, Rollout, Sequences, StepBatch, adds_special_tokens
@@ -46,6 +48,8 @@ class LocalModel:
     """One graph model (actor, critic, reference, ...) held in this process."""
 
     resumable = True
+    # a scalar-head model with a tokenizer of its own: the tokenizer of the rows it receives (None: its own)
+    text_tokenizer: Any = None
 
     def __init__(
         self,
@@ -174,19 +178,37 @@ class LocalModel:
         pos = position_ids(mask)
         start = seqs.prompt_len - 1  # hidden state at t predicts token t+1
         if self.decl.scalar_head:
-            values = self.module(ids, mask, pos)[:, start:-1]
-            if output == "scores":  # the value at each row's last response token
-                last = seqs.response_lengths.clamp(min=1) - 1
+            if self.text_tokenizer is not None:
+                return self._text_scores(seqs, output)
+            values = self.module(ids, mask, pos)
+            if output == "scores":  # at each row's last response token, having read it (as HF classifiers pool)
+                last = seqs.prompt_len - 1 + seqs.response_lengths
                 return values.gather(1, last[:, None].to(self.device)).squeeze(1)
-            return values
+            return values[:, start:-1]  # V(s_t): the state before response token t
         logits = self.module(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, start:-1].float()
         logp = torch.log_softmax(logits / self.sampling.temperature, dim=-1)
         return logp.gather(-1, seqs.response_ids.to(self.device)[..., None]).squeeze(-1)
+
+    def _text_scores(self, seqs: Sequences, output: str) -> Tensor:
+        """[B] scores of rows written by another tokenizer: each row's decoded prompt text plus its
+        response text, re-tokenised with this model's tokenizer, scored at its last real token."""
+        if output != "scores":
+            raise BackendError(
+                f"model '{self.decl.name}' has a tokenizer unlike the one that wrote the responses, so it gives "
+                f"one score per response (output 'scores'), not per-token {output}; give it a folder with the "
+                "actor's tokenizer."
+            )
+        ids, mask = retokenized(seqs, self.text_tokenizer, self.tokenizer)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        values = self.module(ids, mask, position_ids(mask))
+        return values.gather(1, last_real(mask)[:, None]).squeeze(1)
 
     @torch.no_grad()
     def forward(self, seqs: Sequences, output: str, micro_batch: int) -> Tensor:
         """Micro-batches of rows of similar response length, each without the padding it does not
         need; results in the rows' order, [B, R] right-padded with 0 (or [B] scores)."""
+        if self.decl.scalar_head and self.text_tokenizer is None:
+            _check_ids(self, seqs)
         micro = micro_batch or len(seqs)
         order = by_length(seqs)
         width = seqs.response_ids.shape[1]
@@ -372,6 +394,36 @@ class LocalModel:
         self.tokenizer.save_pretrained(path)
 
 
+def retokenized(seqs: Sequences, source: Any, tokenizer: Any) -> tuple[Tensor, Tensor]:
+    """``tokenizer``'s ids and attention mask of each row's text: its prompt decoded by ``source``
+    (the tokenizer that wrote the rows; special tokens dropped) followed by its response text
+    (``seqs.texts``, what rewards see), with ``tokenizer``'s own special tokens (BOS)."""
+    prompts = [
+        source.decode(row[m.bool()].tolist(), skip_special_tokens=True)
+        for row, m in zip(seqs.prompt_ids, seqs.prompt_mask)
+    ]
+    enc = tokenizer([p + t for p, t in zip(prompts, seqs.texts)], return_tensors="pt", padding=True)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def last_real(mask: Tensor) -> Tensor:
+    """[B] the index of each row's last real (mask 1) token, for left or right padding."""
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    return (positions * mask.long()).argmax(-1)
+
+
+def _check_ids(engine: LocalModel, seqs: Sequences) -> None:
+    """A scalar-head model refuses ids beyond its vocabulary (rows another tokenizer wrote) by name."""
+    vocab = getattr(engine.hf_config, "vocab_size", None)
+    top = max((int(t.max()) for t in (seqs.prompt_ids, seqs.response_ids) if t.numel()), default=-1)
+    if isinstance(vocab, int) and top >= vocab:
+        raise BackendError(
+            f"model '{engine.decl.name}' received token id {top}, beyond its vocabulary ({vocab}): the "
+            "responses come from a model with another tokenizer. Declare it init_from that model in the graph "
+            "(g.model(..., init_from='actor')) so it re-tokenises their text, or give it the actor's tokenizer."
+        )
+
+
 def _untied_keys(module: nn.Module) -> set[str]:
     """State-dict keys, less those sharing storage with an earlier key (tied weights, stored once)."""
     keys, seen = set(), set()
@@ -409,20 +461,35 @@ def _unsharded_copy(engine: LocalModel, weights: Mapping[str, Tensor]) -> nn.Mod
 
 
 def training_engine(ctx: EngineContext) -> LocalModel:
-    """A graph model in this process: the base checkpoint (or a fresh tiny model), or a copy of
-    the model it initialises from, with a scalar head for critic/reward/cost roles."""
+    """A graph model in this process: its checkpoint folder (or a fresh tiny model), or a copy of
+    the model it initialises from when that starts from the same folder, with a scalar head for
+    critic/reward/cost roles (`build_model`: a trained head when the folder has one). A scalar-head
+    model whose folder's tokenizer differs from its source's re-tokenises the rows' text."""
     spec, source = ctx.spec, ctx.source
+    writer = None  # the tokenizer of the rows this model reads, when it is not the model's own
+    if source is not None and getattr(getattr(source, "spec", None), "checkpoint", None) != spec.checkpoint:
+        writer, source = source.tokenizer, None  # a folder of its own (--model NAME=DIR)
     if source is None:
         tokenizer = load_tokenizer(spec.checkpoint)
         hf_config = model_config(spec.checkpoint, spec.tiny, tokenizer)
-        lm = build_causal_lm(spec.checkpoint, hf_config, spec.seed)
+        module = build_model(spec.checkpoint, hf_config, spec.seed, ctx.decl.scalar_head, ctx.decl.name)
     else:
         tokenizer, hf_config = source.tokenizer, source.hf_config
         lm = copy.deepcopy(_as_lm(source))
-    module = ValueModel(lm) if ctx.decl.scalar_head else lm
-    return LocalModel(
+        module = ValueModel(lm) if ctx.decl.scalar_head else lm
+    engine = LocalModel(
         ctx.decl, module, tokenizer, hf_config, spec, torch.device(ctx.device), ctx.rank, ctx.world, ctx.group
     )
+    if writer is not None and not same_tokenizer(writer, tokenizer):
+        if not ctx.decl.scalar_head or ctx.decl.role == "critic":
+            raise BackendError(
+                f"model '{ctx.decl.name}' (role {ctx.decl.role}): the tokenizer in '{spec.checkpoint}' differs from "
+                f"that of '{ctx.decl.init_from}', whose tokens it reads; its per-token outputs would not line up with "
+                "them. Give it a folder with the same tokenizer (a reward or cost model may differ: it re-tokenises "
+                "the text)."
+            )
+        engine.text_tokenizer = writer
+    return engine
 
 
 def generation_engine(ctx: EngineContext) -> LocalModel:

@@ -2,10 +2,15 @@
 
 Any HF causal LM directory works (transformers + safetensors). With no directory, flowrl
 builds a tiny Llama with random weights and its character tokenizer: nothing is downloaded.
+A critic, reward or cost model (a scalar head) loads its trained head from a
+sequence-classification checkpoint (``LlamaForSequenceClassification``, ``num_labels=1``: its
+``score``) or from flowrl's own save of such a model; from a causal LM its head starts fresh.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -133,9 +138,13 @@ def build_causal_lm(path: str | None, config: Any, seed: int) -> nn.Module:
 
 
 class ValueModel(nn.Module):
-    """A causal LM backbone with a scalar head: per-token values (critic) or scores."""
+    """A causal LM backbone with a scalar head: per-token values (critic) or scores.
 
-    def __init__(self, lm: nn.Module) -> None:
+    ``lm``: any HF model whose ``base_model`` is the decoder (a causal LM, a sequence-classification
+    model, or the bare decoder). ``head``: the head's trained weights (``weight`` [1, H], optional
+    ``bias``); without them the head is fresh (drawn from torch's RNG)."""
+
+    def __init__(self, lm: nn.Module, head: Mapping[str, Tensor] | None = None) -> None:
         super().__init__()
         self.backbone = lm.base_model
         self.config = lm.config
@@ -143,6 +152,16 @@ class ValueModel(nn.Module):
         self.head = nn.Linear(hidden, 1)
         nn.init.normal_(self.head.weight, std=1.0 / (hidden + 1) ** 0.5)
         nn.init.zeros_(self.head.bias)
+        if head is not None:
+            weight = head["weight"].detach().to(self.head.weight.dtype)
+            if tuple(weight.shape) != (1, hidden):
+                raise BackendError(
+                    f"a scalar head must be [1, {hidden}] (one label over the hidden size); got {list(weight.shape)}."
+                )
+            with torch.no_grad():
+                self.head.weight.copy_(weight)
+                bias = head.get("bias")
+                self.head.bias.copy_(bias.detach().reshape(1) if bias is not None else torch.zeros(1))
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
         hidden = self.backbone(
@@ -151,10 +170,117 @@ class ValueModel(nn.Module):
         return self.head(hidden).squeeze(-1)
 
     def save(self, path: Path) -> None:
+        """The backbone as an HF directory plus the head in ``value_head.safetensors`` (what
+        `build_scalar_model` loads back)."""
         from safetensors.torch import save_file
 
         save_hf(self.backbone, path)
         save_file({k: v.contiguous() for k, v in self.head.state_dict().items()}, str(path / VALUE_HEAD_FILE))
+
+
+def scalar_checkpoint(path: str) -> str:
+    """What kind of scalar-head checkpoint folder ``path`` holds: ``"flowrl"`` (a saved critic or
+    reward model: the backbone and ``value_head.safetensors``), ``"classifier"`` (an HF
+    sequence-classification model, e.g. ``LlamaForSequenceClassification`` with ``num_labels=1``:
+    its ``score`` head, by ``config.architectures`` or a ``score.weight`` tensor), or ``"lm"`` (a
+    causal LM: the head is fresh)."""
+    import json
+
+    folder = Path(path)
+    if (folder / VALUE_HEAD_FILE).is_file():
+        return "flowrl"
+    try:
+        architectures = json.loads((folder / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        architectures = []
+    if any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        return "classifier"
+    return "classifier" if "score.weight" in _weight_names(folder) else "lm"
+
+
+def _weight_names(folder: Path) -> set[str]:
+    """The tensor names of a folder's safetensors weights (one file or an index); empty for others."""
+    import json
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return set(json.loads(index.read_text()).get("weight_map", {}))
+        except (OSError, ValueError):
+            return set()
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        return set()
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(single), framework="pt") as fh:
+            return set(fh.keys())
+    except Exception:
+        return set()
+
+
+def build_model(path: str | None, config: Any, seed: int, scalar_head: bool, name: str = "") -> nn.Module:
+    """A graph model's module from folder ``path`` (None: fresh from ``config``, seeded): the causal
+    LM, or for a scalar-head model (critic, reward, cost) a `ValueModel` whose head comes from the
+    folder when it has one (`scalar_checkpoint`) and is fresh otherwise."""
+    if not scalar_head:
+        return build_causal_lm(path, config, seed)
+    kind = "lm" if path is None else scalar_checkpoint(path)
+    if kind == "lm":
+        if path is not None:
+            print(
+                f"flowrl: model '{name}': '{path}' is a causal LM without a scalar head; its value/score head starts "
+                "fresh (random). Give a sequence-classification checkpoint (num_labels=1) to load a trained head.",
+                file=sys.stderr,
+                flush=True,
+            )
+        return ValueModel(build_causal_lm(path, config, seed))
+    assert path is not None
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    if kind == "flowrl":  # flowrl's own save: the bare decoder and value_head.safetensors
+        from safetensors.torch import load_file
+
+        backbone = _pretrained(AutoModel, path, "a scalar-head model")
+        try:
+            head = load_file(str(Path(path) / VALUE_HEAD_FILE))
+        except Exception as exc:
+            raise BackendError(f"'{path}/{VALUE_HEAD_FILE}' is unreadable: {type(exc).__name__}: {exc}") from None
+        return ValueModel(backbone, head)
+    model = _pretrained(AutoModelForSequenceClassification, path, "a sequence-classification model")
+    score = getattr(model, "score", None)
+    if not isinstance(score, nn.Linear) or score.out_features != 1:
+        labels = getattr(score, "out_features", None)
+        raise BackendError(
+            f"model '{name}': '{path}' is a sequence-classification model, but "
+            + (
+                f"its score head has {labels} labels; a reward model has one (num_labels=1)."
+                if labels
+                else "it has no 'score' head (a Llama/Qwen-style classifier has one)."
+            )
+        )
+    return ValueModel(model, dict(score.state_dict()))
+
+
+def _pretrained(auto: Any, path: str, what: str) -> nn.Module:
+    try:
+        return auto.from_pretrained(
+            path, local_files_only=True, dtype=torch.float32, attn_implementation="eager", trust_remote_code=False
+        )
+    except Exception as exc:
+        raise BackendError(f"could not load {what} from '{path}': {type(exc).__name__}: {exc}") from None
+
+
+def same_tokenizer(a: Any, b: Any) -> bool:
+    """Whether two tokenizers turn text into the same ids: the same vocabulary (token -> id) and the
+    same BOS/EOS/PAD ids (names and classes do not matter)."""
+    if a is b:
+        return True
+    special = ("bos_token_id", "eos_token_id", "pad_token_id")
+    if any(getattr(a, k, None) != getattr(b, k, None) for k in special):
+        return False
+    return len(a) == len(b) and a.get_vocab() == b.get_vocab()
 
 
 def save_hf(model: nn.Module, path: Path) -> None:
