@@ -1,6 +1,8 @@
 """A run's metrics: one line per step in ``metrics.jsonl`` (what each task reports, prefixed by its
-name, the headline metrics, tokens and spans), and what the run measured written back into its
-``plan.yaml`` (a filter's acceptance rate, which the planner costs dynamic sampling with)."""
+name, the headline metrics, tokens and spans), extra records beside them (evaluations), the same
+numbers sent to the run's experiment trackers (``--logger``, `flowrl.runtime.trackers`), and what
+the run measured written back into its ``plan.yaml`` (a filter's acceptance rate, which the planner
+costs dynamic sampling with)."""
 
 from __future__ import annotations
 
@@ -20,14 +22,16 @@ if TYPE_CHECKING:
     from flowrl.runtime.protocols import RunResult
     from flowrl.runtime.schedule import Schedule
     from flowrl.runtime.trace import Trace
+    from flowrl.runtime.trackers import Trackers
 
 #: Metrics also logged without the node prefix; the first task (in schedule order) that reports one wins.
 HEADLINE = ("reward", "kl", "response_length", "sample", "logprob_gap")
 
 
 class MetricsLog:
-    """Writes each finished step's record to ``metrics.jsonl`` (appending when a run resumes), keeps
-    it in the run's result and hands it to ``on_step``; collects the workers' spans into the trace."""
+    """Writes each finished step's record to ``metrics.jsonl`` (appending when a run resumes) and the
+    run's trackers, keeps it in the run's result and hands it to ``on_step``; collects the workers'
+    spans into the trace. `log_extra` writes other records (evaluations) to the file and trackers."""
 
     def __init__(
         self,
@@ -39,9 +43,12 @@ class MetricsLog:
         prompts_drawn: Callable[[], int],
         on_step: Callable[[dict[str, Any]], None] | None,
         append: bool,
+        trackers: Trackers | None = None,
     ) -> None:
         self.schedule, self.result, self.trace, self.spans = schedule, result, trace, spans
-        self.prompts_drawn, self.on_step = prompts_drawn, on_step
+        self.prompts_drawn, self.on_step, self.trackers = prompts_drawn, on_step, trackers
+        if trackers and append and path.is_file():  # what the resumed run keeps (the file is cut to it)
+            trackers.resumed([msgspec.json.decode(line) for line in path.read_text().splitlines() if line])
         self.fh: IO[str] = path.open("a" if append else "w")
         self.last = time.perf_counter()
 
@@ -50,11 +57,21 @@ class MetricsLog:
         record["prompts_drawn"] = self.prompts_drawn()
         self.last = time.perf_counter()
         self.trace.add_workers(self.spans())
-        self.fh.write(msgspec.json.encode(record).decode() + "\n")
-        self.fh.flush()
+        self._write(record, step)
         self.result.metrics.append(record)
         if self.on_step is not None:
             self.on_step(record)
+
+    def log_extra(self, record: dict[str, Any]) -> None:
+        """A record besides the steps' (``{"step": S, "kind": "eval", "eval/mean@4": ...}``): a line of
+        metrics.jsonl, and its numbers to the trackers at its ``step``."""
+        self._write(record, int(record["step"]))
+
+    def _write(self, record: dict[str, Any], step: int) -> None:
+        self.fh.write(msgspec.json.encode(record).decode() + "\n")
+        self.fh.flush()
+        if self.trackers:
+            self.trackers.log(record, step)
 
     def sync(self) -> None:
         """On disk before a checkpoint names the steps it holds."""
@@ -62,6 +79,8 @@ class MetricsLog:
 
     def close(self) -> None:
         self.fh.close()
+        if self.trackers:
+            self.trackers.close()
 
 
 def step_record(
