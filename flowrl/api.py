@@ -64,10 +64,10 @@ def response_budget(cfg: RunConfig, registry: Registry | None = None) -> int:
     graph's ``build(cfg)`` that sizes something by it, such as DAPO's overlong penalty)."""
     if cfg.rollout.max_new_tokens:
         return cfg.rollout.max_new_tokens
-    from flowrl.tasks.builtin import make_task
+    from flowrl.tasks.builtin import task_for
 
     tasks = {e.name: e.obj for e in (registry or default_registry()).entries("tasks")}
-    return int(make_task(cfg.task, cfg.task_options, registry=tasks).max_new_tokens())
+    return int(task_for(cfg, registry=tasks).max_new_tokens())
 
 
 def executor_entry(cfg: RunConfig, reg: Registry) -> Entry:

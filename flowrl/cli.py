@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from flowrl.errors import ConfigError, FlowRLError
-from flowrl.specs import writable
+from flowrl.specs import DATA_TASK, writable
 
 EXIT_USER_ERROR = 2
 
@@ -309,6 +309,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(
         f"flowrl: {doing} {graph.name} ({plan.graph.source}) on task '{cfg.task}' for {cfg.steps} steps, plan {plan.id}"
     )
+    if cfg.task == DATA_TASK:  # what was read of the user's files
+        from flowrl.tasks.dataset import load as load_data
+
+        for line in load_data(cfg).report.lines():
+            print(f"flowrl: {line}")
     done = 0
     if folder is not None:
         from flowrl.runtime.checkpoint import latest
@@ -397,6 +402,24 @@ def _summary(metrics: list[dict[str, Any]]) -> str:
     return text
 
 
+def _report_lines(record: dict[str, Any]) -> str:
+    """An evaluation's overall metrics on one line, or sample rows one per line."""
+    if record["kind"] == "eval":
+        shown = ", ".join(
+            f"{k[5:]} {v:.3f}"
+            for k, v in record.items()
+            if k.startswith("eval/") and k.count("/") == 1 and k != "eval/prompts"
+        )
+        return f"eval after {record['step']} steps: {shown}"
+    lines = []
+    for row in record.get("rows", []):
+        reward = "-" if row.get("reward") is None else f"{row['reward']:.2f}"
+        prompt = " ".join(str(row["prompt"]).split())[-60:]
+        response = " ".join(str(row["response"]).split())[:80]
+        lines.append(f"  [{row['kind']} {row['step']}] {prompt!r} -> {response!r} (reward {reward})")
+    return "\n".join(lines)
+
+
 class _Progress:
     def __init__(self, total: int, enabled: bool, initial: int = 0) -> None:
         self.bar = None
@@ -407,6 +430,9 @@ class _Progress:
 
     def update(self, record: dict[str, Any]) -> None:
         if self.bar is None:
+            return
+        if record.get("kind") is not None:  # an evaluation or sample rows: printed above the bar
+            self.bar.write(_report_lines(record))
             return
         post = {"reward": f"{record['reward'] or 0:.3f}"}
         if record.get("kl") is not None:

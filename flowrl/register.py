@@ -1,7 +1,7 @@
 """Register functions from a graph file, without a plugin package.
 
 A graph file may define its own reward, compute function (``@register.compute``; its older
-name ``@register.estimator`` still works), loss, filter or environment next to ``build(cfg)``,
+name ``@register.estimator`` still works), loss, filter, environment or task next to ``build(cfg)``,
 with a decorator::
 
     from flowrl import register
@@ -78,6 +78,14 @@ def filter(  # noqa: A001
 def environment(name: str | None = None) -> Callable[[F], F]:
     """An environment factory ``factory(task, **options)`` -> an object with ``reply(prompt, turns)``."""
     return _decorator("environments", name, {})
+
+
+def task(name: str | None = None) -> Callable[[F], F]:
+    """A task class: a ``msgspec.Struct`` (or dataclass) whose fields are its options, built from
+    ``task_options``, or any class with a ``from_config(cfg)`` classmethod (built from the whole run
+    config); either way with ``max_new_tokens()``, ``prompts(rng, n)`` and ``score(prompt, response)``
+    (see ``flowrl.tasks.builtin.Task``). ``flowrl run GRAPH --task NAME`` trains on it."""
+    return _decorator("tasks", name, {})
 
 
 def take_pending() -> list[tuple[str, str, Any, dict[str, Any]]]:

@@ -116,7 +116,7 @@ class DataConfig(Spec):
     max_prompt_tokens: int | None = None  # longer prompts are dropped (counted) or truncated
     overlong: Literal["drop", "truncate"] = "drop"
     shuffle: bool = True  # a seeded shuffle per epoch
-    verifier: str = "math"  # how the `task` reward scores a response: math | exact | regex
+    verifier: str = "math"  # how the `task` reward scores a response: math | exact | regex | none
 
     def files(self, split: Literal["train", "val"]) -> list[str]:
         value = getattr(self, split)

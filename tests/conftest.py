@@ -113,3 +113,61 @@ def start_flowrl() -> Callable[..., subprocess.Popen]:
         )
 
     return start
+
+
+#: A ChatML template, as instruct models ship it (SmolLM2, Qwen).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_chat_model(folder: os.PathLike[str] | str, *, template: bool = True, hidden: int = 32) -> str:
+    """A tiny Llama with a byte-level BPE tokenizer trained on the fly (with ``tokenizers``) and,
+    with ``template``, a ChatML chat template: an HF folder like an instruct model's, made locally."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    corpus = [f"What is {a} + {b}? The answer is {a + b}. #### {a + b}" for a in range(40) for b in range(0, 40, 7)]
+    corpus += ["Answer the question step by step, then give the final number.", "hello world"] * 5
+    specials = ["<|pad|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+    backend = Tokenizer(models.BPE(unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(corpus, trainer)
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+    if template:
+        tok.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The folder of a tiny chat model (BPE tokenizer with a ChatML template), built once a session."""
+    return build_chat_model(tmp_path_factory.mktemp("chat-model"))

@@ -160,10 +160,10 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     """Check every task, function, loss, engine and node option the plan names.
 
     Fills the response budget from the task and, unless one was given, the workload from the config."""
-    from flowrl.tasks.builtin import make_task
+    from flowrl.tasks.builtin import task_for
 
     reg, graph, cfg = ctx.registry, ctx.graph, plan.config
-    task = make_task(cfg.task, cfg.task_options, registry={e.name: e.obj for e in reg.entries("tasks")})
+    task = task_for(cfg, registry={e.name: e.obj for e in reg.entries("tasks")})
     rows = node_rows(graph, cfg.rollout.prompts_per_step)
     seqs = graph.sequence_keys()
     resolved: dict[str, NodeOptions] = {}
@@ -353,6 +353,8 @@ def task_lengths(task: Any, budget: int, ignore_eos: bool) -> tuple[int, Lengths
     import random
     from collections import Counter
 
+    if hasattr(task, "prompt_tokens"):  # a dataset: its prompts' token counts; responses as long as allowed
+        return task.prompt_tokens(), Fixed(value=budget)
     drawn = task.prompts(random.Random(0), 2000)
     prompt = max(len(p.text) for p in drawn) + 1
     if ignore_eos:

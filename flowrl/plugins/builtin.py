@@ -77,8 +77,9 @@ def register_environments(register: Register) -> None:
 @hookimpl
 def register_tasks(register: Register) -> None:
     from flowrl.tasks.builtin import BUILTIN_TASKS
+    from flowrl.tasks.dataset import DataTask
 
-    for name, cls in BUILTIN_TASKS.items():
+    for name, cls in {**BUILTIN_TASKS, DataTask.name: DataTask}.items():
         register(name, cls, description=cls.description)
 
 

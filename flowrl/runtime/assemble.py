@@ -54,10 +54,10 @@ def assemble(graph: Graph, plan: ExecutionPlan, registry: Registry, schedule: Sc
     """The parts of a run of ``plan``; ``launch(schedule)`` starts the workers and returns the
     transport and each model's (tokenizer, hf_config)."""
     from flowrl.plugins.manager import node_functions
-    from flowrl.tasks.builtin import make_task
+    from flowrl.tasks.builtin import task_for
 
     cfg = plan.config
-    task = make_task(cfg.task, cfg.task_options, registry={e.name: e.obj for e in registry.entries("tasks")})
+    task = task_for(cfg, registry={e.name: e.obj for e in registry.entries("tasks")})
     stream = PromptStream(task, random.Random(cfg.seed))
     transport, built = launch(schedule)
     trainers = {

@@ -188,8 +188,11 @@ def training_samples(step: int, batch: dict[str, Any], count: int) -> list[dict[
     rewards = batch.get("rewards")
     scores = rewards.tolist() if isinstance(rewards, torch.Tensor) and rewards.numel() == len(seqs) else None
     out = []
-    for i, (text, index) in enumerate(zip(seqs.texts[:count], seqs.prompt_index.tolist())):
-        prompt = prompts[index]
+    first: dict[int, int] = {}  # one row per prompt (its first sample), as many prompts as asked
+    for i, index in enumerate(seqs.prompt_index.tolist()):
+        first.setdefault(index, i)
+    for index, i in list(first.items())[:count]:
+        text, prompt = seqs.texts[i], prompts[index]
         row = {"step": step, "kind": "train", "prompt": prompt.text, "answer": prompt.answer, "response": text}
         row["reward"] = round(float(scores[i]), 6) if scores is not None else None
         out.append(row)

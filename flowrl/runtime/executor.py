@@ -210,6 +210,8 @@ class PlanExecutor:
         from flowrl.runtime.groups import CURRENT_TASK
         from flowrl.runtime.metrics import MetricsLog, write_acceptance
         from flowrl.runtime.pipeline import Pipeline
+        from flowrl.runtime.reports import Reports
+        from flowrl.runtime.trackers import check_loggers, open_trackers
 
         cfg = plan.config
         if cfg.threads:
@@ -221,11 +223,13 @@ class PlanExecutor:
             dump_plan(plan, out_dir / "plan.yaml")  # first: a run killed during setup can be resumed
         trace = Trace(origin=time.time())  # before the workers start: their setup spans come after it
         CURRENT_TASK.set("setup")
+        check_loggers(cfg.log.loggers)  # a tracker that is not installed fails before workers start
         schedule = self.schedule(graph, plan)
         parts = assemble(graph, plan, self.registry, schedule, lambda sched: self.launch(graph, plan, sched, out_dir))
         transport = parts.transport
         self.transport, self.lowered, self.sources = transport, schedule, parts.sources  # for tools and tests
         log: MetricsLog | None = None
+        reports: Reports | None = None
         try:
             trace.add_workers(transport.spans())
             state = runstate.RunState(parts.trainers, parts.generators, parts.rt, parts.sources, parts.stream)
@@ -234,7 +238,7 @@ class PlanExecutor:
             if resume:
                 CURRENT_TASK.set("restore")
                 snapshot = runstate.resume(out_dir, manifest, state, parts.publish_all)
-                result.metrics = runstate.completed_metrics(metrics_path, snapshot.step)
+                result.metrics, result.evals = runstate.completed_metrics(metrics_path, snapshot.step)
                 result.resumed_from = snapshot.step + 1
                 result.last_checkpoint = step_dir(out_dir, snapshot.step)
                 dump_plan(plan, out_dir / "plan.yaml")  # only now: a resume that fails changes nothing
@@ -247,9 +251,14 @@ class PlanExecutor:
                 lambda: parts.stream.drawn,
                 on_step,
                 append=resume,
+                trackers=open_trackers(cfg.log.loggers, out_dir, out_dir.name, msgspec.to_builtins(cfg), resume),
             )
+            reports = Reports(cfg, plan, parts, out_dir, log, result, on_step, resume)
+            if not resume:
+                reports.evaluate(0)
 
             def on_barrier(snap: Any) -> bool:
+                reports.evaluate(snap.step + 1)
                 CURRENT_TASK.set("checkpoint")
                 if cfg.checkpoint:
                     log.sync()
@@ -261,8 +270,8 @@ class PlanExecutor:
             stop.armed = True
             Pipeline(parts, trace).run(
                 cfg.steps,
-                log.step_done,
-                barrier=lambda step: cfg.checkpoint_due(step) or stop.signal is not None,
+                reports.step_done,
+                barrier=lambda step: cfg.checkpoint_due(step) or stop.signal is not None or reports.eval_due(step),
                 on_barrier=on_barrier,
                 resume=snapshot,
             )
@@ -274,6 +283,8 @@ class PlanExecutor:
             stop.armed = False
             if log is not None:
                 log.close()
+            if reports is not None:
+                reports.close()
             try:
                 trace.add_workers(transport.spans())
             except Exception:  # a dead worker keeps its spans
@@ -286,7 +297,7 @@ class PlanExecutor:
         if result.metrics:
             from flowrl.runtime.report import plot_rewards
 
-            plot_rewards(result.metrics, out_dir / "reward.png", title=f"{graph.name} on {cfg.task}")
+            plot_rewards(result.metrics, out_dir / "reward.png", title=f"{graph.name} on {cfg.task}", evals=result.evals)
         return result
 
 

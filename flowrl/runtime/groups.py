@@ -131,11 +131,15 @@ class GenerationGroup:
         greedy: bool,
         generator: torch.Generator,
         max_new_tokens: int | None = None,
+        temperature: float | None = None,
     ) -> Rollout:
         seed = dispatch.draw_seed(generator)
         cuts = dispatch.shards(len(prompts), len(self.ranks))
         used = [(r, s) for r, s in zip(self.ranks, cuts) if s.stop > s.start] or [(self.ranks[0], cuts[0])]
-        args = [(self.model, list(prompts[s]), n, greedy, seed + i, max_new_tokens) for i, (_, s) in enumerate(used)]
+        args = [
+            (self.model, list(prompts[s]), n, greedy, seed + i, max_new_tokens, *([temperature] if temperature else []))
+            for i, (_, s) in enumerate(used)
+        ]
         parts = self.transport.call([r for r, _ in used], "generate", args, CURRENT_TASK.get())
         return Rollout.concat(parts, self.pad_id, [s.start for _, s in used])
 

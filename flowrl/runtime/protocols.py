@@ -121,9 +121,11 @@ class GenerationEngine(Protocol):
         greedy: bool,
         generator: torch.Generator,
         max_new_tokens: int | None = None,
+        temperature: float | None = None,
     ) -> Rollout:
         """``n`` samples per prompt (rows grouped by prompt); stops after ``max_new_tokens``
-        (default: the run's budget), leaving rows without EOS unfinished."""
+        (default: the run's budget), leaving rows without EOS unfinished. ``temperature`` (given only
+        by evaluation, and only when it differs from the run's) replaces the sampling temperature."""
         ...
 
     def resume(self, rollout: Rollout, *, generator: torch.Generator, max_new_tokens: int | None = None) -> Rollout:
@@ -139,6 +141,7 @@ class GenerationEngine(Protocol):
 class RunResult:
     out_dir: Path
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # evaluation records (eval.every), by step
     checkpoints: dict[str, Path] = field(default_factory=dict)  # model -> its final HF checkpoint
     last_checkpoint: Path | None = None  # the newest step checkpoint (what --resume continues from)
     resumed_from: int | None = None  # the first step this invocation ran, when it resumed

@@ -16,7 +16,11 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def plot_rewards(metrics: list[dict[str, Any]], path: Path, title: str = "") -> Path:
+def plot_rewards(
+    metrics: list[dict[str, Any]], path: Path, title: str = "", evals: list[dict[str, Any]] | None = None
+) -> Path:
+    """reward.png: the reward, KL and response length per step, and the evaluations' overall
+    metrics (``eval/greedy``, ``eval/mean@K``, ...) when the run evaluated."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -25,9 +29,23 @@ def plot_rewards(metrics: list[dict[str, Any]], path: Path, title: str = "") -> 
     steps = [m["step"] for m in metrics]
     panels = [("reward", "mean reward"), ("kl", "KL(actor || ref)"), ("response_length", "response tokens")]
     panels = [(k, label) for k, label in panels if any(m.get(k) is not None for m in metrics)]
+    evals = evals or []
+    curves = sorted({k for e in evals for k in e if k.startswith("eval/") and k.count("/") == 1} - {"eval/prompts"})
+    if curves:
+        panels.append(("eval", "evaluation (held-out prompts)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
     window = max(1, len(metrics) // 25)
     for ax, (key, label) in zip(axes[0], panels):
+        if key == "eval":
+            for curve in curves:
+                points = [(e["step"], e[curve]) for e in evals if curve in e]
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3, lw=1.4, label=curve[5:])
+            ax.set_xlabel("training steps done")
+            ax.set_title(label, fontsize=10)
+            ax.set_ylim(-0.02, 1.02)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8, loc="lower right")
+            continue
         ys = [float(m.get(key) or 0.0) for m in metrics]
         ax.plot(steps, ys, color="#9ab", lw=0.8, label="per step")
         ax.plot(steps, _smooth(ys, window), color="#d62", lw=1.8, label=f"mean of {window}")

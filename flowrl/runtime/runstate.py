@@ -62,8 +62,14 @@ class PromptStream:
     drawn: int = 0
 
     def __call__(self, n: int) -> list[Any]:
-        self.drawn += n
+        start, self.drawn = self.drawn, self.drawn + n
+        if hasattr(self.task, "take"):  # a dataset: its rows in epochs, where the cursor says
+            return self.task.take(start, n)
         return self.task.prompts(self.rng, n)
+
+    def position(self) -> dict[str, int] | None:
+        """A dataset's epoch and index within it (None for a task that draws its prompts)."""
+        return self.task.position(self.drawn) if hasattr(self.task, "position") else None
 
 
 @dataclass
@@ -105,6 +111,7 @@ def write(run: Path, snapshot: Snapshot, st: RunState, manifest: Mapping[str, An
                     "step": snapshot.step,
                     "models": models,
                     "graph_state": dict(st.rt.state),
+                    "data": st.stream.position(),
                     "written": time.time(),
                     **manifest,
                 },
@@ -259,21 +266,28 @@ def restore(path: Path, driver: dict[str, Any], st: RunState, sync: Callable[[],
 # ------------------------------------------------------------------ metrics.jsonl
 
 
-def completed_metrics(path: Path, last_step: int) -> list[dict[str, Any]]:
-    """The records of steps 0..``last_step`` in ``path``, rewritten without what came after (steps a
-    killed run did after its last checkpoint, or a half-written line)."""
+def completed_metrics(path: Path, last_step: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The step records of steps 0..``last_step`` in ``path`` and the evaluation records up to it,
+    the file rewritten without what came after (steps a killed run did after its last checkpoint,
+    or a half-written line)."""
     records: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
+    kept: list[dict[str, Any]] = []
     if path.is_file():
         for line in path.read_text().splitlines():
             try:
                 record = msgspec.json.decode(line)
             except msgspec.DecodeError:
                 break
-            if not isinstance(record, dict) or record.get("step") != len(records):
+            if isinstance(record, dict) and record.get("kind") == "eval":  # after step-1 updates
+                if isinstance(record.get("step"), int) and record["step"] <= last_step + 1:
+                    evals.append(record)
+                    kept.append(record)
+                continue
+            if len(records) > last_step or not isinstance(record, dict) or record.get("step") != len(records):
                 break
             records.append(record)
-            if len(records) > last_step:
-                break
+            kept.append(record)
     if len(records) != last_step + 1:
         raise ConfigError(
             f"'{path}' holds {len(records)} complete step(s), but the checkpoint is after step {last_step}; "
@@ -281,11 +295,11 @@ def completed_metrics(path: Path, last_step: int) -> list[dict[str, Any]]:
         )
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w") as fh:
-        fh.writelines(msgspec.json.encode(r).decode() + "\n" for r in records)
+        fh.writelines(msgspec.json.encode(r).decode() + "\n" for r in kept)
         fh.flush()
         os.fsync(fh.fileno())
     tmp.replace(path)
-    return records
+    return records, evals
 
 
 def publish_models(run: Path, trainers: Mapping[str, Any], step_checkpoint: Path | None) -> dict[str, Path]:

@@ -245,11 +245,21 @@ class Worker:
     def train(self, model: str, loss: Any, batch: dict[str, Any], step: Any) -> dict[str, float]:
         return self.trainers[model].train(loss, batch, step)
 
-    def generate(self, model: str, prompts: Sequence[Any], n: int, greedy: bool, seed: int, max_new: int | None) -> Any:
+    def generate(
+        self,
+        model: str,
+        prompts: Sequence[Any],
+        n: int,
+        greedy: bool,
+        seed: int,
+        max_new: int | None,
+        temperature: float | None = None,
+    ) -> Any:
         import torch
 
         g = torch.Generator().manual_seed(seed)
-        return self.generators[model].generate(prompts, n=n, greedy=greedy, generator=g, max_new_tokens=max_new)
+        extra = {} if temperature is None else {"temperature": temperature}  # engines before it take none
+        return self.generators[model].generate(prompts, n=n, greedy=greedy, generator=g, max_new_tokens=max_new, **extra)
 
     def resume(self, model: str, rollout: Any, seed: int, max_new: int | None) -> Any:
         import torch

@@ -225,6 +225,17 @@ def make_task(
         raise TaskError(f"task {name!r}: bad option: {message}{hint}") from None
 
 
+def task_for(cfg: Any, registry: Mapping[str, type] | None = None) -> Any:
+    """The task of run config ``cfg``: a task class with a ``from_config(cfg)`` classmethod (the
+    ``data`` task, which reads the run's files and tokenizer) is built from the whole config, any
+    other from ``cfg.task_options`` (:func:`make_task`)."""
+    tasks: Mapping[str, type] = BUILTIN_TASKS if registry is None else registry
+    cls = tasks.get(cfg.task)
+    if cls is not None and hasattr(cls, "from_config"):
+        return cls.from_config(cfg)
+    return make_task(cfg.task, cfg.task_options, registry=tasks)
+
+
 def _is_struct(cls: type) -> bool:
     return isinstance(cls, type) and issubclass(cls, msgspec.Struct)
 

@@ -102,13 +102,17 @@ class LocalModel:
         greedy: bool,
         generator: torch.Generator,
         max_new_tokens: int | None = None,
+        temperature: float | None = None,
     ) -> Rollout:
-        """``n`` samples for each prompt (rows grouped by prompt), with their log-probs."""
+        """``n`` samples for each prompt (rows grouped by prompt), with their log-probs; ``temperature``
+        (evaluation's) instead of the run's sampling temperature."""
         texts = [p.text for p in prompts for _ in range(n)]
         enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=adds_special_tokens(prompts))
         index = torch.arange(len(prompts)).repeat_interleave(n)
         start = [Response([], []) for _ in texts]
-        return self._continue(enc["input_ids"], enc["attention_mask"], index, start, greedy, generator, max_new_tokens)
+        return self._continue(
+            enc["input_ids"], enc["attention_mask"], index, start, greedy, generator, max_new_tokens, temperature
+        )
 
     def resume(self, rollout: Rollout, *, generator: torch.Generator, max_new_tokens: int | None = None) -> Rollout:
         """Continue the unfinished rows from their prompt and the tokens generated so far."""
@@ -127,6 +131,7 @@ class LocalModel:
         greedy: bool,
         generator: torch.Generator,
         chunk: int | None,
+        temperature: float | None = None,
     ) -> Rollout:
         """Sample the unfinished rows on, each within its own budget, and end them by the rules of
         `flowrl.runtime.responses` (EOS, stop strings, budget, the model's context)."""
@@ -152,7 +157,7 @@ class LocalModel:
                 max_new_tokens=max(budgets[i] for i in todo),  # each row is cut at its own budget
                 eos_id=self.tokenizer.eos_token_id,
                 pad_id=self.tokenizer.pad_token_id,
-                temperature=roll.temperature,
+                temperature=temperature or roll.temperature,
                 top_p=roll.top_p,
                 greedy=greedy,
                 ignore_eos=roll.ignore_eos,

@@ -235,13 +235,16 @@ class VLLMEngine:
         greedy: bool,
         generator: torch.Generator,
         max_new_tokens: int | None = None,
+        temperature: float | None = None,
     ) -> Rollout:
-        """``n`` samples for each prompt (rows grouped by prompt), with their log-probs."""
+        """``n`` samples for each prompt (rows grouped by prompt), with their log-probs; ``temperature``
+        (evaluation's) instead of the run's sampling temperature."""
         special = adds_special_tokens(prompts)
         ids = [self.tokenizer(p.text, add_special_tokens=special)["input_ids"] for p in prompts]
         rows = [list(i) for i in ids for _ in range(n)]
         index = torch.arange(len(prompts)).repeat_interleave(n)
-        return self._continue(rows, [Response([], []) for _ in rows], index, greedy, generator, max_new_tokens)
+        start = [Response([], []) for _ in rows]
+        return self._continue(rows, start, index, greedy, generator, max_new_tokens, temperature)
 
     def resume(self, rollout: Rollout, *, generator: torch.Generator, max_new_tokens: int | None = None) -> Rollout:
         """Continue the unfinished rows from their prompt and the tokens generated so far."""
@@ -258,6 +261,7 @@ class VLLMEngine:
         greedy: bool,
         generator: torch.Generator,
         chunk: int | None,
+        temperature: float | None = None,
     ) -> Rollout:
         """One request per unfinished row (its prompt and the tokens it has), each within its own
         budget; the rows end by the rules of `flowrl.runtime.responses`. A row without budget (at
@@ -267,7 +271,7 @@ class VLLMEngine:
         todo = [i for i, r in enumerate(responses) if not r.finished]
         budgets = [rules.budget(len(responses[i].ids), chunk or None, rooms[i]) for i in todo]
         new_ids, new_logprobs = self._sample(
-            [prompts[i] + responses[i].ids for i in todo], budgets, greedy, generator
+            [prompts[i] + responses[i].ids for i in todo], budgets, greedy, generator, temperature
         )  # fmt: skip
         for i, ids, logprobs in zip(todo, new_ids, new_logprobs):
             responses[i] = rules.extend(responses[i], ids, logprobs, rooms[i])
@@ -282,6 +286,7 @@ class VLLMEngine:
         budgets: list[int],
         greedy: bool,
         generator: torch.Generator,
+        temperature: float | None = None,
     ) -> tuple[list[list[int]], list[list[float]]]:
         """One request per row (its prompt and the tokens it has): per row the new tokens and their
         log-probs. A row without budget gets none (and no request)."""
@@ -296,7 +301,7 @@ class VLLMEngine:
         params = [
             SamplingParams(
                 n=1,
-                temperature=0.0 if greedy else roll.temperature,
+                temperature=0.0 if greedy else temperature or roll.temperature,
                 top_p=1.0 if greedy else roll.top_p,
                 max_tokens=budgets[i],
                 logprobs=0,
