@@ -472,6 +472,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         parsed = value
     if not isinstance(parsed, (str, int, float, bool, list, dict, type(None))):
         parsed = value  # e.g. YAML reads 2024-01-01 as a date; the user meant the text
+    if isinstance(parsed, dict) and not value.strip().startswith("{"):
+        parsed = value  # "Finish with: N." is a sentence, not a mapping (a mapping is written {a: 1})
     if isinstance(parsed, str):
         try:  # YAML 1.1 reads "1e-3" as a string; users mean a number
             parsed = (
