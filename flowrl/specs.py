@@ -40,6 +40,7 @@ class RolloutConfig(Spec):
     temperature: float = 1.0
     top_p: float = 1.0
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
+    stop: list[str] = []  # texts that end a response (kept in it; what follows is cut), e.g. ["</answer>"]
     # How rollouts flow (None: the planner chooses; one device: sync). '+'-joined parts of
     # sync | one_step_off | async (when generation may start) and partial, streaming:
     # e.g. "one_step_off", "async", "partial", "partial+async", "streaming".
@@ -518,9 +519,9 @@ OLDER_NAMES = {"backend": "executor"}
 #: ``--plan`` or ``--resume`` run without changing what is planned (the plan's id leaves them out).
 RUN_SETTINGS = ("out", "name", "save_every", "keep_checkpoints", "progress", "eval", "log")
 
-#: Config sections added after plans were first written: a plan's id leaves them out while they
-#: hold their defaults, so a plan file an earlier flowrl wrote keeps its id.
-LATER_SECTIONS = ("data",)
+#: Config sections and fields (dotted) added after plans were first written: a plan's id leaves
+#: them out while they hold their defaults, so a plan file an earlier flowrl wrote keeps its id.
+LATER_SECTIONS = ("data", "rollout.stop")
 
 
 def current_names(layer: dict[str, Any]) -> dict[str, Any]:

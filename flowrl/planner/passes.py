@@ -263,6 +263,7 @@ def model_runs(graph: Graph, cfg: RunConfig, budget: int) -> dict[str, ModelRun]
         top_p=roll.top_p,
         max_new_tokens=budget,
         ignore_eos=roll.ignore_eos,
+        stop=tuple(roll.stop),
         dtype=cfg.generation.dtype,
     )
     runs = {}

@@ -148,9 +148,14 @@ class ExecutionPlan(Spec, kw_only=True):
         body = msgspec.to_builtins(msgspec.structs.replace(self, id=""))
         for name in RUN_SETTINGS:
             body["config"].pop(name, None)
+        default = msgspec.to_builtins(RunConfig())
         for name in LATER_SECTIONS:  # left at their defaults, plans written before them keep their ids
-            if body["config"].get(name) == msgspec.to_builtins(getattr(RunConfig(), name)):
-                body["config"].pop(name)
+            *parents, leaf = name.split(".")
+            here, there = body["config"], default
+            for part in parents:
+                here, there = here.get(part, {}), there[part]
+            if leaf in here and here[leaf] == there[leaf]:
+                here.pop(leaf)
         return hashlib.sha256(msgspec.json.encode(body, order="sorted")).hexdigest()[:16]
 
     def with_run_settings(self, settings: dict[str, Any]) -> ExecutionPlan:

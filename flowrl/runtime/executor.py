@@ -320,6 +320,7 @@ def _check_resolved(graph: Graph, plan: ExecutionPlan) -> None:
             "rollout.top_p": (cfg.rollout.top_p, run.sampling.top_p),
             "rollout.max_new_tokens": (cfg.rollout.max_new_tokens, run.sampling.max_new_tokens),
             "rollout.ignore_eos": (cfg.rollout.ignore_eos, run.sampling.ignore_eos),
+            "rollout.stop": (tuple(cfg.rollout.stop), tuple(run.sampling.stop)),
             "generation.dtype": (cfg.generation.dtype, run.sampling.dtype),
         }
         if run.generation_engine is not None:

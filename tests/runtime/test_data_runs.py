@@ -188,3 +188,15 @@ def test_a_tensorboard_logger_gets_every_step_and_evaluation_once_across_a_resum
     assert [e.step for e in events.Scalars("reward")] == [0, 1, 2]
     assert [e.value for e in events.Scalars("reward")] == pytest.approx([r["reward"] for r in steps])
     assert [e.step for e in events.Scalars("eval/mean@2")] == [0, 1, 2, 3]
+
+
+def test_rollout_stop_strings_end_every_response_and_reach_the_plan(tmp_path):
+    overrides = ["progress=false", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=2", "checkpoint=false",
+                 "rollout.stop=[b, '|']", "log.samples_every=1", "log.samples=8"]  # fmt: skip
+    graph, plan = api.plan("grpo", overrides=overrides, flags={"steps": 2}, emit=lambda s: None)
+    assert plan.models["actor"].sampling.stop == ("b", "|")
+    api.run(graph, plan, out_dir=run_dir(str(tmp_path), "stop"))
+    rows = [json.loads(line) for line in (tmp_path / "stop" / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 16
+    ended = [r["response"] for r in rows if "b" in r["response"] or "|" in r["response"]]
+    assert ended and all(min(r.find(c) for c in "b|" if c in r) == len(r) - 1 for r in ended)  # cut after it
