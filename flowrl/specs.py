@@ -299,21 +299,29 @@ def model_folders(model: str | None) -> tuple[str | None, dict[str, str]]:
     a bare entry among named ones is the default. A key names a graph model or a role."""
     if model is None or "=" not in model:
         return model, {}
+    return named_entries(model, "config field 'model'", ("folder", "name", "NAME=DIR", "actor=DIR,reward=DIR2"))
+
+
+def named_entries(text: str, where: str, words: tuple[str, str, str, str]) -> tuple[str | None, dict[str, str]]:
+    """``"a=X,b=Y,Z"`` -> ("Z", {"a": "X", "b": "Y"}): named entries and at most one bare (default)
+    one. ``words``: (what a value is, what a key is, the entry's form, an example), for the errors,
+    which name ``where`` the text came from."""
+    value_word, key_word, form, example = words
     default: str | None = None
     named: dict[str, str] = {}
-    for item in (part.strip() for part in model.split(",")):
+    for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
         key, sep, value = (s.strip() for s in item.partition("="))
         if not sep:
             if default is not None:
-                raise ConfigError(f"config field 'model' ('{model}') names two default folders; give the others as NAME=DIR.")
+                raise ConfigError(f"{where} '{text}' names two default {value_word}s; give the others as {form}.")
             default = key
             continue
         if not key or not value:
-            raise ConfigError(f"config field 'model': entry '{item}' must be NAME=DIR (e.g. actor=DIR,reward=DIR2).")
+            raise ConfigError(f"{where} entry '{item}' must be {form} (e.g. {example}).")
         if key in named:
-            raise ConfigError(f"config field 'model' names '{key}' twice.")
+            raise ConfigError(f"{where} names {key_word} '{key}' twice.")
         named[key] = value
     return default, named
 

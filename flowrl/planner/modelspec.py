@@ -12,7 +12,7 @@ from typing import Any
 
 from flowrl.errors import ConfigError, did_you_mean
 from flowrl.planner.hardware import CheckedSpec, Count, SpecFieldError
-from flowrl.specs import TinyModelConfig, convert, model_folders, read_document
+from flowrl.specs import TinyModelConfig, convert, model_folders, named_entries, read_document
 
 
 class ModelSpec(CheckedSpec, kw_only=True):
@@ -163,26 +163,14 @@ def load_model_specs(text: str) -> tuple[ModelSpec | None, dict[str, ModelSpec]]
             if isinstance(data, dict) and data and not set(data) & set(ModelSpec.__struct_fields__):
                 return _role_file(data, path)
         return load_model_spec(name), {}
-    default: ModelSpec | None = None
+    bare, named = named_entries(text.strip(), "--model", ("model", "role", "ROLE=MODEL", "actor=llama-34b,reward=llama-7b"))
     roles: dict[str, ModelSpec] = {}
-    for item in (part.strip() for part in name.split(",")):
-        if not item:
-            continue
-        key, sep, value = (s.strip() for s in item.partition("="))
-        if not sep:
-            if default is not None:
-                raise ConfigError(f"--model '{text}' names two default models; give the others as ROLE=MODEL.")
-            default = load_model_spec(key)
-            continue
-        if not key or not value:
-            raise ConfigError(f"--model entry '{item}' must be ROLE=MODEL (e.g. actor=llama-34b,reward=llama-7b).")
-        if key in roles:
-            raise ConfigError(f"--model names role '{key}' twice.")
+    for key, value in named.items():
         try:
             roles[key] = load_model_spec(value)
         except ConfigError as exc:
-            raise ConfigError(f"--model entry '{item}': {exc}") from None
-    return default, roles
+            raise ConfigError(f"--model entry '{key}={value}': {exc}") from None
+    return (load_model_spec(bare) if bare is not None else None), roles
 
 
 def _role_file(data: dict[str, Any], path: Path) -> tuple[ModelSpec | None, dict[str, ModelSpec]]:
