@@ -41,6 +41,10 @@ DEFAULT_MAX_NEW_TOKENS = 256
 #: File suffix -> the `datasets` builder that reads it.
 BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
+#: The split of a ``datasets.DatasetDict`` folder each of data.train and data.val reads, first found
+#: first (a validation split never falls back to the training rows).
+SPLIT_NAMES = {"train": ("train",), "val": ("val", "validation", "valid", "test")}
+
 _LOADED: dict[Any, DataTask] = {}
 
 
@@ -71,7 +75,9 @@ class DataTask:
     """Prompts from data.train in seeded epochs; data.val for evaluation."""
 
     name: ClassVar[str] = DATA_TASK
-    description: ClassVar[str] = "prompts from your files: --data train.jsonl (jsonl, json, csv, parquet, datasets folder)"
+    description: ClassVar[str] = (
+        "prompts from your files: --data train.jsonl (jsonl, json, csv, parquet, datasets folder)"
+    )
 
     def __init__(
         self,
@@ -149,6 +155,7 @@ def load(cfg: RunConfig) -> DataTask:
             f"task '{DATA_TASK}' reads data.train, which names no file: give --data FILE (jsonl, json, csv, parquet "
             "or a datasets folder)."
         )
+    _check_verifier(cfg)
     folder = actor_folder(cfg.model)
     key = (
         tuple(_stamp(f) for f in data.files("train")),
@@ -165,6 +172,8 @@ def load(cfg: RunConfig) -> DataTask:
         report = DataReport(templated=template is not None)
         splits = {
             split: rows_to_prompts(split, data, read_rows(split, data), tokenizer, template, report)
+            if data.files(split)  # type: ignore[arg-type]
+            else []
             for split in ("train", "val")
         }
         if not splits["train"]:
@@ -182,6 +191,26 @@ def load(cfg: RunConfig) -> DataTask:
             report=report,
         )
     return _LOADED[key]
+
+
+def _check_verifier(cfg: RunConfig) -> None:
+    """data.verifier names a verifier (or none), and evaluation has one to score with: refused when the
+    data is read (at plan time), not at the first reward or evaluation."""
+    from flowrl.errors import did_you_mean
+    from flowrl.tasks.verifiers import VERIFIERS
+
+    kind = cfg.data.verifier
+    known = [*VERIFIERS, "none"]
+    if kind not in known:
+        raise ConfigError(
+            f"data.verifier = {kind!r} is not a verifier; use one of {', '.join(known)}.{did_you_mean(kind, known)}"
+        )
+    if kind == "none" and cfg.eval.every > 0:
+        raise ConfigError(
+            f"eval.every={cfg.eval.every} evaluates responses with the task's verifier, and data.verifier is none: set "
+            "data.verifier (math, exact, regex) for the evaluation, or set eval.every=0 (your reward functions still "
+            "score the training)."
+        )
 
 
 def actor_folder(model: str | None) -> str | None:
@@ -260,9 +289,13 @@ def _read_file(split: str, name: str) -> Any:
                 f"data.{split} folder '{name}' is not a datasets.save_to_disk folder ({_first_line(exc)})."
             ) from None
         if isinstance(loaded, datasets.DatasetDict):
-            if split not in loaded and "train" not in loaded:
-                raise ConfigError(f"data.{split} folder '{name}' holds splits {', '.join(loaded)}; name one folder.")
-            loaded = loaded[split] if split in loaded else loaded["train"]
+            found = next((s for s in SPLIT_NAMES[split] if s in loaded), None)
+            if found is None:
+                raise ConfigError(
+                    f"data.{split} folder '{name}' holds splits {', '.join(loaded)}, none of them "
+                    f"{' or '.join(SPLIT_NAMES[split])}; name one split's folder ({path / next(iter(loaded))})."
+                )
+            loaded = loaded[found]
         return loaded
     builder = BUILDERS.get(path.suffix.lower())
     if builder is None:
@@ -295,7 +328,9 @@ def _check_json(split: str, path: Path) -> None:
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"data.{split} file '{path}' is not valid JSON: {exc.msg} at line {exc.lineno}.") from None
+            raise ConfigError(
+                f"data.{split} file '{path}' is not valid JSON: {exc.msg} at line {exc.lineno}."
+            ) from None
         bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
         if bad is not None:
             raise ConfigError(f"data.{split} file '{path}': item {bad + 1} is not an object of columns.")
@@ -337,7 +372,8 @@ def rows_to_prompts(
     for row in rows:
         where = f"data.{split} file '{row['__file__']}' row {row['__row__']}"
         turns = _turns(where, data, row[data.prompt_key])
-        answer = ground_truth(row.get(data.answer_key)) if data.answer_key in row else ""
+        kind = "regex" if data.verifier == "regex" else "math"  # a pattern is kept as written
+        answer = ground_truth(row.get(data.answer_key), kind) if data.answer_key in row else ""
         meta = {k: v for k, v in row.items() if k not in (data.prompt_key, data.answer_key, "__file__", "__row__")}
         text = _render(where, turns, tokenizer, template)
         count = _count(tokenizer, text, template)
@@ -370,8 +406,10 @@ def _turns(where: str, data: DataConfig, value: Any) -> list[dict[str, str]]:
                 )
             turns.append({"role": role, "content": content})
         if not any(t["role"] == "user" for t in turns):
-            raise ConfigError(f"{where}: the messages in '{data.prompt_key}' have no user turn (roles: "
-                              f"{', '.join(t['role'] for t in turns)}).")
+            raise ConfigError(
+                f"{where}: the messages in '{data.prompt_key}' have no user turn (roles: "
+                f"{', '.join(t['role'] for t in turns)})."
+            )
         has_system = any(t["role"] == "system" for t in turns)
         return turns if has_system else [*system, *turns]
     raise ConfigError(
@@ -428,7 +466,11 @@ def _stamp(name: str) -> tuple[str, int, int]:
     if not path.exists():
         return (name, -1, -1)
     files = sorted(path.rglob("*")) if path.is_dir() else [path]
-    return (str(path.resolve()), sum(f.stat().st_size for f in files if f.is_file()), max(f.stat().st_mtime_ns for f in files))
+    return (
+        str(path.resolve()),
+        sum(f.stat().st_size for f in files if f.is_file()),
+        max(f.stat().st_mtime_ns for f in files),
+    )
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,0 +1,72 @@
+"""Review of issue 22 (train on your data): the data task's handling of regex answers, datasets
+folders with several splits, the verifier's name, and what loading reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flowrl.errors import ConfigError
+from flowrl.specs import build_config
+from flowrl.tasks.dataset import load
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_a_regex_ground_truth_is_kept_as_written(tmp_path):
+    # the math reading of a ground truth (text after '####', thousands separators dropped, stripped)
+    # must not touch a pattern: \d{1,100} would become \d{1100}, and 'x #### ' an empty pattern
+    rows = [{"prompt": "digits?", "answer": r"^\d{1,100}$"}, {"prompt": "tail?", "answer": "ends #### ok "}]
+    cfg = build_config({"data": {"train": write_jsonl(tmp_path / "rx.jsonl", rows), "verifier": "regex"}})
+    task = load(cfg)
+    assert [p.answer for p in task.train] == [r"^\d{1,100}$", "ends #### ok "]
+    assert task.score(task.train[0], "12345") == 1.0
+    assert task.score(task.train[1], "no match") == 0.0
+
+
+def test_a_datasets_folder_never_gives_its_train_split_as_data_val(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    folder = tmp_path / "gsm"
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"prompt": ["t1", "t2"], "answer": ["1", "2"]}),
+            "test": datasets.Dataset.from_dict({"prompt": ["v1"], "answer": ["3"]}),
+        }
+    ).save_to_disk(str(folder))
+    task = load(build_config({"data": {"train": str(folder), "val": str(folder)}}))
+    assert [p.text for p in task.train] == ["t1", "t2"]
+    assert [p.text for p in task.val] == ["v1"]  # its test split, not a copy of the training rows
+
+    only_train = tmp_path / "only"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"prompt": ["t"], "answer": ["1"]})}).save_to_disk(
+        str(only_train)
+    )
+    with pytest.raises(ConfigError, match="splits train"):
+        load(build_config({"data": {"train": str(folder), "val": str(only_train)}}))
+
+
+def test_an_unknown_verifier_is_refused_when_the_data_is_read(tmp_path):
+    # not at the first step's reward, after the run folder, the model and the plan are made
+    train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "q", "answer": "1"}])
+    with pytest.raises(ConfigError, match="Did you mean 'math'"):
+        load(build_config({"data": {"train": train, "verifier": "maths"}}))
+
+
+def test_evaluation_with_verifier_none_is_refused_naming_the_evaluation(tmp_path):
+    # evaluation scores with the verifier; the error must not tell a user who scores with their own
+    # reward functions to "score with a reward function of your own"
+    train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "q", "answer": "1"}])
+    with pytest.raises(ConfigError, match="eval.every"):
+        load(build_config({"data": {"train": train, "verifier": "none", "val": train}, "eval": {"every": 5}}))
+    load(build_config({"data": {"train": train, "verifier": "none"}}))  # no evaluation: fine
+
+
+def test_the_report_names_no_validation_split_when_there_is_none(tmp_path):
+    train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "q", "answer": "1"}])
+    lines = load(build_config({"data": {"train": train}})).report.lines()
+    assert lines == ["data train: 1 prompts of 1 rows"]  # no "data val: 0 prompts of 0 rows"
