@@ -15,12 +15,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 os.environ["FLOWRL_PLUGINS"] = ""
+# this machine's `flowrl profile` calibration (~/.flowrl) must not steer a test's plan (generation.engine=auto)
+os.environ["FLOWRL_HOME"] = tempfile.mkdtemp(prefix="flowrl-test-home-")
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True

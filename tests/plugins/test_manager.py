@@ -54,10 +54,11 @@ def test_builtin_registrations(builtin: Registry) -> None:
         "reinforce_pp",
         "remax",
         "rloo",
+        "weighted_sum",
     ]
     assert builtin.names("filters") == ["nonconstant", "threshold"]
     assert builtin.names("environments") == ["calculator"]
-    assert builtin.names("tasks") == ["add", "calc", "copy", "repeat"]
+    assert builtin.names("tasks") == ["add", "calc", "copy", "data", "repeat"]
     assert builtin.names("executors") == ["local"]
     assert builtin.names("generation_engines") == ["local"]
     assert builtin.names("training_engines") == ["local"]
