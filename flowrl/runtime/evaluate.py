@@ -1,7 +1,8 @@
 """Evaluation during a run: a fixed set of held-out prompts, answered greedily and ``eval.samples``
 times at ``eval.temperature``, scored by the task.
 
-The set is data.val (at most ``eval.max_prompts`` of its rows) or, for a task that draws its
+The set is data.val (at most ``eval.max_prompts`` of its rows); without it, ``eval.prompts`` of a
+dataset's training rows (a seeded choice, each row at most once) or, for a task that draws its
 prompts, ``eval.prompts`` prompts drawn with their own seeded RNG (never the training stream's).
 It runs once before training and after every ``eval.every`` steps, at a pipeline barrier (nothing
 else runs), with the weights the generation engine holds then and a random stream of its own, so a
@@ -38,7 +39,11 @@ def eval_prompts(cfg: RunConfig, task: Any) -> list[Prompt]:
     val = getattr(task, "val", None)
     if val:
         return list(val[: cfg.eval.max_prompts] if cfg.eval.max_prompts else val)
-    return task.prompts(random.Random(f"flowrl-eval:{cfg.seed}"), cfg.eval.prompts)
+    rng = random.Random(f"flowrl-eval:{cfg.seed}")
+    rows = getattr(task, "train", None)
+    if isinstance(rows, list) and rows:  # a dataset without data.val: its rows, each at most once
+        return rng.sample(rows, min(cfg.eval.prompts, len(rows)))
+    return task.prompts(rng, cfg.eval.prompts)
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -55,6 +60,10 @@ def final_answer(task: Any, response: str) -> str:
 
         found = math_answer(response)
         return response.strip() if found is None else found
+    if getattr(task, "verifier", None) == "exact":  # as the verifier compares: "1,000." is "1000"
+        from flowrl.tasks.verifiers import normalise
+
+        return normalise(response)
     return " ".join(response.split()).casefold()
 
 
@@ -170,8 +179,14 @@ def sample_rows(step: int, kind: str, rows: Sequence[Scored], count: int) -> lis
     for row in rows[:count]:
         text, score = row.greedy if row.greedy is not None else (row.samples[0] if row.samples else ("", 0.0))
         out.append(
-            {"step": step, "kind": kind, "prompt": row.prompt.text, "answer": row.prompt.answer, "response": text,
-             "reward": score}
+            {
+                "step": step,
+                "kind": kind,
+                "prompt": row.prompt.text,
+                "answer": row.prompt.answer,
+                "response": text,
+                "reward": score,
+            }
         )
     return out
 

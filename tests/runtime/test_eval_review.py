@@ -1,0 +1,116 @@
+"""Review of issue 22 (train on your data): evaluation's prompt set and majority vote, a resume
+after the data changed, and the headline reward of a weighted sum of rewards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flowrl import api, cli
+from flowrl.data import Prompt
+from flowrl.runtime.evaluate import Scored, eval_prompts, summarize
+from flowrl.runtime.executor import run_dir
+from flowrl.specs import build_config
+from flowrl.tasks.dataset import load
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_without_data_val_evaluation_takes_each_training_row_at_most_once(tmp_path):
+    # a dataset task without data.val evaluates on its training rows: drawn with replacement, 64
+    # prompts of 5 rows weighted every metric by chance (the same row 10+ times)
+    rows = [{"prompt": f"{c}>", "answer": c} for c in "abcde"]
+    cfg = build_config({"data": {"train": write_jsonl(tmp_path / "t.jsonl", rows), "verifier": "exact"}})
+    task = load(cfg)
+    prompts = eval_prompts(cfg, task)
+    assert sorted(p.text for p in prompts) == sorted(r["prompt"] for r in rows)
+    few = build_config({"data": {"train": cfg.data.train, "verifier": "exact"}, "eval": {"prompts": 3}})
+    chosen = [p.text for p in eval_prompts(few, load(few))]
+    assert len(chosen) == 3 == len(set(chosen))
+    assert chosen == [p.text for p in eval_prompts(few, load(few))]  # a fixed, seeded set
+
+
+def test_majority_vote_counts_answers_the_exact_verifier_calls_equal():
+    class Exact:
+        verifier = "exact"
+
+        def score(self, prompt, response):
+            from flowrl.tasks.verifiers import verify
+
+            return verify("exact", response, prompt.answer)
+
+    task, p = Exact(), Prompt(text="q", answer="1000")
+    # three samples say 1000 (the verifier reads "1,000." and "1000" alike), two say 8
+    texts = ["8", "8", "1,000.", "1000", "1000"]
+    row = Scored(p, None, [(t, task.score(p, t)) for t in texts])
+    assert summarize(task, [row], 5, "source")["eval/maj@5"] == 1.0
+
+
+@pytest.mark.xfail(
+    reason="BUG: a resume after data.train changed (rows added) continues silently: the cursor saved for 6 rows "
+    "(state.json data.rows) is read against 12, so prompts are lost and repeated; runstate.restore does not "
+    "compare the checkpoint's data position with the data it now reads",
+    strict=True,
+)
+def test_a_resume_after_the_training_data_changed_is_refused(tmp_path, monkeypatch, capsys):
+    rows = [{"prompt": f"{c}>", "answer": c} for c in "abcdab"]
+    write_jsonl(tmp_path / "r.jsonl", rows)
+    monkeypatch.chdir(tmp_path)
+    small = ["--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=2", "--quiet"]
+    first = ["run", "grpo", "--data", "r.jsonl", "--set", "data.verifier=exact", "--steps", "2", "--save-every", "1"]
+    assert cli.main([*first, "--out", "runs", *small]) == 0
+    write_jsonl(tmp_path / "r.jsonl", rows + rows)  # the file grew since the checkpoint
+    capsys.readouterr()
+    assert cli.main(["run", "--resume", "runs/grpo", "--steps", "3", "--quiet"]) == 2
+    assert "data" in capsys.readouterr().err
+
+
+GRAPH = """
+from flowrl import register
+from flowrl.graph import Graph
+
+
+@register.reward("half")
+def half(prompts, responses, task):
+    return [0.5 for _ in prompts]
+
+
+@register.reward("one")
+def one(prompts, responses, task):
+    return [1.0 for _ in prompts]
+
+
+def build(cfg):
+    g = Graph("weighted")
+    g.model("actor", "actor")
+    g.generate("rollout", model="actor", reads="prompts", writes="responses", n=cfg.rollout.samples_per_prompt)
+    g.forward("old_logprobs", model="actor", output="logprobs", reads="responses", writes="old_logprobs")
+    g.reward("a", fn="half", reads="prompts responses", writes="r_a")
+    g.reward("b", fn="one", reads="prompts responses", writes="r_b")
+    g.compute("rewards", fn="weighted_sum", reads="r_a r_b", writes="rewards", weights={"r_a": 1.0, "r_b": 2.0})
+    g.compute("advantages", fn="grpo", reads="rewards responses", writes="advantages")
+    g.train("update", model="actor", loss="ppo", reads="responses old_logprobs advantages")
+    return g
+"""
+
+
+@pytest.mark.xfail(
+    reason="BUG: with weighted rewards the headline 'reward' (progress bar, summary, reward.png, trackers) is the "
+    "first part's mean (a/reward), not the weighted sum the graph trains on (rewards/reward): "
+    "runtime/metrics.step_record takes the first node in schedule order that reports 'reward'",
+    strict=True,
+)
+def test_the_headline_reward_of_weighted_rewards_is_their_sum(tmp_path):
+    graph = tmp_path / "weighted.py"
+    graph.write_text(GRAPH)
+    overrides = ["progress=false", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "checkpoint=false"]
+    g, plan = api.plan(str(graph), overrides=overrides, flags={"steps": 1}, emit=lambda s: None)
+    result = api.run(g, plan, out_dir=run_dir(str(tmp_path), "weighted"))
+    record = result.metrics[0]
+    assert record["a/reward"] == 0.5 and record["rewards/reward"] == 2.5
+    assert record["reward"] == 2.5
