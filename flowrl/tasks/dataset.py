@@ -439,22 +439,32 @@ def _count(tokenizer: Any, text: str, template: str | None) -> int:
 
 
 def _truncate(where: str, turns: list[dict[str, str]], tokenizer: Any, template: str | None, limit: int) -> str:
-    """The prompt re-rendered with its last user turn cut (from the end) so that it fits in ``limit`` tokens."""
+    """The prompt re-rendered with its last user turn cut (from the end) so that it fits in ``limit`` tokens.
+
+    The cut falls between characters of the text as written (found by bisection on its length), never
+    through decoded token ids: a tokenizer that maps characters to an unknown token, or splits one into
+    bytes, would otherwise put ``<unk>`` or U+FFFD into the prompt."""
     last = max(i for i, t in enumerate(turns) if t["role"] == "user")
-    ids = tokenizer(turns[last]["content"], add_special_tokens=False)["input_ids"]
-    overhead = _count(tokenizer, _render(where, _with(turns, last, ""), tokenizer, template), template)
-    keep = limit - overhead
-    if keep < 1:
+    content = turns[last]["content"]
+
+    def rendered(chars: int) -> str:
+        return _render(where, _with(turns, last, content[:chars]), tokenizer, template)
+
+    overhead = _count(tokenizer, rendered(0), template)
+    if overhead >= limit:
         raise ConfigError(
-            f"{where}: data.max_prompt_tokens={limit} leaves no room for the prompt's text: the system prompt and chat "
-            f"template alone take {overhead} tokens."
+            f"{where}: data.max_prompt_tokens={limit} leaves no room for the prompt's text: the rest of the prompt "
+            f"(the system prompt, earlier turns and the chat template) takes {overhead} tokens. Raise "
+            "data.max_prompt_tokens, or set data.overlong=drop."
         )
-    while keep > 0:
-        text = _render(where, _with(turns, last, tokenizer.decode(ids[:keep])), tokenizer, template)
-        if _count(tokenizer, text, template) <= limit:
-            return text
-        keep -= 1
-    raise ConfigError(f"{where}: cannot truncate the prompt to data.max_prompt_tokens={limit}.")
+    fits, over = 0, len(content)  # rendered(fits) fits; the whole text does not
+    while over - fits > 1:
+        mid = (fits + over) // 2
+        if _count(tokenizer, rendered(mid), template) <= limit:
+            fits = mid
+        else:
+            over = mid
+    return rendered(fits)
 
 
 def _with(turns: list[dict[str, str]], index: int, content: str) -> list[dict[str, str]]:

@@ -70,3 +70,26 @@ def test_the_report_names_no_validation_split_when_there_is_none(tmp_path):
     train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "q", "answer": "1"}])
     lines = load(build_config({"data": {"train": train}})).report.lines()
     assert lines == ["data train: 1 prompts of 1 rows"]  # no "data val: 0 prompts of 0 rows"
+
+
+def test_truncation_cuts_the_text_as_written_not_through_decoded_tokens(tmp_path):
+    # the tiny model's character tokenizer has no 'W': decoding its ids wrote '<unk>hat is' into the prompt
+    rows = [{"prompt": "What is 2+2? " * 10, "answer": "4"}, {"prompt": "Ünïcödé 日本語 " * 10, "answer": "1"}]
+    train = write_jsonl(tmp_path / "t.jsonl", rows)
+    task = load(build_config({"data": {"train": train, "max_prompt_tokens": 20, "overlong": "truncate"}}))
+    assert task.report.truncated["train"] == 2
+    for prompt, row in zip(task.train, rows):
+        assert prompt.text and row["prompt"].startswith(prompt.text)  # a prefix of the row's own text
+        assert "<unk>" not in prompt.text and "\ufffd" not in prompt.text
+
+
+def test_a_conversation_too_long_to_truncate_names_its_earlier_turns(tmp_path, chat_model):
+    turns = [
+        {"role": "user", "content": "hi " * 10},
+        {"role": "assistant", "content": "hello " * 10},
+        {"role": "user", "content": "What is 1 + 1?"},
+    ]
+    train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": turns, "answer": "2"}])
+    cfg = build_config({"model": chat_model, "data": {"train": train, "max_prompt_tokens": 20, "overlong": "truncate"}})
+    with pytest.raises(ConfigError, match="earlier turns"):
+        load(cfg)
