@@ -394,6 +394,10 @@ def _turns(where: str, data: DataConfig, value: Any) -> list[dict[str, str]]:
     """The prompt column's value as chat turns, the system prompt first when one is set."""
     system = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
     if isinstance(value, str):
+        if not value.strip():
+            raise ConfigError(
+                f"{where}: the prompt ('{data.prompt_key}') is empty; give every row a prompt, or leave the row out."
+            )
         return [*system, {"role": "user", "content": value}]
     if isinstance(value, list) and value and all(isinstance(t, Mapping) for t in value):
         turns = []
@@ -410,6 +414,8 @@ def _turns(where: str, data: DataConfig, value: Any) -> list[dict[str, str]]:
                 f"{where}: the messages in '{data.prompt_key}' have no user turn (roles: "
                 f"{', '.join(t['role'] for t in turns)})."
             )
+        if not any(t["content"].strip() for t in turns if t["role"] == "user"):
+            raise ConfigError(f"{where}: the user turns of the messages in '{data.prompt_key}' are empty.")
         has_system = any(t["role"] == "system" for t in turns)
         return turns if has_system else [*system, *turns]
     raise ConfigError(

@@ -93,3 +93,15 @@ def test_a_conversation_too_long_to_truncate_names_its_earlier_turns(tmp_path, c
     cfg = build_config({"model": chat_model, "data": {"train": train, "max_prompt_tokens": 20, "overlong": "truncate"}})
     with pytest.raises(ConfigError, match="earlier turns"):
         load(cfg)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    ["", "   \n", [{"role": "system", "content": "S"}, {"role": "user", "content": ""}]],
+)
+def test_an_empty_prompt_is_named_not_trained_on(tmp_path, prompt):
+    # a row with an empty prompt (an empty jsonl string, a blank user turn) trained silently before
+    rows = [{"prompt": "q", "answer": "1"}, {"prompt": prompt, "answer": "2"}]
+    train = write_jsonl(tmp_path / "t.jsonl", rows)
+    with pytest.raises(ConfigError, match="row 2: the .*empty"):
+        load(build_config({"data": {"train": train}}))
