@@ -280,7 +280,7 @@ def _read_file(split: str, name: str) -> Any:
     if not path.exists():
         raise ConfigError(f"data.{split} file '{name}' does not exist.")
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a reader's failure is our one error paragraph
     if path.is_dir():
         try:
             loaded = datasets.load_from_disk(str(path))
@@ -322,7 +322,15 @@ def _from(builder: str, path: Path) -> Any:
 def _check_json(split: str, path: Path) -> None:
     """A malformed line of a jsonl file (or a json file that is not a list of rows), named before
     `datasets` fails on it with an error that does not say where."""
-    text = path.read_text(encoding="utf-8", errors="replace")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            f"data.{split} file '{path}': line {line} is not UTF-8 text (byte 0x{raw[exc.start]:02x}); save the file "
+            "as UTF-8."
+        ) from None
     stripped = text.lstrip()
     if path.suffix.lower() == ".json" and stripped.startswith("["):
         try:
@@ -485,10 +493,15 @@ def _stamp(name: str) -> tuple[str, int, int]:
     return (
         str(path.resolve()),
         sum(f.stat().st_size for f in files if f.is_file()),
-        max(f.stat().st_mtime_ns for f in files),
+        max((f.stat().st_mtime_ns for f in files), default=0),
     )
 
 
 def _first_line(exc: BaseException) -> str:
+    """The first line of what went wrong: the innermost cause (a reader's "An error occurred while
+    generating the dataset" says nothing of it), with a hint for text that is not UTF-8."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
     text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    first = text[0] if text else type(exc).__name__
+    return f"{first} (save the file as UTF-8)" if isinstance(exc, UnicodeDecodeError) else first

@@ -105,3 +105,21 @@ def test_an_empty_prompt_is_named_not_trained_on(tmp_path, prompt):
     train = write_jsonl(tmp_path / "t.jsonl", rows)
     with pytest.raises(ConfigError, match="row 2: the .*empty"):
         load(build_config({"data": {"train": train}}))
+
+
+def test_a_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    # a latin-1 jsonl crashed in the resolve pass with a UnicodeDecodeError from pyarrow
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes(b'{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(ConfigError, match="line 2 is not UTF-8"):
+        load(build_config({"data": {"train": str(path)}}))
+    csv = tmp_path / "latin.csv"
+    csv.write_bytes(b"prompt,answer\ncaf\xe9,1\n")
+    with pytest.raises(ConfigError, match="codec can't decode.*UTF-8"):  # not "An error occurred while generating"
+        load(build_config({"data": {"train": str(csv)}}))
+
+
+def test_an_empty_folder_is_no_datasets_folder(tmp_path):
+    (tmp_path / "empty").mkdir()  # crashed: max() arg is an empty sequence
+    with pytest.raises(ConfigError, match="is not a datasets.save_to_disk folder"):
+        load(build_config({"data": {"train": str(tmp_path / "empty")}}))
