@@ -345,6 +345,8 @@ def _check_json(split: str, path: Path) -> None:
         if not rows:
             raise ConfigError(f"data.{split} file '{path}' holds no rows.")
         return
+    if path.suffix.lower() == ".json" and stripped.startswith("{") and len(stripped.rstrip().splitlines()) > 1:
+        _one_object(split, path, text)
     seen = 0
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -361,6 +363,26 @@ def _check_json(split: str, path: Path) -> None:
         seen += 1
     if not seen:
         raise ConfigError(f"data.{split} file '{path}' holds no rows.")
+
+
+def _one_object(split: str, path: Path, text: str) -> None:
+    """A .json file written as one (indented) object: rows nested under a key, or columns of lists,
+    named as such rather than as a jsonl file whose first line is broken."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return  # lines of rows, one of them malformed: the jsonl check names it
+    if not isinstance(value, dict):
+        return
+    keys = ", ".join(list(value)[:8])
+    if value and all(isinstance(v, list) for v in value.values()):
+        shape = f"columns ({keys}), each a list"
+    else:
+        shape = f"one JSON object (keys: {keys})"
+    raise ConfigError(
+        f"data.{split} file '{path}' holds {shape}, not rows: give a list of row objects "
+        '([{"prompt": ..., "answer": ...}, ...]) or a jsonl file with one row object per line.'
+    )
 
 
 def rows_to_prompts(

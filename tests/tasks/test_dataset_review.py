@@ -123,3 +123,21 @@ def test_an_empty_folder_is_no_datasets_folder(tmp_path):
     (tmp_path / "empty").mkdir()  # crashed: max() arg is an empty sequence
     with pytest.raises(ConfigError, match="is not a datasets.save_to_disk folder"):
         load(build_config({"data": {"train": str(tmp_path / "empty")}}))
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ({"version": 1, "data": [{"prompt": "a", "answer": "1"}]}, "holds one JSON object \\(keys: version, data\\)"),
+        ({"prompt": ["a", "b"], "answer": ["1", "2"]}, "holds columns \\(prompt, answer\\), each a list"),
+    ],
+)
+def test_an_indented_json_object_is_named_as_one_not_as_a_broken_jsonl_line(tmp_path, value, expected):
+    # was: "line 1 is not valid JSON (Expecting property name ...); each line of a jsonl file holds one row"
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(value, indent=2))
+    with pytest.raises(ConfigError, match=expected):
+        load(build_config({"data": {"train": str(path)}}))
+    lines = tmp_path / "lines.json"  # rows one per line, in a .json file: read as jsonl
+    lines.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n')
+    assert len(load(build_config({"data": {"train": str(lines)}})).train) == 2
