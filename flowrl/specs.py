@@ -129,7 +129,7 @@ class EvalConfig(Spec):
     ``temperature`` (mean@K, unbiased pass@K, maj@K) and one greedy response (accuracy)."""
 
     every: int = 0  # 0: no evaluation
-    samples: int = 4
+    samples: int = 4  # 0: the greedy response only
     temperature: float = 1.0
     greedy: bool = True
     prompts: int = 64  # without data.val: prompts the task draws for evaluation (a fixed, seeded set)
@@ -273,7 +273,8 @@ class RunConfig(Spec):
         ]
         checks += [
             (self.eval.every >= 0, "eval.every", "must be >= 0 (0: no evaluation)"),
-            (1 <= self.eval.samples <= MAX_SAMPLES, "eval.samples", f"must be in [1, {MAX_SAMPLES}]"),
+            (0 <= self.eval.samples <= MAX_SAMPLES, "eval.samples", f"must be in [0, {MAX_SAMPLES}] (0: greedy only)"),
+            (self.eval.greedy or self.eval.samples > 0, "eval.samples", "must be >= 1 when eval.greedy is false"),
             (0 < self.eval.temperature < math.inf, "eval.temperature", "must be > 0 and finite"),
             (1 <= self.eval.prompts <= MAX_PROMPTS, "eval.prompts", f"must be in [1, {MAX_PROMPTS}]"),
             (self.eval.max_prompts is None or self.eval.max_prompts >= 1, "eval.max_prompts", "must be >= 1"),

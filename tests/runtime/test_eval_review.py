@@ -114,3 +114,18 @@ def test_the_headline_reward_of_weighted_rewards_is_their_sum(tmp_path):
     record = result.metrics[0]
     assert record["a/reward"] == 0.5 and record["rewards/reward"] == 2.5
     assert record["reward"] == 2.5
+
+
+def test_greedy_only_evaluation_with_eval_samples_0(tmp_path):
+    # the evaluator takes K = 0 (greedy accuracy alone, without K times the generation), but the config
+    # refused it: "eval.samples must be in [1, 65536]"
+    from flowrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="eval.greedy is false"):
+        build_config({"eval": {"samples": 0, "greedy": False}})
+    overrides = ["progress=false", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "checkpoint=false"]
+    overrides += ["eval.every=1", "eval.samples=0", "eval.prompts=3"]
+    g, plan = api.plan("grpo", overrides=overrides, flags={"steps": 1}, emit=lambda s: None)
+    result = api.run(g, plan, out_dir=run_dir(str(tmp_path), "greedy"))
+    assert [e["step"] for e in result.evals] == [0, 1]
+    assert {k for k in result.evals[0] if k.startswith("eval/")} == {"eval/greedy", "eval/prompts"}
