@@ -141,3 +141,20 @@ def test_an_indented_json_object_is_named_as_one_not_as_a_broken_jsonl_line(tmp_
     lines = tmp_path / "lines.json"  # rows one per line, in a .json file: read as jsonl
     lines.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n')
     assert len(load(build_config({"data": {"train": str(lines)}})).train) == 2
+
+
+@pytest.mark.xfail(
+    reason="BUG: the math verifier scores 0 when the stated answer carries words or markdown after the number "
+    "('The answer is 18 dollars.', 'The answer is **18**.', '#### 18 dollars'): verifiers.final_answer keeps the "
+    "rest of the sentence and math-verify reads '18 dollars' as a product of symbols; the sympy fallback's "
+    "leading-number rule ('42 apples') is not applied on the math-verify path",
+    strict=True,
+)
+@pytest.mark.parametrize(
+    "response",
+    ["The answer is 18 dollars.", "The answer is **18**.", "#### 18 dollars", "So the answer is 18, since 9*2=18."],
+)
+def test_the_math_verifier_reads_a_stated_number_followed_by_words(response):
+    from flowrl.tasks.verifiers import verify
+
+    assert verify("math", response, "18") == 1.0
