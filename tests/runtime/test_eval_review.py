@@ -129,3 +129,14 @@ def test_greedy_only_evaluation_with_eval_samples_0(tmp_path):
     result = api.run(g, plan, out_dir=run_dir(str(tmp_path), "greedy"))
     assert [e["step"] for e in result.evals] == [0, 1]
     assert {k for k in result.evals[0] if k.startswith("eval/")} == {"eval/greedy", "eval/prompts"}
+
+
+def test_majority_vote_counts_the_same_math_answer_in_dollars_as_one():
+    class Math:
+        verifier = "math"
+
+    p = Prompt(text="q", answer="18")
+    # "18" three times (once as "$18."), "20" twice: the majority is right
+    texts = ["20", "20", "The answer is $18.", "18", "it is 18"]
+    row = Scored(p, None, [(t, 1.0 if "18" in t else 0.0) for t in texts])
+    assert summarize(Math(), [row], 5, "source")["eval/maj@5"] == 1.0
