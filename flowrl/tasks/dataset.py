@@ -58,6 +58,7 @@ class DataReport:
     truncated: dict[str, int] = field(default_factory=dict)
     longest: dict[str, int] = field(default_factory=dict)  # the longest prompt kept, in tokens
     templated: bool = False
+    evaluated: bool = True  # eval.every > 0 (data.val is read for evaluation only)
 
     def lines(self) -> list[str]:
         out = []
@@ -67,7 +68,10 @@ class DataReport:
                 text += f", {self.dropped_long[split]} dropped as longer than data.max_prompt_tokens"
             if self.truncated.get(split):
                 text += f", {self.truncated[split]} truncated to data.max_prompt_tokens"
-            out.append(text + (" (chat template applied)" if self.templated else ""))
+            text += " (chat template applied)" if self.templated else ""
+            if split == "val" and not self.evaluated:
+                text += "; not evaluated: eval.every is 0 (set eval.every=N to evaluate every N steps)"
+            out.append(text)
         return out
 
 
@@ -190,6 +194,7 @@ def load(cfg: RunConfig) -> DataTask:
             budget=cfg.rollout.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
             report=report,
         )
+    _LOADED[key].report.evaluated = cfg.eval.every > 0
     return _LOADED[key]
 
 

@@ -158,3 +158,12 @@ def test_the_math_verifier_reads_a_stated_number_followed_by_words(response):
     from flowrl.tasks.verifiers import verify
 
     assert verify("math", response, "18") == 1.0
+
+
+def test_data_val_without_eval_every_says_it_is_not_evaluated(tmp_path):
+    # "data val: 1 prompts of 1 rows" was printed, and the rows were never used
+    train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "q", "answer": "1"}])
+    quiet = load(build_config({"data": {"train": train, "val": train}})).report.lines()
+    assert quiet[1].startswith("data val: 1 prompts of 1 rows") and "not evaluated: eval.every is 0" in quiet[1]
+    every = load(build_config({"data": {"train": train, "val": train}, "eval": {"every": 2}})).report.lines()
+    assert every[1] == "data val: 1 prompts of 1 rows"
