@@ -505,6 +505,12 @@ def _truncate(where: str, turns: list[dict[str, str]], tokenizer: Any, template:
             fits = mid
         else:
             over = mid
+    if fits == 0:
+        raise ConfigError(
+            f"{where}: data.max_prompt_tokens={limit} leaves no room for even one character of the prompt's text "
+            f"(the rest of the prompt takes {overhead} tokens). Raise data.max_prompt_tokens, or set "
+            "data.overlong=drop."
+        )
     return rendered(fits)
 
 

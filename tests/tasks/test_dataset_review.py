@@ -167,3 +167,13 @@ def test_data_val_without_eval_every_says_it_is_not_evaluated(tmp_path):
     assert quiet[1].startswith("data val: 1 prompts of 1 rows") and "not evaluated: eval.every is 0" in quiet[1]
     every = load(build_config({"data": {"train": train, "val": train}, "eval": {"every": 2}})).report.lines()
     assert every[1] == "data val: 1 prompts of 1 rows"
+
+
+def test_truncation_that_keeps_no_character_is_refused_not_an_empty_prompt(tmp_path, chat_model):
+    # a CJK character is three byte tokens here: a limit of 2 fits none of the text
+    train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "日本語" * 20, "answer": "1"}])
+    data = {"train": train, "max_prompt_tokens": 2, "overlong": "truncate", "chat_template": "none"}
+    with pytest.raises(ConfigError, match="no room for even one character"):
+        load(build_config({"model": chat_model, "data": data}))
+    data["max_prompt_tokens"] = 3
+    assert load(build_config({"model": chat_model, "data": data})).train[0].text == "日"
