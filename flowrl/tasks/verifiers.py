@@ -165,6 +165,7 @@ def final_answer(response: str) -> str | None:
             line = hits[-1].strip()
             sentence = _SENTENCE_END.match(line)
             candidate = (sentence.group(1) if sentence else line).strip().rstrip(".").strip()
+            candidate = _before_words(candidate.replace("**", "").replace("__", "").strip())
             if candidate:
                 return candidate
     numbers = _NUMBER_RE.findall(response)
@@ -189,6 +190,18 @@ def _clean(text: str) -> str:
             text = text[len(left) : -len(right)].strip()
     text = text.replace("\\$", "").replace("$", "")
     return _no_thousands(text).strip()
+
+
+def _before_words(text: str) -> str:
+    """A stated answer without the words after it: ``18 dollars`` -> ``18``, ``18, since 9*2=18`` ->
+    ``18``, ``\\frac{1}{2} cup`` -> ``\\frac{1}{2}``; text that opens with words stays (the verifier
+    reads it or calls it prose)."""
+    bare = re.sub(r"\\[a-zA-Z]+", lambda m: " " * len(m.group(0)), text)  # LaTeX commands are not words
+    words = [m for m in re.finditer(r"[A-Za-z]{2,}", bare) if m.group(0).lower() not in _MATH_WORDS]
+    if not words or words[0].start() == 0:
+        return text
+    lead = text[: words[0].start()].strip().rstrip(",;:").strip()
+    return lead if any(c.isdigit() or c == "\\" for c in lead) else text
 
 
 def _is_prose(text: str) -> bool:

@@ -143,13 +143,6 @@ def test_an_indented_json_object_is_named_as_one_not_as_a_broken_jsonl_line(tmp_
     assert len(load(build_config({"data": {"train": str(lines)}})).train) == 2
 
 
-@pytest.mark.xfail(
-    reason="BUG: the math verifier scores 0 when the stated answer carries words or markdown after the number "
-    "('The answer is 18 dollars.', 'The answer is **18**.', '#### 18 dollars'): verifiers.final_answer keeps the "
-    "rest of the sentence and math-verify reads '18 dollars' as a product of symbols; the sympy fallback's "
-    "leading-number rule ('42 apples') is not applied on the math-verify path",
-    strict=True,
-)
 @pytest.mark.parametrize(
     "response",
     ["The answer is 18 dollars.", "The answer is **18**.", "#### 18 dollars", "So the answer is 18, since 9*2=18."],
