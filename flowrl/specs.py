@@ -557,6 +557,8 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
     data: dict[str, Any] = {}
     for layer in layers:
         data = merge(data, current_names(layer))
+    if isinstance(data.get("data"), dict):
+        data["data"] = _absolute_files(data["data"])
     files = data.get("data", {}).get("train") if isinstance(data.get("data"), dict) else None
     if files:  # --data / data.train: the prompts are the user's; the task is `data`
         task = data.setdefault("task", DATA_TASK)
@@ -575,6 +577,24 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
             f"{exc} If '{nodes[0]}' is a node of the graph, its options go under nodes: "
             f"--set nodes.{nodes[0]}.OPTION=VALUE."
         ) from None
+
+
+def _absolute_files(section: dict[str, Any]) -> dict[str, Any]:
+    """data.train, data.val and a data.chat_template file as absolute paths where they exist, so a
+    plan or a resumed run finds them from any folder (a missing one stays as given: its error names it)."""
+
+    def absolute(value: Any) -> Any:
+        if isinstance(value, list):
+            return [absolute(v) for v in value]
+        if isinstance(value, str) and value and Path(value).expanduser().exists():
+            return str(Path(value).expanduser().resolve())
+        return value
+
+    out = dict(section)
+    for key in ("train", "val", "chat_template"):
+        if key in out and not (key == "chat_template" and out[key] in ("auto", "none")):
+            out[key] = absolute(out[key])
+    return out
 
 
 def convert(data: Any, type_: type, what: str) -> Any:

@@ -71,6 +71,10 @@ class PromptStream:
         """A dataset's epoch and index within it (None for a task that draws its prompts)."""
         return self.task.position(self.drawn) if hasattr(self.task, "position") else None
 
+    def fingerprint(self) -> str | None:
+        """A dataset's hash (None for a task that draws its prompts): the cursor's meaning."""
+        return self.task.fingerprint() if hasattr(self.task, "fingerprint") else None
+
 
 @dataclass
 class RunState:
@@ -97,6 +101,7 @@ def write(run: Path, snapshot: Snapshot, st: RunState, manifest: Mapping[str, An
             "torch_rng": torch.get_rng_state(),
             "prompt_rng": st.stream.rng.getstate(),
             "prompts_drawn": st.stream.drawn,
+            "data_fingerprint": st.stream.fingerprint() or "",
             "node_rngs": st.rt.rng_states(),
             "graph_state": dict(st.rt.state),
             "generator_versions": {m: g.version for m, g in st.generators.items()},
@@ -253,6 +258,13 @@ def restore(path: Path, driver: dict[str, Any], st: RunState, sync: Callable[[],
     sync()
     for model, version in driver["generator_versions"].items():
         st.generators[model].version = version
+    saved, now = driver.get("data_fingerprint") or None, st.stream.fingerprint()
+    if saved != now:
+        raise ConfigError(
+            f"checkpoint '{path}': the training data changed since it was written (data.train now holds "
+            f"{len(getattr(st.stream.task, 'train', ()))} rows); its cursor would lose and repeat prompts. Restore the data files, or "
+            "start a new run (--model with the run's checkpoint keeps the weights)."
+        )
     torch.set_rng_state(driver["torch_rng"])
     st.stream.rng.setstate(driver["prompt_rng"])
     st.stream.drawn = int(driver["prompts_drawn"])

@@ -22,6 +22,7 @@ field at fault.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Mapping, Sequence
@@ -100,6 +101,7 @@ class DataTask:
         self.seed, self.shuffle, self.verifier, self.budget = seed, shuffle, verifier, budget
         self.report = report or DataReport()
         self._orders: dict[int, list[int]] = {}
+        self._fingerprint: str | None = None
         self.unparsed = 0  # ground truths the verifier could not read (scored 0)
 
     @classmethod
@@ -134,6 +136,16 @@ class DataTask:
         """The prompts at positions ``start .. start+n`` of the run's stream: epoch after epoch over
         data.train, each epoch in its own seeded order."""
         return [self.train[self._order(k // len(self.train))[k % len(self.train)]] for k in range(start, start + n)]
+
+    def fingerprint(self) -> str:
+        """The training prompts' hash (texts and answers, in file order): a checkpoint's cursor means
+        the same prompts only over the same data."""
+        if self._fingerprint is None:
+            digest = hashlib.sha256()
+            for p in self.train:
+                digest.update(msgspec.json.encode([p.text, p.answer]))
+            self._fingerprint = digest.hexdigest()[:16]
+        return self._fingerprint
 
     def position(self, drawn: int) -> dict[str, int]:
         """Where a stream that gave ``drawn`` prompts stands: its epoch and the index within it."""

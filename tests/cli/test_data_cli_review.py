@@ -11,12 +11,6 @@ from flowrl import cli
 from flowrl.planner.plan import load_plan
 
 
-@pytest.mark.xfail(
-    reason="BUG: --data FILE and data.val stay relative in the plan (--model is made absolute 'so it resumes "
-    "anywhere', cli._flags): `flowrl run --plan` or `--resume` from another folder fails with \"data.train file "
-    "'train.jsonl' does not exist\"",
-    strict=True,
-)
 def test_a_plan_keeps_the_data_files_absolute_like_the_model_folder(tmp_path, monkeypatch):
     (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "a>", "answer": "a"}) + "\n")
     (tmp_path / "val.jsonl").write_text(json.dumps({"prompt": "b>", "answer": "b"}) + "\n")

@@ -51,12 +51,6 @@ def test_majority_vote_counts_answers_the_exact_verifier_calls_equal():
     assert summarize(task, [row], 5, "source")["eval/maj@5"] == 1.0
 
 
-@pytest.mark.xfail(
-    reason="BUG: a resume after data.train changed (rows added) continues silently: the cursor saved for 6 rows "
-    "(state.json data.rows) is read against 12, so prompts are lost and repeated; runstate.restore does not "
-    "compare the checkpoint's data position with the data it now reads",
-    strict=True,
-)
 def test_a_resume_after_the_training_data_changed_is_refused(tmp_path, monkeypatch, capsys):
     rows = [{"prompt": f"{c}>", "answer": c} for c in "abcdab"]
     write_jsonl(tmp_path / "r.jsonl", rows)
