@@ -463,6 +463,11 @@ def _turns(where: str, data: DataConfig, value: Any) -> list[dict[str, str]]:
             )
         if not any(t["content"].strip() for t in turns if t["role"] == "user"):
             raise ConfigError(f"{where}: the user turns of the messages in '{data.prompt_key}' are empty.")
+        if turns[-1]["role"] == "assistant":  # an SFT conversation: the model would answer after the answer
+            raise ConfigError(
+                f"{where}: the messages in '{data.prompt_key}' end with an assistant turn; a prompt ends where the "
+                "model is to answer: leave the answer turn out (the ground truth goes in data.answer_key)."
+            )
         has_system = any(t["role"] == "system" for t in turns)
         return turns if has_system else [*system, *turns]
     raise ConfigError(

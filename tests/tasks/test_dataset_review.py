@@ -170,3 +170,12 @@ def test_truncation_that_keeps_no_character_is_refused_not_an_empty_prompt(tmp_p
         load(build_config({"model": chat_model, "data": data}))
     data["max_prompt_tokens"] = 3
     assert load(build_config({"model": chat_model, "data": data})).train[0].text == "日"
+
+
+def test_messages_ending_with_the_assistant_answer_are_named(tmp_path, chat_model):
+    # an SFT-style conversation (question, then its answer): the template opened another assistant turn
+    # after the answer, and the model was trained to write past it
+    turns = [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "2"}]
+    train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": turns, "answer": "2"}])
+    with pytest.raises(ConfigError, match="row 1: the messages in 'prompt' end with an assistant turn"):
+        load(build_config({"model": chat_model, "data": {"train": train}}))
