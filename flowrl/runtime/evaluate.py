@@ -159,18 +159,29 @@ class Evaluator:
     def _answers(
         self, n: int, greedy: bool, generator: torch.Generator, temperature: float | None
     ) -> list[list[tuple[str, float]]]:
-        """Per prompt, ``n`` (response, score) pairs."""
+        """Per prompt, ``n`` (response, score) pairs, generated in chunks of at most a training step's
+        rows (prompts_per_step x samples_per_prompt: what the plan sized generation for)."""
         out: list[list[tuple[str, float]]] = [[] for _ in self.prompts]
-        batch = max(1, self.cfg.rollout.prompts_per_step)
+        rows = self.cfg.rollout.prompts_per_step * self.cfg.rollout.samples_per_prompt
+        per_call = max(1, min(n, rows))  # samples of a prompt per call (n > rows: in several calls)
+        batch = max(1, rows // per_call)
         for start in range(0, len(self.prompts), batch):
             chunk = self.prompts[start : start + batch]
-            rollout = self.generator.generate(
-                chunk, n=n, greedy=greedy, generator=generator, max_new_tokens=self.budget, temperature=temperature
-            )
-            seqs = rollout.sequences
-            for text, index in zip(seqs.texts, seqs.prompt_index.tolist()):
-                prompt = chunk[index]
-                out[start + index].append((text, float(self.task.score(prompt, text))))
+            left = n
+            while left > 0:
+                rollout = self.generator.generate(
+                    chunk,
+                    n=min(per_call, left),
+                    greedy=greedy,
+                    generator=generator,
+                    max_new_tokens=self.budget,
+                    temperature=temperature,
+                )
+                left -= min(per_call, left)
+                seqs = rollout.sequences
+                for text, index in zip(seqs.texts, seqs.prompt_index.tolist()):
+                    prompt = chunk[index]
+                    out[start + index].append((text, float(self.task.score(prompt, text))))
         return out
 
 

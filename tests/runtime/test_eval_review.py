@@ -148,3 +148,41 @@ def test_mlflow_keys_of_distinct_sources_stay_distinct():
 
     keys = [f"eval/{source}/greedy" for source in ("日本", "中国", "a:b", "a;b")]
     assert len({mlflow_key(k) for k in keys}) == len(keys)
+
+
+def test_evaluation_generates_at_most_a_training_steps_rows_at_once():
+    # eval.samples=16 with 4 x 2 rows a step generated 4 prompts x 16 = 64 rows at once (8x what the plan
+    # sized generation for); greedy went 4 prompts at a time although 8 rows fit
+    import torch
+
+    from flowrl.runtime.evaluate import Evaluator
+
+    class Seqs:
+        def __init__(self, prompts, n):
+            self.texts = ["x"] * (len(prompts) * n)
+            self.prompt_index = torch.arange(len(prompts)).repeat_interleave(n)
+
+    class Generator:
+        version, calls = 0, []
+
+        def generate(self, prompts, *, n, greedy, generator, max_new_tokens, temperature):
+            self.calls.append((len(prompts) * n, greedy))
+            return type("Rollout", (), {"sequences": Seqs(prompts, n)})()
+
+    class Task:
+        verifier = "exact"
+
+        def prompts(self, rng, n):
+            return [Prompt(text=f"{i}", answer="x") for i in range(n)]
+
+        def score(self, prompt, response):
+            return 1.0
+
+    cfg = build_config(
+        {"rollout": {"prompts_per_step": 4, "samples_per_prompt": 2}, "eval": {"every": 1, "samples": 16, "prompts": 8}}
+    )
+    gen = Generator()
+    record, rows = Evaluator(cfg, Task(), gen, 4).run(0)
+    assert record["eval/mean@16"] == 1.0 and all(len(r.samples) == 16 for r in rows)
+    assert max(size for size, _ in gen.calls) <= 8
+    assert [size for size, greedy in gen.calls if greedy] == [8]  # the 8 greedy prompts in one call
