@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from flowrl import cli
 from flowrl.planner.plan import load_plan
 
