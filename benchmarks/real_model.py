@@ -62,7 +62,11 @@ def problem(rng: random.Random) -> dict[str, str]:
         a, b = rng.randint(2, 12), rng.randint(2, 8)
         q = f"{name} buys {a} bags with {b} {item} in each bag. How many {item} does {name} buy?"
         c = a * b
-    return {"question": q, "answer": f"{a} {op} {b} = {c}. #### {c}", "source": {"+": "add", "-": "sub", "*": "mul"}[op]}
+    return {
+        "question": q,
+        "answer": f"{a} {op} {b} = {c}. #### {c}",
+        "source": {"+": "add", "-": "sub", "*": "mul"}[op],
+    }
 
 
 def write_data(folder: Path, train: int, val: int, seed: int = 0) -> tuple[Path, Path]:
@@ -155,7 +159,11 @@ def flowrl_run(args: argparse.Namespace, model: Path, train: Path, val: Path, ou
 
 
 def _eval_numbers(record: dict, k: int) -> dict:
-    return {"greedy": record["eval/greedy"], f"mean@{k}": record[f"eval/mean@{k}"], f"pass@{k}": record[f"eval/pass@{k}"]}
+    return {
+        "greedy": record["eval/greedy"],
+        f"mean@{k}": record[f"eval/mean@{k}"],
+        f"pass@{k}": record[f"eval/pass@{k}"],
+    }
 
 
 def main() -> None:
@@ -170,7 +178,9 @@ def main() -> None:
     p.add_argument("--val", type=int, default=64, help="validation problems")
     p.add_argument("--k", type=int, default=4, help="validation samples per problem (mean@K)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flowrl-bench")
+    p.add_argument(
+        "--cache", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flowrl-bench"
+    )
     p.add_argument("--out", type=Path, default=Path("runs/real_model"))
     p.add_argument("--trl", metavar="PYTHON", help="also run TRL's GRPOTrainer with this Python (trl installed)")
     args = p.parse_args()
@@ -179,8 +189,16 @@ def main() -> None:
     model = model_folder(args.cache)
     prep = time.perf_counter() - started
     train, val = write_data(args.out / "data", args.train, args.val)
-    result = {"model": "SmolLM2-135M-Instruct", "steps": args.steps, "prompts": args.prompts, "samples": args.samples,
-              "tokens": args.tokens, "lr": args.lr, "val": args.val, "model_prep_s": round(prep, 1)}
+    result = {
+        "model": "SmolLM2-135M-Instruct",
+        "steps": args.steps,
+        "prompts": args.prompts,
+        "samples": args.samples,
+        "tokens": args.tokens,
+        "lr": args.lr,
+        "val": args.val,
+        "model_prep_s": round(prep, 1),
+    }
     result["flowrl"] = flowrl_run(args, model, train, val, args.out)
     print(json.dumps({"flowrl": result["flowrl"]}), file=sys.stderr)
     if args.trl:

@@ -58,7 +58,9 @@ def main() -> None:
         return [verify("math", t, a) for t, a in zip(texts, truth)]
 
     tok = transformers.AutoTokenizer.from_pretrained(args.model)
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=torch.float32, attn_implementation="sdpa"
+    )
     batch = args.prompts * args.samples
     config = GRPOConfig(
         output_dir=str(Path(args.out) / "trainer"),
@@ -100,7 +102,12 @@ def main() -> None:
                 rewards.append(float(logs["reward"]))
 
     trainer = GRPOTrainer(
-        model=model, reward_funcs=math_reward, args=config, train_dataset=dataset, processing_class=tok, callbacks=[Log()]
+        model=model,
+        reward_funcs=math_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tok,
+        callbacks=[Log()],
     )
     started = time.perf_counter()
     trainer.train()

@@ -163,7 +163,9 @@ def load_model_specs(text: str) -> tuple[ModelSpec | None, dict[str, ModelSpec]]
             if isinstance(data, dict) and data and not set(data) & set(ModelSpec.__struct_fields__):
                 return _role_file(data, path)
         return load_model_spec(name), {}
-    bare, named = named_entries(text.strip(), "--model", ("model", "role", "ROLE=MODEL", "actor=llama-34b,reward=llama-7b"))
+    bare, named = named_entries(
+        text.strip(), "--model", ("model", "role", "ROLE=MODEL", "actor=llama-34b,reward=llama-7b")
+    )
     roles: dict[str, ModelSpec] = {}
     for key, value in named.items():
         try:

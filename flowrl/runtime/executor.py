@@ -297,7 +297,9 @@ class PlanExecutor:
         if result.metrics:
             from flowrl.runtime.report import plot_rewards
 
-            plot_rewards(result.metrics, out_dir / "reward.png", title=f"{graph.name} on {cfg.task}", evals=result.evals)
+            plot_rewards(
+                result.metrics, out_dir / "reward.png", title=f"{graph.name} on {cfg.task}", evals=result.evals
+            )
         return result
 
 

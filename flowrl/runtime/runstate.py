@@ -262,8 +262,8 @@ def restore(path: Path, driver: dict[str, Any], st: RunState, sync: Callable[[],
     if saved != now:
         raise ConfigError(
             f"checkpoint '{path}': the training data changed since it was written (data.train now holds "
-            f"{len(getattr(st.stream.task, 'train', ()))} rows); its cursor would lose and repeat prompts. Restore the data files, or "
-            "start a new run (--model with the run's checkpoint keeps the weights)."
+            f"{len(getattr(st.stream.task, 'train', ()))} rows); its cursor would lose and repeat prompts. Restore the "
+            "data files, or start a new run (--model with the run's checkpoint keeps the weights)."
         )
     torch.set_rng_state(driver["torch_rng"])
     st.stream.rng.setstate(driver["prompt_rng"])

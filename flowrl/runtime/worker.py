@@ -259,7 +259,9 @@ class Worker:
 
         g = torch.Generator().manual_seed(seed)
         extra = {} if temperature is None else {"temperature": temperature}  # engines before it take none
-        return self.generators[model].generate(prompts, n=n, greedy=greedy, generator=g, max_new_tokens=max_new, **extra)
+        return self.generators[model].generate(
+            prompts, n=n, greedy=greedy, generator=g, max_new_tokens=max_new, **extra
+        )
 
     def resume(self, model: str, rollout: Any, seed: int, max_new: int | None) -> Any:
         import torch

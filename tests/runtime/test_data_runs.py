@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from flowrl import api, cli
+from flowrl.data import Prompt
 from flowrl.planner.plan import load_plan
 from flowrl.runtime.evaluate import Scored, pass_at_k, summarize
 from flowrl.runtime.executor import run_dir
-from flowrl.data import Prompt
 
 TIMING = ("step_seconds", "tokens_per_s", "spans")
 
@@ -75,7 +75,9 @@ def test_a_resume_mid_epoch_equals_the_uninterrupted_run_with_evaluations_and_sa
         f"data.val={val}", "data.verifier=exact", "eval.every=3", "eval.samples=2", "log.samples_every=2",
         "log.samples=2",
     ]  # fmt: skip
-    graph, plan = api.plan("grpo", overrides=overrides, flags={"steps": 6, "data": {"train": [train]}}, emit=lambda s: None)
+    graph, plan = api.plan(
+        "grpo", overrides=overrides, flags={"steps": 6, "data": {"train": [train]}}, emit=lambda s: None
+    )
     assert plan.config.task == "data"
     whole = run_dir(str(tmp_path), "whole")
     result = api.run(graph, plan, out_dir=whole)
@@ -99,14 +101,18 @@ def test_a_resume_mid_epoch_equals_the_uninterrupted_run_with_evaluations_and_sa
     assert {s["kind"] for s in samples} == {"eval", "train"}
     assert all({"prompt", "answer", "response", "reward", "step"} <= s.keys() for s in samples)
     evals = [r for r in _records(whole) if r.get("kind") == "eval"]
-    assert {"eval/greedy", "eval/mean@2", "eval/pass@2", "eval/maj@2", "eval/one/greedy", "eval/more/mean@2"} <= evals[0].keys()
+    assert {"eval/greedy", "eval/mean@2", "eval/pass@2", "eval/maj@2", "eval/one/greedy", "eval/more/mean@2"} <= evals[
+        0
+    ].keys()
     assert result.metrics[-1]["prompts_drawn"] == 24  # 2 epochs of 9 rows and 6 of the third
 
 
 @pytest.mark.slow
 def test_the_readme_command_runs_as_written(tmp_path, chat_model, monkeypatch, capsys):
     problems = [
-        {"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}. #### {a + b}"} for a in range(6) for b in range(3)
+        {"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}. #### {a + b}"}
+        for a in range(6)
+        for b in range(3)
     ]
     write(tmp_path / "train.jsonl", problems[:12])
     write(tmp_path / "val.jsonl", problems[12:])
@@ -132,7 +138,7 @@ def test_the_readme_command_runs_as_written(tmp_path, chat_model, monkeypatch, c
 def test_a_graph_file_registers_its_own_task(tmp_path, capsys):
     graph = tmp_path / "mine.py"
     graph.write_text(
-        '''
+        """
 import msgspec
 from flowrl import register
 from flowrl.data import Prompt
@@ -151,11 +157,12 @@ class AB(msgspec.Struct, frozen=True):
 
     def score(self, prompt, response):
         return float(response == prompt.answer)
-'''
+"""
     )
     code = cli.main(
-        ["run", str(graph), "--task", "ab", "--steps", "1", "--out", str(tmp_path / "runs"), "--set", "progress=false",
-         "--set", "rollout.prompts_per_step=2", "--set", "rollout.samples_per_prompt=2", "--set", "task_options.letter=b"]
+        ["run", str(graph), "--task", "ab", "--steps", "1", "--out", str(tmp_path / "runs"),
+         "--set", "progress=false", "--set", "rollout.prompts_per_step=2", "--set", "rollout.samples_per_prompt=2",
+         "--set", "task_options.letter=b"]
     )  # fmt: skip
     assert code == 0, capsys.readouterr().err
     plan = load_plan(tmp_path / "runs" / "grpo" / "plan.yaml")  # the graph it builds is grpo

@@ -14,7 +14,12 @@ from flowrl.specs import build_config
 from flowrl.tasks.dataset import DataTask, load
 
 ROWS = [
-    {"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}. #### {a + b}", "source": "add" if a % 2 else "sum", "id": a}
+    {
+        "question": f"What is {a} + {b}?",
+        "answer": f"{a} + {b} = {a + b}. #### {a + b}",
+        "source": "add" if a % 2 else "sum",
+        "id": a,
+    }
     for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (9, 10), (11, 12), (13, 14)]
 ]
 
@@ -124,7 +129,10 @@ def test_long_prompts_are_dropped_and_counted_or_truncated(tmp_path, chat_model)
         ('{"prompt": "a", "answer": "1"}\n', "has no column 'question' (data.prompt_key); its columns: prompt, answer"),
         ('{"question": "a", "label": "1"}\n', "has no column 'answer' (data.answer_key)"),
         ('{"question": 7, "answer": "1"}\n', "row 1: the prompt ('question') is int"),
-        ('{"question": [{"role": "system", "content": "x"}], "answer": "1"}\n', "row 1: the messages in 'question' have no user turn"),
+        (
+            '{"question": [{"role": "system", "content": "x"}], "answer": "1"}\n',
+            "row 1: the messages in 'question' have no user turn",
+        ),
     ],
 )
 def test_bad_files_are_named(tmp_path, content, expected):
@@ -142,8 +150,16 @@ def test_missing_file_unknown_format_and_a_conversation_without_template(tmp_pat
     (tmp_path / "x.txt").write_text("hi")
     with pytest.raises(ConfigError, match="unknown format '.txt'"):
         load(build_config({"data": {"train": str(tmp_path / "x.txt")}}))
-    rows = [{"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                        {"role": "user", "content": "c"}], "answer": "1"}]
+    rows = [
+        {
+            "prompt": [
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b"},
+                {"role": "user", "content": "c"},
+            ],
+            "answer": "1",
+        }
+    ]
     path = write_jsonl(tmp_path / "conv.jsonl", rows)
     with pytest.raises(ConfigError, match="needs a chat template"):
         load(build_config({"data": {"train": path}}))
