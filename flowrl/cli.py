@@ -229,10 +229,10 @@ def _resume(args: argparse.Namespace) -> tuple[Any, Any, Path]:
 #: What a --plan or --resume run may change besides the plan: where the run goes and how it
 #: checkpoints and reports (specs.RUN_SETTINGS; --resume's folder is the run's own, and --steps extends it).
 _RUN_SETTINGS_HELP = {
-    "--plan": "With --plan, only where the run goes and how it checkpoints may change: --out DIR, --name NAME, "
-    "--save-every N, --set keep_checkpoints=N, --set progress=false.",
-    "--resume": "With --resume, only --steps N (to extend it) and how the run checkpoints may change: --save-every N, "
-    "--set keep_checkpoints=N, --set progress=false.",
+    "--plan": "With --plan, only where the run goes and how it checkpoints and reports may change: --out DIR, --name "
+    "NAME, --save-every N, --set keep_checkpoints=N, --set progress=false, --logger NAMES, --set eval.*/log.*.",
+    "--resume": "With --resume, only --steps N (to extend it) and how the run checkpoints and reports may change: "
+    "--save-every N, --set keep_checkpoints=N, --set progress=false, --logger NAMES, --set eval.*/log.*.",
 }
 
 
@@ -336,6 +336,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"  continue with: {again}")
         return 130
     print(f"flowrl: done. {summary}")
+    if result.evals:  # the first and the last evaluation, side by side
+        first, last = result.evals[0], result.evals[-1]
+        shown = [k for k in last if k.startswith("eval/") and k.count("/") == 1 and k != "eval/prompts" and k in first]
+        pairs = ", ".join(f"{k[5:]} {first[k]:.3f} -> {last[k]:.3f}" for k in shown)
+        print(f"  evaluation: after {first['step']} -> {last['step']} steps: {pairs}")
+        print(f"  samples:    {result.out_dir / 'samples.jsonl'}")
     print(f"  metrics:    {result.out_dir / 'metrics.jsonl'}")
     if result.metrics:
         print(f"  curve:      {result.out_dir / 'reward.png'}")

@@ -66,6 +66,7 @@ def _deterministic_planner_clock():
 HEAVY = {"tests/ray/": "ray", "plugins/flowrl-vllm/tests/": "vllm"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test joins its module's xdist group (a module's fixtures are built once, on one worker),
     or its HEAVY folder's."""

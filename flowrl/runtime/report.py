@@ -32,7 +32,7 @@ def plot_rewards(
     evals = evals or []
     curves = sorted({k for e in evals for k in e if k.startswith("eval/") and k.count("/") == 1} - {"eval/prompts"})
     if curves:
-        panels.append(("eval", "evaluation (held-out prompts)"))
+        panels.append(("eval", "evaluation"))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
     window = max(1, len(metrics) // 25)
     for ax, (key, label) in zip(axes[0], panels):

@@ -59,9 +59,17 @@ def flat_metrics(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
 
 
 def mlflow_key(key: str) -> str:
-    """A metric or param name MLflow accepts: ``@`` -> ``_at_``, other characters besides letters,
-    digits, ``_ - . /`` and space -> ``_`` (``eval/mean@4`` -> ``eval/mean_at_4``)."""
-    return re.sub(r"[^\w\-. /]", "_", key.replace("@", "_at_"), flags=re.ASCII)
+    """A metric or param name MLflow accepts: ``@`` -> ``_at_`` (``eval/mean@4`` -> ``eval/mean_at_4``),
+    any other character besides ASCII letters, digits, ``_ - . /`` and space -> its code point
+    (``:`` -> ``_3a``, ``日`` -> ``_u65e5``), so keys that differ stay apart (per-source evaluations)."""
+
+    def escape(c: str) -> str:
+        return c if _MLFLOW_OK.fullmatch(c) else (f"_{ord(c):02x}" if c.isascii() else f"_u{ord(c):04x}")
+
+    return "".join(escape(c) for c in key.replace("@", "_at_"))
+
+
+_MLFLOW_OK = re.compile(r"[A-Za-z0-9_\-. /]")
 
 
 class TensorBoard:

@@ -136,13 +136,6 @@ def test_majority_vote_counts_the_same_math_answer_in_dollars_as_one():
     assert summarize(Math(), [row], 5, "source")["eval/maj@5"] == 1.0
 
 
-@pytest.mark.xfail(
-    reason="BUG: MLflow keys of two sources that differ only in characters MLflow refuses collide "
-    "(trackers.mlflow_key: "
-    "'eval/日本/greedy' and 'eval/中国/greedy' are both 'eval/__/greedy'), so per-source evaluations of non-ASCII "
-    "source names overwrite each other in the MLflow store",
-    strict=True,
-)
 def test_mlflow_keys_of_distinct_sources_stay_distinct():
     from flowrl.runtime.trackers import mlflow_key
 

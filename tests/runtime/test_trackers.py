@@ -69,7 +69,7 @@ def test_flatten_and_key_rules():
     assert flat_metrics(record(2)) == expected(2)
     assert flat_metrics({"step": 1, "a": {"b": {"c": 2}}, "s": "x", "l": [1]}) == {"a/b/c": 2.0}
     assert mlflow_key("eval/mean@4") == "eval/mean_at_4"
-    assert mlflow_key("kl(μ)#2:x") == "kl____2_x"
+    assert mlflow_key("kl(μ)#2:x") == "kl_28_u03bc_29_232_3ax"
     assert mlflow_key("spans/gen-1.a b") == "spans/gen-1.a b"
 
 
