@@ -252,6 +252,7 @@ class PlanExecutor:
                 on_step,
                 append=resume,
                 trackers=open_trackers(cfg.log.loggers, out_dir, out_dir.name, msgspec.to_builtins(cfg), resume),
+                reward_node=next((n.name for n in graph.nodes.values() if "rewards" in n.writes), None),
             )
             reports = Reports(cfg, plan, parts, out_dir, log, result, on_step, resume)
             if not resume:

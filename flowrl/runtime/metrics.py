@@ -44,8 +44,10 @@ class MetricsLog:
         on_step: Callable[[dict[str, Any]], None] | None,
         append: bool,
         trackers: Trackers | None = None,
+        reward_node: str | None = None,
     ) -> None:
         self.schedule, self.result, self.trace, self.spans = schedule, result, trace, spans
+        self.reward_node = reward_node
         self.prompts_drawn, self.on_step, self.trackers = prompts_drawn, on_step, trackers
         if trackers and append and path.is_file():  # what the resumed run keeps (the file is cut to it)
             trackers.resumed([msgspec.json.decode(line) for line in path.read_text().splitlines() if line])
@@ -53,7 +55,7 @@ class MetricsLog:
         self.last = time.perf_counter()
 
     def step_done(self, step: int, state: StepState) -> None:
-        record = step_record(self.schedule, step, state.outputs, time.perf_counter() - self.last)
+        record = step_record(self.schedule, step, state.outputs, time.perf_counter() - self.last, self.reward_node)
         record["prompts_drawn"] = self.prompts_drawn()
         self.last = time.perf_counter()
         self.trace.add_workers(self.spans())
@@ -84,11 +86,19 @@ class MetricsLog:
 
 
 def step_record(
-    schedule: Schedule, step: int, outputs: dict[str, tuple[float, dict[str, Any]]], seconds: float
+    schedule: Schedule,
+    step: int,
+    outputs: dict[str, tuple[float, dict[str, Any]]],
+    seconds: float,
+    reward_node: str | None = None,
 ) -> dict[str, Any]:
     """One step's metrics line: every task's metrics (prefixed by its name), the headline metrics,
-    generated tokens and the step's wall-clock (since the step before it ended)."""
+    generated tokens and the step's wall-clock (since the step before it ended). The headline
+    ``reward`` is ``reward_node``'s (the node writing the key ``rewards``: a weighted sum of several
+    rewards, say) when it reports one, else the first node's that does."""
     record: dict[str, Any] = {"step": step}
+    if reward_node is not None and isinstance(outputs.get(reward_node, (0, {}))[1].get("reward"), (int, float)):
+        record["reward"] = outputs[reward_node][1]["reward"]
     spans: dict[str, float] = {}
     tokens, gen_seconds = 0, 0.0
     for task in schedule.tasks:  # metrics in schedule order, so headline metrics do not depend on timing

@@ -93,12 +93,6 @@ def build(cfg):
 """
 
 
-@pytest.mark.xfail(
-    reason="BUG: with weighted rewards the headline 'reward' (progress bar, summary, reward.png, trackers) is the "
-    "first part's mean (a/reward), not the weighted sum the graph trains on (rewards/reward): "
-    "runtime/metrics.step_record takes the first node in schedule order that reports 'reward'",
-    strict=True,
-)
 def test_the_headline_reward_of_weighted_rewards_is_their_sum(tmp_path):
     graph = tmp_path / "weighted.py"
     graph.write_text(GRAPH)
