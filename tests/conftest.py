@@ -60,22 +60,6 @@ def _deterministic_planner_clock():
         yield
 
 
-#: Test folders whose modules start Ray clusters or vLLM engines (GBs of memory, every core): with
-#: `pytest -n 2` (pyproject's addopts) each of these groups runs on one worker, its modules one
-#: after another, so a Ray session is never started twice at once.
-HEAVY = {"tests/ray/": "ray", "plugins/flowrl-vllm/tests/": "vllm"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test joins its module's xdist group (a module's fixtures are built once, on one worker),
-    or its HEAVY folder's."""
-    for item in items:
-        module = item.nodeid.split("::", 1)[0]
-        group = next((g for prefix, g in HEAVY.items() if module.startswith(prefix)), module)
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _one_torch_thread():
     """Tests run tiny models: one intra-op thread is as fast, and far faster on a loaded 2-core box,
