@@ -164,7 +164,8 @@ def test_plan_refuses_what_would_change_the_plan_naming_it(
     assert code == 2 and "Traceback" not in err
     assert "--plan runs a plan exactly as planned" in err and "`flowrl plan`" in err, err
     assert all(n in err for n in named), err
-    assert "only where the run goes and how it checkpoints may change: --out DIR, --name NAME, --save-every N" in err
+    assert "only where the run goes and how it checkpoints and reports may change: --out DIR, --name NAME" in err
+    assert "--save-every N" in err and "--logger NAMES" in err
     assert not (tmp_path / "grpo").exists()
 
 
@@ -194,4 +195,6 @@ def test_resume_keeps_its_folder_and_its_plan(capsys, tmp_path: Path, extra: lis
     code, _, err = run_cli(capsys, "run", "--resume", str(folder), *extra)
     assert code == 2 and message in err, err
     if "--plan" not in extra:
-        assert "only --steps N (to extend it) and how the run checkpoints may change: --save-every N" in err, err
+        assert (
+            "only --steps N (to extend it) and how the run checkpoints and reports may change: --save-every N" in err
+        ), err
