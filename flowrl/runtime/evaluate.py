@@ -55,17 +55,9 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
 
 def final_answer(task: Any, response: str) -> str:
     """What a majority vote counts: the final answer the task's verifier reads from ``response``."""
-    if getattr(task, "verifier", None) == "math":
-        from flowrl.tasks.verifiers import _clean
-        from flowrl.tasks.verifiers import final_answer as math_answer
+    from flowrl.tasks.verifiers import vote_key
 
-        found = math_answer(response)  # without the delimiters the verifier drops too: "$18." is "18"
-        return response.strip() if found is None else (_clean(found) or found)
-    if getattr(task, "verifier", None) == "exact":  # as the verifier compares: "1,000." is "1000"
-        from flowrl.tasks.verifiers import normalise
-
-        return normalise(response)
-    return " ".join(response.split()).casefold()
+    return vote_key(getattr(task, "verifier", None), response)
 
 
 @dataclass

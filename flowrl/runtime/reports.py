@@ -19,7 +19,7 @@ from typing import IO, Any
 import msgspec
 
 from flowrl.errors import ConfigError
-from flowrl.graph.ir import Generate
+from flowrl.planner.passes import generating_models
 from flowrl.runtime.evaluate import Evaluator, sample_rows, training_samples
 
 SAMPLES = "samples.jsonl"
@@ -42,7 +42,7 @@ class Reports:
         self.cfg, self.log, self.result, self.on_step = cfg, log, result, on_step
         self.evaluator: Evaluator | None = None
         if cfg.eval.every > 0:
-            policy = next((n.model for n in parts.rt.graph.nodes.values() if isinstance(n, Generate)), None)
+            policy = next(iter(generating_models(parts.rt.graph)), None)
             if policy is None or policy not in parts.generators:
                 raise ConfigError("eval.every is set, but the graph generates nothing to evaluate: set eval.every=0.")
             budget = plan.models[policy].sampling.max_new_tokens

@@ -102,7 +102,6 @@ class DataTask:
         self.report = report or DataReport()
         self._orders: dict[int, list[int]] = {}
         self._fingerprint: str | None = None
-        self.unparsed = 0  # ground truths the verifier could not read (scored 0)
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> DataTask:

@@ -396,6 +396,18 @@ def _sympy_equal(a: Any, b: Any) -> bool:
 # ------------------------------------------------------------------ exact, regex
 
 
+def vote_key(kind: str | None, response: str) -> str:
+    """The answer a majority vote counts for ``response``, as verifier ``kind`` reads it: ``math``'s
+    final answer without its delimiters ("$18." is "18"), ``exact``'s normalised text ("1,000." is
+    "1000"); for others (and tasks without a verifier) the text with whitespace collapsed, casefolded."""
+    if kind == "math":
+        found = final_answer(response)
+        return response.strip() if found is None else (_clean(found) or found)
+    if kind == "exact":
+        return normalise(response)
+    return " ".join(response.split()).casefold()
+
+
 def normalise(text: str) -> str:
     """How ``exact`` compares: stripped, whitespace collapsed, casefolded, no trailing period, no
     thousands separators."""
