@@ -24,6 +24,10 @@ from hypothesis import HealthCheck, settings
 os.environ["FLOWRL_PLUGINS"] = ""
 # this machine's `flowrl profile` calibration (~/.flowrl) must not steer a test's plan (generation.engine=auto)
 os.environ["FLOWRL_HOME"] = tempfile.mkdtemp(prefix="flowrl-test-home-")
+# one OpenMP thread in the processes tests start (CLI runs, vLLM engines; Ray workers get the plan's
+# threads): under `pytest -n 2` two test processes share two cores, and each op's threads would
+# wait on the other process's
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
@@ -63,7 +67,7 @@ def _deterministic_planner_clock():
 @pytest.fixture(scope="session", autouse=True)
 def _one_torch_thread():
     """Tests run tiny models: one intra-op thread is as fast, and far faster on a loaded 2-core box,
-    where two threads wait on each other at every op. (Subprocesses keep torch's default.)"""
+    where two threads wait on each other at every op. (Subprocesses read OMP_NUM_THREADS, set above.)"""
     import torch
 
     before = torch.get_num_threads()

@@ -1,0 +1,61 @@
+"""Whole runs of the graphs with ports, state, filters, several policies and episodes: each learns
+the toy task with a fixed seed (slow; sized as tests/e2e/test_learning.py explains)."""
+
+from __future__ import annotations
+
+from statistics import mean
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+
+def curve(result, key="reward"):
+    values = [m[key] for m in result.metrics]
+    return mean(values[:10]), mean(values[-10:])
+
+
+def test_dapo_learns_with_dynamic_sampling(train):
+    result = train("graphs/dapo.py", 70, "checkpoint=false")  # 0.009 -> 0.53
+    first, last = curve(result)
+    print(f"DAPO copy: reward {first:.3f} -> {last:.3f}")
+    assert last > first + 0.3
+    rounds = [m["dynamic_sampling/rounds"] for m in result.metrics]
+    assert max(rounds) > 1  # some steps sampled more prompts to fill the batch
+    workload = yaml.safe_load((result.out_dir / "plan.yaml").read_text())["target"]["workload"]
+    assert 0 < workload["acceptance_rate"] < 1
+
+
+def test_safe_rlhf_meets_its_cost_budget_and_learns(train):
+    result = train("graphs/safe_rlhf.py", 100, "checkpoint=false")  # reward 0.009 -> 0.15, cost 0.73 -> 0.003
+    first, last = curve(result)
+    cost_first, cost_last = curve(result, "cost/cost")
+    lam = [m["multiplier_step/multiplier"] for m in result.metrics]
+    print(
+        f"Safe RLHF: reward {first:.3f} -> {last:.3f}, cost {cost_first:.3f} -> {cost_last:.3f}, "
+        f"max lambda {max(lam):.3f}"
+    )
+    assert cost_first > 0.3 and cost_last < 0.05  # the budget
+    assert max(lam) > 1.1 and lam[-1] < max(lam)  # the multiplier rose while over budget, then fell
+    assert last > first + 0.08
+
+
+def test_two_policies_learn_from_a_shared_reward(train):
+    result = train("graphs/two_agent.py", 50)  # 0.018 -> 0.19
+    first, last = curve(result)
+    print(f"two agents: reward {first:.3f} -> {last:.3f}")
+    assert last > first + 0.1
+    m = result.metrics[-1]
+    assert "train_proposer/loss" in m and "train_solver/loss" in m
+    assert set(result.checkpoints) == {"proposer", "solver"}
+    assert result.checkpoints["proposer"] != result.checkpoints["solver"]
+
+
+def test_tool_use_learns_to_call_the_calculator(train):
+    result = train("graphs/tool_use.py", 60, "checkpoint=false")  # 0.019 -> 0.15, calls 0.45 -> 0.95
+    first, last = curve(result)
+    calls = mean(m["episodes/env_replies"] for m in result.metrics[-10:])
+    print(f"tool use: reward {first:.3f} -> {last:.3f}, calculator calls {calls:.2f}")
+    assert calls > 0.8
+    assert last > first + 0.08
