@@ -59,12 +59,21 @@ estimator = compute
 
 
 def loss(
-    name: str | None = None, *, needs: Iterable[str] = (), output: str = "logprobs", optional: Iterable[str] = ()
+    name: str | None = None,
+    *,
+    needs: Iterable[str] = (),
+    output: str = "logprobs",
+    optional: Iterable[str] = (),
+    aggregate: str = "token-mean",
 ) -> Callable[[F], F]:
     """A loss ``fn(outputs, batch, algo, **options)`` -> (scalar tensor, stats), trained on the model's
     ``output`` ("logprobs" or "values"); ``needs`` names the batch ports it reads, ``optional``
-    those it uses when the node reads them."""
-    return _decorator("losses", name, {"needs": tuple(needs), "output": output, "optional": tuple(optional)})
+    those it uses when the node reads them. ``aggregate`` says what the loss is a mean over, so that
+    micro-batches add up to the mini-batch's gradient: ``token-mean`` (its tokens), ``seq-mean``
+    (its rows: a sequence-level loss), ``sum`` (a sum, e.g. over a constant), or ``loss_agg`` (as the
+    run's ``algo.loss_agg`` says)."""
+    meta = {"needs": tuple(needs), "output": output, "optional": tuple(optional), "aggregate": aggregate}
+    return _decorator("losses", name, meta)
 
 
 def filter(  # noqa: A001

@@ -93,6 +93,25 @@ class AlgoConfig(Spec):
     # tokens sampled by older weights (decoupled PPO): clip at is_cap, mask those tokens, or none
     is_correction: Literal["clip", "mask", "none"] = "clip"
     is_cap: float = 5.0
+    # how the ppo loss makes one number of its per-token terms: a mean over the batch's tokens; the
+    # mean over rows of each row's token mean; or (Dr. GRPO) the mean over rows of each row's token
+    # sum over loss_norm tokens (None: the response budget, rollout.max_new_tokens)
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_norm: int | None = None
+
+
+#: What a loss is a mean over (its registered ``aggregate``), so that the training engine weighs each
+#: micro-batch's loss by its share of the mini-batch and the gradients add up to the mini-batch's: a
+#: token mean by its tokens, a mean over rows by its rows, a sum by 1; ``loss_agg``: as ``algo.loss_agg``.
+LOSS_UNITS = ("token-mean", "seq-mean", "sum")
+AGGREGATES = (*LOSS_UNITS, "loss_agg")
+
+
+def loss_unit(aggregate: str, algo: AlgoConfig) -> str:
+    """The unit (`LOSS_UNITS`) a loss registered with ``aggregate`` weighs micro-batches in under ``algo``."""
+    if aggregate == "loss_agg":
+        return "token-mean" if algo.loss_agg == "token-mean" else "seq-mean"
+    return aggregate
 
 
 #: The task that reads the user's files (data.train).
@@ -156,6 +175,7 @@ def algo_problems(algo: AlgoConfig) -> list[tuple[str, str]]:
         (algo.vf_clip is None or 0 < algo.vf_clip < math.inf, "vf_clip", "must be > 0"),
         (0 <= algo.vf_coef < math.inf, "vf_coef", "must be >= 0"),
         (math.isfinite(algo.is_cap) and algo.is_cap >= 1, "is_cap", "must be finite and >= 1"),
+        (algo.loss_norm is None or algo.loss_norm >= 1, "loss_norm", "must be >= 1 (tokens)"),
     ]
     return [(field, why) for ok, field, why in checks if not ok]
 

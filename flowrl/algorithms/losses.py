@@ -6,9 +6,13 @@ Plain tensor functions, no state. Shape conventions:
 * ``mask`` -- float or bool ``[B, T]``, 1 for real response tokens,
 * ``logprobs`` -- log pi(a_t | s_t) of the sampled tokens, ``[B, T]``.
 
-Losses aggregate with token-mean: one masked mean over all valid tokens of the
-batch. Values at padded positions are replaced by 0 before any nonlinearity, so
-garbage there (even inf/NaN) affects neither the loss nor its gradients.
+Per-token losses aggregate by ``agg`` (`aggregate`): ``token-mean`` (one masked mean over all
+valid tokens of the batch), ``seq-mean-token-mean`` (each row's token mean, then the mean over
+rows) or ``seq-mean-token-sum-norm`` (each row's token sum over a constant ``norm``, then the mean
+over rows: Dr. GRPO's loss, without length weighting). The training engine weights micro-batches
+by the aggregation's unit (tokens or rows; `flowrl.algorithms.ops.loss_unit`), so a loss split into micro-batches has
+the gradient of the whole mini-batch. Values at padded positions are replaced by 0 before any
+nonlinearity, so garbage there (even inf/NaN) affects neither the loss nor its gradients.
 Stats dicts hold plain python floats, computed without gradient.
 """
 
@@ -20,7 +24,9 @@ from torch import Tensor
 from flowrl.algorithms.advantages import masked_mean
 
 __all__ = [
+    "AGGREGATIONS",
     "KL_KINDS",
+    "aggregate",
     "kl_penalty",
     "behaviour_weights",
     "ppo_policy_loss",
@@ -28,6 +34,28 @@ __all__ = [
 ]
 
 KL_KINDS = ("k1", "k2", "k3")
+#: ``algo.loss_agg``'s values: how a per-token loss becomes one number (see `aggregate`).
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def aggregate(loss_tok: Tensor, mask: Tensor, agg: str = "token-mean", norm: float | None = None) -> Tensor:
+    """One number from per-token values ``loss_tok`` [B, T] over ``mask``'s tokens:
+
+    token-mean               sum_{b,t} m*l / sum_{b,t} m
+    seq-mean-token-mean      mean_b ( sum_t m*l / sum_t m )          (a row without tokens counts 0)
+    seq-mean-token-sum-norm  mean_b ( sum_t m*l / norm )             (Dr. GRPO; norm: the response budget)
+    """
+    m = _as_bool(mask)
+    if agg == "token-mean":
+        return masked_mean(loss_tok, m)
+    rows = max(loss_tok.shape[0], 1)
+    if agg == "seq-mean-token-mean":
+        return masked_mean(loss_tok, m, dim=-1).sum() / rows
+    if agg == "seq-mean-token-sum-norm":
+        if not norm or norm <= 0:
+            raise ValueError(f"loss_agg 'seq-mean-token-sum-norm' needs a positive norm, got {norm!r}")
+        return _zero_pad(loss_tok, m).sum() / (norm * rows)
+    raise ValueError(f"unknown loss aggregation {agg!r}; valid: {', '.join(AGGREGATIONS)}")
 
 
 def _as_bool(mask: Tensor) -> Tensor:
@@ -65,8 +93,10 @@ def ppo_policy_loss(
     clip_high: float = 0.2,
     dual_clip: float | None = None,
     weights: Tensor | None = None,
+    agg: str = "token-mean",
+    norm: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped PPO surrogate loss, token-mean aggregated.
+    """Clipped PPO surrogate loss, aggregated by ``agg`` (`aggregate`; token-mean by default).
 
     ``weights`` ([B, T], no gradient): a per-token factor on loss_t, e.g. the importance weight
     between the proximal policy (``old_logprobs``) and the behaviour policy that sampled the
@@ -78,7 +108,7 @@ def ppo_policy_loss(
     loss_t = max(pg1, pg2)
     if dual_clip = c (c > 1, Ye et al. 2020), for tokens with A < 0:
         loss_t = min(loss_t, -c * A)
-    loss   = masked_mean(loss_t, mask)                          (token-mean over the whole batch)
+    loss   = aggregate(loss_t, mask, agg, norm)                 (token-mean: over the whole batch)
 
     ``advantages``: ``[B, T]`` (token-level) or anything broadcastable to it.
     Stats: ``clipfrac`` (fraction of valid tokens where pg2 > pg1, i.e. clipping
@@ -101,7 +131,7 @@ def ppo_policy_loss(
         loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, pg3), loss_tok)
     if weights is not None:
         loss_tok = loss_tok * _zero_pad(weights.to(loss_tok.dtype), m)
-    loss = masked_mean(loss_tok, m)
+    loss = aggregate(loss_tok, m, agg, norm)
 
     with torch.no_grad():
         stats = {

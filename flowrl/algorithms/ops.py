@@ -256,8 +256,9 @@ def threshold_filter(inputs: Batch, algo: AlgoConfig, *, min_reward: float = 1.0
 
 def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
     """PPO-clip (clip-higher, dual-clip) + beta * KL(pi || ref) when the node reads ref_logprobs (metric ``kl``);
-    tokens sampled by older weights weigh pi_prox / pi_behav (``algo.is_correction``, decoupled PPO)."""
-    from flowrl.algorithms import advantages as adv
+    tokens sampled by older weights weigh pi_prox / pi_behav (``algo.is_correction``, decoupled PPO). Both
+    terms aggregate by ``algo.loss_agg`` (token-mean, seq-mean-token-mean, or Dr. GRPO's
+    seq-mean-token-sum-norm over ``algo.loss_norm``)."""
     from flowrl.algorithms import losses
     from flowrl.runtime.batch import sequences_in
 
@@ -284,10 +285,13 @@ def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, 
         clip_high=algo.clip_high,
         dual_clip=algo.dual_clip,
         weights=weights,
+        agg=algo.loss_agg,
+        norm=algo.loss_norm,
     )
     stats.update(is_stats)
     if "ref_logprobs" in batch:
-        kl = adv.masked_mean(losses.kl_penalty(logprobs, batch["ref_logprobs"], algo.kl_estimator), mask)
+        kl_tok = losses.kl_penalty(logprobs, batch["ref_logprobs"], algo.kl_estimator)
+        kl = losses.aggregate(kl_tok, mask, algo.loss_agg, algo.loss_norm)
         stats["kl"] = float(kl.detach())
         if algo.kl_coef:
             loss = loss + algo.kl_coef * kl
@@ -296,7 +300,9 @@ def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, 
 
 def gspo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
     """GSPO (Zheng et al., 2025): PPO-clip on the sequence-level ratio exp(mean_t(log pi - log pi_old)),
-    one per response, with the sequence's advantage (its tokens' mean)."""
+    one per response, with the sequence's advantage (its tokens' mean); a mean over responses (metric
+    ``clipfrac``: the fraction of responses whose clipped term was the larger, i.e. clipping changed
+    the loss)."""
     import torch
 
     from flowrl.runtime.batch import sequences_in
@@ -306,11 +312,13 @@ def gspo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor,
     log_ratio = ((logprobs - batch["old_logprobs"]) * mask).sum(-1) / tokens
     advantages = (batch["advantages"] * mask).sum(-1) / tokens
     ratio = torch.exp(log_ratio)
-    pg = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high))
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high)
+    pg = torch.maximum(pg1, pg2)
     with torch.no_grad():
         stats = {
-            "clipfrac": float(((ratio - 1).abs() > algo.clip_low).float().mean()),
-            "ratio_mean": float(ratio.mean()),
+            "clipfrac": float((pg2 > pg1).float().mean()) if len(ratio) else 0.0,
+            "ratio_mean": float(ratio.mean()) if len(ratio) else 1.0,
         }
     return pg.mean(), stats
 
@@ -400,11 +408,20 @@ FILTERS = {
     "nonconstant": (nonconstant_filter, {"needs": ("rewards", "responses")}),
     "threshold": (threshold_filter, {"needs": ("rewards",)}),
 }
+#: ``aggregate``: what each loss is a mean over (flowrl.specs.loss_unit)
 LOSSES = {
-    "ppo": (ppo_loss, {"needs": ("old_logprobs", "advantages"), "output": "logprobs", "optional": ("ref_logprobs",)}),
-    "value": (value_loss, {"needs": ("values", "returns"), "output": "values"}),
-    "gspo": (gspo_loss, {"needs": ("old_logprobs", "advantages"), "output": "logprobs"}),
+    "ppo": (
+        ppo_loss,
+        {
+            "needs": ("old_logprobs", "advantages"),
+            "output": "logprobs",
+            "optional": ("ref_logprobs",),
+            "aggregate": "loss_agg",
+        },
+    ),
+    "value": (value_loss, {"needs": ("values", "returns"), "output": "values", "aggregate": "token-mean"}),
+    "gspo": (gspo_loss, {"needs": ("old_logprobs", "advantages"), "output": "logprobs", "aggregate": "seq-mean"}),
     # reads only the responses (found by their type): declared, so a train node reading more is refused
-    "sft": (sft_loss, {"needs": (), "output": "logprobs", "optional": ("responses",)}),
+    "sft": (sft_loss, {"needs": (), "output": "logprobs", "optional": ("responses",), "aggregate": "token-mean"}),
 }
 REWARD_FUNCTIONS = {"task": task_reward, "verbosity": verbosity_cost}

@@ -45,7 +45,7 @@ from flowrl.planner.space import (
     WeightSync,
 )
 from flowrl.planner.workload import Fixed, Histogram, Lengths, WorkloadSpec
-from flowrl.specs import AUTO, AlgoConfig, RolloutConfig, RunConfig, algo_problems, rollout_parts
+from flowrl.specs import AGGREGATES, AUTO, AlgoConfig, RolloutConfig, RunConfig, algo_problems, rollout_parts
 
 if TYPE_CHECKING:
     from flowrl.planner.autotune import TuneResult
@@ -164,6 +164,10 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
 
     reg, graph, cfg = ctx.registry, ctx.graph, plan.config
     task = task_for(cfg, registry={e.name: e.obj for e in reg.entries("tasks")})
+    budget = cfg.rollout.max_new_tokens if cfg.rollout.max_new_tokens is not None else task.max_new_tokens()
+    cfg = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, max_new_tokens=budget))
+    if cfg.algo.loss_norm is None:  # Dr. GRPO's constant (seq-mean-token-sum-norm): the response budget
+        cfg = msgspec.structs.replace(cfg, algo=msgspec.structs.replace(cfg.algo, loss_norm=budget))
     rows = node_rows(graph, cfg.rollout.prompts_per_step)
     seqs = graph.sequence_keys()
     resolved: dict[str, NodeOptions] = {}
@@ -189,6 +193,11 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
                     f"node '{node.name}': loss '{node.loss}' trains on {entry.meta.get('output')}, but model "
                     f"'{decl.name}' (role {decl.role}) produces {want}."
                 )
+            if entry.meta.get("aggregate", "token-mean") not in AGGREGATES:
+                raise PlanError(
+                    f"node '{node.name}': loss '{node.loss}' is registered with aggregate="
+                    f"{entry.meta.get('aggregate')!r}; valid: {', '.join(AGGREGATES)} (what the loss is a mean over)."
+                )
         resolved[node.name] = node_plan_options(graph, node.name, cfg, reg)
         if isinstance(node, Train):
             mini_batches = resolved[node.name].options["mini_batches"]
@@ -209,8 +218,6 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     ):
         if name != AUTO:  # an 'auto' generation engine is chosen by `place`
             reg.entry(kind, name, field=field_)
-    budget = cfg.rollout.max_new_tokens if cfg.rollout.max_new_tokens is not None else task.max_new_tokens()
-    cfg = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, max_new_tokens=budget))
     target = plan.target
     if target.models:  # per-role models: every graph model's own shape, the first actor's as the base
         models = role_models(target.models, {m: d.role for m, d in graph.models.items()})

@@ -35,7 +35,8 @@ def register_advantage_estimators(register: Register) -> None:
 
 @hookspec
 def register_losses(register: Register) -> None:
-    """Register train losses: ``register(name, fn, needs=(keys), output="logprobs"|"values")``."""
+    """Register train losses: ``register(name, fn, needs=(keys), output="logprobs"|"values",
+    aggregate="token-mean"|"seq-mean"|"sum")`` (what the loss is a mean over: see flowrl.register.loss)."""
 
 
 @hookspec

@@ -73,6 +73,7 @@ def assemble(graph: Graph, plan: ExecutionPlan, registry: Registry, schedule: Sc
         graph=graph,
         functions=node_functions(registry),
         loss_outputs={e.name: e.meta.get("output", "logprobs") for e in registry.entries("losses")},
+        loss_aggregates={e.name: e.meta.get("aggregate", "token-mean") for e in registry.entries("losses")},
         task=task,
         generators=generators,
         trainers=trainers,

@@ -21,7 +21,7 @@ from flowrl.graph.ir import Compute, Filter, Forward, Generate, Graph, Reward, T
 from flowrl.runtime.batch import sequences_in
 from flowrl.runtime.dispatch import draw_seed
 from flowrl.runtime.protocols import GenerationEngine, TrainingEngine, TrainStep
-from flowrl.specs import AlgoConfig
+from flowrl.specs import AlgoConfig, loss_unit
 
 
 @dataclass
@@ -31,6 +31,7 @@ class NodeRuntime:
     graph: Graph
     functions: Mapping[str, Mapping[str, Any]]  # kind -> name -> registered object
     loss_outputs: Mapping[str, str]  # loss name -> "logprobs" | "values"
+    loss_aggregates: Mapping[str, str]  # loss name -> what it is a mean over (flowrl.specs.AGGREGATES)
     task: Any
     generators: Mapping[str, GenerationEngine]  # model -> its generation engine
     trainers: Mapping[str, TrainingEngine]  # model -> its training engine
@@ -404,6 +405,7 @@ def _train(
         mini_batches=int(options["mini_batches"]),
         algo=algo,
         generator=rt.fresh_generator(node.name),
+        unit=loss_unit(rt.loss_aggregates[node.loss], algo),
     )
     trainer = rt.trainers[node.model]
     # the version the batch's proximal log-probs were computed with: tokens it sampled are on-policy

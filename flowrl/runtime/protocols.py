@@ -71,6 +71,9 @@ class TrainStep:
     mini_batches: int
     algo: AlgoConfig
     generator: torch.Generator = field(repr=False)
+    # what the loss is a mean over (flowrl.specs.LOSS_UNITS): the engine weighs each micro-batch's
+    # loss by its share of the mini-batch's tokens or rows (or by 1, a sum)
+    unit: str = "token-mean"
 
 
 @runtime_checkable

@@ -247,8 +247,9 @@ class LocalModel:
         for _ in range(step.epochs):
             order = torch.randperm(n_rows, generator=step.generator)  # the same on every rank
             for mb in order.chunk(step.mini_batches):
-                mb_tokens = max(float(seqs.sampled_mask[mb].sum()), 1.0)  # seqs live on the host
+                whole = share_of(seqs, mb, step.unit)  # seqs live on the host
                 self.optimizer.zero_grad(set_to_none=True)
+                mb_loss, mine_share = 0.0, 0.0  # this rank's part of the mini-batch's loss, and of the mini-batch
                 mine = by_length(seqs, rank_rows(mb, self.rank, self.world))  # similar lengths share a micro-batch
                 parts = list(mine.split(micro))
                 # FSDP averages gradients over ranks: scale by world so they sum, as one process would
@@ -261,18 +262,19 @@ class LocalModel:
                     view = to_device(trim(select_rows(batch, part, n_rows), step.sequences_key), self.device)
                     out = self._outputs(view[step.sequences_key], step.output)
                     value, step_stats = loss(out, view, step.algo)
-                    weight = (
-                        weight_on * scale * float(view[step.sequences_key].sampled_mask.sum()) / mb_tokens
-                    )  # exact token-mean over the mini-batch
-                    (value * weight).backward()
+                    # the micro-batch's share of the mini-batch, in what the loss is a mean over: the
+                    # gradients add up to the whole mini-batch's loss's, for any split
+                    share = share_of(view[step.sequences_key], None, step.unit) / whole
+                    (value * (weight_on * scale * share)).backward()
                     if weight_on:
-                        for k, v in {"loss": value.item(), **step_stats}.items():
+                        mb_loss, mine_share = mb_loss + value.item() * share, mine_share + share
+                        for k, v in step_stats.items():
                             stats.setdefault(k, []).append(v)
                 norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), opt.grad_clip)
                 norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
                 if not math.isfinite(float(norm)):  # the same on every rank: the norm is global
                     if not opt.skip_nonfinite:
-                        loss_now = stats.get("loss", [math.nan])[-1]
+                        loss_now = mb_loss / (mine_share or 1.0)
                         raise BackendError(
                             f"node '{step.node}': the loss ({loss_now}) or its gradient (norm {float(norm)}) is not "
                             f"finite, so model '{self.decl.name}' was not updated. Lower train.lr, check the rewards "
@@ -282,6 +284,8 @@ class LocalModel:
                     skipped += 1
                     continue
                 stats.setdefault("grad_norm", []).append(float(norm))
+                # the mini-batch's loss (of this rank's rows, on several ranks); a sum's is its whole
+                stats.setdefault("loss", []).append(mb_loss if step.unit == "sum" else mb_loss / (mine_share or 1.0))
                 self.optimizer.step()
         self.module.eval()
         self.version += 1
@@ -397,6 +401,17 @@ class LocalModel:
         else:
             save_hf(module, path)
         self.tokenizer.save_pretrained(path)
+
+
+def share_of(seqs: Sequences, rows: Tensor | None, unit: str) -> float:
+    """How much of a loss ``rows`` of ``seqs`` (None: all) make, in ``unit`` (flowrl.specs.LOSS_UNITS):
+    their sampled tokens (a token mean), their number (a mean over rows), or 1 (a sum); at least 1."""
+    if unit == "sum":
+        return 1.0
+    if unit == "seq-mean":
+        return float(len(seqs) if rows is None else len(rows)) or 1.0
+    mask = seqs.sampled_mask if rows is None else seqs.sampled_mask[rows]
+    return max(float(mask.sum()), 1.0)
 
 
 def retokenized(seqs: Sequences, source: Any, tokenizer: Any) -> tuple[Tensor, Tensor]:

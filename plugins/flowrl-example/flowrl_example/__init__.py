@@ -1,4 +1,4 @@
-"""An example flowrl plugin: a reward function, an algorithm graph and a CLI command."""
+"""An example flowrl plugin: a reward function, a sequence-level loss, an algorithm graph and a CLI command."""
 
 from __future__ import annotations
 
@@ -17,6 +17,20 @@ def concise_reward(prompts: list[Any], responses: list[str], task: Any, *, per_c
         extra = max(len(text) - len(prompt.answer), 0)
         out.append(max(task.score(prompt, text) - per_char * extra, 0.0))
     return out  # plain floats: loading the plugin (every CLI call) does not import torch
+
+
+def sequence_pg_loss(logprobs: Any, batch: Any, algo: Any) -> tuple[Any, dict[str, float]]:
+    """A sequence-level policy gradient: each response's advantage times the mean log-prob of its
+    tokens, averaged over responses (each response weighs the same, whatever its length). Registered
+    with ``aggregate="seq-mean"``, so the engine weighs its micro-batches by their rows."""
+    from flowrl.runtime.batch import sequences_in
+
+    mask = sequences_in(batch, "loss 'sequence_pg'").sampled_mask
+    tokens = mask.sum(-1).clamp_min(1.0)
+    mean_logp = (logprobs * mask).sum(-1) / tokens
+    advantage = (batch["advantages"] * mask).sum(-1) / tokens
+    loss = -(advantage * mean_logp).mean()
+    return loss, {"mean_logprob": float(mean_logp.detach().mean()) if len(mean_logp) else 0.0}
 
 
 def build_grpo_concise(cfg: Any) -> Graph:
@@ -50,6 +64,18 @@ def _sample_run(args: argparse.Namespace) -> int:
 @hookimpl
 def register_reward_functions(register):
     register("concise", concise_reward, description="task score minus a penalty per extra character")
+
+
+@hookimpl
+def register_losses(register):
+    register(
+        "sequence_pg",
+        sequence_pg_loss,
+        description="sequence-level policy gradient (a mean over responses)",
+        needs=("advantages",),
+        output="logprobs",
+        aggregate="seq-mean",
+    )
 
 
 @hookimpl
