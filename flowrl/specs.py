@@ -51,6 +51,11 @@ class RolloutConfig(Spec):
     stream_groups: int = 8  # streaming: prompt groups per micro-batch sent downstream while generation goes on
 
 
+#: ``generation.engine=auto``: the planner picks the engine it predicts fastest (see planner/passes.py:
+#: place); ``train.dtype`` / ``train.attention`` ``auto``: the device's best (`resolve_numerics`).
+AUTO = "auto"
+
+
 class TrainConfig(Spec):
     lr: float = 2e-3
     critic_lr: float | None = None  # None: same as lr
@@ -64,10 +69,13 @@ class TrainConfig(Spec):
     # a non-finite loss or gradient: False stops the run naming the node; True skips that
     # optimizer step (counted in the node's `skipped` metric)
     skip_nonfinite: bool = False
-
-
-#: ``generation.engine=auto``: the planner picks the engine it predicts fastest (see planner/passes.py: place).
-AUTO = "auto"
+    # how the training engine computes (master weights and optimizer states stay float32): the precision
+    # the model computes in, the attention kernel, and recomputing each decoder layer's activations in
+    # the backward pass instead of keeping them. auto: bfloat16 + sdpa on a GPU, float32 + eager on a
+    # CPU (faster there for the models a CPU trains: benchmarks/numerics.py)
+    dtype: Literal["auto", "float32", "bfloat16"] = AUTO
+    attention: Literal["auto", "sdpa", "eager", "flash_attention_2"] = AUTO
+    recompute: bool = False
 
 
 class GenerationConfig(Spec):

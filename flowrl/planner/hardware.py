@@ -281,13 +281,22 @@ class ClusterSpec(CheckedSpec, kw_only=True):
     @property
     def on_cpu(self) -> bool:
         """Whether this is this machine's CPU (``cpu:N``, or the local CPU device), not accelerators."""
-        return self.hardware.name == CPU_DEVICES or self.hardware.name.startswith(LOCAL_CPU)
+        return is_cpu(self.hardware)
 
 
 #: The hardware name of one device of ``cpu:N``.
 CPU_DEVICES = "cpu"
+
+
 #: How this machine's CPU is named as one device (the local backend, `flowrl profile`).
 LOCAL_CPU = "local-cpu"
+
+
+def is_cpu(hw: HardwareSpec) -> bool:
+    """Whether ``hw`` is this machine's CPU (``cpu:N``, or the local CPU device), not an accelerator."""
+    return hw.name == CPU_DEVICES or hw.name.startswith(LOCAL_CPU)
+
+
 #: Bytes/s of a gloo broadcast between two local processes (FACTS.md: 40 MiB in ~12 ms).
 LOOPBACK_BANDWIDTH = 3e9
 #: Seconds of one small gloo collective between two busy local processes (measured here: a 4 KiB

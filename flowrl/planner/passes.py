@@ -25,8 +25,10 @@ from flowrl.graph.ir import Compute, Filter, Forward, Generate, Graph, Reward, T
 from flowrl.planner import memory as mem
 from flowrl.planner.capabilities import rollout_conflict, supports
 from flowrl.planner.constraints import Constraints
+from flowrl.planner.hardware import HardwareSpec, is_cpu
 from flowrl.planner.modelspec import role_models
 from flowrl.planner.plan import (
+    EngineNumerics,
     ExecutionPlan,
     MemoryEstimate,
     ModelRun,
@@ -45,7 +47,16 @@ from flowrl.planner.space import (
     WeightSync,
 )
 from flowrl.planner.workload import Fixed, Histogram, Lengths, WorkloadSpec
-from flowrl.specs import AGGREGATES, AUTO, AlgoConfig, RolloutConfig, RunConfig, algo_problems, rollout_parts
+from flowrl.specs import (
+    AGGREGATES,
+    AUTO,
+    AlgoConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainConfig,
+    algo_problems,
+    rollout_parts,
+)
 
 if TYPE_CHECKING:
     from flowrl.planner.autotune import TuneResult
@@ -234,7 +245,41 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
             mini_batches=min(cfg.train.mini_batches, cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt),
         )
         target = msgspec.structs.replace(target, workload=workload)
-    return _replace(plan, config=cfg, target=target, options=resolved, models=model_runs(graph, cfg, budget))
+    numerics = resolve_numerics(cfg.train, target.cluster.hardware)
+    if target.capabilities is not None:  # a plan for an executor: its memory as the engine computes
+        target = msgspec.structs.replace(target, numerics=engine_memory(target.numerics, numerics))
+    runs = model_runs(graph, cfg, budget, numerics)
+    return _replace(plan, config=cfg, target=target, options=resolved, models=runs)
+
+
+def resolve_numerics(train: TrainConfig, hw: HardwareSpec) -> EngineNumerics:
+    """How the training engine computes: ``train.dtype`` / ``train.attention``, ``auto`` taking bfloat16
+    and SDPA on a GPU, float32 and eager attention on a CPU (the faster there for the small models a
+    CPU trains: benchmarks/numerics.py); flash attention is refused on a CPU."""
+    cpu = is_cpu(hw)
+    if cpu and train.attention == "flash_attention_2":
+        raise ConfigError(
+            f"train.attention=flash_attention_2 needs a CUDA GPU (with the flash-attn package); the plan's device "
+            f"is a CPU ('{hw.name}'). Use train.attention=sdpa or eager."
+        )
+    dtype = train.dtype if train.dtype != AUTO else ("float32" if cpu else "bfloat16")
+    attention = train.attention if train.attention != AUTO else ("eager" if cpu else "sdpa")
+    return EngineNumerics(dtype=dtype, attention=attention, recompute=train.recompute)
+
+
+def engine_memory(base: mem.Numerics, numerics: EngineNumerics) -> mem.Numerics:
+    """The executor's memory numerics (``base``: float32 master weights, gradients and AdamW states) for
+    an engine computing as ``numerics``: bfloat16 keeps a bfloat16 copy of the weights it computes with
+    (2 more bytes a parameter) and 2-byte activations; recomputation keeps only each layer's input;
+    eager attention keeps the heads x sequence scores."""
+    half = numerics.dtype == "bfloat16"
+    return msgspec.structs.replace(
+        base,
+        weight_bytes=base.weight_bytes + (2 if half and base.weight_bytes >= 4 else 0),
+        activation_bytes=2 if half else max(base.activation_bytes, 4),
+        recompute=numerics.recompute,
+        eager_attention=numerics.attention == "eager",
+    )
 
 
 def node_plan_options(graph: Graph, name: str, cfg: RunConfig, registry: Registry) -> NodeOptions:
@@ -258,7 +303,9 @@ def configured_options(graph: Graph, cfg: RunConfig, name: str) -> dict[str, Any
     return cfg.nodes.get(name, {})
 
 
-def model_runs(graph: Graph, cfg: RunConfig, budget: int) -> dict[str, ModelRun]:
+def model_runs(
+    graph: Graph, cfg: RunConfig, budget: int, numerics: EngineNumerics | None = None
+) -> dict[str, ModelRun]:
     """What each graph model's engines run: where its weights come from, how it samples (and takes
     log-probs), its optimizer when trainable; ``budget``: the response budget. The generation engine
     and its tp are `place`'s."""
@@ -294,6 +341,7 @@ def model_runs(graph: Graph, cfg: RunConfig, budget: int) -> dict[str, ModelRun]
             generation_engine=cfg.generation.engine if name in generating else None,
             sampling=sampling,
             optimizer=optimizer,
+            numerics=numerics or EngineNumerics(),
         )
     return runs
 

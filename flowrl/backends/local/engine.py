@@ -13,6 +13,7 @@ mini-batch. Frozen models keep a full replica per rank and score their shard of 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,7 @@ from flowrl.backends.local.generation import sample
 from flowrl.backends.local.models import (
     VALUE_HEAD_FILE,
     ValueModel,
+    apply_numerics,
     build_causal_lm,
     build_model,
     load_tokenizer,
@@ -66,9 +68,14 @@ class LocalModel:
         self.decl = decl
         self.rank, self.world = rank, world
         self.module = module.to(device)
+        numerics = spec.numerics
+        apply_numerics(self.module, numerics.attention, numerics.recompute and decl.trainable, decl.name)
+        half = numerics.dtype == "bfloat16"
         self.sharded = world > 1 and decl.trainable
-        if self.sharded:
-            _fully_shard(self.module, group, device)
+        if self.sharded:  # FSDP2 computes in bfloat16 from float32 shards, and reduces gradients in float32
+            _fully_shard(self.module, group, device, half)
+        # one process: float32 weights, computed in bfloat16 under autocast (float32 where autocast keeps it)
+        self.autocast = half and not self.sharded
         self.tokenizer = tokenizer
         self.hf_config = hf_config
         self.spec = spec
@@ -92,6 +99,13 @@ class LocalModel:
         else:
             self.module.requires_grad_(False)
         self.module.eval()
+
+    def _compute(self) -> Any:
+        """The precision forward passes run in: bfloat16 autocast when the model computes in bfloat16
+        in one process (FSDP2's mixed-precision policy casts a sharded one), else as the weights are."""
+        if self.autocast:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------ generation
     def generate(
@@ -150,19 +164,20 @@ class LocalModel:
             width = max(len(r) for r in rows)
             ids = ragged(rows, width, self.tokenizer.pad_token_id, torch.long, left=True)
             mask = ragged([[1] * len(r) for r in rows], width, 0, torch.long, left=True)
-            tokens, logprobs, alive = sample(
-                self.module,
-                ids.to(self.device),
-                mask.to(self.device),
-                max_new_tokens=max(budgets[i] for i in todo),  # each row is cut at its own budget
-                eos_id=self.tokenizer.eos_token_id,
-                pad_id=self.tokenizer.pad_token_id,
-                temperature=temperature or roll.temperature,
-                top_p=roll.top_p,
-                greedy=greedy,
-                ignore_eos=roll.ignore_eos,
-                generator=self.sampler or generator,
-            )
+            with self._compute():
+                tokens, logprobs, alive = sample(
+                    self.module,
+                    ids.to(self.device),
+                    mask.to(self.device),
+                    max_new_tokens=max(budgets[i] for i in todo),  # each row is cut at its own budget
+                    eos_id=self.tokenizer.eos_token_id,
+                    pad_id=self.tokenizer.pad_token_id,
+                    temperature=temperature or roll.temperature,
+                    top_p=roll.top_p,
+                    greedy=greedy,
+                    ignore_eos=roll.ignore_eos,
+                    generator=self.sampler or generator,
+                )
             # batches live on the host between nodes
             lengths = alive.sum(-1).long().tolist()
             tokens, logprobs = tokens.cpu().tolist(), logprobs.cpu().tolist()
@@ -178,7 +193,12 @@ class LocalModel:
 
     # ------------------------------------------------------------ forward
     def _outputs(self, seqs: Sequences, output: str) -> Tensor:
-        """Forward one micro-batch: [B,R] log-probs or values aligned with response tokens, or [B] scores."""
+        """Forward one micro-batch: [B,R] log-probs or values aligned with response tokens, or [B] scores
+        (float32, whatever the model computes in)."""
+        with self._compute():
+            return self._forward(seqs, output).float()
+
+    def _forward(self, seqs: Sequences, output: str) -> Tensor:
         ids, mask = seqs.input_ids.to(self.device), seqs.attention_mask.to(self.device)
         pos = position_ids(mask)
         start = seqs.prompt_len - 1  # hidden state at t predicts token t+1
@@ -456,18 +476,21 @@ def _untied_keys(module: nn.Module) -> set[str]:
     return keys
 
 
-def _fully_shard(module: nn.Module, group: Any, device: torch.device) -> None:
-    """FSDP2 over ``group``: each decoder layer one unit, the rest (embeddings, head) the root."""
+def _fully_shard(module: nn.Module, group: Any, device: torch.device, half: bool = False) -> None:
+    """FSDP2 over ``group``: each decoder layer one unit, the rest (embeddings, head) the root; with
+    ``half``, float32 shards computed in bfloat16 and gradients reduced in float32."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(group, device.type)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if half else None
+    kwargs = {"mp_policy": policy} if policy is not None else {}
     layers = next((m for n, m in module.named_modules() if n.endswith("layers") and isinstance(m, nn.ModuleList)), ())
     # parameters stay gathered from a forward until the backward after it: a forward-only loop (scoring)
     # gathers once, and a train step gathers once per mini-batch (gradients are reduced at its last micro-step)
     for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
-    fully_shard(module, mesh=mesh, reshard_after_forward=False)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False, **kwargs)
+    fully_shard(module, mesh=mesh, reshard_after_forward=False, **kwargs)
 
 
 def _unsharded_copy(engine: LocalModel, weights: Mapping[str, Tensor]) -> nn.Module:

@@ -220,6 +220,27 @@ def _weight_names(folder: Path) -> set[str]:
         return set()
 
 
+def apply_numerics(module: nn.Module, attention: str, recompute: bool, name: str = "") -> None:
+    """Make ``module`` (a causal LM or a `ValueModel`) compute with the ``attention`` kernel (sdpa,
+    eager, flash_attention_2) and, with ``recompute``, recompute each decoder layer's activations in
+    the backward pass (non-reentrant checkpointing) instead of keeping them."""
+    lm = module.backbone if isinstance(module, ValueModel) else module
+    try:
+        lm.set_attn_implementation(attention)
+    except Exception as exc:  # flash-attn missing, or an architecture without that kernel
+        raise BackendError(
+            f"model '{name}': train.attention={attention} is not available here ({type(exc).__name__}: {exc}). "
+            "Use train.attention=sdpa or eager."
+        ) from None
+    if recompute:
+        if not getattr(lm, "supports_gradient_checkpointing", False):
+            raise BackendError(
+                f"model '{name}' ({type(lm).__name__}) cannot recompute its layers' activations; set "
+                "train.recompute=false."
+            )
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def build_model(path: str | None, config: Any, seed: int, scalar_head: bool, name: str = "") -> nn.Module:
     """A graph model's module from folder ``path`` (None: fresh from ``config``, seeded): the causal
     LM, or for a scalar-head model (critic, reward, cost) a `ValueModel` whose head comes from the
