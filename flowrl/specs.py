@@ -76,6 +76,10 @@ class TrainConfig(Spec):
     dtype: Literal["auto", "float32", "bfloat16"] = AUTO
     attention: Literal["auto", "sdpa", "eager", "flash_attention_2"] = AUTO
     recompute: bool = False
+    # a token budget per micro-batch (rows x padded length), for training and forward passes: rows of
+    # similar length share a micro-batch until it is full, and data-parallel ranks get equal tokens;
+    # None: micro-batches of micro_batch_size rows
+    max_tokens_per_micro_batch: int | None = None
 
 
 class GenerationConfig(Spec):
@@ -259,6 +263,11 @@ class RunConfig(Spec):
                 self.train.micro_batch_size is None or self.train.micro_batch_size >= 1,
                 "train.micro_batch_size",
                 "must be >= 1",
+            ),
+            (
+                self.train.max_tokens_per_micro_batch is None or self.train.max_tokens_per_micro_batch >= 1,
+                "train.max_tokens_per_micro_batch",
+                "must be >= 1 (tokens)",
             ),
             (
                 self.rollout.staleness is None or 0 <= self.rollout.staleness <= MAX_STALENESS,

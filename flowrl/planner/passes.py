@@ -342,6 +342,7 @@ def model_runs(
             sampling=sampling,
             optimizer=optimizer,
             numerics=numerics or EngineNumerics(),
+            max_tokens_per_micro_batch=train.max_tokens_per_micro_batch,
         )
     return runs
 

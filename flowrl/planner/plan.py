@@ -118,6 +118,7 @@ class ModelRun(Spec):
     sampling: SamplingSpec = SamplingSpec()
     optimizer: OptimizerSpec | None = None  # None: frozen
     numerics: EngineNumerics = EngineNumerics()
+    max_tokens_per_micro_batch: int | None = None  # a token budget per micro-batch (None: rows only)
 
 
 class MemoryEstimate(Spec):

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from flowrl.data import Sequences, _pad
+from flowrl.runtime.batch import by_length
 
 
 def draw_seed(generator: torch.Generator) -> int:
@@ -41,11 +42,47 @@ def rank_rows(rows: Tensor, rank: int, world: int) -> Tensor:
     return rows[rank::world]
 
 
-def lockstep_steps(rows: int, world: int, micro: int) -> int:
-    """Micro-steps every rank takes for a mini-batch of ``rows``: the same on all ranks, as
-    collectives (FSDP's all-gathers and reduce-scatters) need."""
-    per_rank = -(-rows // world)
-    return max(1, -(-per_rank // max(micro, 1)))
+def micro_batches(seqs: Sequences, rows: Tensor, world: int, micro: int, max_tokens: int | None) -> list[list[Tensor]]:
+    """Each rank's micro-batches of the mini-batch ``rows`` of ``seqs`` (every rank computes all of them
+    alike, from the host's rows): rows of similar length together, at most ``micro`` rows each.
+
+    Without ``max_tokens`` a rank takes its strided share (`rank_rows`). With it (a token budget,
+    ``train.max_tokens_per_micro_batch``) the rows are dealt to the ranks longest first, each to the
+    rank with the fewest tokens so far (so no rank waits on another), and a micro-batch grows while
+    its padded size -- rows x (longest prompt + longest response) -- stays within the budget; a row
+    longer than the budget is a micro-batch of its own."""
+    if max_tokens is None:
+        return [list(by_length(seqs, rank_rows(rows, r, world)).split(max(micro, 1))) for r in range(world)]
+    prompts = seqs.prompt_mask[rows].sum(-1).tolist()
+    responses = seqs.response_lengths[rows].tolist()
+    order = sorted(range(len(rows)), key=lambda i: (-(prompts[i] + responses[i]), i))
+    shares: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for i in order:
+        r = min(range(world), key=lambda k: (load[k], k))
+        shares[r].append(i)
+        load[r] += prompts[i] + responses[i]
+    out = []
+    for share in shares:
+        parts: list[list[int]] = []
+        wide_p = wide_r = 0
+        for i in sorted(share, key=lambda i: (responses[i], prompts[i], i)):
+            p, r = max(wide_p, prompts[i]), max(wide_r, responses[i])
+            if parts and len(parts[-1]) < micro and (len(parts[-1]) + 1) * (p + r) <= max_tokens:
+                parts[-1].append(i)
+                wide_p, wide_r = p, r
+            else:
+                parts.append([i])
+                wide_p, wide_r = prompts[i], responses[i]
+        out.append([rows[torch.tensor(part, dtype=torch.long)] for part in parts])
+    return out
+
+
+def padding(seqs: Sequences) -> tuple[int, int]:
+    """(padded, real) tokens of one micro-batch as it is computed (its padding cut: `Sequences.trimmed`)."""
+    width = int(seqs.prompt_mask.sum(-1).max()) + int(seqs.response_lengths.max()) if len(seqs) else 0
+    real = int(seqs.prompt_mask.sum()) + int(seqs.response_lengths.sum())
+    return len(seqs) * width, real
 
 
 def concat_rows(parts: Sequence[Tensor], fill: float = 0.0) -> Tensor:

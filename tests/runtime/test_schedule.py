@@ -70,13 +70,50 @@ def test_colocated_data_parallel_reshards_and_reshard_across_groups_is_refused()
         lower(g2, bad)
 
 
-def test_shards_rank_rows_and_lockstep_steps():
+def test_shards_rank_rows_and_micro_batches():
     assert [(s.start, s.stop) for s in dispatch.shards(5, 2)] == [(0, 3), (3, 5)]
     assert [s.stop - s.start for s in dispatch.shards(1, 3)] == [1, 0, 0]
     rows = torch.arange(7)
     shares = [dispatch.rank_rows(rows, r, 2).tolist() for r in range(2)]
     assert sorted(shares[0] + shares[1]) == list(range(7)) and len(shares[0]) - len(shares[1]) == 1
-    assert dispatch.lockstep_steps(7, 2, 3) == 2 and dispatch.lockstep_steps(1, 2, 4) == 1
+    seqs = _rows([1, 2, 3, 4, 5, 6, 7])
+    parts = dispatch.micro_batches(seqs, rows, 2, 3, None)  # strided shares, 3 rows a micro-batch
+    assert [len(p) for p in parts] == [2, 1] and sorted(torch.cat([*parts[0], *parts[1]]).tolist()) == list(range(7))
+
+
+def _rows(lengths: list[int], prompt: int = 2):
+    from flowrl.data import Sequences
+
+    width = max(lengths)
+    mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).float()
+    n = len(lengths)
+    return Sequences(
+        prompt_ids=torch.ones(n, prompt, dtype=torch.long),
+        prompt_mask=torch.ones(n, prompt, dtype=torch.long),
+        response_ids=torch.ones(n, width, dtype=torch.long),
+        response_mask=mask,
+        prompt_index=torch.arange(n),
+        texts=("",) * n,
+    )
+
+
+def test_a_token_budget_fills_micro_batches_and_balances_ranks():
+    """A long tail: seven short rows and one long one. Rows split micro-batches by their padded size
+    (rows x (prompt + longest response) <= budget), a row longer than the budget is alone, and two
+    ranks get equal tokens, not equal rows."""
+    lengths = [4, 4, 4, 4, 4, 4, 4, 30]
+    seqs = _rows(lengths)
+    rows = torch.arange(len(lengths))
+    (one,) = dispatch.micro_batches(seqs, rows, 1, 100, 24)  # 4 short rows (6 tokens each) fill 24
+    assert [sorted(p.tolist()) for p in one] == [[0, 1, 2, 3], [4, 5, 6], [7]]
+    for part in one:
+        padded, real = dispatch.padding(seqs.select(part))
+        assert padded <= 24 or len(part) == 1
+    two = dispatch.micro_batches(seqs, rows, 2, 100, 24)
+    tokens = [sum(2 + lengths[i] for p in share for i in p.tolist()) for share in two]
+    assert tokens == [38, 36]  # (strided shares of rows: 50 and 24)
+    assert sorted(i for share in two for p in share for i in p.tolist()) == list(range(8))
+    assert dispatch.micro_batches(seqs, rows, 1, 2, 10_000)[0][0].numel() == 2  # the row cap still holds
 
 
 def test_concat_sequences_repads_and_shifts_prompt_index():

@@ -40,8 +40,8 @@ from flowrl.data import Prompt, Rollout, Sequences, StepBatch, adds_special_toke
 from flowrl.errors import BackendError
 from flowrl.graph.ir import ModelDecl
 from flowrl.planner.plan import ModelRun
-from flowrl.runtime.batch import by_length, position_ids, ragged, select_rows, to_device, trim
-from flowrl.runtime.dispatch import lockstep_steps, rank_rows
+from flowrl.runtime.batch import position_ids, ragged, select_rows, to_device, trim
+from flowrl.runtime.dispatch import micro_batches, padding
 from flowrl.runtime.protocols import EngineContext, LossFn, TrainStep
 from flowrl.runtime.responses import Response, ResponseRules, prompt_rows, responses_of, to_rollout
 
@@ -235,10 +235,10 @@ class LocalModel:
         if self.decl.scalar_head and self.text_tokenizer is None:
             _check_ids(self, seqs)
         micro = micro_batch or len(seqs)
-        order = by_length(seqs)
+        parts = micro_batches(seqs, torch.arange(len(seqs)), 1, micro, self.spec.max_tokens_per_micro_batch)[0]
         width = seqs.response_ids.shape[1]
         out: Tensor | None = None
-        for rows in order.split(micro):
+        for rows in parts:
             part = self._outputs(trim({"s": seqs.select(rows)}, "s")["s"], output).cpu()
             if out is None:
                 out = torch.zeros((len(seqs), width) if part.dim() == 2 else (len(seqs),), dtype=part.dtype)
@@ -263,6 +263,7 @@ class LocalModel:
         micro = step.micro_batch or n_rows
         stats: dict[str, list[float]] = {}
         skipped = 0  # optimizer steps skipped for a non-finite gradient (train.skip_nonfinite)
+        computed = useful = 0  # tokens the micro-batches computed, and how many of them were not padding
         self.module.train()
         for _ in range(step.epochs):
             order = torch.randperm(n_rows, generator=step.generator)  # the same on every rank
@@ -270,11 +271,11 @@ class LocalModel:
                 whole = share_of(seqs, mb, step.unit)  # seqs live on the host
                 self.optimizer.zero_grad(set_to_none=True)
                 mb_loss, mine_share = 0.0, 0.0  # this rank's part of the mini-batch's loss, and of the mini-batch
-                mine = by_length(seqs, rank_rows(mb, self.rank, self.world))  # similar lengths share a micro-batch
-                parts = list(mine.split(micro))
+                # every rank's micro-batches (similar lengths together): all ranks take as many micro-steps
+                shares = micro_batches(seqs, mb, self.world, micro, self.spec.max_tokens_per_micro_batch)
+                parts, steps = shares[self.rank], max(len(p) for p in shares)
                 # FSDP averages gradients over ranks: scale by world so they sum, as one process would
                 scale = float(self.world)
-                steps = lockstep_steps(len(mb), self.world, micro)
                 for i in range(steps):
                     if self.sharded:  # accumulate locally; reduce-scatter once, at the last micro-step
                         self.module.set_requires_gradient_sync(i == steps - 1)
@@ -287,6 +288,8 @@ class LocalModel:
                     share = share_of(view[step.sequences_key], None, step.unit) / whole
                     (value * (weight_on * scale * share)).backward()
                     if weight_on:
+                        padded, real = padding(view[step.sequences_key])
+                        computed, useful = computed + padded, useful + real
                         mb_loss, mine_share = mb_loss + value.item() * share, mine_share + share
                         for k, v in step_stats.items():
                             stats.setdefault(k, []).append(v)
@@ -313,6 +316,7 @@ class LocalModel:
         out = {k: sum(v) / len(v) for k, v in finite.items() if v}
         if opt.skip_nonfinite:
             out["skipped"] = float(skipped)
+        out["pad_frac"] = 1.0 - useful / computed if computed else 0.0  # padding among the tokens computed
         return out
 
     # ------------------------------------------------------------ weights and state
