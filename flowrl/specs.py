@@ -56,6 +56,16 @@ class RolloutConfig(Spec):
 AUTO = "auto"
 
 
+class LoraConfig(Spec):
+    """LoRA adapters on a trained model's linear layers (through peft): only the adapters (and a
+    critic's value head) train; checkpoints hold them, and weight syncs send the merged weights."""
+
+    rank: int = 0  # 0: no adapters, the whole model trains
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 class TrainConfig(Spec):
     lr: float = 2e-3
     critic_lr: float | None = None  # None: same as lr
@@ -80,6 +90,7 @@ class TrainConfig(Spec):
     # similar length share a micro-batch until it is full, and data-parallel ranks get equal tokens;
     # None: micro-batches of micro_batch_size rows
     max_tokens_per_micro_batch: int | None = None
+    lora: LoraConfig = LoraConfig()
 
 
 class GenerationConfig(Spec):
@@ -263,6 +274,14 @@ class RunConfig(Spec):
                 self.train.micro_batch_size is None or self.train.micro_batch_size >= 1,
                 "train.micro_batch_size",
                 "must be >= 1",
+            ),
+            (self.train.lora.rank >= 0, "train.lora.rank", "must be >= 0 (0: no adapters)"),
+            (self.train.lora.alpha > 0, "train.lora.alpha", "must be > 0"),
+            (0 <= self.train.lora.dropout < 1, "train.lora.dropout", "must be in [0, 1)"),
+            (
+                self.train.lora.rank == 0 or bool(self.train.lora.target_modules),
+                "train.lora.target_modules",
+                "must name at least one module",
             ),
             (
                 self.train.max_tokens_per_micro_batch is None or self.train.max_tokens_per_micro_batch >= 1,

@@ -22,6 +22,7 @@ from flowrl.specs import (
     LATER_SECTIONS,
     RUN_SETTINGS,
     AlgoConfig,
+    LoraConfig,
     RunConfig,
     Spec,
     TinyModelConfig,
@@ -119,6 +120,7 @@ class ModelRun(Spec):
     optimizer: OptimizerSpec | None = None  # None: frozen
     numerics: EngineNumerics = EngineNumerics()
     max_tokens_per_micro_batch: int | None = None  # a token budget per micro-batch (None: rows only)
+    lora: LoraConfig | None = None  # LoRA adapters on a trainable model (None: it trains whole)
 
 
 class MemoryEstimate(Spec):

@@ -26,12 +26,15 @@ from torch import Tensor, nn
 
 from flowrl.backends.local.generation import sample
 from flowrl.backends.local.models import (
+    ADAPTER_FILE,
     VALUE_HEAD_FILE,
     ValueModel,
+    add_lora,
     apply_numerics,
     build_causal_lm,
     build_model,
     load_tokenizer,
+    merge_lora,
     model_config,
     same_tokenizer,
     save_hf,
@@ -68,6 +71,10 @@ class LocalModel:
         self.decl = decl
         self.rank, self.world = rank, world
         self.module = module.to(device)
+        # LoRA: only the adapters (and a value head) train; the base weights stay as loaded
+        self.lora = spec.lora if decl.trainable else None
+        if self.lora is not None:
+            add_lora(self.module, self.lora, spec.seed, decl.name)
         numerics = spec.numerics
         apply_numerics(self.module, numerics.attention, numerics.recompute and decl.trainable, decl.name)
         half = numerics.dtype == "bfloat16"
@@ -92,10 +99,10 @@ class LocalModel:
         if decl.trainable:
             if opt is None:
                 raise BackendError(f"model '{decl.name}' is trainable, but its resolved spec has no optimizer.")
-            self.module.requires_grad_(True)  # a copy of a frozen model is trainable here
-            self.optimizer = torch.optim.AdamW(
-                self.module.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
-            )
+            if self.lora is None:
+                self.module.requires_grad_(True)  # a copy of a frozen model is trainable here
+            trained = [p for p in self.module.parameters() if p.requires_grad]
+            self.optimizer = torch.optim.AdamW(trained, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay)
         else:
             self.module.requires_grad_(False)
         self.module.eval()
@@ -321,7 +328,15 @@ class LocalModel:
 
     # ------------------------------------------------------------ weights and state
     def export_weights(self) -> dict[str, Tensor]:
-        """A copy of the full weights (a sharded model all-gathers them: every rank of the group calls this)."""
+        """A copy of the full weights (a sharded model all-gathers them: every rank of the group calls
+        this); a LoRA model's merged into the plain model's (what generation engines load)."""
+        state = self._state()
+        if self.lora is not None:
+            return merge_lora(state, self.lora.alpha / self.lora.rank)
+        return state
+
+    def _state(self) -> dict[str, Tensor]:
+        """The module's whole state dict on the host, as it is (LoRA adapters apart)."""
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -330,6 +345,11 @@ class LocalModel:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
     def import_weights(self, weights: Mapping[str, Tensor]) -> None:
+        if self.lora is not None:
+            raise BackendError(
+                f"model '{self.decl.name}' trains LoRA adapters; its weights are its base model's plus them, and "
+                "cannot be replaced by full weights."
+            )
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -350,9 +370,14 @@ class LocalModel:
                 f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); no checkpoint is written from them."
             )
         optimizer = self._optimizer_state()
+        trained = self._trained_state() if self.lora is not None else None
         self.save(path, weights)
         if self.rank != 0:
             return
+        if trained is not None:  # what resuming needs: the base comes from its own folder (or seed)
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in trained.items()}, str(path / ADAPTER_FILE))
         if optimizer is not None:
             save_tree(path / "optimizer", optimizer)
         (path / "engine.json").write_text(msgspec.json.encode({"version": self.version}).decode())
@@ -363,6 +388,8 @@ class LocalModel:
 
         from flowrl.runtime.checkpoint import load_tree
 
+        if self.lora is not None:
+            return self._load_adapter_state(path)
         try:
             version = int(msgspec.json.decode((path / "engine.json").read_bytes())["version"])
             weights = load_file(str(path / "model.safetensors"))
@@ -391,6 +418,43 @@ class LocalModel:
         self.version = version
         return version
 
+    def _trained_state(self) -> dict[str, Tensor]:
+        """What a LoRA model trains (its adapters, and a value head), full on every rank."""
+        names = {n for n, p in self.module.named_parameters() if p.requires_grad}
+        return {k: v for k, v in self._state().items() if k in names}
+
+    def _load_adapter_state(self, path: Path) -> int:
+        """Restore a LoRA model's adapters (its base is rebuilt as at the start) and optimizer state."""
+        from safetensors.torch import load_file
+
+        from flowrl.runtime.checkpoint import load_tree
+
+        try:
+            version = int(msgspec.json.decode((path / "engine.json").read_bytes())["version"])
+            adapter = load_file(str(path / ADAPTER_FILE))
+        except Exception as exc:
+            raise BackendError(
+                f"checkpoint of model '{self.decl.name}' in '{path}' has no readable LoRA adapters "
+                f"({ADAPTER_FILE}): {type(exc).__name__}: {exc}. Was it written with train.lora.rank=0?"
+            ) from None
+        names = {n for n, p in self.module.named_parameters() if p.requires_grad}
+        if set(adapter) != names:
+            raise BackendError(
+                f"the LoRA adapters in '{path / ADAPTER_FILE}' do not fit model '{self.decl.name}' as configured "
+                f"(train.lora rank / target_modules): missing {sorted(names - set(adapter))[:3]}, unexpected "
+                f"{sorted(set(adapter) - names)[:3]}."
+            )
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(self.module, adapter, options=StateDictOptions(full_state_dict=True, strict=False))
+        else:
+            self.module.load_state_dict(adapter, strict=False)
+        if self.optimizer is not None:
+            self._load_optimizer_state(load_tree(path / "optimizer"))
+        self.version = version
+        return version
+
     def _optimizer_state(self) -> dict[str, Any] | None:
         if self.optimizer is None:
             return None
@@ -411,13 +475,13 @@ class LocalModel:
 
     def save(self, path: Path, weights: Mapping[str, Tensor] | None = None) -> None:
         """An HF checkpoint, written by the group's first rank (every rank calls this)."""
-        if weights is None and self.sharded:
+        if weights is None and (self.sharded or self.lora is not None):
             weights = self.export_weights()
         if self.rank != 0:
             return
         path.mkdir(parents=True, exist_ok=True)
         module = self.module
-        if self.sharded:  # a plain copy holding the full weights
+        if self.sharded or self.lora is not None:  # a plain copy holding the full (merged) weights
             assert weights is not None
             module = _unsharded_copy(self, weights)
         if isinstance(module, ValueModel):
@@ -557,6 +621,7 @@ def generation_engine(ctx: EngineContext) -> LocalModel:
 
 
 def _as_lm(source: Any) -> nn.Module:
+    """``source``'s causal LM, to copy: a LoRA-trained one as a plain model holding its merged weights."""
     module = getattr(source, "module", None)
     if not isinstance(module, nn.Module):
         raise BackendError(
@@ -564,4 +629,8 @@ def _as_lm(source: Any) -> nn.Module:
         )
     if isinstance(module, ValueModel):
         raise BackendError("a model cannot initialise from a critic/reward model (it has no LM head).")
+    if getattr(source, "lora", None) is not None:
+        plain = build_causal_lm(None, source.hf_config, source.spec.seed)
+        plain.load_state_dict(source.export_weights())
+        return plain.to(source.device)
     return module

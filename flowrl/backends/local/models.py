@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from flowrl.errors import BackendError
 from flowrl.planner.modelspec import check_model_dir
-from flowrl.specs import TinyModelConfig
+from flowrl.specs import LoraConfig, TinyModelConfig
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -239,6 +239,48 @@ def apply_numerics(module: nn.Module, attention: str, recompute: bool, name: str
                 "train.recompute=false."
             )
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+#: Where a LoRA-trained model's checkpoint keeps what trained (the adapters, and a value head).
+ADAPTER_FILE = "adapter.safetensors"
+
+
+def add_lora(module: nn.Module, lora: LoraConfig, seed: int, name: str = "") -> None:
+    """Inject LoRA adapters (peft) into ``module``'s ``lora.target_modules`` linear layers, in place and
+    seeded; afterwards only the adapters (and a `ValueModel`'s head) require gradients."""
+    from peft import LoraConfig as PeftLora
+    from peft import inject_adapter_in_model
+
+    lm = module.backbone if isinstance(module, ValueModel) else module
+    present = {n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if isinstance(m, nn.Linear)}
+    missing = [t for t in lora.target_modules if t not in present]
+    if missing:
+        raise BackendError(
+            f"model '{name}': train.lora.target_modules names {missing}, which it does not have; its linear "
+            f"layers: {', '.join(sorted(present))}."
+        )
+    config = PeftLora(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)
+    )
+    torch.manual_seed(seed)  # the adapters' A matrices are drawn (B starts at zero: no change at first)
+    inject_adapter_in_model(config, lm)
+    for key, param in module.named_parameters():
+        param.requires_grad_(".lora_" in key or key.startswith("head."))
+
+
+def merge_lora(weights: Mapping[str, Tensor], scaling: float) -> dict[str, Tensor]:
+    """A LoRA model's state dict as the plain model's: every adapted weight W + scaling * B @ A under
+    its own key, the adapters gone (what generation engines and HF checkpoints take)."""
+    out = {}
+    for key, value in weights.items():
+        if ".lora_" in key:
+            continue
+        if key.endswith(".base_layer.weight"):
+            stem = key[: -len(".base_layer.weight")]
+            a, b = weights[f"{stem}.lora_A.default.weight"], weights[f"{stem}.lora_B.default.weight"]
+            value = value + (scaling * (b.float() @ a.float())).to(value.dtype)
+        out[key.replace(".base_layer.", ".")] = value
+    return out
 
 
 def build_model(path: str | None, config: Any, seed: int, scalar_head: bool, name: str = "") -> nn.Module:

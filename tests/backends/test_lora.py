@@ -1,0 +1,112 @@
+"""LoRA through peft (train.lora.*): only the adapters train, the base stays as loaded; weight syncs and
+HF checkpoints carry the merged weights under the plain model's names; a checkpoint's adapters and
+their optimizer state restore exactly."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from flowrl import api
+from flowrl.backends.local.models import ADAPTER_FILE, build_causal_lm, load_tokenizer, model_config
+from flowrl.errors import BackendError
+from flowrl.plugins.manager import registry
+from flowrl.runtime.executor import PlanExecutor
+from flowrl.runtime.protocols import TrainStep
+from flowrl.specs import TinyModelConfig
+from flowrl.tasks.builtin import Copy
+
+SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "task=copy"]
+
+
+def engines(*extra: str):
+    g, plan = api.plan("grpo", overrides=[*SMALL, *extra], emit=lambda s: None)
+    trainers, _ = PlanExecutor(registry()).engines(g, plan)
+    return plan, trainers
+
+
+@pytest.fixture(scope="module")
+def lora():
+    return engines("train.lora.rank=4", "train.lora.alpha=8")
+
+
+def _batch(actor):
+    r = actor.generate(
+        Copy().prompts(random.Random(0), 4), n=2, greedy=False, generator=torch.Generator().manual_seed(0)
+    )
+    adv = torch.linspace(-1, 1, len(r.sequences))[:, None] * r.sequences.response_mask
+    return {"responses": r.sequences, "old_logprobs": r.logprobs, "advantages": adv}
+
+
+def _train(engine, plan, batch):
+    step = TrainStep(
+        node="train_actor",
+        sequences_key="responses",
+        output="logprobs",
+        micro_batch=3,
+        epochs=1,
+        mini_batches=1,
+        algo=plan.config.algo,
+        generator=torch.Generator().manual_seed(0),
+    )
+    return engine.train(registry().get("losses", "ppo"), batch, step)
+
+
+def test_only_the_adapters_train_and_the_merged_weights_sample_what_trains(lora):
+    plan, trainers = lora
+    actor = copy.deepcopy(trainers["actor"])
+    assert plan.models["actor"].lora.rank == 4 and plan.models["ref"].lora is None
+    trained = {n for n, p in actor.module.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in n for n in trained)
+    assert sum(p.numel() for g in actor.optimizer.param_groups for p in g["params"]) == sum(
+        p.numel() for n, p in actor.module.named_parameters() if n in trained
+    )
+    before = actor.export_weights()
+    plain = build_causal_lm(None, actor.hf_config, 0).state_dict()
+    assert before.keys() == plain.keys()  # the plain model's names
+    assert torch.equal(
+        before["model.layers.0.self_attn.q_proj.weight"],
+        trainers["ref"].export_weights()["model.layers.0.self_attn.q_proj.weight"],
+    )  # B = 0 at first
+    base = {n: p.detach().clone() for n, p in actor.module.named_parameters() if n not in trained}
+    batch = _batch(actor)
+    _train(actor, plan, batch)
+    assert all(torch.equal(p, base[n]) for n, p in actor.module.named_parameters() if n in base)  # base untouched
+    after = actor.export_weights()
+    moved = max(float((after[k] - before[k]).abs().max()) for k in before)
+    assert moved > 0  # the adapters moved the merged weights
+    # a plain model holding the merged weights computes what the adapted model computes
+    twin = copy.deepcopy(trainers["ref"])
+    twin.load_weights(after, 1)
+    lp, lp_twin = actor.forward(batch["responses"], "logprobs", 0), twin.forward(batch["responses"], "logprobs", 0)
+    assert float((lp - lp_twin).abs().max()) < 1e-5
+
+
+def test_a_checkpoint_holds_the_adapters_and_a_merged_hf_model_and_restores_exactly(lora, tmp_path):
+    plan, trainers = lora
+    actor = copy.deepcopy(trainers["actor"])
+    _train(actor, plan, _batch(actor))
+    actor.save_state(tmp_path / "actor")
+    assert (tmp_path / "actor" / ADAPTER_FILE).is_file()
+    tok = load_tokenizer(str(tmp_path / "actor"))
+    hf = build_causal_lm(str(tmp_path / "actor"), model_config(str(tmp_path / "actor"), TinyModelConfig(), tok), 0)
+    merged = actor.export_weights()
+    assert all(torch.equal(hf.state_dict()[k], merged[k]) for k in merged)  # a loadable, merged HF model
+    fresh = copy.deepcopy(trainers["actor"])
+    assert fresh.load_state(tmp_path / "actor") == actor.version
+    mine, theirs = dict(actor.module.named_parameters()), dict(fresh.module.named_parameters())
+    assert all(torch.equal(mine[n], theirs[n]) for n in mine)
+    a, b = actor.optimizer.state_dict()["state"], fresh.optimizer.state_dict()["state"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k]["exp_avg"], b[k]["exp_avg"]) for k in a)
+
+
+def test_a_full_checkpoint_is_refused_by_a_lora_model_and_unknown_targets_are_named(lora, tmp_path):
+    _, full = engines()
+    full["actor"].save_state(tmp_path / "full")
+    with pytest.raises(BackendError, match="no readable LoRA adapters"):
+        copy.deepcopy(lora[1]["actor"]).load_state(tmp_path / "full")
+    with pytest.raises(BackendError, match=r"train.lora.target_modules names \['w_qkv'\]"):
+        engines("train.lora.rank=4", "train.lora.target_modules=[w_qkv]")
