@@ -1,5 +1,6 @@
 """Whole runs of the graphs with ports, state, filters, several policies and episodes: each learns
-the toy task with a fixed seed (slow; sized as tests/e2e/test_learning.py explains)."""
+the toy task with a fixed seed (slow; sized as tests/e2e/test_learning.py explains, most on its
+one-layer tiny model)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import yaml
 
 pytestmark = pytest.mark.slow
 
+ONE_LAYER = "tiny_model.num_layers=1"
+
 
 def curve(result, key="reward"):
     values = [m[key] for m in result.metrics]
@@ -17,7 +20,7 @@ def curve(result, key="reward"):
 
 
 def test_dapo_learns_with_dynamic_sampling(train):
-    result = train("graphs/dapo.py", 70, "checkpoint=false")  # 0.009 -> 0.53
+    result = train("graphs/dapo.py", 60, "checkpoint=false", ONE_LAYER)  # 0.011 -> 0.53
     first, last = curve(result)
     print(f"DAPO copy: reward {first:.3f} -> {last:.3f}")
     assert last > first + 0.3
@@ -28,7 +31,9 @@ def test_dapo_learns_with_dynamic_sampling(train):
 
 
 def test_safe_rlhf_meets_its_cost_budget_and_learns(train):
-    result = train("graphs/safe_rlhf.py", 100, "checkpoint=false")  # reward 0.009 -> 0.15, cost 0.73 -> 0.003
+    # two layers (on one the reward climbs too late), at twice the default learning rate: reward
+    # 0.008 -> 0.16, cost 0.60 -> 0.003, max lambda 1.29 (at train.lr=2e-3 the reward needs 100 steps)
+    result = train("graphs/safe_rlhf.py", 60, "checkpoint=false", "train.lr=4e-3")
     first, last = curve(result)
     cost_first, cost_last = curve(result, "cost/cost")
     lam = [m["multiplier_step/multiplier"] for m in result.metrics]
@@ -42,7 +47,7 @@ def test_safe_rlhf_meets_its_cost_budget_and_learns(train):
 
 
 def test_two_policies_learn_from_a_shared_reward(train):
-    result = train("graphs/two_agent.py", 50)  # 0.018 -> 0.19
+    result = train("graphs/two_agent.py", 45, ONE_LAYER)  # 0.017 -> 0.18
     first, last = curve(result)
     print(f"two agents: reward {first:.3f} -> {last:.3f}")
     assert last > first + 0.1
@@ -53,9 +58,9 @@ def test_two_policies_learn_from_a_shared_reward(train):
 
 
 def test_tool_use_learns_to_call_the_calculator(train):
-    result = train("graphs/tool_use.py", 60, "checkpoint=false")  # 0.019 -> 0.15, calls 0.45 -> 0.95
+    result = train("graphs/tool_use.py", 40, "checkpoint=false", ONE_LAYER)  # 0.024 -> 0.14, calls 0.11 -> 0.94
     first, last = curve(result)
     calls = mean(m["episodes/env_replies"] for m in result.metrics[-10:])
     print(f"tool use: reward {first:.3f} -> {last:.3f}, calculator calls {calls:.2f}")
     assert calls > 0.8
-    assert last > first + 0.08
+    assert last > first + 0.07
