@@ -40,7 +40,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-@pytest.mark.parametrize("strategy", ["full", "bucketed", "sparse"])
+# 'full' (the whole state each time, no state kept between syncs): the disaggregated checkpoint run of
+# tests/ray/test_ray_checkpoints_and_cli.py checks its replica after every step
+@pytest.mark.parametrize("strategy", ["bucketed", "sparse"])
 def test_generation_weights_equal_the_trainers_bit_for_bit_after_every_sync(tmp_path, strategy):
     g, plan = cpu2_plan("grpo", tmp_path, "steps=3", placement="disaggregated", weight_sync=strategy)
     assert plan.layout.placement == "disaggregated" and plan.layout.weight_sync.strategy == strategy

@@ -1,7 +1,8 @@
 """The Ray backend as a user meets it (issue 7): checkpoints of every
 placement load and hold the trainer's final weights, worker errors read as one paragraph,
 a one-device Ray plan runs on this machine's CPU, traces are valid Chrome traces, and the
-in-process local backend still runs.
+in-process local backend still runs. A run checks what it can: the colocated PPO run's trace is the
+Chrome trace checked, the disaggregated run's 'full' weight sync is checked after every step.
 
 One Ray session serves the module (the executor joins it instead of starting its own); the
 CLI tests start their own private Ray in a subprocess and check that it is gone afterwards.
@@ -45,13 +46,13 @@ def plan_for(graph: str, out: Path, *extra: str, devices: int = 2, **pins: str):
 
 def run_capturing_final_weights(g, plan, out: Path) -> tuple[Any, dict[str, dict[str, torch.Tensor]]]:
     """Run ``plan``; returns the result and, per trainable model, the trainer's full weights
-    after the last step (nothing changes them between the last step and the checkpoint)."""
+    after the last step (nothing changes them between the last step and the checkpoint). After
+    every step's weight sync, the generation replicas must hold the trainer's weights bit for bit."""
     ex = api.check(g, plan)
     final: dict[str, dict[str, torch.Tensor]] = {}
+    synced: list[int] = []
 
     def on_step(record):
-        if record["step"] != plan.config.steps - 1:
-            return
         for m in ex.lowered.models:
             if g.models[m.model].trainable:
                 ranks = list(ex.lowered.ranks_of(m.model))
@@ -59,11 +60,16 @@ def run_capturing_final_weights(g, plan, out: Path) -> tuple[Any, dict[str, dict
             gen = list(ex.lowered.generation_ranks(m.model))
             if gen:  # after the step's weight sync the replicas sample with the trained weights, bit for bit
                 for rank, held in zip(gen, ex.transport.call(gen, "generation_weights", [(m.model,)] * len(gen), "")):
+                    assert held.keys() == final[m.model].keys(), f"rank {rank}: '{m.model}' replica has other keys"
                     for k, v in final[m.model].items():
                         assert torch.equal(held[k], v), f"rank {rank}: '{m.model}' replica differs at '{k}'"
+                synced.append(record["step"])
 
     out.mkdir(parents=True, exist_ok=True)
-    return api.run(g, plan, executor=ex, out_dir=out, on_step=on_step), final
+    result = api.run(g, plan, executor=ex, out_dir=out, on_step=on_step)
+    if any(ex.lowered.generation_ranks(m.model) for m in ex.lowered.models):
+        assert sorted(set(synced)) == list(range(plan.config.steps))  # checked after every step's sync
+    return result, final
 
 
 def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -111,10 +117,13 @@ def assert_chrome_trace(path: Path) -> dict[str, Any]:
 
 def test_disaggregated_checkpoint_is_a_loadable_model_with_the_trainers_final_weights(tmp_path):
     """The trainer lives on rank 1 (group 'train' starts at rank 1): its checkpoint must still be
-    written in full (HF `save_pretrained` writes only on torch.distributed rank 0)."""
-    g, plan = plan_for("grpo", tmp_path, "steps=1", "checkpoint=true", placement="disaggregated", weight_sync="full")
-    assert plan.layout.layout("actor").group == "train"
+    written in full (HF `save_pretrained` writes only on torch.distributed rank 0). Two steps: the
+    'full' weight sync leaves the replica equal to the trainer bit for bit after each (the other
+    strategies: tests/ray/test_ray_backend.py)."""
+    g, plan = plan_for("grpo", tmp_path, "steps=2", "checkpoint=true", placement="disaggregated", weight_sync="full")
+    assert plan.layout.layout("actor").group == "train" and plan.layout.weight_sync.strategy == "full"
     result, final = run_capturing_final_weights(g, plan, tmp_path / "run")
+    assert all(m["sync:train_actor/bytes"] > 0 for m in result.metrics)
     assert_checkpoints_hold(result, final)
 
 
@@ -129,6 +138,8 @@ def test_split_ppo_critic_checkpoint_holds_its_backbone_and_head(tmp_path):
 
 
 def test_colocated_dp2_ppo_with_frozen_reference_checkpoints_match_the_sharded_trainers(tmp_path):
+    """Its trace.json is a Chrome trace Perfetto keeps whole: worker setup spans happen before the
+    trace's origin, and they must not get negative timestamps."""
     g, plan = plan_for("ppo", tmp_path, "steps=1", "checkpoint=true", placement="colocate")
     assert all(m.parallel.dp == 2 for m in plan.layout.models)  # ref is frozen and replicated, actor/critic FSDP2
     result, final = run_capturing_final_weights(g, plan, tmp_path / "run")
@@ -139,17 +150,11 @@ def test_colocated_dp2_ppo_with_frozen_reference_checkpoints_match_the_sharded_t
     line = json.loads((folder / "metrics.jsonl").read_text())
     assert line["step"] == 0 and line["sync:train_actor/strategy"] == "reshard" and line["sync:train_actor/bytes"] > 0
     assert (folder / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    trace = assert_chrome_trace(folder / "trace.json")
+    assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} >= {0, 1, 2}  # the driver and both ranks
 
 
-# ------------------------------------------------------------------ traces
-
-
-def test_trace_json_is_a_chrome_trace_perfetto_keeps_whole(tmp_path):
-    """Worker setup spans happen before the trace's origin; they must not get negative timestamps."""
-    g, plan = plan_for("grpo", tmp_path, "steps=1", "checkpoint=false", placement="colocate")
-    result = api.run(g, plan, out_dir=tmp_path / "run")
-    trace = assert_chrome_trace(result.out_dir / "trace.json")
-    assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} >= {0, 1, 2}
+# ------------------------------------------------------------------ the run folder
 
 
 def test_zero_steps_still_writes_the_run_folder_the_readme_promises(tmp_path):
