@@ -9,10 +9,12 @@ at temperature 1; refused at other temperatures), for temperature < 0.01 (fixed:
 clamps it), and for greedy rows at temperature != 1 (still xfail: vLLM does not scale greedy logits
 by the temperature); a partial rollout reaching max_position_embeddings crashed (fixed).
 
-Whole runs go through the CLI in subprocesses (one in-process vLLM engine per process)."""
+Whole runs go through the CLI in subprocesses (one in-process vLLM engine per process); the log-prob
+probes at temperature 0.5 sample and decode greedily with one engine, in one subprocess."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -123,27 +125,32 @@ graph, plan = api.plan("grpo", overrides=%r, emit=lambda s: None)
 trainers, _ = api.check(graph, plan).engines(graph, plan)
 actor = trainers["actor"]
 engine = VLLMEngine(EngineContext(decl=graph.models["actor"], spec=plan.model_run("actor"), device="cpu", source=actor))
-out = engine.generate([Prompt(text="abc>", answer="abc"), Prompt(text="ba>", answer="ba")], n=2, greedy=%r,
-                      generator=torch.Generator().manual_seed(0))
-seqs = out.sequences
-gap = float(((actor.forward(seqs, "logprobs", 0) - out.logprobs) * seqs.response_mask).abs().max())
+def gap(greedy):
+    out = engine.generate([Prompt(text="abc>", answer="abc"), Prompt(text="ba>", answer="ba")], n=2, greedy=greedy,
+                          generator=torch.Generator().manual_seed(0))
+    seqs = out.sequences
+    return float(((actor.forward(seqs, "logprobs", 0) - out.logprobs) * seqs.response_mask).abs().max())
+gaps = {"sampled": gap(False), "greedy": gap(True)}
 engine.close()
-print(json.dumps({"gap": gap}))
+print(json.dumps(gaps))
 """
 
 
-def _probe_gap(temperature: float, greedy: bool) -> float:
+@functools.cache
+def _probe_gaps(temperature: float) -> dict[str, float]:
+    """The sampler-vs-trainer log-prob gaps of one engine at ``temperature``, sampled and greedy rows
+    (one subprocess, one engine: the tests of one temperature share it)."""
     overrides = ["progress=false", *HEADS, "rollout.max_new_tokens=8", f"rollout.temperature={temperature}"]
     done = subprocess.run(
-        [sys.executable, "-c", PROBE % (overrides, greedy)], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", PROBE % (overrides,)], capture_output=True, text=True, timeout=300,
         env={**os.environ, "FLOWRL_PLUGINS": "vllm"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])["gap"]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_sampled_logprobs_at_temperature_half_match_the_trainer():
-    assert _probe_gap(0.5, greedy=False) < 1e-4
+    assert _probe_gaps(0.5)["sampled"] < 1e-4
 
 
 @pytest.mark.xfail(
@@ -152,13 +159,13 @@ def test_sampled_logprobs_at_temperature_half_match_the_trainer():
     "trainer and the local engine compute: gap ~0.42 at rollout.temperature=0.5",
 )
 def test_greedy_logprobs_at_temperature_half_match_the_trainer():
-    assert _probe_gap(0.5, greedy=True) < 1e-4
+    assert _probe_gaps(0.5)["greedy"] < 1e-4
 
 
 def test_a_temperature_below_a_hundredth_is_refused_not_clamped():
     """Fixed: vLLM would silently raise it to 0.01 and sample another policy; the engine refuses it."""
     with pytest.raises(AssertionError, match="rollout.temperature=0.005 is below 0.01"):
-        _probe_gap(0.005, greedy=False)
+        _probe_gaps(0.005)
 
 
 def test_top_p_below_one_at_another_temperature_is_refused_with_advice(tmp_path):
