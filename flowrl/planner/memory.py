@@ -54,14 +54,19 @@ def usable_bytes(hw: HardwareSpec, numerics: Numerics | None = None) -> int:
     return int(hw.memory_bytes * (1 - (numerics or Numerics()).reserve))
 
 
-def state_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout, trainable: bool) -> int:
+def state_bytes(
+    model: ModelSpec, numerics: Numerics, layout: ModelLayout, trainable: bool, trained: int | None = None
+) -> int:
+    """One device's weights, and for a trainable model its gradients and optimizer states, of the
+    ``trained`` parameters (LoRA adapters) or all (None)."""
     p = layout.parallel
     shard = model.parameters() / (p.tp * p.pp)
     total = shard * numerics.weight_bytes
     if trainable:
-        total += shard * numerics.grad_bytes
+        grads = shard if trained is None else trained / (p.tp * p.pp)
+        total += grads * (numerics.grad_bytes + (0 if trained is None else 4))  # adapters: float32 copies too
         if not layout.offload_optimizer:
-            total += shard / p.dp * numerics.optimizer_bytes
+            total += grads / p.dp * numerics.optimizer_bytes
     return int(total)
 
 

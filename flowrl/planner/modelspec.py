@@ -50,6 +50,17 @@ class ModelSpec(CheckedSpec, kw_only=True):
         bias = q + 2 * kv if self.qkv_bias else 0
         return attention + bias + 3 * h * self.intermediate + 2 * h
 
+    def lora_parameters(self, rank: int, targets: Iterable[str]) -> int:
+        """LoRA adapters of ``rank`` on the decoder layers' ``targets`` (q_proj ... down_proj): rank x
+        (inputs + outputs) for each adapted projection of each layer."""
+        h, hd, i = self.hidden, self.dim_per_head, self.intermediate
+        q, kv = self.heads * hd, self.kv_heads * hd
+        shapes = {
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        }  # fmt: skip
+        return self.layers * sum(rank * sum(shapes[t]) for t in targets if t in shapes)
+
     def parameters(self) -> int:
         """Exact count: embeddings V*H (+ lm_head V*H unless tied) + layers + final norm H."""
         embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)

@@ -779,9 +779,14 @@ def _fit_micro_batches(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan) -
 def _group_states(plan: ExecutionPlan, layout: ClusterPlan, group: str, trainable: set[str]) -> dict[str, int]:
     """The resident model states on one device of ``group``, by model."""
     t = plan.target
+
+    def trained(model: str) -> int | None:  # LoRA: the adapters' parameters train, the rest is held
+        lora = plan.models[model].lora if model in plan.models else None
+        return None if lora is None else t.spec(model).lora_parameters(lora.rank, lora.target_modules)
+
     return {
         f"model {m.model} ({'weights+grads+optimizer' if m.model in trainable else 'weights'})": mem.state_bytes(
-            t.spec(m.model), t.numerics, m, m.model in trainable
+            t.spec(m.model), t.numerics, m, m.model in trainable, trained(m.model)
         )
         for m in layout.models
         if m.group == group

@@ -79,7 +79,7 @@ def test_only_the_adapters_train_and_the_merged_weights_sample_what_trains(lora)
     moved = max(float((after[k] - before[k]).abs().max()) for k in before)
     assert moved > 0  # the adapters moved the merged weights
     # a plain model holding the merged weights computes what the adapted model computes
-    twin = copy.deepcopy(trainers["ref"])
+    twin = engines()[1]["ref"]  # a plain frozen model, as a generation engine holds it
     twin.load_weights(after, 1)
     lp, lp_twin = actor.forward(batch["responses"], "logprobs", 0), twin.forward(batch["responses"], "logprobs", 0)
     assert float((lp - lp_twin).abs().max()) < 1e-5
@@ -110,3 +110,27 @@ def test_a_full_checkpoint_is_refused_by_a_lora_model_and_unknown_targets_are_na
         copy.deepcopy(lora[1]["actor"]).load_state(tmp_path / "full")
     with pytest.raises(BackendError, match=r"train.lora.target_modules names \['w_qkv'\]"):
         engines("train.lora.rank=4", "train.lora.target_modules=[w_qkv]")
+
+
+def test_the_reference_is_the_base_with_the_adapters_off_and_holds_no_second_copy(lora):
+    from flowrl.backends.local.engine import LoraBase
+
+    plan, trainers = lora
+    actor, ref = trainers["actor"], trainers["ref"]
+    assert isinstance(ref, LoraBase) and ref.module is actor.module and ref.lock is actor.lock
+    base = ref.export_weights()
+    batch = _batch(actor)
+    snapshot = {n: p.detach().clone() for n, p in actor.module.named_parameters()}
+    optimizer = copy.deepcopy(actor.optimizer.state_dict())
+    try:
+        _train(actor, plan, batch)
+        seqs = batch["responses"]
+        on, off = actor.forward(seqs, "logprobs", 0), ref.forward(seqs, "logprobs", 0)
+        assert float((on - off).abs().max()) > 0  # the trained adapters change the policy, not the reference
+        assert all(torch.equal(ref.export_weights()[k], base[k]) for k in base)  # the base did not move
+        assert float((actor.forward(seqs, "logprobs", 0) - on).abs().max()) == 0  # adapters back on after the ref
+    finally:  # the module fixture's engines go back to how they were
+        with torch.no_grad():
+            for n, p in actor.module.named_parameters():
+                p.copy_(snapshot[n])
+        actor.optimizer.load_state_dict(optimizer)

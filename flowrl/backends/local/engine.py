@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from flowrl.backends.local.models import (
     ADAPTER_FILE,
     VALUE_HEAD_FILE,
     ValueModel,
+    adapters_off,
     add_lora,
     apply_numerics,
     build_causal_lm,
@@ -47,6 +50,18 @@ from flowrl.runtime.batch import position_ids, ragged, select_rows, to_device, t
 from flowrl.runtime.dispatch import micro_batches, padding
 from flowrl.runtime.protocols import EngineContext, LossFn, TrainStep
 from flowrl.runtime.responses import Response, ResponseRules, prompt_rows, responses_of, to_rollout
+
+
+def _locked(method: Any) -> Any:
+    """``method`` holding the engine's lock: one pass at a time over a module that two engines share
+    (a LoRA policy and its base, `LoraBase`), from the backward's recomputation to the last token."""
+
+    @functools.wraps(method)
+    def run(self: LocalModel, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 class LocalModel:
@@ -70,6 +85,7 @@ class LocalModel:
     ) -> None:
         self.decl = decl
         self.rank, self.world = rank, world
+        self.lock = threading.RLock()
         self.module = module.to(device)
         # LoRA: only the adapters (and a value head) train; the base weights stay as loaded
         self.lora = spec.lora if decl.trainable else None
@@ -107,6 +123,13 @@ class LocalModel:
             self.module.requires_grad_(False)
         self.module.eval()
 
+    def __getstate__(self) -> dict[str, Any]:  # a copy (deepcopy) takes a lock of its own
+        return {k: v for k, v in vars(self).items() if k != "lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update(state)
+        self.lock = threading.RLock()
+
     def _compute(self) -> Any:
         """The precision forward passes run in: bfloat16 autocast when the model computes in bfloat16
         in one process (FSDP2's mixed-precision policy casts a sharded one), else as the weights are."""
@@ -143,6 +166,7 @@ class LocalModel:
             seqs.prompt_ids, seqs.prompt_mask, seqs.prompt_index, rows, rollout.greedy, generator, max_new_tokens
         )
 
+    @_locked
     def _continue(
         self,
         prompt_ids: Tensor,
@@ -194,6 +218,7 @@ class LocalModel:
         pad = self.tokenizer.pad_token_id
         return to_rollout(prompt_ids, prompt_mask, responses, index, version=self.version, greedy=greedy, pad_id=pad)
 
+    @_locked
     def load_weights(self, weights: Mapping[str, Tensor], version: int) -> None:
         self.import_weights(weights)
         self.version = version
@@ -235,6 +260,7 @@ class LocalModel:
         values = self.module(ids, mask, position_ids(mask))
         return values.gather(1, last_real(mask)[:, None]).squeeze(1)
 
+    @_locked
     @torch.no_grad()
     def forward(self, seqs: Sequences, output: str, micro_batch: int) -> Tensor:
         """Micro-batches of rows of similar response length, each without the padding it does not
@@ -257,6 +283,7 @@ class LocalModel:
         return out
 
     # ------------------------------------------------------------ training
+    @_locked
     def train(self, loss: LossFn, batch: StepBatch, step: TrainStep) -> dict[str, float]:
         """PPO-style epochs x mini-batches; each mini-batch is one optimizer step accumulated over micro-batches."""
         opt = self.spec.optimizer
@@ -491,6 +518,35 @@ class LocalModel:
         self.tokenizer.save_pretrained(path)
 
 
+class LoraBase(LocalModel):
+    """A frozen model that is a LoRA-trained model's base -- a reference policy initialised from it, in
+    one process: the trained model's own module with its adapters switched off for each pass, so the
+    base weights are held once. Both engines take the module's lock for each pass."""
+
+    def __init__(self, decl: ModelDecl, source: LocalModel, spec: ModelRun) -> None:
+        vars(self).update(vars(source))  # the module, tokenizer, device and lock are the trained model's
+        self.decl, self.spec, self.sampling = decl, spec, spec.sampling
+        self.rules = ResponseRules.of(self.tokenizer, spec.sampling)
+        self.lora, self.optimizer, self.version, self.trained = None, None, 0, source
+
+    def _compute(self) -> Any:
+        stack = contextlib.ExitStack()
+        stack.enter_context(adapters_off(self.module))
+        stack.enter_context(super()._compute())
+        return stack
+
+    def export_weights(self) -> dict[str, Tensor]:
+        lora = self.trained.lora
+        assert lora is not None
+        return merge_lora(self.trained._state(), 0.0)  # the base: the adapters count nothing
+
+    def import_weights(self, weights: Mapping[str, Tensor]) -> None:
+        raise BackendError(
+            f"model '{self.decl.name}' is the base of LoRA-trained model '{self.trained.decl.name}' (their weights "
+            "are held once); it takes no other weights."
+        )
+
+
 def share_of(seqs: Sequences, rows: Tensor | None, unit: str) -> float:
     """How much of a loss ``rows`` of ``seqs`` (None: all) make, in ``unit`` (flowrl.specs.LOSS_UNITS):
     their sampled tokens (a token mean), their number (a mean over rows), or 1 (a sum); at least 1."""
@@ -584,9 +640,11 @@ def training_engine(ctx: EngineContext) -> LocalModel:
         tokenizer = load_tokenizer(spec.checkpoint)
         hf_config = model_config(spec.checkpoint, spec.tiny, tokenizer)
         module = build_model(spec.checkpoint, hf_config, spec.seed, ctx.decl.scalar_head, ctx.decl.name)
+    elif _is_lora_base(ctx, source):
+        return LoraBase(ctx.decl, source, spec)
     else:
         tokenizer, hf_config = source.tokenizer, source.hf_config
-        lm = copy.deepcopy(_as_lm(source))
+        lm = _lm_copy(source)
         module = ValueModel(lm) if ctx.decl.scalar_head else lm
     engine = LocalModel(
         ctx.decl, module, tokenizer, hf_config, spec, torch.device(ctx.device), ctx.rank, ctx.world, ctx.group
@@ -620,8 +678,22 @@ def generation_engine(ctx: EngineContext) -> LocalModel:
     return engine
 
 
-def _as_lm(source: Any) -> nn.Module:
-    """``source``'s causal LM, to copy: a LoRA-trained one as a plain model holding its merged weights."""
+def _is_lora_base(ctx: EngineContext, source: Any) -> bool:
+    """Whether the model is a frozen LM initialised from a LoRA-trained model of this process (one rank):
+    the trained model's base, held once (`LoraBase`)."""
+    return (
+        isinstance(source, LocalModel)
+        and source.lora is not None
+        and not ctx.decl.trainable
+        and not ctx.decl.scalar_head
+        and ctx.world == 1
+        and source.world == 1
+        and torch.device(ctx.device) == source.device
+    )
+
+
+def _lm_copy(source: Any) -> nn.Module:
+    """A copy of ``source``'s causal LM: a LoRA-trained one as a plain model holding its merged weights."""
     module = getattr(source, "module", None)
     if not isinstance(module, nn.Module):
         raise BackendError(
@@ -633,4 +705,4 @@ def _as_lm(source: Any) -> nn.Module:
         plain = build_causal_lm(None, source.hf_config, source.spec.seed)
         plain.load_state_dict(source.export_weights())
         return plain.to(source.device)
-    return module
+    return copy.deepcopy(module)

@@ -9,8 +9,9 @@ sequence-classification checkpoint (``LlamaForSequenceClassification``, ``num_la
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +267,21 @@ def add_lora(module: nn.Module, lora: LoraConfig, seed: int, name: str = "") -> 
     inject_adapter_in_model(config, lm)
     for key, param in module.named_parameters():
         param.requires_grad_(".lora_" in key or key.startswith("head."))
+
+
+@contextlib.contextmanager
+def adapters_off(module: nn.Module) -> Iterator[None]:
+    """``module``'s LoRA adapters switched off for the duration: it computes as its base model."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 def merge_lora(weights: Mapping[str, Tensor], scaling: float) -> dict[str, Tensor]:
