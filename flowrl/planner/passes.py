@@ -763,8 +763,7 @@ def _fit_micro_batches(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan) -
     t, seq_len, trainable = plan.target, _seq_len(plan), _trainable(graph)
     capacity = mem.usable_bytes(t.cluster.hardware, t.numerics)
     rooms = {
-        g.name: max(capacity - sum(_group_states(plan, layout, g.name, trainable).values()), 0) // 2
-        for g in layout.groups
+        g.name: max(capacity - sum(_group_states(graph, plan, layout, g.name).values()), 0) // 2 for g in layout.groups
     }
     models = []
     for lay in layout.models:
@@ -776,21 +775,42 @@ def _fit_micro_batches(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan) -
     return msgspec.structs.replace(layout, models=tuple(models))
 
 
-def _group_states(plan: ExecutionPlan, layout: ClusterPlan, group: str, trainable: set[str]) -> dict[str, int]:
+def _group_states(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan, group: str) -> dict[str, int]:
     """The resident model states on one device of ``group``, by model."""
-    t = plan.target
+    t, trainable = plan.target, _trainable(graph)
 
     def trained(model: str) -> int | None:  # LoRA: the adapters' parameters train, the rest is held
         lora = plan.models[model].lora if model in plan.models else None
         return None if lora is None else t.spec(model).lora_parameters(lora.rank, lora.target_modules)
 
-    return {
-        f"model {m.model} ({'weights+grads+optimizer' if m.model in trainable else 'weights'})": mem.state_bytes(
+    out = {}
+    for m in layout.models:
+        if m.group != group:
+            continue
+        base_of = lora_base(graph, plan, layout, m.model)
+        if base_of is not None:  # held once, in its LoRA model's weights
+            out[f"model {m.model} (the base of {base_of}'s LoRA: its weights)"] = 0
+            continue
+        kind = "weights+grads+optimizer" if m.model in trainable else "weights"
+        out[f"model {m.model} ({kind})"] = mem.state_bytes(
             t.spec(m.model), t.numerics, m, m.model in trainable, trained(m.model)
         )
-        for m in layout.models
-        if m.group == group
-    }
+    return out
+
+
+def lora_base(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan, model: str) -> str | None:
+    """The LoRA-trained model whose base ``model`` is -- a frozen LM initialised from it, from the same
+    folder, both on one device of one group -- and so holds no weights of its own (the torch engine
+    runs it as that model with its adapters switched off); None otherwise."""
+    decl = graph.models.get(model)
+    if decl is None or decl.trainable or decl.scalar_head or decl.init_from is None:
+        return None
+    run, source = plan.models.get(model), plan.models.get(decl.init_from)
+    if run is None or source is None or source.lora is None or run.checkpoint != source.checkpoint:
+        return None
+    mine, theirs = layout.layout(model), layout.layout(decl.init_from)
+    alone = all(lay.parallel.dp * lay.parallel.tp * lay.parallel.pp == 1 for lay in (mine, theirs))
+    return decl.init_from if alone and mine.group == theirs.group else None
 
 
 def _trainable(graph: Graph) -> set[str]:
@@ -810,11 +830,10 @@ def _activations(plan: ExecutionPlan, lay: ModelLayout, size: int, seq_len: int,
 def memory(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     """The bytes one device of each group needs: resident states plus the largest transient."""
     t, layout = plan.target, _layout(plan)
-    trainable = _trainable(ctx.graph)
     seq_len = _seq_len(plan)
     estimates = []
     for g in layout.groups:
-        states = _group_states(plan, layout, g.name, trainable)
+        states = _group_states(ctx.graph, plan, layout, g.name)
         peaks: dict[str, int] = {}
         for n in plan.nodes:
             if n.group != g.name:

@@ -134,3 +134,14 @@ def test_the_reference_is_the_base_with_the_adapters_off_and_holds_no_second_cop
             for n, p in actor.module.named_parameters():
                 p.copy_(snapshot[n])
         actor.optimizer.load_state_dict(optimizer)
+
+
+def test_the_plan_prices_the_adapters_and_a_base_held_once():
+    def states(*extra: str) -> dict[str, int]:
+        _, plan = api.plan("grpo", overrides=[*SMALL, *extra], emit=lambda s: None)
+        (estimate,) = plan.memory
+        return {k: v for k, v in estimate.breakdown.items() if k.startswith("model ")}
+
+    full, lora = states(), states("train.lora.rank=4")
+    assert lora["model actor (weights+grads+optimizer)"] < full["model actor (weights+grads+optimizer)"]
+    assert full["model ref (weights)"] > 0 and lora["model ref (the base of actor's LoRA: its weights)"] == 0
