@@ -15,6 +15,9 @@ from flowrl.plugins.manager import registry  # noqa: E402
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
 
 HEADS = ["tiny_model.num_heads=2", "tiny_model.num_kv_heads=1"]  # head size 32: vLLM's CPU kernels
+# a one-layer model at twice the default learning rate: 30 steps climb as far as 40 of the default model
+# (GRPO copy on the local engine, seed 0: 0.037 -> 0.28 against 0.026 -> 0.27) at a third less a step
+FAST = ["tiny_model.num_layers=1", "train.lr=4e-3"]
 
 
 def mean(xs):
@@ -24,8 +27,8 @@ def mean(xs):
 def test_grpo_learns_with_a_disaggregated_async_vllm_generation_group(tmp_path, monkeypatch):
     monkeypatch.setenv("FLOWRL_PLUGINS", "ray,vllm")
     overrides = [
-        "steps=40", "seed=0", "progress=false", "checkpoint=false", "backend=ray", "device=cpu", f"out={tmp_path}",
-        "rollout.mode=async", "generation.engine=vllm", *HEADS,
+        "steps=30", "seed=0", "progress=false", "checkpoint=false", "backend=ray", "device=cpu", f"out={tmp_path}",
+        "rollout.mode=async", "generation.engine=vllm", *HEADS, *FAST,
     ]  # fmt: skip
     _, cfg = api.load("grpo", overrides=overrides)
     target = api.local_target(cfg, registry(), devices=2)
@@ -48,7 +51,7 @@ def test_grpo_learns_with_a_disaggregated_async_vllm_generation_group(tmp_path, 
     rewards = [r["reward"] for r in m]
     first, last = mean(rewards[:10]), mean(rewards[-10:])
     print(f"GRPO copy, Ray + vLLM async: reward {first:.3f} -> {last:.3f}")
-    assert last > first + 0.15, rewards  # seed 0: 0.020 -> 0.239 in 40 steps, still climbing
+    assert last > first + 0.12, rewards  # seed 0: 0.033 -> 0.234 in 30 steps, still climbing
     eta = plan.layout.rollout.staleness
     assert all(r["rollout/staleness_max"] <= eta for r in m) and any(r["rollout/staleness_1"] > 0 for r in m)
     assert m[0]["logprob_gap"] < 1e-4  # the first batch: sampler and trainer hold the same weights
