@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from flowrl import api
 from flowrl.runtime import checkpoint
 
 pytestmark = pytest.mark.slow  # flowrl subprocesses, killed and resumed
@@ -69,9 +70,9 @@ def _wait_for(proc: subprocess.Popen, ready) -> bool:
 
 
 def test_kill_9_ctrl_c_and_sigterm_then_resume_equals_the_uninterrupted_run(tmp_path, start_flowrl):
-    ref = start_flowrl("grpo", *RUN, "--out", str(tmp_path), "--name", "ref")
-    out, err = ref.communicate(timeout=600)
-    assert ref.returncode == 0, err
+    # the uninterrupted run `flowrl run grpo RUN --out tmp_path --name ref`, in this process
+    overrides = [f"steps={STEPS}", "save_every=1", "rollout.prompts_per_step=4", f"out={tmp_path}", "name=ref"]
+    api.run(*api.plan("grpo", overrides=overrides, emit=lambda s: None))
     folder = tmp_path / "run"
     rng = random.Random(0)
     plan = [("kill", "checkpoint"), ("int", "step"), ("kill", "random"), ("term", "step"), ("kill", "checkpoint")]
