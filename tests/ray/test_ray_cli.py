@@ -1,4 +1,5 @@
-"""The README's cluster commands, as a user types them (each `flowrl run` starts and stops its own Ray)."""
+"""The README's cluster commands, as a user types them (each `flowrl run` starts and stops its own Ray,
+in a subprocess; `flowrl plan` runs in the test's process)."""
 
 from __future__ import annotations
 
@@ -24,14 +25,18 @@ def flowrl(*args: str, cwd=None) -> subprocess.CompletedProcess:
     )
 
 
-def test_plan_for_cpu2_then_run_the_plan_on_ray(tmp_path):
+def test_plan_for_cpu2_then_run_the_plan_on_ray(tmp_path, monkeypatch, capsys):
+    from flowrl.cli import main
+
     plan = tmp_path / "plan.yaml"
     runs = tmp_path / "runs"
-    out = flowrl(
-        "plan", "graphs/ppo.py", "--cluster", "cpu:2", "--out", str(plan), "--explain", "--set", f"out={runs}", *SMALL
+    monkeypatch.setenv("FLOWRL_PLUGINS", "ray")  # `flowrl plan` in this process (it starts no Ray)
+    rc = main(
+        ["plan", "graphs/ppo.py", "--cluster", "cpu:2", "--out", str(plan), "--explain", "--set", f"out={runs}", *SMALL]
     )
-    assert out.returncode == 0, out.stderr
-    assert "winner:" in out.stdout and f"run it with `flowrl run graphs/ppo.py --plan {plan}`" in out.stdout
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "winner:" in out.out and f"run it with `flowrl run graphs/ppo.py --plan {plan}`" in out.out
     assert "executor: ray" in plan.read_text()
     run = flowrl("run", "graphs/ppo.py", "--plan", str(plan), "--quiet")
     assert run.returncode == 0, run.stderr
