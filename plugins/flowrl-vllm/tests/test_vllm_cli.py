@@ -10,7 +10,8 @@ clamps it), and for greedy rows at temperature != 1 (still xfail: vLLM does not 
 by the temperature); a partial rollout reaching max_position_embeddings crashed (fixed).
 
 Whole runs go through the CLI in subprocesses (one in-process vLLM engine per process); the log-prob
-probes at temperature 0.5 sample and decode greedily with one engine, in one subprocess."""
+probes at temperature 0.5 sample and decode greedily with one engine, in one subprocess. Runs the
+engine refuses before it starts vLLM run the CLI in the test's process."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -44,6 +46,26 @@ def _flowrl(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.fixture
+def flowrl_here(monkeypatch, capsys):
+    """``flowrl ARGS`` in this process, for runs refused before a vLLM engine starts (the engine
+    checks its settings before it imports vLLM): their exit status and output, as `_flowrl` gives them."""
+    from flowrl.cli import main
+    from flowrl.plugins.manager import set_registry
+
+    def run(*args: str) -> SimpleNamespace:
+        monkeypatch.setenv("FLOWRL_PLUGINS", "vllm")
+        set_registry(None)  # this folder has no registry-resetting conftest: load it under the env above
+        try:
+            rc = main(list(args))
+        finally:
+            set_registry(None)
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=rc, stdout=out.out, stderr=out.err)
+
+    return run
+
+
 def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -63,17 +85,17 @@ def test_flowrl_plugins_lists_the_vllm_generation_engine():
     assert engines and "vLLM" in engines[0]
 
 
-def test_an_unsupported_head_size_is_refused_with_advice_and_no_traceback(tmp_path):
+def test_an_unsupported_head_size_is_refused_with_advice_and_no_traceback(tmp_path, flowrl_here):
     sets = _sets(*SMALL, "generation.engine=vllm", "tiny_model.num_heads=4", "tiny_model.num_kv_heads=2")
-    done = _flowrl("run", GRPO, "--steps", "1", "--out", str(tmp_path), *sets)
+    done = flowrl_here("run", GRPO, "--steps", "1", "--out", str(tmp_path), *sets)
     assert done.returncode == 2
     err = " ".join((done.stdout + done.stderr).split())
     assert "heads of size 16" in err and "tiny_model.num_heads=2" in err
     assert "Traceback" not in done.stderr
 
 
-def test_bf16_sampling_needs_a_separate_generation_engine(tmp_path):
-    done = _flowrl("run", GRPO, "--steps", "1", "--out", str(tmp_path), *_sets(*SMALL, "generation.dtype=bfloat16"))
+def test_bf16_sampling_needs_a_separate_generation_engine(tmp_path, flowrl_here):
+    done = flowrl_here("run", GRPO, "--steps", "1", "--out", str(tmp_path), *_sets(*SMALL, "generation.dtype=bfloat16"))
     assert done.returncode == 2
     assert "generation.dtype" in done.stderr and "Traceback" not in done.stderr
 
@@ -162,15 +184,17 @@ def test_greedy_logprobs_at_temperature_half_match_the_trainer():
     assert _probe_gaps(0.5)["greedy"] < 1e-4
 
 
-def test_a_temperature_below_a_hundredth_is_refused_not_clamped():
+def test_a_temperature_below_a_hundredth_is_refused_not_clamped(tmp_path, flowrl_here):
     """Fixed: vLLM would silently raise it to 0.01 and sample another policy; the engine refuses it."""
-    with pytest.raises(AssertionError, match="rollout.temperature=0.005 is below 0.01"):
-        _probe_gaps(0.005)
+    sets = _sets(*SMALL, *HEADS, "generation.engine=vllm", "rollout.temperature=0.005")
+    done = flowrl_here("run", GRPO, "--steps", "1", "--out", str(tmp_path), *sets)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "rollout.temperature=0.005 is below 0.01" in " ".join(done.stderr.split())
 
 
-def test_top_p_below_one_at_another_temperature_is_refused_with_advice(tmp_path):
+def test_top_p_below_one_at_another_temperature_is_refused_with_advice(tmp_path, flowrl_here):
     sets = _sets(*SMALL, *HEADS, "generation.engine=vllm", "rollout.top_p=0.7", "rollout.temperature=0.8")
-    done = _flowrl("run", GRPO, "--steps", "1", "--out", str(tmp_path), *sets)
+    done = flowrl_here("run", GRPO, "--steps", "1", "--out", str(tmp_path), *sets)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "rollout.top_p=0.7" in done.stderr and "rollout.top_p=1" in done.stderr
 
