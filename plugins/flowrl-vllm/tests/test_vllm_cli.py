@@ -10,8 +10,9 @@ clamps it), and for greedy rows at temperature != 1 (still xfail: vLLM does not 
 by the temperature); a partial rollout reaching max_position_embeddings crashed (fixed).
 
 Whole runs go through the CLI in subprocesses (one in-process vLLM engine per process); the log-prob
-probes at temperature 0.5 sample and decode greedily with one engine, in one subprocess. Runs the
-engine refuses before it starts vLLM run the CLI in the test's process."""
+probes at temperature 0.5 sample and decode greedily with one engine, in one subprocess; one run on a
+model of 12 positions at top_p 0.7 serves the top-p and the position-limit tests. Runs the engine
+refuses before it starts vLLM run the CLI in the test's process."""
 
 from __future__ import annotations
 
@@ -129,12 +130,21 @@ def test_partial_async_resume_from_a_mid_run_checkpoint_repeats_the_run_exactly(
 # ------------------------------------------------------------------ bugs
 
 
-def test_top_p_sampler_logprobs_match_the_trainer(tmp_path):
+@pytest.fixture(scope="module")
+def short_model_top_p_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One run for two checks: partial rollouts on a model of 12 positions (its responses reach its
+    length), sampled at top_p 0.7 (every step-0 token's log-prob is compared with the trainer's)."""
+    out = tmp_path_factory.mktemp("short-top-p")
+    sets = _sets(*SMALL, *HEADS, "generation.engine=vllm", "rollout.mode=partial", "rollout.top_p=0.7",
+                 "tiny_model.max_position_embeddings=12", "rollout.max_new_tokens=16")  # fmt: skip
+    return _flowrl("run", GRPO, "--steps", "2", "--out", str(out), *sets), out / "grpo"
+
+
+def test_top_p_sampler_logprobs_match_the_trainer(short_model_top_p_run):
     """Fixed: at temperature 1 the engine asks vLLM for raw log-probs (before top-p), the trainer's."""
-    sets = _sets(*SMALL, *HEADS, "generation.engine=vllm", "rollout.top_p=0.7")
-    done = _flowrl("run", GRPO, "--steps", "1", "--out", str(tmp_path), *sets)
+    done, run = short_model_top_p_run
     assert done.returncode == 0, done.stderr[-3000:]
-    assert _metrics(tmp_path / "grpo")[0]["logprob_gap"] < 1e-4
+    assert _metrics(run)[0]["logprob_gap"] < 1e-4
 
 
 PROBE = """
@@ -199,9 +209,7 @@ def test_top_p_below_one_at_another_temperature_is_refused_with_advice(tmp_path,
     assert "rollout.top_p=0.7" in done.stderr and "rollout.top_p=1" in done.stderr
 
 
-def test_partial_rollouts_reaching_the_position_limit_do_not_crash(tmp_path):
-    sets = _sets(*SMALL, *HEADS, "generation.engine=vllm", "rollout.mode=partial",
-                 "tiny_model.max_position_embeddings=12", "rollout.max_new_tokens=16")  # fmt: skip
-    done = _flowrl("run", GRPO, "--steps", "2", "--out", str(tmp_path), *sets)
+def test_partial_rollouts_reaching_the_position_limit_do_not_crash(short_model_top_p_run):
+    done, run = short_model_top_p_run
     assert "Traceback" not in done.stderr
     assert done.returncode == 0, done.stderr[-3000:]  # fixed: responses end at the model's length
