@@ -248,11 +248,17 @@ def test_cli_worker_error_exits_2_in_one_paragraph_and_leaves_no_ray(tmp_path):
     assert one_paragraph(out.stderr), out.stderr
 
 
-def test_cli_plan_mistakes_exit_2_in_one_paragraph(tmp_path):
+def test_cli_plan_mistakes_exit_2_in_one_paragraph(tmp_path, monkeypatch, capsys):
+    """`flowrl plan` then `flowrl run --plan` without the plugin, in this process (neither starts a Ray)."""
+    from flowrl.cli import main
+    from flowrl.plugins.manager import set_registry
+
     plan = tmp_path / "plan.yaml"
-    made = flowrl("plan", "graphs/grpo.py", "--cluster", "cpu:2", "--out", str(plan), *CLI_SMALL[:-1])
-    assert made.returncode == 0, made.stderr
-    no_plugin = flowrl(
-        "run", "graphs/grpo.py", "--plan", str(plan), plugins=""
-    )  # the plan is for 'ray'; its plugin is not loaded
-    assert no_plugin.returncode == 2 and "'ray'" in no_plugin.stderr and one_paragraph(no_plugin.stderr)
+    made = main(["plan", "graphs/grpo.py", "--cluster", "cpu:2", "--out", str(plan), *CLI_SMALL[:-1]])
+    assert made == 0, capsys.readouterr().err
+    capsys.readouterr()
+    monkeypatch.setenv("FLOWRL_PLUGINS", "")  # the plan is for 'ray'; its plugin is not loaded
+    set_registry(None)
+    rc = main(["run", "graphs/grpo.py", "--plan", str(plan)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "'ray'" in err and one_paragraph(err)
