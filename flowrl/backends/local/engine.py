@@ -413,8 +413,6 @@ class LocalModel:
         """Restore what `save_state` wrote (each rank keeps its shard); returns the version."""
         from safetensors.torch import load_file
 
-        from flowrl.runtime.checkpoint import load_tree
-
         if self.lora is not None:
             return self._load_adapter_state(path)
         try:
@@ -434,27 +432,20 @@ class LocalModel:
                 f"checkpoint of model '{self.decl.name}' in '{path}' does not fit the model: missing "
                 f"{missing[:3]}, unexpected {unexpected[:3]}."
             )
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        return self._restore(weights, path, version)
 
-            set_model_state_dict(self.module, weights, options=StateDictOptions(full_state_dict=True, strict=False))
-        else:
-            self.module.load_state_dict(weights, strict=False)
-        if self.optimizer is not None:  # a trainable model's checkpoint always holds its optimizer state
-            self._load_optimizer_state(load_tree(path / "optimizer"))
-        self.version = version
-        return version
+    def _trained_names(self) -> set[str]:
+        """The parameters a LoRA model trains: its adapters, and a value head."""
+        return {n for n, p in self.module.named_parameters() if p.requires_grad}
 
     def _trained_state(self) -> dict[str, Tensor]:
-        """What a LoRA model trains (its adapters, and a value head), full on every rank."""
-        names = {n for n, p in self.module.named_parameters() if p.requires_grad}
+        """What a LoRA model trains, full on every rank."""
+        names = self._trained_names()
         return {k: v for k, v in self._state().items() if k in names}
 
     def _load_adapter_state(self, path: Path) -> int:
         """Restore a LoRA model's adapters (its base is rebuilt as at the start) and optimizer state."""
         from safetensors.torch import load_file
-
-        from flowrl.runtime.checkpoint import load_tree
 
         try:
             version = int(msgspec.json.decode((path / "engine.json").read_bytes())["version"])
@@ -464,20 +455,27 @@ class LocalModel:
                 f"checkpoint of model '{self.decl.name}' in '{path}' has no readable LoRA adapters "
                 f"({ADAPTER_FILE}): {type(exc).__name__}: {exc}. Was it written with train.lora.rank=0?"
             ) from None
-        names = {n for n, p in self.module.named_parameters() if p.requires_grad}
+        names = self._trained_names()
         if set(adapter) != names:
             raise BackendError(
                 f"the LoRA adapters in '{path / ADAPTER_FILE}' do not fit model '{self.decl.name}' as configured "
                 f"(train.lora rank / target_modules): missing {sorted(names - set(adapter))[:3]}, unexpected "
                 f"{sorted(set(adapter) - names)[:3]}."
             )
+        return self._restore(adapter, path, version)
+
+    def _restore(self, weights: Mapping[str, Tensor], path: Path, version: int) -> int:
+        """Load ``weights`` (all or part of the module's, full on every rank) and the optimizer state in
+        ``path``; the engine is at ``version`` again."""
+        from flowrl.runtime.checkpoint import load_tree
+
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-            set_model_state_dict(self.module, adapter, options=StateDictOptions(full_state_dict=True, strict=False))
+            set_model_state_dict(self.module, weights, options=StateDictOptions(full_state_dict=True, strict=False))
         else:
-            self.module.load_state_dict(adapter, strict=False)
-        if self.optimizer is not None:
+            self.module.load_state_dict(weights, strict=False)
+        if self.optimizer is not None:  # a trainable model's checkpoint always holds its optimizer state
             self._load_optimizer_state(load_tree(path / "optimizer"))
         self.version = version
         return version
@@ -536,8 +534,6 @@ class LoraBase(LocalModel):
         return stack
 
     def export_weights(self) -> dict[str, Tensor]:
-        lora = self.trained.lora
-        assert lora is not None
         return merge_lora(self.trained._state(), 0.0)  # the base: the adapters count nothing
 
     def import_weights(self, weights: Mapping[str, Tensor]) -> None:
