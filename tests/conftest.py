@@ -36,6 +36,24 @@ settings.register_profile("explore", deadline=None, max_examples=500, suppress_h
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def _ray_module(item: pytest.Item) -> bool:
+    return item.path.parent.name == "ray" and item.path.parent.parent.name == "tests"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """How `pytest -n 2` shares the work (pyproject: ``--dist loadgroup --no-loadscope-reorder``): a
+    module's tests stay together on one worker (its module fixtures are built once), the Ray modules
+    are one group (one private Ray at a time, on one worker, while the other worker runs the rest),
+    and the longest work is handed out first -- the Ray group, then the modules with slow tests,
+    then the quick modules, which fill the end -- so neither worker waits alone on a long module."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group("ray" if _ray_module(item) else str(item.path)))
+    items.sort(key=lambda item: 0 if _ray_module(item) else 1 if item.path in slow else 2)
+
+
 class PlannerClock:
     """``time`` for flowrl.planner.autotune: every read of ``perf_counter`` advances ``TICK``
     seconds. The search reads it once per candidate, so a budget of B seconds simulates about

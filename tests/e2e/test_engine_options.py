@@ -20,16 +20,19 @@ pytestmark = pytest.mark.slow
 
 BF16 = ["train.dtype=bfloat16", "train.recompute=true", "train.attention=sdpa"]
 TOKENS = ["train.max_tokens_per_micro_batch=512"]
+# a one-layer model at twice the default learning rate: its steps are a third faster, and 40 of them
+# climb as far as 60 of the default model's (tests/e2e/test_learning.py)
+FAST = ["rollout.prompts_per_step=16", "tiny_model.num_layers=1", "train.lr=4e-3"]
 
 
 @pytest.mark.parametrize(
     ("options", "gain"),
-    # seed 0, one torch thread, 16 prompts a step, 60 steps: bf16 0.020 -> 0.427
-    [(BF16, 0.25), (TOKENS, 0.25)],
+    # seed 0, one torch thread, 40 steps: bf16 0.029 -> 0.237, token budget 0.032 -> 0.265
+    [(BF16, 0.12), (TOKENS, 0.12)],
     ids=["bf16-recompute-sdpa", "token-budget"],
 )
 def test_the_default_graph_learns_with_the_engine_option(train, options, gain):
-    result = train("graphs/grpo.py", 60, "rollout.prompts_per_step=16", "checkpoint=false", *options)
+    result = train("graphs/grpo.py", 40, *FAST, "checkpoint=false", *options)
     rewards = [m["reward"] for m in result.metrics]
     first, last = mean(rewards[:10]), mean(rewards[-10:])
     print(f"{options}: reward {first:.3f} -> {last:.3f}")
@@ -38,15 +41,15 @@ def test_the_default_graph_learns_with_the_engine_option(train, options, gain):
 
 def test_lora_in_bf16_with_recomputed_layers_post_trains_a_checkpoint(train):
     """LoRA adapts a model that already knows something (from scratch, a tiny random base with frozen
-    embeddings barely moves): 40 full steps, then 40 LoRA steps from its checkpoint. Seed 0, one torch
-    thread: the base run ends at 0.20; LoRA 0.220 -> 0.298."""
-    base = train("graphs/grpo.py", 40, "rollout.prompts_per_step=16")
+    embeddings barely moves): 30 full steps, then 40 LoRA steps from its checkpoint. Seed 0, one torch
+    thread: the base run ends near 0.2; LoRA 0.234 -> 0.375."""
+    base = train("graphs/grpo.py", 30, *FAST)
     lora = ["train.lora.rank=8", "train.lr=5e-3", *BF16]
     result = train("graphs/grpo.py", 40, "rollout.prompts_per_step=16", f"model={base.checkpoints['actor']}", *lora)
     rewards = [m["reward"] for m in result.metrics]
     first, last = mean(rewards[:10]), mean(rewards[-10:])
     print(f"LoRA: reward {first:.3f} -> {last:.3f}")
-    assert last > first + 0.04, rewards
+    assert last > first + 0.07, rewards
     assert (result.checkpoints["actor"] / "adapter.safetensors").is_file()
 
 

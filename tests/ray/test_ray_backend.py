@@ -10,15 +10,19 @@ import json
 import os
 import shutil
 
+import msgspec
 import pytest
 import torch
 
 from flowrl import api
+from flowrl.algorithms.ops import LOSSES
 from flowrl.plugins.manager import registry
 from flowrl.runtime.executor import PlanExecutor
 from flowrl.runtime.groups import TrainingGroup
 from flowrl.runtime.protocols import TrainStep
+from flowrl.specs import loss_unit
 from flowrl.tasks.builtin import Copy
+from flowrl_example import sequence_pg_loss
 
 ray = pytest.importorskip("ray")
 
@@ -82,6 +86,15 @@ def test_generation_weights_equal_the_trainers_bit_for_bit_after_every_sync(tmp_
     assert [w["rank"] for w in workers] == [0, 1] and all(w["pid"] != os.getpid() for w in workers)
 
 
+LOSS_CASES = [
+    ("ppo", {}),
+    ("ppo", {"loss_agg": "seq-mean-token-mean"}),
+    ("ppo", {"loss_agg": "seq-mean-token-sum-norm", "loss_norm": 24}),
+    ("gspo", {}),
+    ("sequence_pg", {}),  # a plugin's sequence-level loss
+]
+
+
 def test_a_two_rank_fsdp2_train_step_equals_the_one_process_step(tmp_path):
     g2, plan2 = cpu2_plan("grpo", tmp_path, placement="colocate")
     assert plan2.layout.layout("actor").parallel.dp == 2
@@ -101,34 +114,50 @@ def test_a_two_rank_fsdp2_train_step_equals_the_one_process_step(tmp_path):
         prompts = Copy().prompts(random.Random(0), 5)
         rollout = local.generate(prompts, n=3, greedy=False, generator=torch.Generator().manual_seed(0))
         seqs = rollout.sequences  # 15 rows: uneven shares, and a rank with a dummy micro-step
+        width = seqs.response_ids.shape[1]  # responses of 1 to the whole budget of tokens
+        lengths = torch.tensor([1 + (i * 7) % width for i in range(len(seqs))])
+        seqs = seqs.replaced(response_mask=(torch.arange(width)[None, :] < lengths[:, None]).float())
+        noise = torch.Generator().manual_seed(1)
         batch = {
             "responses": seqs,
-            "old_logprobs": local.forward(seqs, "logprobs", 0),
+            # ratios off 1, so some rows clip
+            "old_logprobs": local.forward(seqs, "logprobs", 0) + 0.05 * torch.randn(len(seqs), width, generator=noise),
             "ref_logprobs": local.forward(seqs, "logprobs", 0) - 0.01,
-            "advantages": torch.randn(len(seqs), 1, generator=torch.Generator().manual_seed(1)),
+            "advantages": torch.randn(len(seqs), 1, generator=noise) * seqs.response_mask,
         }
-        loss = registry().get("losses", "ppo")
+        # every way a loss aggregates, on rows of different lengths: the two ranks' accumulated step
+        # (micro-batches of 3 rows per rank) equals one process taking each mini-batch whole
+        for name, options in LOSS_CASES:
+            if name == "sequence_pg":
+                fn, aggregate = sequence_pg_loss, "seq-mean"
+            else:
+                fn, meta = LOSSES[name]
+                aggregate = meta["aggregate"]
+            algo = msgspec.structs.replace(plan1.config.algo, **options)
 
-        def step():
-            return TrainStep(
-                node="train_actor",
-                sequences_key="responses",
-                output="logprobs",
-                micro_batch=3,
-                epochs=1,
-                mini_batches=2,
-                algo=plan1.config.algo,
-                generator=torch.Generator().manual_seed(7),
-            )
+            def step(micro: int) -> TrainStep:
+                return TrainStep(
+                    node="train_actor",
+                    sequences_key="responses",
+                    output="logprobs",
+                    micro_batch=micro,
+                    epochs=1,
+                    mini_batches=2,
+                    algo=algo,
+                    generator=torch.Generator().manual_seed(7),
+                    unit=loss_unit(aggregate, algo),
+                )
 
-        stats1 = local.train(loss, batch, step())
-        stats2 = sharded.train(loss, batch, step())
-        after1, after2 = local.export_weights(), sharded.export_weights()
-        moved = max(float((after1[k] - start[k]).abs().max()) for k in start)
-        diff = max(float((after1[k] - after2[k]).abs().max()) for k in start)
-        assert moved > 1e-4  # the step did something
-        assert diff < 1e-5 * max(1.0, moved * 100), (diff, moved)
-        assert abs(stats1["grad_norm"] - stats2["grad_norm"]) < 1e-4 * max(1.0, stats1["grad_norm"])
+            before1, before2 = local.export_weights(), sharded.export_weights()
+            stats1 = local.train(fn, batch, step(len(seqs)))
+            stats2 = sharded.train(fn, batch, step(3))
+            after1, after2 = local.export_weights(), sharded.export_weights()
+            moved = max(float((after1[k] - before1[k]).abs().max()) for k in start)
+            diff = max(float(((after1[k] - before1[k]) - (after2[k] - before2[k])).abs().max()) for k in start)
+            assert moved > 1e-4, name  # the step did something
+            assert diff < 1e-5 * max(1.0, moved * 100), (name, options, diff, moved)
+            norm = stats1["grad_norm"]
+            assert abs(norm - stats2["grad_norm"]) < 1e-4 * max(1.0, norm), (name, options)
     finally:
         transport.close()
     assert ray.is_initialized()  # the module's session: the executor did not start it, so it did not stop it
