@@ -303,8 +303,12 @@ def _forward(
     if not len(seqs):  # a filter that keeps rows kept none this step
         shape = (0,) if node.output == "scores" else (0, seqs.response_ids.shape[1])
         return {node.writes[0]: torch.zeros(shape)}, {"empty": 1}
-    values = rt.trainers[node.model].forward(seqs, node.output, rt.micro_batch[node.name])
+    engine = rt.trainers[node.model]
+    splits = getattr(engine, "oom_splits", 0)  # an engine that splits micro-batches out of memory counts them
+    values = engine.forward(seqs, node.output, rt.micro_batch[node.name])
     metrics: dict[str, Any] = {}
+    if getattr(engine, "oom_splits", 0) > splits:
+        metrics["oom_splits"] = engine.oom_splits - splits
     role = rt.graph.models[node.model].role
     if node.output == "scores" and role in ("reward", "cost"):
         metrics[role] = round(float(values.float().mean()), 6)

@@ -17,6 +17,7 @@ import contextlib
 import copy
 import functools
 import math
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -108,6 +109,7 @@ class LocalModel:
         self.context = int(getattr(hf_config, "max_position_embeddings", None) or 1 << 30)  # prompt + response
         self.device = device
         self.version = 0
+        self.oom_splits, self.warned_oom = 0, False  # micro-batches split after running out of memory
         # sampling draws on the model's device; a CPU generator cannot drive CUDA sampling
         self.sampler = torch.Generator(device=device).manual_seed(spec.seed) if device.type != "cpu" else None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -271,8 +273,13 @@ class LocalModel:
         parts = micro_batches(seqs, torch.arange(len(seqs)), 1, micro, self.spec.max_tokens_per_micro_batch)[0]
         width = seqs.response_ids.shape[1]
         out: Tensor | None = None
-        for rows in parts:
-            part = self._outputs(trim({"s": seqs.select(rows)}, "s")["s"], output).cpu()
+        while parts:
+            rows = parts.pop(0)
+            try:
+                part = self._outputs(trim({"s": seqs.select(rows)}, "s")["s"], output).cpu()
+            except RuntimeError as err:  # out of memory: the micro-batch again, as two halves
+                parts[:0] = self._split(err, rows, f"model '{self.decl.name}' computing {output}")
+                continue
             if out is None:
                 out = torch.zeros((len(seqs), width) if part.dim() == 2 else (len(seqs),), dtype=part.dtype)
             if part.dim() == 2:
@@ -296,53 +303,39 @@ class LocalModel:
             return {}
         micro = step.micro_batch or n_rows
         stats: dict[str, list[float]] = {}
-        skipped = 0  # optimizer steps skipped for a non-finite gradient (train.skip_nonfinite)
+        skipped, splits_before = 0, self.oom_splits  # optimizer steps skipped for a non-finite gradient
         computed = useful = 0  # tokens the micro-batches computed, and how many of them were not padding
         self.module.train()
         for _ in range(step.epochs):
             order = torch.randperm(n_rows, generator=step.generator)  # the same on every rank
             for mb in order.chunk(step.mini_batches):
-                whole = share_of(seqs, mb, step.unit)  # seqs live on the host
-                self.optimizer.zero_grad(set_to_none=True)
-                mb_loss, mine_share = 0.0, 0.0  # this rank's part of the mini-batch's loss, and of the mini-batch
                 # every rank's micro-batches (similar lengths together): all ranks take as many micro-steps
                 shares = micro_batches(seqs, mb, self.world, micro, self.spec.max_tokens_per_micro_batch)
                 parts, steps = shares[self.rank], max(len(p) for p in shares)
-                # FSDP averages gradients over ranks: scale by world so they sum, as one process would
-                scale = float(self.world)
-                for i in range(steps):
-                    if self.sharded:  # accumulate locally; reduce-scatter once, at the last micro-step
-                        self.module.set_requires_gradient_sync(i == steps - 1)
-                    part, weight_on = (parts[i], 1.0) if i < len(parts) else (mb[:1], 0.0)  # a short rank idles
-                    view = to_device(trim(select_rows(batch, part, n_rows), step.sequences_key), self.device)
-                    out = self._outputs(view[step.sequences_key], step.output)
-                    value, step_stats = loss(out, view, step.algo)
-                    # the micro-batch's share of the mini-batch, in what the loss is a mean over: the
-                    # gradients add up to the whole mini-batch's loss's, for any split
-                    share = share_of(view[step.sequences_key], None, step.unit) / whole
-                    (value * (weight_on * scale * share)).backward()
-                    if weight_on:
-                        padded, real = padding(view[step.sequences_key])
-                        computed, useful = computed + padded, useful + real
-                        mb_loss, mine_share = mb_loss + value.item() * share, mine_share + share
-                        for k, v in step_stats.items():
-                            stats.setdefault(k, []).append(v)
+                while True:  # a micro-batch whose backward ran out of memory: the mini-batch again, split
+                    try:
+                        acc = self._accumulate(loss, batch, step, mb, parts, steps)
+                        break
+                    except _SplitAndRestart as again:
+                        parts[again.index : again.index + 1] = again.halves
                 norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), opt.grad_clip)
                 norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
                 if not math.isfinite(float(norm)):  # the same on every rank: the norm is global
                     if not opt.skip_nonfinite:
-                        loss_now = mb_loss / (mine_share or 1.0)
                         raise BackendError(
-                            f"node '{step.node}': the loss ({loss_now}) or its gradient (norm {float(norm)}) is not "
+                            f"node '{step.node}': the loss ({acc.loss()}) or its gradient (norm {float(norm)}) is not "
                             f"finite, so model '{self.decl.name}' was not updated. Lower train.lr, check the rewards "
                             "and advantages, or set train.skip_nonfinite=true to skip such steps."
                         )
                     self.optimizer.zero_grad(set_to_none=True)
                     skipped += 1
                     continue
+                computed, useful = computed + acc.computed, useful + acc.useful
+                for k, v in acc.stats.items():
+                    stats.setdefault(k, []).extend(v)
                 stats.setdefault("grad_norm", []).append(float(norm))
                 # the mini-batch's loss (of this rank's rows, on several ranks); a sum's is its whole
-                stats.setdefault("loss", []).append(mb_loss if step.unit == "sum" else mb_loss / (mine_share or 1.0))
+                stats.setdefault("loss", []).append(acc.total if step.unit == "sum" else acc.loss())
                 self.optimizer.step()
         self.module.eval()
         self.version += 1
@@ -350,8 +343,83 @@ class LocalModel:
         out = {k: sum(v) / len(v) for k, v in finite.items() if v}
         if opt.skip_nonfinite:
             out["skipped"] = float(skipped)
+        if self.oom_splits > splits_before:  # micro-batches split after running out of memory
+            out["oom_splits"] = float(self.oom_splits - splits_before)
         out["pad_frac"] = 1.0 - useful / computed if computed else 0.0  # padding among the tokens computed
         return out
+
+    def _accumulate(
+        self, loss: LossFn, batch: StepBatch, step: TrainStep, mb: Tensor, parts: list[Tensor], steps: int
+    ) -> _Accumulated:
+        """One mini-batch ``mb``'s gradient, accumulated over this rank's micro-batches ``parts`` (``steps``:
+        as many as the rank with the most takes). A micro-batch whose forward runs out of memory is
+        split in two where it stands (``parts`` changes); one whose backward does raises
+        `_SplitAndRestart` (part of its gradient is already added in)."""
+        seqs: Sequences = batch[step.sequences_key]
+        whole = share_of(seqs, mb, step.unit)  # seqs live on the host
+        self.optimizer.zero_grad(set_to_none=True)
+        acc = _Accumulated()
+        # FSDP averages gradients over ranks: scale by world so they sum, as one process would
+        scale = float(self.world)
+        i = 0
+        while i < max(steps, len(parts)):  # one rank splits only unsharded: its step count is its own
+            if self.sharded:  # accumulate locally; reduce-scatter once, at the last micro-step
+                self.module.set_requires_gradient_sync(i == steps - 1)
+            part, weight_on = (parts[i], 1.0) if i < len(parts) else (mb[:1], 0.0)  # a short rank idles
+            view = to_device(trim(select_rows(batch, part, len(seqs)), step.sequences_key), self.device)
+            where = f"node '{step.node}' training model '{self.decl.name}'"
+            try:
+                out = self._outputs(view[step.sequences_key], step.output)
+                value, step_stats = loss(out, view, step.algo)
+            except RuntimeError as err:
+                parts[i : i + 1] = self._split(err, part, where)
+                continue
+            # the micro-batch's share of the mini-batch, in what the loss is a mean over: the
+            # gradients add up to the whole mini-batch's loss's, for any split
+            share = share_of(view[step.sequences_key], None, step.unit) / whole
+            try:
+                (value * (weight_on * scale * share)).backward()
+            except RuntimeError as err:
+                halves = self._split(err, part, where)
+                self.optimizer.zero_grad(set_to_none=True)
+                raise _SplitAndRestart(i, halves) from None
+            if weight_on:
+                padded, real = padding(view[step.sequences_key])
+                acc.computed, acc.useful = acc.computed + padded, acc.useful + real
+                acc.total, acc.share = acc.total + value.item() * share, acc.share + share
+                for k, v in step_stats.items():
+                    acc.stats.setdefault(k, []).append(v)
+            i += 1
+        return acc
+
+    def _split(self, err: RuntimeError, rows: Tensor, where: str) -> list[Tensor]:
+        """``rows`` as two halves, to compute again, when ``err`` is an allocation that failed (the
+        device's memory, or the host's) -- said once per model on stderr, and counted by the caller;
+        ``err`` itself otherwise, or where halves cannot help (one row; a sharded model, whose ranks
+        compute their micro-batches in step)."""
+        if not out_of_memory(err):
+            raise err
+        if len(rows) < 2 or self.sharded:
+            why = "a single row" if len(rows) < 2 else "one rank of a sharded model (its ranks compute in step)"
+            raise BackendError(
+                f"{where}: a micro-batch of {len(rows)} row(s) ran out of memory, and it cannot be split "
+                f"further ({why}): {str(err).splitlines()[0]}. Lower train.max_tokens_per_micro_batch or "
+                "rollout.max_new_tokens, or give the model more memory."
+            ) from None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if not self.warned_oom:
+            self.warned_oom = True
+            print(
+                f"flowrl: {where}: a micro-batch of {len(rows)} rows ran out of memory; it is computed again as "
+                "two halves (the same result; counted as oom_splits in the node's metrics; said once). "
+                "train.max_tokens_per_micro_batch caps micro-batches by tokens.",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.oom_splits += 1
+        half = (len(rows) + 1) // 2
+        return [rows[:half], rows[half:]]
 
     # ------------------------------------------------------------ weights and state
     def export_weights(self) -> dict[str, Tensor]:
@@ -541,6 +609,34 @@ class LoraBase(LocalModel):
             f"model '{self.decl.name}' is the base of LoRA-trained model '{self.trained.decl.name}' (their weights "
             "are held once); it takes no other weights."
         )
+
+
+class _Accumulated:
+    """What one mini-batch's micro-steps on this rank added up: the loss weighed by each micro-batch's
+    share (``total``) and the shares, the loss's own stats, and the tokens computed / not padding."""
+
+    def __init__(self) -> None:
+        self.total = self.share = 0.0
+        self.computed = self.useful = 0
+        self.stats: dict[str, list[float]] = {}
+
+    def loss(self) -> float:
+        return self.total / (self.share or 1.0)
+
+
+class _SplitAndRestart(Exception):
+    """A micro-batch's backward ran out of memory: take the mini-batch again with it as ``halves``."""
+
+    def __init__(self, index: int, halves: list[Tensor]) -> None:
+        super().__init__(index)
+        self.index, self.halves = index, halves
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is a failed allocation: the GPU's (``torch.OutOfMemoryError``) or the host
+    allocator's (``DefaultCPUAllocator: can't allocate memory``, under a memory limit)."""
+    text = str(err)
+    return isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in text or "out of memory" in text
 
 
 def share_of(seqs: Sequences, rows: Tensor | None, unit: str) -> float:
