@@ -90,6 +90,9 @@ class TrainConfig(Spec):
     # similar length share a micro-batch until it is full, and data-parallel ranks get equal tokens;
     # None: micro-batches of micro_batch_size rows
     max_tokens_per_micro_batch: int | None = None
+    # each micro-batch's rows packed into one row of their real tokens (no padding; attention kept
+    # within each row); with max_tokens_per_micro_batch, the budget counts those tokens
+    pack: bool = False
     lora: LoraConfig = LoraConfig()
 
 

@@ -343,6 +343,7 @@ def model_runs(
             optimizer=optimizer,
             numerics=numerics or EngineNumerics(),
             max_tokens_per_micro_batch=train.max_tokens_per_micro_batch,
+            pack=train.pack,
             lora=train.lora if decl.trainable and train.lora.rank > 0 else None,
         )
     return runs

@@ -120,6 +120,7 @@ class ModelRun(Spec):
     optimizer: OptimizerSpec | None = None  # None: frozen
     numerics: EngineNumerics = EngineNumerics()
     max_tokens_per_micro_batch: int | None = None  # a token budget per micro-batch (None: rows only)
+    pack: bool = False  # each micro-batch's rows packed into one row without padding
     lora: LoraConfig | None = None  # LoRA adapters on a trainable model (None: it trains whole)
 
 

@@ -42,14 +42,17 @@ def rank_rows(rows: Tensor, rank: int, world: int) -> Tensor:
     return rows[rank::world]
 
 
-def micro_batches(seqs: Sequences, rows: Tensor, world: int, micro: int, max_tokens: int | None) -> list[list[Tensor]]:
+def micro_batches(
+    seqs: Sequences, rows: Tensor, world: int, micro: int, max_tokens: int | None, packed: bool = False
+) -> list[list[Tensor]]:
     """Each rank's micro-batches of the mini-batch ``rows`` of ``seqs`` (every rank computes all of them
     alike, from the host's rows): rows of similar length together, at most ``micro`` rows each.
 
     Without ``max_tokens`` a rank takes its strided share (`rank_rows`). With it (a token budget,
     ``train.max_tokens_per_micro_batch``) the rows are dealt to the ranks longest first, each to the
     rank with the fewest tokens so far (so no rank waits on another), and a micro-batch grows while
-    its padded size -- rows x (longest prompt + longest response) -- stays within the budget; a row
+    its size stays within the budget: rows x (longest prompt + longest response) padded, or the sum
+    of its rows' tokens ``packed`` (one row without padding, `flowrl.backends.local.packing`); a row
     longer than the budget is a micro-batch of its own."""
     if max_tokens is None:
         return [list(by_length(seqs, rank_rows(rows, r, world)).split(max(micro, 1))) for r in range(world)]
@@ -65,23 +68,27 @@ def micro_batches(seqs: Sequences, rows: Tensor, world: int, micro: int, max_tok
     out = []
     for share in shares:
         parts: list[list[int]] = []
-        wide_p = wide_r = 0
+        wide_p = wide_r = used = 0
         for i in sorted(share, key=lambda i: (responses[i], prompts[i], i)):
             p, r = max(wide_p, prompts[i]), max(wide_r, responses[i])
-            if parts and len(parts[-1]) < micro and (len(parts[-1]) + 1) * (p + r) <= max_tokens:
+            size = used + prompts[i] + responses[i] if packed else (len(parts[-1]) + 1 if parts else 1) * (p + r)
+            if parts and len(parts[-1]) < micro and size <= max_tokens:
                 parts[-1].append(i)
-                wide_p, wide_r = p, r
+                wide_p, wide_r, used = p, r, used + prompts[i] + responses[i]
             else:
                 parts.append([i])
-                wide_p, wide_r = prompts[i], responses[i]
+                wide_p, wide_r, used = prompts[i], responses[i], prompts[i] + responses[i]
         out.append([rows[torch.tensor(part, dtype=torch.long)] for part in parts])
     return out
 
 
-def padding(seqs: Sequences) -> tuple[int, int]:
-    """(padded, real) tokens of one micro-batch as it is computed (its padding cut: `Sequences.trimmed`)."""
-    width = int(seqs.prompt_mask.sum(-1).max()) + int(seqs.response_lengths.max()) if len(seqs) else 0
+def padding(seqs: Sequences, packed: bool = False) -> tuple[int, int]:
+    """(computed, real) tokens of one micro-batch as it is computed: its padding cut
+    (`Sequences.trimmed`), or none at all ``packed``."""
     real = int(seqs.prompt_mask.sum()) + int(seqs.response_lengths.sum())
+    if packed:
+        return real, real
+    width = int(seqs.prompt_mask.sum(-1).max()) + int(seqs.response_lengths.max()) if len(seqs) else 0
     return len(seqs) * width, real
 
 

@@ -43,6 +43,7 @@ from flowrl.backends.local.models import (
     same_tokenizer,
     save_hf,
 )
+from flowrl.backends.local.packing import pack, response_logprobs, response_values
 from flowrl.data import Prompt, Rollout, Sequences, StepBatch, adds_special_tokens
 from flowrl.errors import BackendError
 from flowrl.graph.ir import ModelDecl
@@ -233,6 +234,8 @@ class LocalModel:
             return self._forward(seqs, output).float()
 
     def _forward(self, seqs: Sequences, output: str) -> Tensor:
+        if self.spec.pack and (self.text_tokenizer is None or not self.decl.scalar_head):
+            return self._forward_packed(seqs, output)
         ids, mask = seqs.input_ids.to(self.device), seqs.attention_mask.to(self.device)
         pos = position_ids(mask)
         start = seqs.prompt_len - 1  # hidden state at t predicts token t+1
@@ -247,6 +250,17 @@ class LocalModel:
         logits = self.module(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, start:-1].float()
         logp = torch.log_softmax(logits / self.sampling.temperature, dim=-1)
         return logp.gather(-1, seqs.response_ids.to(self.device)[..., None]).squeeze(-1)
+
+    def _forward_packed(self, seqs: Sequences, output: str) -> Tensor:
+        """`_forward` on the rows packed into one row without padding (`flowrl.backends.local.packing`)."""
+        packed = pack(seqs)
+        ids, pos = packed.input_ids.to(self.device), packed.position_ids.to(self.device)
+        if self.decl.scalar_head:
+            values = self.module(ids, None, pos)[0]  # [T]
+            return values[packed.last.to(self.device)] if output == "scores" else response_values(values, packed)
+        # no attention mask and no cache: transformers masks attention within each packed row
+        logits = self.module(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+        return response_logprobs(logits, packed, seqs.response_ids, self.sampling.temperature)
 
     def _text_scores(self, seqs: Sequences, output: str) -> Tensor:
         """[B] scores of rows written by another tokenizer: each row's decoded prompt text plus its
@@ -270,7 +284,7 @@ class LocalModel:
         if self.decl.scalar_head and self.text_tokenizer is None:
             _check_ids(self, seqs)
         micro = micro_batch or len(seqs)
-        parts = micro_batches(seqs, torch.arange(len(seqs)), 1, micro, self.spec.max_tokens_per_micro_batch)[0]
+        parts = self._micro_batches(seqs, torch.arange(len(seqs)), 1, micro)[0]
         width = seqs.response_ids.shape[1]
         out: Tensor | None = None
         while parts:
@@ -288,6 +302,10 @@ class LocalModel:
                 out[rows] = part
         assert out is not None
         return out
+
+    def _micro_batches(self, seqs: Sequences, rows: Tensor, world: int, micro: int) -> list[list[Tensor]]:
+        """`flowrl.runtime.dispatch.micro_batches` under this model's token budget and packing."""
+        return micro_batches(seqs, rows, world, micro, self.spec.max_tokens_per_micro_batch, self.spec.pack)
 
     # ------------------------------------------------------------ training
     @_locked
@@ -310,7 +328,7 @@ class LocalModel:
             order = torch.randperm(n_rows, generator=step.generator)  # the same on every rank
             for mb in order.chunk(step.mini_batches):
                 # every rank's micro-batches (similar lengths together): all ranks take as many micro-steps
-                shares = micro_batches(seqs, mb, self.world, micro, self.spec.max_tokens_per_micro_batch)
+                shares = self._micro_batches(seqs, mb, self.world, micro)
                 parts, steps = shares[self.rank], max(len(p) for p in shares)
                 while True:  # a micro-batch whose backward ran out of memory: the mini-batch again, split
                     try:
@@ -384,7 +402,7 @@ class LocalModel:
                 self.optimizer.zero_grad(set_to_none=True)
                 raise _SplitAndRestart(i, halves) from None
             if weight_on:
-                padded, real = padding(view[step.sequences_key])
+                padded, real = padding(view[step.sequences_key], self.spec.pack)
                 acc.computed, acc.useful = acc.computed + padded, acc.useful + real
                 acc.total, acc.share = acc.total + value.item() * share, acc.share + share
                 for k, v in step_stats.items():

@@ -164,9 +164,10 @@ class ValueModel(nn.Module):
                 bias = head.get("bias")
                 self.head.bias.copy_(bias.detach().reshape(1) if bias is not None else torch.zeros(1))
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor) -> Tensor:
+        # no cache (it never generates): without a mask, position ids that restart mark packed rows
         hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         return self.head(hidden).squeeze(-1)
 

@@ -1,0 +1,67 @@
+"""Padding-free micro-batches (``train.pack``): the rows of a micro-batch as one row of their real
+tokens -- each row's prompt (its left padding dropped) then its response (up to its length) --
+with position ids that restart at 0 for each row and no attention mask, so that transformers'
+masks keep each token's attention within its own row (`masking_utils.find_packed_sequence_indices`:
+a block-causal mask for SDPA and eager attention, varlen kernels for flash attention)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from flowrl.data import Sequences
+
+
+@dataclass(frozen=True)
+class Packed:
+    input_ids: Tensor  # [1, T]: every row's real tokens, one after another
+    position_ids: Tensor  # [1, T]: 0 at each row's first token
+    at: Tensor  # [B, R] long: the position whose output predicts response token t (for values: the state before it)
+    valid: Tensor  # [B, R] bool: t is one of the row's response tokens
+    last: Tensor  # [B] long: each row's last token (where a score is read)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def pack(seqs: Sequences) -> Packed:
+    """``seqs`` (prompts left-padded, responses right-padded) packed into one row."""
+    width = seqs.response_ids.shape[1]
+    prompts = seqs.prompt_mask.sum(-1).tolist()
+    lengths = seqs.response_lengths.tolist()
+    ids, positions, at, last = [], [], [], []
+    start = 0
+    for i, (p, r) in enumerate(zip(prompts, lengths)):
+        ids += [seqs.prompt_ids[i, seqs.prompt_len - p :], seqs.response_ids[i, :r]]
+        positions.append(torch.arange(p + r))
+        first = start + max(p, 1) - 1  # the prompt's last token predicts the first response token
+        at.append(first + torch.arange(width).clamp(max=max(r - 1, 0)))
+        last.append(start + max(p + r, 1) - 1)
+        start += p + r
+    valid = torch.arange(width)[None, :] < seqs.response_lengths[:, None]
+    return Packed(
+        input_ids=torch.cat(ids)[None, :],
+        position_ids=torch.cat(positions)[None, :],
+        at=torch.stack(at) if at else torch.zeros(0, width, dtype=torch.long),
+        valid=valid,
+        last=torch.tensor(last, dtype=torch.long),
+    )
+
+
+def response_values(outputs: Tensor, packed: Packed) -> Tensor:
+    """[B, R]: a packed row's [T] per-position ``outputs`` at each response token's ``at``; 0 past a
+    row's response."""
+    return outputs[packed.at.to(outputs.device)] * packed.valid.to(outputs.device)
+
+
+def response_logprobs(logits: Tensor, packed: Packed, response_ids: Tensor, temperature: float) -> Tensor:
+    """[B, R] log-probs of the response tokens under ``softmax(logits / temperature)``, from a packed
+    row's [T, V] ``logits``, computed at the real response tokens only; 0 past a row's response."""
+    valid = packed.valid.to(logits.device)
+    rows = logits[packed.at.to(logits.device)[valid]].float()  # [N, V]: one per real response token
+    tokens = response_ids.to(logits.device)[valid]
+    logp = torch.log_softmax(rows / temperature, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    return torch.zeros(valid.shape, dtype=logp.dtype, device=logits.device).index_put((valid,), logp)
