@@ -127,7 +127,8 @@ def register_training_engines(register: Register) -> None:
         "local",
         _local_training_engine,
         description="HF models in this process: forward, AdamW train steps (FSDP2 data parallel over a group)",
-        capabilities=EngineCapabilities(model_parallel=False, optimizer_offload=False),
+        # offload: FSDP2's CPUOffloadPolicy on a group, optimizer states in host memory between steps in one process
+        capabilities=EngineCapabilities(model_parallel=False, optimizer_offload=True),
     )
 
 

@@ -56,6 +56,9 @@ class EngineContext:
     world: int = 1  # ranks of that group; a training engine with world > 1 shards the model
     group: Any = None  # the group's torch.distributed process group (None: one rank)
     tp: int = 1  # the model's tensor-parallel size in its training layout (for engines that declare model_parallel)
+    # the layout keeps the model's optimizer states in host memory between steps (for engines that
+    # declare optimizer_offload)
+    offload: bool = False
 
 
 @dataclass(frozen=True)

@@ -199,6 +199,7 @@ class Worker:
                 world=len(ranks),
                 group=self.dp_groups.get(place.group),
                 tp=plan.layout.layout(name).parallel.tp,
+                offload=plan.layout.layout(name).offload_optimizer,
             )
             self.trainers[name] = checked(built_by(train, ctx), TrainingEngine, train, name)
             built[name] = (self.trainers[name].tokenizer, self.trainers[name].hf_config)

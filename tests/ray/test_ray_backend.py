@@ -96,8 +96,12 @@ LOSS_CASES = [
 
 
 def test_a_two_rank_fsdp2_train_step_equals_the_one_process_step(tmp_path):
+    """... with the actor's optimizer offloaded (FSDP2's CPUOffloadPolicy: the shards, their gradients
+    and the optimizer states in host memory), which the layout asks for and the local engine declares."""
     g2, plan2 = cpu2_plan("grpo", tmp_path, placement="colocate")
     assert plan2.layout.layout("actor").parallel.dp == 2
+    offloaded = [msgspec.structs.replace(m, offload_optimizer=m.model == "actor") for m in plan2.layout.models]
+    plan2 = msgspec.structs.replace(plan2, layout=msgspec.structs.replace(plan2.layout, models=tuple(offloaded)))
     ex = api.check(g2, plan2)
     sched = ex.schedule(g2, plan2)
     transport, built = ex.launch(g2, plan2, sched, tmp_path)

@@ -84,6 +84,7 @@ class LocalModel:
         rank: int = 0,
         world: int = 1,
         group: Any = None,
+        offload: bool = False,
     ) -> None:
         self.decl = decl
         self.rank, self.world = rank, world
@@ -97,8 +98,11 @@ class LocalModel:
         apply_numerics(self.module, numerics.attention, numerics.recompute and decl.trainable, decl.name)
         half = numerics.dtype == "bfloat16"
         self.sharded = world > 1 and decl.trainable
+        # optimizer states in host memory between steps: FSDP2 keeps the shards there (parameters,
+        # gradients and states; the step runs on the host), one process moves the states there and back
+        self.offload = offload and decl.trainable
         if self.sharded:  # FSDP2 computes in bfloat16 from float32 shards, and reduces gradients in float32
-            _fully_shard(self.module, group, device, half)
+            _fully_shard(self.module, group, device, half, self.offload)
         # one process: float32 weights, computed in bfloat16 under autocast (float32 where autocast keeps it)
         self.autocast = half and not self.sharded
         self.tokenizer = tokenizer
@@ -354,7 +358,7 @@ class LocalModel:
                 stats.setdefault("grad_norm", []).append(float(norm))
                 # the mini-batch's loss (of this rank's rows, on several ranks); a sum's is its whole
                 stats.setdefault("loss", []).append(acc.total if step.unit == "sum" else acc.loss())
-                self.optimizer.step()
+                self._optimizer_step()
         self.module.eval()
         self.version += 1
         finite = {k: [x for x in v if math.isfinite(x)] for k, v in stats.items()}  # a skipped step's loss is not
@@ -365,6 +369,17 @@ class LocalModel:
             out["oom_splits"] = float(self.oom_splits - splits_before)
         out["pad_frac"] = 1.0 - useful / computed if computed else 0.0  # padding among the tokens computed
         return out
+
+    def _optimizer_step(self) -> None:
+        """AdamW's step; with ``offload`` on a one-process accelerator, its states come from host memory
+        for the step and go back after it (FSDP2 steps on the host shards itself)."""
+        assert self.optimizer is not None
+        host = self.offload and not self.sharded and self.device.type != "cpu"
+        if host:
+            _move_states(self.optimizer, self.device)
+        self.optimizer.step()
+        if host:
+            _move_states(self.optimizer, torch.device("cpu"))
 
     def _accumulate(
         self, loss: LossFn, batch: StepBatch, step: TrainStep, mb: Tensor, parts: list[Tensor], steps: int
@@ -710,15 +725,29 @@ def _untied_keys(module: nn.Module) -> set[str]:
     return keys
 
 
-def _fully_shard(module: nn.Module, group: Any, device: torch.device, half: bool = False) -> None:
+def _move_states(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Every tensor of ``optimizer``'s state onto ``device`` (the step counts stay where they are)."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
+
+
+def _fully_shard(
+    module: nn.Module, group: Any, device: torch.device, half: bool = False, offload: bool = False
+) -> None:
     """FSDP2 over ``group``: each decoder layer one unit, the rest (embeddings, head) the root; with
-    ``half``, float32 shards computed in bfloat16 and gradients reduced in float32."""
+    ``half``, float32 shards computed in bfloat16 and gradients reduced in float32; with ``offload``,
+    the shards (and so the gradients and optimizer states) kept in host memory (`CPUOffloadPolicy`)."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(group, device.type)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if half else None
-    kwargs = {"mp_policy": policy} if policy is not None else {}
+    kwargs: dict[str, Any] = {"mp_policy": policy} if policy is not None else {}
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        module.to("cpu")
     layers = next((m for n, m in module.named_modules() if n.endswith("layers") and isinstance(m, nn.ModuleList)), ())
     # parameters stay gathered from a forward until the backward after it: a forward-only loop (scoring)
     # gathers once, and a train step gathers once per mini-batch (gradients are reduced at its last micro-step)
@@ -757,8 +786,9 @@ def training_engine(ctx: EngineContext) -> LocalModel:
         lm = _lm_copy(source)
         module = ValueModel(lm) if ctx.decl.scalar_head else lm
     engine = LocalModel(
-        ctx.decl, module, tokenizer, hf_config, spec, torch.device(ctx.device), ctx.rank, ctx.world, ctx.group
-    )
+        ctx.decl, module, tokenizer, hf_config, spec, torch.device(ctx.device), ctx.rank, ctx.world, ctx.group,
+        offload=ctx.offload,
+    )  # fmt: skip
     if writer is not None and not same_tokenizer(writer, tokenizer):
         if not ctx.decl.scalar_head or ctx.decl.role == "critic":
             raise BackendError(

@@ -74,7 +74,7 @@ class RayExecutor(PlanExecutor):
         streaming=True,
         weight_sync=("reshard", "full", "bucketed", "sparse"),
         model_parallel=True,  # groups of any size: whether a model splits over them is its engine's to declare
-        optimizer_offload=False,
+        optimizer_offload=True,  # whether a model offloads is its engine's to declare (local: FSDP2 CPUOffloadPolicy)
         numerics=LOCAL_NUMERICS,
     )
 
