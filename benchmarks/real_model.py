@@ -139,6 +139,8 @@ def flowrl_run(args: argparse.Namespace, model: Path, train: Path, val: Path, ou
         "--set", f"rollout.max_new_tokens={args.tokens}", "--set", f"train.lr={args.lr}",
         "--set", "train.mini_batches=1", "--set", f"algo.kl_coef={args.kl}", "--set", "checkpoint=false",
     ]  # fmt: skip
+    for option in args.flowrl_set:  # flowrl's own settings for this CPU (e.g. train.attention=sdpa)
+        cmd += ["--set", option]
     started = time.perf_counter()
     proc = subprocess.run(cmd, text=True, stdout=subprocess.PIPE, stderr=None)
     wall = time.perf_counter() - started
@@ -183,6 +185,11 @@ def main() -> None:
     )
     p.add_argument("--out", type=Path, default=Path("runs/real_model"))
     p.add_argument("--trl", metavar="PYTHON", help="also run TRL's GRPOTrainer with this Python (trl installed)")
+    p.add_argument(
+        "--flowrl-set", action="append", default=[], metavar="KEY=VALUE",
+        help="a setting for the flowrl run only (repeatable), e.g. train.attention=sdpa",
+    )  # fmt: skip
+    p.add_argument("--trl-bf16", action="store_true", help="TRL in bfloat16 autocast (bf16=True)")
     args = p.parse_args()
 
     started = time.perf_counter()
@@ -201,8 +208,10 @@ def main() -> None:
     }
     result["flowrl"] = flowrl_run(args, model, train, val, args.out)
     print(json.dumps({"flowrl": result["flowrl"]}), file=sys.stderr)
+    result["flowrl_settings"] = args.flowrl_set
     if args.trl:
         result["trl"] = trl_run(args, model, train, val)
+        result["step_speedup"] = round(result["trl"]["s_per_step"] / result["flowrl"]["s_per_step"], 2)
     f = result["flowrl"]
     result["greedy_gain"] = round(f["after"]["greedy"] - f["before"]["greedy"], 4)
     result[f"mean@{args.k}_gain"] = round(f["after"][f"mean@{args.k}"] - f["before"][f"mean@{args.k}"], 4)
@@ -217,6 +226,7 @@ def trl_run(args: argparse.Namespace, model: Path, train: Path, val: Path) -> di
         args.trl, str(HERE / "trl_real_model.py"), "--model", str(model), "--train", str(train), "--out", str(out),
         "--steps", str(args.steps), "--prompts", str(args.prompts), "--samples", str(args.samples),
         "--tokens", str(args.tokens), "--lr", str(args.lr), "--beta", str(args.kl), "--system", SYSTEM,
+        *(["--bf16"] if args.trl_bf16 else []),
     ]  # fmt: skip
     started = time.perf_counter()
     proc = subprocess.run(cmd, text=True, capture_output=True)

@@ -33,6 +33,7 @@ def main() -> None:
     p.add_argument("--beta", type=float, default=0.0)
     p.add_argument("--system", default="")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (TRL's bf16=True)")
     args = p.parse_args()
 
     import datasets
@@ -82,7 +83,8 @@ def main() -> None:
         weight_decay=0.0,
         max_grad_norm=1.0,
         use_cpu=True,
-        bf16=False,
+        bf16=args.bf16,
+        gradient_checkpointing=False,  # TRL's default recomputes layers: slower, and memory is no issue here
         logging_strategy="steps",
         logging_steps=1,
         save_strategy="no",

@@ -309,7 +309,6 @@ def test_a_plan_for_a_relative_graph_file_runs_from_another_directory(tmp_path, 
     [
         ("placement", "split", "placement 'split'"),
         ("weight_sync.strategy", "sparse", "weight sync 'sparse'"),
-        ("models.0.offload_optimizer", True, "optimizer offloaded"),
     ],
 )
 def test_edited_layout_features_are_refused_naming_the_feature(local_plan, field, value, feature):
@@ -323,6 +322,13 @@ def test_edited_layout_features_are_refused_naming_the_feature(local_plan, field
     edited = msgspec.structs.replace(plan, layout=msgspec.convert(layout, type(plan.layout)))
     with pytest.raises(PlanError, match=feature):
         api.check(graph, edited)
+
+
+def test_an_offloaded_optimizer_is_what_the_local_executor_and_engine_declare(local_plan):
+    graph, plan = local_plan
+    models = tuple(msgspec.structs.replace(m, offload_optimizer=True) for m in plan.layout.models)
+    edited = msgspec.structs.replace(plan, layout=msgspec.structs.replace(plan.layout, models=models))
+    api.check(graph, edited)  # accepted: the states go to host memory between steps
 
 
 def test_edited_capabilities_in_the_plan_do_not_widen_what_the_executor_runs(local_plan, cluster16_plan):
