@@ -48,6 +48,10 @@ class Numerics(CheckedSpec, kw_only=True):
     reserve: Annotated[float, Meta(ge=0, lt=1)] = (
         0.08  # fraction of device memory kept for the allocator, NCCL and the framework
     )
+    # bytes a parameter of the lower-precision copy a model computes with, held while it computes
+    # (bfloat16 autocast's casts of float32 weights in one process, FSDP2's gathered bfloat16
+    # parameters); 0: it computes with the weights it holds
+    compute_copy_bytes: Bytes = 0
 
 
 def usable_bytes(hw: HardwareSpec, numerics: Numerics | None = None) -> int:
@@ -90,13 +94,24 @@ def activation_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout, 
     return int(tokens * (kept + working + logits))
 
 
-def generation_bytes(model: ModelSpec, numerics: Numerics, gen: GenerationLayout, sequences: int, max_len: int) -> int:
+def compute_copy_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout) -> int:
+    """The copy of one device's weights a model computes with, while it computes (`Numerics.compute_copy_bytes`)."""
+    p = layout.parallel
+    return int(model.parameters() / (p.tp * p.pp) * numerics.compute_copy_bytes)
+
+
+def generation_bytes(
+    model: ModelSpec, numerics: Numerics, gen: GenerationLayout, sequences: int, max_len: int, in_place: bool = False
+) -> int:
     """Weights of one generation replica plus the KV cache it needs: a static batch holds every
     sequence at full length; a paged, continuously batched engine needs room for one sequence
-    of ``max_len`` tokens and runs as many at once as the rest of memory holds."""
+    of ``max_len`` tokens and runs as many at once as the rest of memory holds. ``in_place``: the
+    training engine samples with the weights it trains (held with its states), so the replica
+    needs only the copy it computes with."""
     per_replica = max(1, -(-sequences // gen.replicas))
     live = per_replica if numerics.decode_batch is None else 1
-    weights = model.parameters() * numerics.weight_bytes // gen.tp
+    held = numerics.compute_copy_bytes if in_place else numerics.weight_bytes
+    weights = model.parameters() * held // gen.tp
     return weights + live * max_len * model.kv_bytes_per_token(numerics.activation_bytes) // gen.tp
 
 

@@ -269,13 +269,14 @@ def resolve_numerics(train: TrainConfig, hw: HardwareSpec) -> EngineNumerics:
 
 def engine_memory(base: mem.Numerics, numerics: EngineNumerics) -> mem.Numerics:
     """The executor's memory numerics (``base``: float32 master weights, gradients and AdamW states) for
-    an engine computing as ``numerics``: bfloat16 keeps a bfloat16 copy of the weights it computes with
-    (2 more bytes a parameter) and 2-byte activations; recomputation keeps only each layer's input;
-    eager attention keeps the heads x sequence scores."""
+    an engine computing as ``numerics``: bfloat16 computes with a bfloat16 copy of the float32 weights
+    (2 bytes a parameter while the model computes: autocast's casts, FSDP2's gathered parameters) and
+    keeps 2-byte activations; recomputation keeps only each layer's input; eager attention keeps the
+    heads x sequence scores. Checked against what runs by benchmarks/memory_fidelity.py."""
     half = numerics.dtype == "bfloat16"
     return msgspec.structs.replace(
         base,
-        weight_bytes=base.weight_bytes + (2 if half and base.weight_bytes >= 4 else 0),
+        compute_copy_bytes=2 if half and base.weight_bytes >= 4 else 0,
         activation_bytes=2 if half else max(base.activation_bytes, 4),
         recompute=numerics.recompute,
         eager_attention=numerics.attention == "eager",
@@ -799,6 +800,16 @@ def _group_states(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan, group:
     return out
 
 
+def _generates_in_place(plan: ExecutionPlan, layout: ClusterPlan, model: str | None, group: str) -> bool:
+    """Whether ``model`` samples on ``group`` with the weights its training engine holds there (the
+    training engine generating, colocated): no second copy of its weights."""
+    run = plan.models.get(model or "")
+    if run is None or run.generation_engine != run.training_engine:
+        return False
+    trained = next((m for m in layout.models if m.model == model), None)
+    return trained is not None and trained.group == group
+
+
 def lora_base(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan, model: str) -> str | None:
     """The LoRA-trained model whose base ``model`` is -- a frozen LM initialised from it, from the same
     folder, both on one device of one group -- and so holds no weights of its own (the torch engine
@@ -841,14 +852,19 @@ def memory(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
                 continue
             if n.kind == "generate":
                 model = ctx.graph.nodes[n.node].model
-                peaks[f"node {n.node} (generation weights + KV cache)"] = mem.generation_bytes(
-                    t.spec(model), t.numerics, layout.generation_of(model or ""), n.rows, seq_len
+                in_place = _generates_in_place(plan, layout, model, g.name)
+                what = "its compute copy" if in_place else "generation weights"
+                peaks[f"node {n.node} ({what} + KV cache)"] = mem.generation_bytes(
+                    t.spec(model), t.numerics, layout.generation_of(model or ""), n.rows, seq_len, in_place
                 )
             elif n.kind in ("forward", "train"):
                 lay = layout.layout(ctx.graph.nodes[n.node].model)
-                peaks[f"node {n.node} activations"] = _activations(
-                    plan, lay, n.micro_batch_size, seq_len, n.kind == "train"
-                )
+                training = n.kind == "train"
+                # the compute copy: kept for the backward unless each layer is recomputed from its input
+                kept = not (training and t.numerics.recompute)
+                copy = mem.compute_copy_bytes(t.spec(lay.model), t.numerics, lay) if kept else 0
+                acts = _activations(plan, lay, n.micro_batch_size, seq_len, training)
+                peaks[f"node {n.node} activations" + (" + its compute copy" if copy else "")] = acts + copy
         need, breakdown = mem.group_need(states, peaks)
         estimates.append(
             MemoryEstimate(
