@@ -124,6 +124,7 @@ class Tuner:
         numerics: mem.Numerics | None = None,
         capabilities: Capabilities | None = None,
         generation_engine: str | None = None,
+        training_engine: str | None = None,
         rows: dict[str, int] | None = None,
         constraints: Constraints | None = None,
         models: Mapping[str, ModelSpec] | None = None,
@@ -138,6 +139,8 @@ class Tuner:
         self.micro_batch = micro_batch  # configured (train.micro_batch_size): every layout uses it
         self.constraints = constraints or Constraints()  # what the user requires (--require)
         self.numerics = numerics or mem.Numerics()
+        # the training engine generates with the weights it trains: no second copy where it trains
+        self.in_place = self.numerics.generation_in_place and generation_engine == training_engine
         self.capacity = mem.usable_bytes(cluster.hardware, self.numerics)
         self.capabilities = capabilities
         factory = registry.get("cost_models", cost_model) if registry is not None else CostModel
@@ -229,7 +232,7 @@ class Tuner:
             lay,
             seconds,
             states,
-            mem.activation_bytes(spec, self.numerics, lay, self.max_len, training=trainable),
+            mem.model_pass_bytes(spec, self.numerics, lay, self.max_len, trainable),
         )
 
     def group_memory(
@@ -239,8 +242,9 @@ class Tuner:
         peaks = {f"{m} activations": choice[m][3] for m in members}
         if sk.generation.group == group:  # the policies generate in turn: each engine is a peak of its own
             for actor in self.roles.policies:
+                in_place = self.in_place and actor in members
                 gen = mem.generation_bytes(
-                    self.specs[actor], self.numerics, sk.generation, self.w.sequences, self.max_len
+                    self.specs[actor], self.numerics, sk.generation, self.w.sequences, self.max_len, in_place
                 )
                 name = "generation weights + KV cache" + ("" if actor == self.roles.actor else f" ({actor})")
                 peaks[name] = gen

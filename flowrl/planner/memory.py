@@ -52,6 +52,9 @@ class Numerics(CheckedSpec, kw_only=True):
     # (bfloat16 autocast's casts of float32 weights in one process, FSDP2's gathered bfloat16
     # parameters); 0: it computes with the weights it holds
     compute_copy_bytes: Bytes = 0
+    # the training engine samples with the weights it trains (the torch engine), so a colocated
+    # rollout it generates holds no second copy of them
+    generation_in_place: bool = False
 
 
 def usable_bytes(hw: HardwareSpec, numerics: Numerics | None = None) -> int:
@@ -98,6 +101,19 @@ def compute_copy_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout
     """The copy of one device's weights a model computes with, while it computes (`Numerics.compute_copy_bytes`)."""
     p = layout.parallel
     return int(model.parameters() / (p.tp * p.pp) * numerics.compute_copy_bytes)
+
+
+def pass_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout, seq_len: int, *, training: bool) -> int:
+    """One micro-batch's peak beyond the model's states: its activations, and its compute copy -- kept
+    for the backward unless each layer is recomputed from its input."""
+    acts = activation_bytes(model, numerics, layout, seq_len, training=training)
+    return acts + (0 if training and numerics.recompute else compute_copy_bytes(model, numerics, layout))
+
+
+def model_pass_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout, seq_len: int, trainable: bool) -> int:
+    """The largest `pass_bytes` of a model's passes: a trained model's train step or its forward passes."""
+    forward = pass_bytes(model, numerics, layout, seq_len, training=False)
+    return max(forward, pass_bytes(model, numerics, layout, seq_len, training=True)) if trainable else forward
 
 
 def generation_bytes(

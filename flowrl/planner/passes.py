@@ -665,6 +665,7 @@ def _place(
         numerics=t.numerics,
         capabilities=t.capabilities,
         generation_engine=engine,
+        training_engine=plan.config.train.engine,
         rows=plan_rows(ctx, plan),
         train_steps=_own_train_steps(ctx.graph, plan),
         constraints=opts.get("require"),
@@ -771,7 +772,7 @@ def _fit_micro_batches(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan) -
     for lay in layout.models:
         room = rooms[lay.group]
         size = lay.micro_batch
-        while size > 1 and _activations(plan, lay, size, seq_len, lay.model in trainable) > room:
+        while size > 1 and _pass_bytes(plan, lay, size, seq_len, lay.model in trainable) > room:
             size = (size + 1) // 2
         models.append(msgspec.structs.replace(lay, micro_batch=size))
     return msgspec.structs.replace(layout, models=tuple(models))
@@ -804,7 +805,7 @@ def _generates_in_place(plan: ExecutionPlan, layout: ClusterPlan, model: str | N
     """Whether ``model`` samples on ``group`` with the weights its training engine holds there (the
     training engine generating, colocated): no second copy of its weights."""
     run = plan.models.get(model or "")
-    if run is None or run.generation_engine != run.training_engine:
+    if not plan.target.numerics.generation_in_place or run is None or run.generation_engine != run.training_engine:
         return False
     trained = next((m for m in layout.models if m.model == model), None)
     return trained is not None and trained.group == group
@@ -829,10 +830,11 @@ def _trainable(graph: Graph) -> set[str]:
     return {m for m, d in graph.models.items() if d.trainable}
 
 
-def _activations(plan: ExecutionPlan, lay: ModelLayout, size: int, seq_len: int, training: bool) -> int:
+def _pass_bytes(plan: ExecutionPlan, lay: ModelLayout, size: int, seq_len: int, trainable: bool) -> int:
+    """`memory.model_pass_bytes` of ``lay`` with micro-batches of ``size`` rows."""
     t = plan.target
-    return mem.activation_bytes(
-        t.spec(lay.model), t.numerics, msgspec.structs.replace(lay, micro_batch=size), seq_len, training=training
+    return mem.model_pass_bytes(
+        t.spec(lay.model), t.numerics, msgspec.structs.replace(lay, micro_batch=size), seq_len, trainable
     )
 
 
@@ -860,11 +862,11 @@ def memory(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
             elif n.kind in ("forward", "train"):
                 lay = layout.layout(ctx.graph.nodes[n.node].model)
                 training = n.kind == "train"
-                # the compute copy: kept for the backward unless each layer is recomputed from its input
-                kept = not (training and t.numerics.recompute)
-                copy = mem.compute_copy_bytes(t.spec(lay.model), t.numerics, lay) if kept else 0
-                acts = _activations(plan, lay, n.micro_batch_size, seq_len, training)
-                peaks[f"node {n.node} activations" + (" + its compute copy" if copy else "")] = acts + copy
+                name = f"node {n.node} activations" + (" (+ its compute copy)" if t.numerics.compute_copy_bytes else "")
+                peaks[name] = mem.pass_bytes(
+                    t.spec(lay.model), t.numerics, msgspec.structs.replace(lay, micro_batch=n.micro_batch_size),
+                    seq_len, training=training,
+                )  # fmt: skip
         need, breakdown = mem.group_need(states, peaks)
         estimates.append(
             MemoryEstimate(

@@ -21,6 +21,7 @@ LOCAL_NUMERICS = Numerics(
     decode_batch=None,
     offload_for_rollout=False,
     reserve=0.0,
+    generation_in_place=True,  # the torch engine samples with the weights it trains
 )
 
 
