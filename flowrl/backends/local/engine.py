@@ -27,7 +27,7 @@ import msgspec
 import torch
 from torch import Tensor, nn
 
-from flowrl.backends.local.generation import sample
+from flowrl.backends.local.generation import last_logits_only, sample
 from flowrl.backends.local.models import (
     ADAPTER_FILE,
     VALUE_HEAD_FILE,
@@ -251,7 +251,10 @@ class LocalModel:
                 last = seqs.prompt_len - 1 + seqs.response_lengths
                 return values.gather(1, last[:, None].to(self.device)).squeeze(1)
             return values[:, start:-1]  # V(s_t): the state before response token t
-        logits = self.module(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, start:-1].float()
+        # the LM head on the response positions only (the last of them predicts nothing)
+        keep = last_logits_only(self.module, seqs.response_ids.shape[1] + 1)
+        logits = self.module(input_ids=ids, attention_mask=mask, position_ids=pos, **keep).logits
+        logits = (logits[:, :-1] if keep else logits[:, start:-1]).float()
         logp = torch.log_softmax(logits / self.sampling.temperature, dim=-1)
         return logp.gather(-1, seqs.response_ids.to(self.device)[..., None]).squeeze(-1)
 

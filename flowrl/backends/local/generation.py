@@ -27,6 +27,14 @@ def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def last_logits_only(model: nn.Module, keep: int) -> dict[str, int]:
+    """``logits_to_keep=keep`` for a model that takes it (transformers' causal LMs): the LM head runs on
+    the last ``keep`` positions only -- over a large vocabulary, most of a long prompt's cost."""
+    import inspect
+
+    return {"logits_to_keep": keep} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
 def _cache_names(model: nn.Module) -> tuple[str, str]:
     """(forward kwarg, output field) of the KV cache: ``cache`` in transformers >= 5.2x, else ``past_key_values``."""
     import inspect
@@ -59,7 +67,10 @@ def sample(
     batch = prompt_ids.shape[0]
     kwarg, field = _cache_names(model)
     mask = prompt_mask.long()
-    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True)
+    out = model(
+        input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True,
+        **last_logits_only(model, 1),
+    )  # fmt: skip
     cache = getattr(out, field)
     logits = out.logits[:, -1, :]
     next_pos = mask.sum(-1, keepdim=True)  # position of the first generated token
