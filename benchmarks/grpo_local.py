@@ -56,6 +56,7 @@ def job_overrides(prompts: int, completion_len: int, steps: int) -> list[str]:
         "rollout.ignore_eos=true",
         "rollout.temperature=1.0",
         "train.lr=1e-3",
+        "train.mini_batches=1",  # one AdamW step per batch, as TRL takes
         "train.grad_clip=1.0",
         "algo.kl_coef=0.0",
         "algo.clip_high=0.2",

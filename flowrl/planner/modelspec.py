@@ -51,15 +51,18 @@ class ModelSpec(CheckedSpec, kw_only=True):
         return attention + bias + 3 * h * self.intermediate + 2 * h
 
     def lora_parameters(self, rank: int, targets: Iterable[str]) -> int:
-        """LoRA adapters of ``rank`` on the decoder layers' ``targets`` (q_proj ... down_proj): rank x
-        (inputs + outputs) for each adapted projection of each layer."""
+        """LoRA adapters of ``rank`` on ``targets``: rank x (inputs + outputs) for each adapted projection
+        of each decoder layer (q_proj ... down_proj), and once for the model's ``lm_head`` or
+        ``embed_tokens`` (vocabulary x hidden)."""
         h, hd, i = self.hidden, self.dim_per_head, self.intermediate
         q, kv = self.heads * hd, self.kv_heads * hd
         shapes = {
             "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
         }  # fmt: skip
-        return self.layers * sum(rank * sum(shapes[t]) for t in targets if t in shapes)
+        once = {"lm_head": (h, self.vocab), "embed_tokens": (self.vocab, h)}
+        layers = self.layers * sum(rank * sum(shapes[t]) for t in targets if t in shapes)
+        return layers + sum(rank * sum(once[t]) for t in targets if t in once)
 
     def parameters(self) -> int:
         """Exact count: embeddings V*H (+ lm_head V*H unless tied) + layers + final norm H."""

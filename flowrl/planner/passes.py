@@ -801,6 +801,12 @@ def _group_states(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan, group:
     return out
 
 
+def budgeted_rows(rows: int, seq_len: int, max_tokens: int | None) -> int:
+    """The rows of a micro-batch of ``rows`` under a token budget (``train.max_tokens_per_micro_batch``):
+    as many rows of ``seq_len`` tokens as the budget holds, at least one (a longer row is computed alone)."""
+    return rows if max_tokens is None else max(1, min(rows, max_tokens // max(seq_len, 1)))
+
+
 def _generates_in_place(plan: ExecutionPlan, layout: ClusterPlan, model: str | None, group: str) -> bool:
     """Whether ``model`` samples on ``group`` with the weights its training engine holds there (the
     training engine generating, colocated): no second copy of its weights."""
@@ -860,12 +866,14 @@ def memory(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
                     t.spec(model), t.numerics, layout.generation_of(model or ""), n.rows, seq_len, in_place
                 )
             elif n.kind in ("forward", "train"):
-                lay = layout.layout(ctx.graph.nodes[n.node].model)
+                model = ctx.graph.nodes[n.node].model
+                lay = layout.layout(model)
                 training = n.kind == "train"
+                size = budgeted_rows(n.micro_batch_size, seq_len, plan.models[model].max_tokens_per_micro_batch)
                 name = f"node {n.node} activations" + (" (+ its compute copy)" if t.numerics.compute_copy_bytes else "")
                 peaks[name] = mem.pass_bytes(
-                    t.spec(lay.model), t.numerics, msgspec.structs.replace(lay, micro_batch=n.micro_batch_size),
-                    seq_len, training=training,
+                    t.spec(lay.model), t.numerics, msgspec.structs.replace(lay, micro_batch=size), seq_len,
+                    training=training,
                 )  # fmt: skip
         need, breakdown = mem.group_need(states, peaks)
         estimates.append(
