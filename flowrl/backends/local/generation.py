@@ -67,12 +67,20 @@ def sample(
     batch = prompt_ids.shape[0]
     kwarg, field = _cache_names(model)
     mask = prompt_mask.long()
+    # each distinct prompt is read once (the n samples of a prompt are copies of one row): its KV cache
+    # and last logits are then shared by its copies, which sample on independently
+    rows, copies = torch.unique(torch.cat([prompt_ids * mask, mask], dim=1), dim=0, return_inverse=True)
+    width = prompt_ids.shape[1]
+    distinct_mask = rows[:, width:]
+    distinct_ids = rows[:, :width].masked_fill(distinct_mask == 0, pad_id)
     out = model(
-        input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True,
-        **last_logits_only(model, 1),
+        input_ids=distinct_ids, attention_mask=distinct_mask, position_ids=position_ids(distinct_mask),
+        use_cache=True, **last_logits_only(model, 1),
     )  # fmt: skip
     cache = getattr(out, field)
     logits = out.logits[:, -1, :]
+    cache.batch_select_indices(copies)  # back to the caller's rows, in its order
+    logits = logits[copies]
     next_pos = mask.sum(-1, keepdim=True)  # position of the first generated token
     device = prompt_ids.device
     done = torch.zeros(batch, dtype=torch.bool, device=device)
