@@ -774,7 +774,11 @@ def test_a_separate_local_generation_engine_tracks_the_trained_weights(tmp_path)
         records[engine] = [
             {k: v for k, v in r.items() if k not in timing and not k.startswith("sync:")} for r in result.metrics
         ]
+    # the same samples, rewards and updates; the sampler-vs-trainer log-prob gap itself is float noise
+    # (6e-8 vs 7e-8 at step 1), which the two engines' separate modules need not reproduce bit for bit
+    gaps = {e: [r.pop(k) for r in rows for k in list(r) if "logprob_gap" in k] for e, rows in records.items()}
     assert records["local"] == records["local_copy"]
+    assert all(g < 1e-5 for g in gaps["local"] + gaps["local_copy"])
 
 
 # ---------------------------------------------------------------------------- layering
