@@ -42,15 +42,12 @@ def _ray_module(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """How `pytest -n 2` shares the work (pyproject: ``--dist loadgroup --no-loadscope-reorder``): a
-    module's tests stay together on one worker (its module fixtures are built once), the Ray modules
-    are one group (one private Ray at a time, on one worker, while the other worker runs the rest),
-    and the longest work is handed out first -- the Ray group, then the modules with slow tests,
-    then the quick modules, which fill the end -- so neither worker waits alone on a long module."""
+    """How `pytest -n 2` shares the work (pyproject: ``--dist loadfile --no-loadscope-reorder``): a
+    module's tests stay together on one worker (its module fixtures are built once), and the longest
+    work is handed out first -- the Ray modules, then the modules with slow tests, then the quick
+    modules, which fill the end -- instead of the modules with the most tests first, which left the
+    long one-test modules to finish alone."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group("ray" if _ray_module(item) else str(item.path)))
     items.sort(key=lambda item: 0 if _ray_module(item) else 1 if item.path in slow else 2)
 
 
