@@ -10,6 +10,9 @@ it is finished and its text are decided by `flowrl.runtime.responses`, as for ev
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from torch import Tensor, nn
 
@@ -27,19 +30,21 @@ def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+@functools.cache
+def _forward_parameters(cls: type) -> frozenset[str]:
+    """The keyword names a model class's ``forward`` takes (read once per class: engines ask per pass)."""
+    return frozenset(inspect.signature(cls.forward).parameters)
+
+
 def last_logits_only(model: nn.Module, keep: int) -> dict[str, int]:
     """``logits_to_keep=keep`` for a model that takes it (transformers' causal LMs): the LM head runs on
     the last ``keep`` positions only -- over a large vocabulary, most of a long prompt's cost."""
-    import inspect
-
-    return {"logits_to_keep": keep} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    return {"logits_to_keep": keep} if "logits_to_keep" in _forward_parameters(type(model)) else {}
 
 
 def _cache_names(model: nn.Module) -> tuple[str, str]:
     """(forward kwarg, output field) of the KV cache: ``cache`` in transformers >= 5.2x, else ``past_key_values``."""
-    import inspect
-
-    if "cache" in inspect.signature(model.forward).parameters:
+    if "cache" in _forward_parameters(type(model)):
         return "cache", "cache"
     return "past_key_values", "past_key_values"
 
