@@ -502,6 +502,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         print(explain(cache["tune"], plan.target.model, plan.target.cluster, models=plan.target.models))
         print(_engine_choice(plan.config.generation.engine, cache.get("engines")))
+        for fwd, train in plan.fused.items():
+            print(
+                f"fused: '{fwd}' is computed by '{train}' in its own forward (one update per batch: the old "
+                "log-probs are the ones it trains on, detached); no pass of its own"
+            )
         for line in _dynamic_sampling(graph, plan):
             print(line)
         if "unconstrained" in cache:

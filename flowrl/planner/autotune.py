@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,12 +130,15 @@ class Tuner:
         models: Mapping[str, ModelSpec] | None = None,
         micro_batch: int | None = None,
         train_steps: Mapping[str, tuple[int, int]] | None = None,
+        fused: Collection[str] = (),
     ) -> None:
         """``model``: every graph model's shape, unless ``models`` names one for it (per-role models).
-        ``train_steps``: train nodes' own (epochs, mini-batches), as the plan resolved them."""
+        ``train_steps``: train nodes' own (epochs, mini-batches), as the plan resolved them; ``fused``:
+        forward nodes their train node computes (``ExecutionPlan.fused``), which cost nothing of their own."""
         self.graph, self.model, self.cluster, self.w, self.seed = graph, model, cluster, workload, seed
         self.rows = rows  # per node, when it differs from the workload's sequences (multi-policy, filters)
         self.train_steps = train_steps
+        self.fused = frozenset(fused)
         self.micro_batch = micro_batch  # configured (train.micro_batch_size): every layout uses it
         self.constraints = constraints or Constraints()  # what the user requires (--require)
         self.numerics = numerics or mem.Numerics()
@@ -162,7 +165,8 @@ class Tuner:
         self.lengths = sample_lengths(workload.response_length, workload.sequences, np.random.default_rng(seed))
         self.max_len = workload.prompt_length + workload.max_response()
         self.forwards = {
-            m: sum(1 for n in graph.nodes.values() if isinstance(n, Forward) and n.model == m) for m in graph.models
+            m: sum(1 for n in graph.nodes.values() if isinstance(n, Forward) and n.model == m and n.name not in fused)
+            for m in graph.models
         }
         self._layout_cache: dict[tuple[str, int], list[tuple[ModelLayout, float, int, int]]] = {}
         self._scores: dict[ModelLayout, tuple[ModelLayout, float, int, int]] = {}
@@ -316,6 +320,7 @@ class Tuner:
             numerics=self.numerics,
             node_rows=self.rows,
             train_steps=self.train_steps,
+            fused=self.fused,
         )
         memory = {}
         choice = {m.model: self.score(m) for m in plan.models}

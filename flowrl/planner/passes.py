@@ -249,7 +249,41 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     if target.capabilities is not None:  # a plan for an executor: its memory as the engine computes
         target = msgspec.structs.replace(target, numerics=engine_memory(target.numerics, numerics))
     runs = model_runs(graph, cfg, budget, numerics)
-    return _replace(plan, config=cfg, target=target, options=resolved, models=runs)
+    fused = fused_forwards(graph, resolved, reg)
+    return _replace(plan, config=cfg, target=target, options=resolved, models=runs, fused=fused)
+
+
+def fused_forwards(graph: Graph, options: dict[str, NodeOptions], registry: Registry) -> dict[str, str]:
+    """Forward nodes whose output their model's train node computes itself (forward -> train node).
+
+    A policy that takes one optimizer step per batch (one epoch, one mini-batch) trains on the very
+    weights that computed its old log-probs, so they are its own log-probs, detached (TRL's
+    ``num_iterations=1``): the train step computes them in its forward and the forward pass is
+    saved. Only where nothing else reads them, the train node is the model's only one (no other
+    update between), and no dynamic-sampling filter round runs the forward."""
+    readers: dict[str, list[str]] = {}
+    for node in graph.nodes.values():
+        for key in node.reads:
+            readers.setdefault(key, []).append(node.name)
+    trains: dict[str, list[str]] = {}
+    for node in graph.nodes.values():
+        if isinstance(node, Train):
+            trains.setdefault(node.model, []).append(node.name)
+    in_rounds = {n for f in graph.filters().values() for n in graph.filter_segment(f)[1]}
+    out = {}
+    for node in graph.nodes.values():
+        if not isinstance(node, Forward) or node.output != "logprobs" or node.name in in_rounds:
+            continue
+        (key,) = node.writes
+        train = readers.get(key, [])
+        if len(train) != 1 or trains.get(node.model) != train:
+            continue
+        t = graph.nodes[train[0]]
+        opts = options[t.name].options
+        output = registry.entry("losses", t.loss).meta.get("output", "logprobs")
+        if output == "logprobs" and node.reads[0] in t.reads and (opts["epochs"], opts["mini_batches"]) == (1, 1):
+            out[node.name] = t.name
+    return out
 
 
 def resolve_numerics(train: TrainConfig, hw: HardwareSpec) -> EngineNumerics:
@@ -668,6 +702,7 @@ def _place(
         training_engine=plan.config.train.engine,
         rows=plan_rows(ctx, plan),
         train_steps=_own_train_steps(ctx.graph, plan),
+        fused=plan.fused,
         constraints=opts.get("require"),
         models=t.models or None,
         micro_batch=plan.config.train.micro_batch_size,
@@ -911,6 +946,9 @@ def verify_plan(graph: Graph, plan: ExecutionPlan) -> None:
                 raise PlanError(
                     f"node '{n.node}' runs on unknown device group '{n.group}' (groups: {', '.join(sorted(groups))})."
                 )
+    for fwd, train in plan.fused.items():
+        if not isinstance(graph.nodes.get(fwd), Forward) or not isinstance(graph.nodes.get(train), Train):
+            raise PlanError(f"the plan fuses node '{fwd}' into '{train}'; the graph has no such forward / train node.")
     for est in plan.memory:
         if est.required_bytes > est.capacity_bytes:
             parts = "; ".join(f"{k}: {mem.gib(v)}" for k, v in sorted(est.breakdown.items(), key=lambda kv: -kv[1]))

@@ -144,6 +144,9 @@ class ExecutionPlan(Spec, kw_only=True):
     nodes: tuple[NodePlan, ...] = ()  # set by `micro_batch`
     memory: tuple[MemoryEstimate, ...] = ()  # set by `memory`
     passes: tuple[str, ...] = ()
+    # forward node -> the train node that computes its output in its own forward, detached: the old
+    # log-probs of a policy taking one update per batch are the log-probs it trains on (set by `resolve`)
+    fused: dict[str, str] = {}
 
     def content_id(self) -> str:
         """The hash of what is planned: every field but the id and the config's run settings
@@ -152,6 +155,8 @@ class ExecutionPlan(Spec, kw_only=True):
         body = msgspec.to_builtins(msgspec.structs.replace(self, id=""))
         for name in RUN_SETTINGS:
             body["config"].pop(name, None)
+        if not body["fused"]:  # plans written before fusion keep their ids
+            body.pop("fused")
         default = msgspec.to_builtins(RunConfig())
         for name in LATER_SECTIONS:  # left at their defaults, plans written before them keep their ids
             *parents, leaf = name.split(".")

@@ -12,7 +12,7 @@ once the batch is full and resume the rest later.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -274,11 +274,13 @@ def simulate(
     numerics: Numerics | None = None,
     node_rows: dict[str, int] | None = None,
     train_steps: Mapping[str, tuple[int, int]] | None = None,
+    fused: Collection[str] = (),
 ) -> SimResult:
     """Simulate ``iterations`` steps of ``plan``. ``cost``: one cost model for every graph model, or
     one per model (per-role models). ``node_rows``: the sequences each node sees per step (default:
     the workload's prompts x samples, one per prompt for a greedy generate node). ``train_steps``:
-    a train node's own (epochs, mini-batches), where its options set them (default: the workload's)."""
+    a train node's own (epochs, mini-batches), where its options set them (default: the workload's);
+    ``fused``: forward nodes their train node computes (``ExecutionPlan.fused``), taking no time."""
     rng = np.random.default_rng(seed)
     order = graph.order()
     costs = dict(cost) if isinstance(cost, Mapping) else {m: cost for m in graph.models}
@@ -386,7 +388,9 @@ def simulate(
                 rows = max(1, lay.micro_batch * lay.parallel.dp * lengths[it].size // max(sequences, 1))
                 padded = int(round(padded_length(lengths[it], workload.prompt_length, rows)))
             sharded = node.model in roles.trainable if node.model is not None else False
-            if isinstance(node, Forward):
+            if node.name in fused:  # its train node's forward computes it
+                seconds = 0.0
+            elif isinstance(node, Forward):
                 c = costs[node.model]
                 seconds = c.forward(plan.layout(node.model), n_rows, padded, backward=False, sharded=sharded)
                 flops_total += n_rows * seq_len * c.model.flops_per_token(seq_len // 2)
@@ -415,7 +419,7 @@ def simulate(
     for g in plan.groups:
         inside = sum(max(0.0, min(s.end, window[1]) - max(s.start, window[0])) for s in spans if g.name in s.groups)
         utilization[g.name] = round(min(inside / length, 1.0), 4)
-    breakdown = {k: float(np.mean(v[warm:] or v)) for k, v in durations.items()}
+    breakdown = {k: float(np.mean(v[warm:] or v)) for k, v in durations.items() if k not in fused}
     return SimResult(
         iteration_s=iteration_s,
         breakdown=breakdown,

@@ -81,6 +81,7 @@ def assemble(graph: Graph, plan: ExecutionPlan, registry: Registry, schedule: Sc
         micro_batch={n.node: n.micro_batch_size for n in plan.nodes},
         seed=cfg.seed,
         skip_nonfinite=cfg.train.skip_nonfinite,
+        fused=dict(plan.fused),
     )
     policy = plan.layout.rollout if plan.layout is not None else RolloutPolicy()
     sources = {

@@ -39,6 +39,7 @@ class NodeRuntime:
     micro_batch: Mapping[str, int]  # node -> micro-batch size
     seed: int
     skip_nonfinite: bool = False  # train.skip_nonfinite: let non-finite values reach the trainer, which skips
+    fused: Mapping[str, str] = field(default_factory=dict)  # forward node -> the train node computing its output
     state: dict[str, float] = field(default_factory=dict)  # graph state: its value after the last update
     _rngs: dict[str, torch.Generator] = field(default_factory=dict, repr=False)
 
@@ -112,9 +113,17 @@ def _plain(value: Any, node: str, key: str) -> Any:
 
 
 def _read(rt: NodeRuntime, node: Any, batch: Mapping[str, Any]) -> dict[str, Any]:
-    """The keys ``node`` reads (graph state from the runtime), under their port names."""
+    """The keys ``node`` reads (graph state from the runtime), under their port names; not those it
+    computes itself (`own_keys`)."""
     port_of = {key: port for port, key in node.ports.items()}
-    return {port_of.get(k, k): rt.state[k] if k in rt.state else batch[k] for k in node.reads}
+    own = own_keys(rt, node.name)
+    return {port_of.get(k, k): rt.state[k] if k in rt.state else batch[k] for k in node.reads if k not in own}
+
+
+def own_keys(rt: NodeRuntime, name: str) -> set[str]:
+    """The keys train node ``name`` computes in its own forward: the outputs of the forward nodes
+    the plan fuses into it (`flowrl.planner.passes.fused_forwards`)."""
+    return {rt.graph.nodes[f].writes[0] for f, t in rt.fused.items() if t == name}
 
 
 def _written(node: Any, out: Mapping[str, Any]) -> dict[str, Any]:
@@ -400,6 +409,7 @@ def _train(
     rt: NodeRuntime, node: Train, inputs: dict[str, Any], algo: AlgoConfig, options: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     seqs_key = next(k for k, v in inputs.items() if isinstance(v, Sequences))
+    port_of = {key: port for port, key in node.ports.items()}
     step = TrainStep(
         node=node.name,
         sequences_key=seqs_key,
@@ -410,6 +420,7 @@ def _train(
         algo=algo,
         generator=rt.fresh_generator(node.name),
         unit=loss_unit(rt.loss_aggregates[node.loss], algo),
+        own=tuple(sorted(port_of.get(k, k) for k in own_keys(rt, node.name))),
     )
     trainer = rt.trainers[node.model]
     # the version the batch's proximal log-probs were computed with: tokens it sampled are on-policy

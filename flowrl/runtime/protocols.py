@@ -77,6 +77,9 @@ class TrainStep:
     # what the loss is a mean over (flowrl.specs.LOSS_UNITS): the engine weighs each micro-batch's
     # loss by its share of the mini-batch's tokens or rows (or by 1, a sum)
     unit: str = "token-mean"
+    # ports the step computes itself: the model's outputs, detached (the old log-probs of one update
+    # per batch; `flowrl.planner.passes.fused_forwards`)
+    own: tuple[str, ...] = ()
 
 
 @runtime_checkable

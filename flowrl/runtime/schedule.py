@@ -4,7 +4,9 @@ One iteration is a list of tasks. Each task runs a graph node (or a weight sync)
 device groups the plan gives it (none: the controller), after the tasks it depends on; a
 group runs one task at a time and different groups run at once, as the planner's simulator
 assumed. A weight-sync task follows the train node of each model that generates whenever
-generation does not use the trained weights in place; it carries the plan's strategy.
+generation does not use the trained weights in place; it carries the plan's strategy. A
+forward node the plan fuses into its train node (``plan.fused``) has no task: the train task
+computes its output.
 
 Nothing here re-plans: groups, ranks, micro-batches and the sync strategy all come from
 the plan.
@@ -104,11 +106,15 @@ def lower(graph: Graph, plan: ExecutionPlan, *, same_engine: bool = True) -> Sch
     absorbed = {gen: (*graph.filter_segment(f)[1], f) for gen, f in graph.filters().items()}
     inside = {n: gen for gen, names in absorbed.items() for n in names}
     tasks: list[Task] = []
+    after: dict[str, tuple[str, ...]] = {}  # a task's dependencies; a fused forward's are its own's
     for name in graph.order():
         node = graph.nodes[name]
         if name in inside:
             continue
-        deps = tuple(dict.fromkeys(inside.get(d, d) for d in dag.predecessors(name)))
+        deps = tuple(dict.fromkeys(d for p in dag.predecessors(name) for d in after.get(p, (inside.get(p, p),))))
+        if name in plan.fused:  # its train node computes its output: no task of its own
+            after[name] = deps
+            continue
         if isinstance(node, Generate):
             task = Task(
                 name=name,

@@ -406,6 +406,8 @@ class LocalModel:
             where = f"node '{step.node}' training model '{self.decl.name}'"
             try:
                 out = self._outputs(view[step.sequences_key], step.output)
+                if step.own:  # what the step computes itself: its own outputs, detached
+                    view = view.with_columns({**view.columns, **{k: out.detach() for k in step.own}})
                 value, step_stats = loss(out, view, step.algo)
             except RuntimeError as err:
                 parts[i : i + 1] = self._split(err, part, where)
