@@ -190,6 +190,7 @@ def main() -> None:
         help="a setting for the flowrl run only (repeatable), e.g. train.attention=sdpa",
     )  # fmt: skip
     p.add_argument("--trl-bf16", action="store_true", help="TRL in bfloat16 autocast (bf16=True)")
+    p.add_argument("--trl-attention", default="sdpa", help="the attention TRL's model loads with (sdpa, eager)")
     args = p.parse_args()
 
     started = time.perf_counter()
@@ -209,6 +210,7 @@ def main() -> None:
     result["flowrl"] = flowrl_run(args, model, train, val, args.out)
     print(json.dumps({"flowrl": result["flowrl"]}), file=sys.stderr)
     result["flowrl_settings"] = args.flowrl_set
+    result["trl_settings"] = {"bf16": args.trl_bf16, "attention": args.trl_attention}
     if args.trl:
         result["trl"] = trl_run(args, model, train, val)
         result["step_speedup"] = round(result["trl"]["s_per_step"] / result["flowrl"]["s_per_step"], 2)
@@ -227,6 +229,7 @@ def trl_run(args: argparse.Namespace, model: Path, train: Path, val: Path) -> di
         "--steps", str(args.steps), "--prompts", str(args.prompts), "--samples", str(args.samples),
         "--tokens", str(args.tokens), "--lr", str(args.lr), "--beta", str(args.kl), "--system", SYSTEM,
         *(["--bf16"] if args.trl_bf16 else []),
+        "--attention", args.trl_attention,
     ]  # fmt: skip
     started = time.perf_counter()
     proc = subprocess.run(cmd, text=True, capture_output=True)

@@ -34,6 +34,7 @@ def main() -> None:
     p.add_argument("--system", default="")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (TRL's bf16=True)")
+    p.add_argument("--attention", default="sdpa", help="attn_implementation the model loads with (sdpa, eager)")
     args = p.parse_args()
 
     import datasets
@@ -60,7 +61,7 @@ def main() -> None:
 
     tok = transformers.AutoTokenizer.from_pretrained(args.model)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        args.model, dtype=torch.float32, attn_implementation="sdpa"
+        args.model, dtype=torch.float32, attn_implementation=args.attention
     )
     batch = args.prompts * args.samples
     config = GRPOConfig(

@@ -182,10 +182,12 @@ class PlanExecutor:
         SIGTERM stops after the current step, with a checkpoint (``RunResult.stopped``); during
         setup they interrupt at once. One process at a time holds a run folder."""
         from flowrl.runtime import runstate
+        from flowrl.runtime.compute import serial_here
 
         cfg = plan.config
         stop = _StopRequest(cfg.checkpoint)
-        with runstate.holding(out_dir), stop.installed():
+        # the engines compute on the compute thread; this thread only routes (flowrl.runtime.compute)
+        with runstate.holding(out_dir), stop.installed(), serial_here():
             if resume and not runstate.resumable(out_dir, cfg.checkpoint):
                 # killed before its first checkpoint: nothing to keep, start over
                 result = self._run(graph, plan, out_dir, on_step, stop, False)
@@ -207,6 +209,7 @@ class PlanExecutor:
         from flowrl.runtime import runstate
         from flowrl.runtime.assemble import assemble
         from flowrl.runtime.checkpoint import step_dir
+        from flowrl.runtime.compute import set_compute_threads
         from flowrl.runtime.groups import CURRENT_TASK
         from flowrl.runtime.metrics import MetricsLog, write_acceptance
         from flowrl.runtime.pipeline import Pipeline
@@ -215,7 +218,7 @@ class PlanExecutor:
 
         cfg = plan.config
         if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+            set_compute_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         result = RunResult(out_dir=out_dir)
         manifest = runstate.manifest(plan)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from flowrl.data import GenerateResult, Part
 from flowrl.errors import FlowRLError
 from flowrl.graph.ir import streamed_nodes
+from flowrl.runtime.compute import thread_count
 from flowrl.runtime.dispatch import concat_parts, weighted_metrics
 from flowrl.runtime.groups import CURRENT_TASK, publish
 from flowrl.runtime.nodes import generate_metrics, run_node
@@ -168,7 +169,13 @@ class Pipeline:
         next_step, finished = 0, 0
         draining: int | None = None  # the step of the checkpoint the pipeline drains for
         window = self.policy.lead + 2  # steps in flight: generation runs ahead by the lead
-        pool = ThreadPoolExecutor(max_workers=len(self.schedule.groups) + 4, thread_name_prefix="flowrl-task")
+        # task threads route work to the engines (which compute on the compute thread: flowrl.runtime.compute)
+        pool = ThreadPoolExecutor(
+            max_workers=len(self.schedule.groups) + 4,
+            thread_name_prefix="flowrl-task",
+            initializer=thread_count,
+            initargs=(1,),
+        )
 
         def submit(unit: Unit) -> None:
             view = self._view(unit, states[unit.step])

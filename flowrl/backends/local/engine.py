@@ -49,19 +49,35 @@ from flowrl.errors import BackendError
 from flowrl.graph.ir import ModelDecl
 from flowrl.planner.plan import ModelRun
 from flowrl.runtime.batch import position_ids, ragged, select_rows, to_device, trim
+from flowrl.runtime.compute import on_compute_thread
 from flowrl.runtime.dispatch import micro_batches, padding
 from flowrl.runtime.protocols import EngineContext, LossFn, TrainStep
 from flowrl.runtime.responses import Response, ResponseRules, prompt_rows, responses_of, to_rollout
 
 
 def _locked(method: Any) -> Any:
-    """``method`` holding the engine's lock: one pass at a time over a module that two engines share
-    (a LoRA policy and its base, `LoraBase`), from the backward's recomputation to the last token."""
+    """``method`` on the process's compute thread (`flowrl.backends.local.compute`), holding the
+    engine's lock: one pass at a time over a module that two engines share (a LoRA policy and its
+    base, `LoraBase`), from the backward's recomputation to the last token."""
+
+    def locked(self: LocalModel, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
 
     @functools.wraps(method)
     def run(self: LocalModel, *args: Any, **kwargs: Any) -> Any:
-        with self.lock:
-            return method(self, *args, **kwargs)
+        return on_compute_thread(locked, self, *args, **kwargs)
+
+    return run
+
+
+def _computes(method: Any) -> Any:
+    """``method`` on the process's compute thread (`flowrl.runtime.compute`), without the lock: weight
+    copies and checkpoint I/O, which may call one another."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return on_compute_thread(method, *args, **kwargs)
 
     return run
 
@@ -460,6 +476,7 @@ class LocalModel:
         return [rows[:half], rows[half:]]
 
     # ------------------------------------------------------------ weights and state
+    @_computes
     def export_weights(self) -> dict[str, Tensor]:
         """A copy of the full weights (a sharded model all-gathers them: every rank of the group calls
         this); a LoRA model's merged into the plain model's (what generation engines load)."""
@@ -477,6 +494,7 @@ class LocalModel:
             return {k: v.detach().to("cpu", copy=True) for k, v in full.items()}
         return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
+    @_computes
     def import_weights(self, weights: Mapping[str, Tensor]) -> None:
         if self.lora is not None:
             raise BackendError(
@@ -490,6 +508,7 @@ class LocalModel:
             return
         self.module.load_state_dict(dict(weights))
 
+    @_computes
     def save_state(self, path: Path) -> None:
         """Everything to resume this model into ``path`` (every rank calls this; the first writes):
         the HF checkpoint, the optimizer state (safetensors + JSON) and the version."""
@@ -515,6 +534,7 @@ class LocalModel:
             save_tree(path / "optimizer", optimizer)
         (path / "engine.json").write_text(msgspec.json.encode({"version": self.version}).decode())
 
+    @_computes
     def load_state(self, path: Path) -> int:
         """Restore what `save_state` wrote (each rank keeps its shard); returns the version."""
         from safetensors.torch import load_file
@@ -604,6 +624,7 @@ class LocalModel:
         else:
             self.optimizer.load_state_dict(state)
 
+    @_computes
     def save(self, path: Path, weights: Mapping[str, Tensor] | None = None) -> None:
         """An HF checkpoint, written by the group's first rank (every rank calls this)."""
         if weights is None and (self.sharded or self.lora is not None):
@@ -639,9 +660,11 @@ class LoraBase(LocalModel):
         stack.enter_context(super()._compute())
         return stack
 
+    @_computes
     def export_weights(self) -> dict[str, Tensor]:
         return merge_lora(self.trained._state(), 0.0)  # the base: the adapters count nothing
 
+    @_computes
     def import_weights(self, weights: Mapping[str, Tensor]) -> None:
         raise BackendError(
             f"model '{self.decl.name}' is the base of LoRA-trained model '{self.trained.decl.name}' (their weights "
@@ -771,6 +794,7 @@ def _unsharded_copy(engine: LocalModel, weights: Mapping[str, Tensor]) -> nn.Mod
 # ------------------------------------------------------------ factories (registered as engine "local")
 
 
+@_computes
 def training_engine(ctx: EngineContext) -> LocalModel:
     """A graph model in this process: its checkpoint folder (or a fresh tiny model), or a copy of
     the model it initialises from when that starts from the same folder, with a scalar head for
@@ -806,6 +830,7 @@ def training_engine(ctx: EngineContext) -> LocalModel:
     return engine
 
 
+@_computes
 def generation_engine(ctx: EngineContext) -> LocalModel:
     """Generation on a separate local copy of the training engine's model (when another
     training engine trains it); weights arrive through `load_weights` after each step."""
