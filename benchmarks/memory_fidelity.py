@@ -11,6 +11,12 @@ the plan's per-group memory estimate (`flowrl plan` prints it). ``ratio`` = meas
 the issue asks for it within 15 %. Each configuration also reports its largest phase (the engine
 call with the highest peak).
 
+``ray-cpu2`` runs the fp32 job as a Ray plan for this machine as two devices (``cpu:2``: the actor
+FSDP2-sharded over two worker processes, or as the tuner places it): measured per worker process
+from its ``/proc`` status around each call the driver makes to it, from the worker's RSS after a
+warm-up in it (a tiny model built, trained a step and dropped); predicted, the plan's estimate for
+one device of the group.
+
     python benchmarks/memory_fidelity.py --steps 2 --prompts 8
 """
 
@@ -23,10 +29,11 @@ import subprocess
 import sys
 
 CONFIGS = {
-    "fp32": [],
+    "fp32": ["train.dtype=float32"],  # auto takes bfloat16 for this model on a CPU with native bfloat16
     "bf16": ["train.dtype=bfloat16", "train.attention=sdpa"],
     "bf16+recompute": ["train.dtype=bfloat16", "train.attention=sdpa", "train.recompute=true"],
-    "lora": ["train.lora.rank=8"],
+    "lora": ["train.dtype=float32", "train.lora.rank=8"],
+    "ray-cpu2": ["train.dtype=float32", "backend=ray", "device=cpu"],
 }
 MODEL = [
     "tiny_model.hidden_size=512",
@@ -80,15 +87,76 @@ print(json.dumps({"predicted": estimate.required_bytes, "breakdown": estimate.br
 """
 
 
+RAY_CHILD = r"""
+import ctypes, gc, json, sys
+from flowrl import api
+from flowrl.plugins.manager import registry
+from flowrl_ray import executor as rx
+
+def status(pid, field):
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(field + ":"))
+
+def reset_peak(pid):
+    with open(f"/proc/{pid}/clear_refs", "w") as fh:
+        fh.write("5")
+
+def warm(_self):  # in a worker, as the local run's warm-up: a tiny model built, run and dropped
+    import torch, torch.distributed.fsdp, peft  # noqa: F401
+    from flowrl.backends.local.models import build_causal_lm, load_tokenizer, model_config
+    from flowrl.specs import TinyModelConfig
+    tok = load_tokenizer(None)
+    model = build_causal_lm(None, model_config(None, TinyModelConfig(), tok), seed=0)
+    ids = torch.randint(0, len(tok), (2, 8))
+    model(input_ids=ids).logits.sum().backward()
+    torch.optim.AdamW(model.parameters()).step()
+    del model
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return True
+
+overrides = json.loads(sys.argv[1])
+_, cfg = api.load("graphs/grpo.py", overrides=overrides)
+target = api.local_target(cfg, registry(), devices=2)
+graph, plan = api.plan("graphs/grpo.py", overrides=overrides, target=target, for_backend=True, emit=lambda s: None)
+estimates = {m.group: m.required_bytes for m in plan.memory}
+base, phases = {}, {}
+call = rx.RayTransport.call
+
+def measured(self, ranks, method, args, tag):
+    import ray
+    if method == "setup":
+        ray.get([self.actors[r].__ray_call__.remote(warm) for r in ranks])
+        for r in ranks:
+            base[r] = status(self.pids[r], "VmRSS")
+    pids = {r: self.pids[r] for r in ranks if r in base}
+    for pid in pids.values():
+        reset_peak(pid)
+    out = call(self, ranks, method, args, tag)
+    for r, pid in pids.items():
+        key = f"{self.group_of(r)}.{method}"
+        phases[key] = max(phases.get(key, 0), status(pid, "VmHWM") - base[r])
+    return out
+
+rx.RayTransport.call = measured
+api.run(graph, plan)
+group, predicted = max(estimates.items(), key=lambda kv: kv[1])
+print(json.dumps({"predicted": predicted, "phases": {k: v for k, v in phases.items() if k.startswith(group)}, "all": phases,
+                  "layout": plan.layout.summary()}))
+"""
+
+
 def measure(name: str, steps: int, prompts: int) -> dict:
     overrides = [
         f"steps={steps}", "seed=0", "progress=false", "checkpoint=false", "out=/tmp/flowrl-memory",
         f"rollout.prompts_per_step={prompts}", "threads=2", *MODEL, *CONFIGS[name],
     ]  # fmt: skip
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(overrides)], capture_output=True, text=True, check=True, env=env
-    ).stdout
+    child = RAY_CHILD if name.startswith("ray") else CHILD
+    proc = subprocess.run([sys.executable, "-c", child, json.dumps(overrides)], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        sys.exit(f"configuration {name} failed:\n{proc.stderr[-3000:]}")
+    out = proc.stdout
     record = json.loads(out.strip().splitlines()[-1])
     record["phase"], record["measured"] = max(record["phases"].items(), key=lambda kv: kv[1])
     record["ratio"] = round(record["measured"] / record["predicted"], 3)
@@ -121,6 +189,7 @@ def main() -> None:
                         "measured_mib": round(r["measured"] / 2**20, 1),
                         "ratio": r["ratio"],
                         "peak_phase": r["phase"],
+                        **({"layout": r["layout"]} if "layout" in r else {}),
                     }
                     for name, r in results.items()
                 },

@@ -246,7 +246,8 @@ class Tuner:
         peaks = {f"{m} activations": choice[m][3] for m in members}
         if sk.generation.group == group:  # the policies generate in turn: each engine is a peak of its own
             for actor in self.roles.policies:
-                in_place = self.in_place and actor in members
+                # in place: the training engine samples, on one device (sharded, a full replica per rank)
+                in_place = self.in_place and actor in members and choice[actor][0].parallel.size == 1
                 gen = mem.generation_bytes(
                     self.specs[actor], self.numerics, sk.generation, self.w.sequences, self.max_len, in_place
                 )

@@ -55,6 +55,10 @@ class Numerics(CheckedSpec, kw_only=True):
     # the training engine samples with the weights it trains (the torch engine), so a colocated
     # rollout it generates holds no second copy of them
     generation_in_place: bool = False
+    # a trainable model on several data-parallel devices shards its weights and gradients too (FSDP2,
+    # ZeRO-3), gathering a layer's parameters (and holding its unsharded gradient) while it computes;
+    # False: only the optimizer states are sharded (ZeRO-1)
+    sharded_states: bool = False
 
 
 def usable_bytes(hw: HardwareSpec, numerics: Numerics | None = None) -> int:
@@ -67,14 +71,21 @@ def state_bytes(
     """One device's weights, and for a trainable model its gradients and optimizer states, of the
     ``trained`` parameters (LoRA adapters) or all (None)."""
     p = layout.parallel
-    shard = model.parameters() / (p.tp * p.pp)
+    zero3 = p.dp if sharded(numerics, layout, trainable) else 1
+    shard = model.parameters() / (p.tp * p.pp * zero3)
     total = shard * numerics.weight_bytes
     if trainable:
-        grads = shard if trained is None else trained / (p.tp * p.pp)
+        grads = shard if trained is None else trained / (p.tp * p.pp * zero3)
         total += grads * (numerics.grad_bytes + (0 if trained is None else 4))  # adapters: float32 copies too
-        if not layout.offload_optimizer:
-            total += grads / p.dp * numerics.optimizer_bytes
+        if not layout.offload_optimizer:  # sharded over dp either way
+            total += grads * zero3 / p.dp * numerics.optimizer_bytes
     return int(total)
+
+
+def sharded(numerics: Numerics, layout: ModelLayout, trainable: bool) -> bool:
+    """Whether a model's weights and gradients are sharded over its data-parallel devices
+    (`Numerics.sharded_states`)."""
+    return numerics.sharded_states and trainable and layout.parallel.dp > 1
 
 
 def activation_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout, seq_len: int, *, training: bool) -> int:
@@ -103,17 +114,34 @@ def compute_copy_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout
     return int(model.parameters() / (p.tp * p.pp) * numerics.compute_copy_bytes)
 
 
-def pass_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout, seq_len: int, *, training: bool) -> int:
+def gathered_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout, *, training: bool) -> int:
+    """What a sharded model (`sharded`) holds unsharded while it computes: two decoder layers' parameters
+    (the one computing and the next, prefetched) and the root's (embeddings, LM head, final norm), in
+    the precision it computes in, and in a train step a layer's unsharded gradient."""
+    p = layout.parallel
+    layer = model.layer_parameters() / (p.tp * p.pp)
+    root = (model.vocab * model.hidden * (1 if model.tied_embeddings else 2) + model.hidden) / p.tp
+    held = (2 * layer + root) * (numerics.compute_copy_bytes or numerics.weight_bytes)
+    return int(held + (layer * numerics.grad_bytes if training else 0))
+
+
+def pass_bytes(
+    model: ModelSpec, numerics: Numerics, layout: ModelLayout, seq_len: int, *, training: bool, trainable: bool = False
+) -> int:
     """One micro-batch's peak beyond the model's states: its activations, and its compute copy -- kept
-    for the backward unless each layer is recomputed from its input."""
+    for the backward unless each layer is recomputed from its input -- or, sharded, what it gathers."""
     acts = activation_bytes(model, numerics, layout, seq_len, training=training)
+    if sharded(numerics, layout, trainable):
+        return acts + gathered_bytes(model, numerics, layout, training=training)
     return acts + (0 if training and numerics.recompute else compute_copy_bytes(model, numerics, layout))
 
 
 def model_pass_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout, seq_len: int, trainable: bool) -> int:
     """The largest `pass_bytes` of a model's passes: a trained model's train step or its forward passes."""
-    forward = pass_bytes(model, numerics, layout, seq_len, training=False)
-    return max(forward, pass_bytes(model, numerics, layout, seq_len, training=True)) if trainable else forward
+    forward = pass_bytes(model, numerics, layout, seq_len, training=False, trainable=trainable)
+    if not trainable:
+        return forward
+    return max(forward, pass_bytes(model, numerics, layout, seq_len, training=True, trainable=True))
 
 
 def generation_bytes(

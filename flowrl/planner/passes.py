@@ -865,12 +865,27 @@ def budgeted_rows(rows: int, seq_len: int, max_tokens: int | None) -> int:
 
 def _generates_in_place(plan: ExecutionPlan, layout: ClusterPlan, model: str | None, group: str) -> bool:
     """Whether ``model`` samples on ``group`` with the weights its training engine holds there (the
-    training engine generating, colocated): no second copy of its weights."""
+    training engine generating, colocated, on one device): no second copy of its weights."""
     run = plan.models.get(model or "")
     if not plan.target.numerics.generation_in_place or run is None or run.generation_engine != run.training_engine:
         return False
     trained = next((m for m in layout.models if m.model == model), None)
-    return trained is not None and trained.group == group
+    # a model sharded over several devices samples with a full replica per generation rank (as `lower` runs it)
+    return trained is not None and trained.group == group and trained.parallel.size == 1
+
+
+def _resident_replica(plan: ExecutionPlan, layout: ClusterPlan, model: str | None) -> bool:
+    """Whether ``model`` generates with a replica an engine that otherwise samples in place (the torch
+    engine: `Numerics.generation_in_place`) builds beside its sharded training engine and keeps."""
+    run = plan.models.get(model or "")
+    trained = next((m for m in layout.models if m.model == model), None)
+    return (
+        plan.target.numerics.generation_in_place
+        and run is not None
+        and trained is not None
+        and run.generation_engine == run.training_engine
+        and trained.group == layout.generation_of(model or "").group
+    )
 
 
 def lora_base(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan, model: str) -> str | None:
@@ -917,10 +932,22 @@ def memory(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
             if n.kind == "generate":
                 model = ctx.graph.nodes[n.node].model
                 in_place = _generates_in_place(plan, layout, model, g.name)
-                what = "its compute copy" if in_place else "generation weights"
+                resident = not in_place and _resident_replica(plan, layout, model)
+                gen = layout.generation_of(model or "")
+                if resident:  # the torch engine's own replica, built once and kept: a state of the group
+                    states[f"model {model} (its generation replica's weights)"] = int(
+                        t.spec(model).parameters() * t.numerics.weight_bytes / gen.tp
+                    )
+                what = "its compute copy" if in_place or resident else "generation weights"
                 peaks[f"node {n.node} ({what} + KV cache)"] = mem.generation_bytes(
-                    t.spec(model), t.numerics, layout.generation_of(model or ""), n.rows, seq_len, in_place
+                    t.spec(model), t.numerics, gen, n.rows, seq_len, in_place or resident
                 )
+                trained = next((m for m in layout.models if m.model == model), None)
+                if resident and trained is not None and mem.sharded(t.numerics, trained, True):
+                    # the sync gathers the sharded weights whole on every rank before they load
+                    peaks[f"weight sync of {model} (its gathered weights)"] = int(
+                        t.spec(model).parameters() * t.numerics.weight_bytes
+                    )
             elif n.kind in ("forward", "train"):
                 model = ctx.graph.nodes[n.node].model
                 lay = layout.layout(model)
@@ -929,7 +956,7 @@ def memory(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
                 name = f"node {n.node} activations" + (" (+ its compute copy)" if t.numerics.compute_copy_bytes else "")
                 peaks[name] = mem.pass_bytes(
                     t.spec(lay.model), t.numerics, msgspec.structs.replace(lay, micro_batch=size), seq_len,
-                    training=training,
+                    training=training, trainable=model in _trainable(ctx.graph),
                 )  # fmt: skip
         need, breakdown = mem.group_need(states, peaks)
         estimates.append(

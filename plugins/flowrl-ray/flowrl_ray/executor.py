@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from flowrl.backends.local.device import machine as local_machine
 from flowrl.backends.local.executor import LOCAL_NUMERICS
 from flowrl.errors import BackendError, FlowRLError
@@ -75,7 +77,8 @@ class RayExecutor(PlanExecutor):
         weight_sync=("reshard", "full", "bucketed", "sparse"),
         model_parallel=True,  # groups of any size: whether a model splits over them is its engine's to declare
         optimizer_offload=True,  # whether a model offloads is its engine's to declare (local: FSDP2 CPUOffloadPolicy)
-        numerics=LOCAL_NUMERICS,
+        # a trained model on several ranks is FSDP2-sharded: weights and gradients too (the local engine)
+        numerics=msgspec.structs.replace(LOCAL_NUMERICS, sharded_states=True),
     )
 
     def __init__(self, registry: Any) -> None:
