@@ -15,7 +15,10 @@ def _plan(*extra: str, devices: int = 2):
     overrides = [*OVERRIDES, *extra]
     _, cfg = api.load("grpo", overrides=overrides)
     target = api.local_target(cfg, registry(), devices=devices)
-    return api.plan("grpo", overrides=overrides, target=target, for_backend=devices > 1, emit=lambda s: None)[1]
+    pins = {"placement": "colocate"} if devices > 1 else {}  # both models over both ranks
+    return api.plan(
+        "grpo", overrides=overrides, target=target, for_backend=devices > 1, options=pins, emit=lambda s: None
+    )[1]
 
 
 def test_a_two_rank_ray_plan_holds_a_sharded_actor_and_a_generation_replica(monkeypatch):
