@@ -173,7 +173,12 @@ def test_zero_steps_still_writes_the_run_folder_the_readme_promises(tmp_path):
 
 def test_a_user_error_inside_a_worker_reads_as_one_paragraph(tmp_path):
     """A BackendError raised in a worker (a diverged step) keeps its message, not Ray's traceback."""
-    g, plan = plan_for("grpo", tmp_path, "steps=2", "checkpoint=false", "train.lr=1e9", placement="colocate")
+    # a batch large enough that its first step's rewards differ (a constant-reward batch has no gradient to
+    # diverge on, and after a KL-only update at lr 1e9 the saturated policy has none either)
+    g, plan = plan_for(
+        "grpo", tmp_path, "steps=3", "checkpoint=false", "train.lr=1e9", "rollout.prompts_per_step=8",
+        "rollout.samples_per_prompt=8", placement="colocate",
+    )  # fmt: skip
     with pytest.raises(BackendError) as info:
         api.run(g, plan, out_dir=tmp_path / "run")
     msg = str(info.value)
