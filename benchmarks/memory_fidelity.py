@@ -141,7 +141,7 @@ def measured(self, ranks, method, args, tag):
 rx.RayTransport.call = measured
 api.run(graph, plan)
 group, predicted = max(estimates.items(), key=lambda kv: kv[1])
-print(json.dumps({"predicted": predicted, "phases": {k: v for k, v in phases.items() if k.startswith(group)}, "all": phases,
+print(json.dumps({"predicted": predicted, "phases": {k: v for k, v in phases.items() if k.startswith(group)},
                   "layout": plan.layout.summary()}))
 """
 

@@ -47,6 +47,9 @@ class EngineCapabilities(Spec):
 
     model_parallel: bool = False  # its model split over ranks (tensor / pipeline parallel)
     optimizer_offload: bool = False  # optimizer states in host memory between steps
+    # a train step computes the ports `TrainStep.own` names itself (the model's outputs, detached):
+    # the planner may then fuse an old-log-prob forward into it (`flowrl.planner.passes.fused_forwards`)
+    own_outputs: bool = False
 
 
 def compose(
@@ -70,9 +73,9 @@ def for_run(
     registered: a run can do what every one of its engines can. A generation engine that is
     ``auto`` (chosen later) or the training engine itself counts as the training engine."""
     training = list(dict.fromkeys(training))
-    train = _all([_declared(registry, "training_engines", n) for n in training])
+    train = _all([declared(registry, "training_engines", n) for n in training])
     others = [n for n in dict.fromkeys(generation) if n != AUTO and n not in training]
-    gen = _all([_declared(registry, "generation_engines", n) for n in others]) if others else None
+    gen = _all([declared(registry, "generation_engines", n) for n in others]) if others else None
     return compose(executor, train, gen)
 
 
@@ -85,10 +88,11 @@ def _all(declared: list[EngineCapabilities]) -> EngineCapabilities:
     return EngineCapabilities(
         model_parallel=all(d.model_parallel for d in declared),
         optimizer_offload=all(d.optimizer_offload for d in declared),
+        own_outputs=all(d.own_outputs for d in declared),
     )
 
 
-def _declared(registry: Registry, kind: str, name: str) -> EngineCapabilities:
+def declared(registry: Registry, kind: str, name: str) -> EngineCapabilities:
     """What engine ``name`` declared (nothing for a name not registered: the `resolve` pass names it)."""
     if name not in registry.names(kind):
         return EngineCapabilities()

@@ -25,7 +25,7 @@ import msgspec
 from flowrl.errors import ConfigError, GraphError, PlanError, did_you_mean
 from flowrl.graph.ir import Compute, Filter, Forward, Generate, Graph, Reward, Train
 from flowrl.planner import memory as mem
-from flowrl.planner.capabilities import rollout_conflict, supports
+from flowrl.planner.capabilities import declared, rollout_conflict, supports
 from flowrl.planner.constraints import Constraints
 from flowrl.planner.hardware import HardwareSpec, is_cpu
 from flowrl.planner.modelspec import role_models
@@ -252,18 +252,31 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     if target.capabilities is not None:  # a plan for an executor: its memory as the engine computes
         target = msgspec.structs.replace(target, numerics=engine_memory(target.numerics, numerics))
     runs = model_runs(graph, cfg, budget, numerics)
-    fused = fused_forwards(graph, resolved, reg)
+    fused = fused_forwards(graph, resolved, reg, cfg.train.engine)
     return _replace(plan, config=cfg, target=target, options=resolved, models=runs, fused=fused)
 
 
-def fused_forwards(graph: Graph, options: dict[str, NodeOptions], registry: Registry) -> dict[str, str]:
+def fused_forwards(graph: Graph, options: dict[str, NodeOptions], registry: Registry, engine: str) -> dict[str, str]:
     """Forward nodes whose output their model's train node computes itself (forward -> train node).
 
     A policy that takes one optimizer step per batch (one epoch, one mini-batch) trains on the very
     weights that computed its old log-probs, so they are its own log-probs, detached (TRL's
     ``num_iterations=1``): the train step computes them in its forward and the forward pass is
-    saved. Only where nothing else reads them, the train node is the model's only one (no other
-    update between), and no dynamic-sampling filter round runs the forward."""
+    saved. Only where the training engine ``engine`` declares it can (`EngineCapabilities.own_outputs`)
+    and the loss trains on log-probs; the structure `fusable` checks besides."""
+    if not declared(registry, "training_engines", engine).own_outputs:
+        return {}
+    return {
+        fwd: train
+        for fwd, train in fusable(graph, options).items()
+        if registry.entry("losses", graph.nodes[train].loss).meta.get("output", "logprobs") == "logprobs"
+    }
+
+
+def fusable(graph: Graph, options: dict[str, NodeOptions]) -> dict[str, str]:
+    """The forward -> train node pairs a fusion may join: a log-prob forward whose output only its
+    model's one train node reads (no other update between them), on the sequences that node trains
+    on, outside dynamic-sampling filter rounds, for a train node taking one update per batch."""
     readers: dict[str, list[str]] = {}
     for node in graph.nodes.values():
         for key in node.reads:
@@ -279,12 +292,12 @@ def fused_forwards(graph: Graph, options: dict[str, NodeOptions], registry: Regi
             continue
         (key,) = node.writes
         train = readers.get(key, [])
-        if len(train) != 1 or trains.get(node.model) != train:
+        if len(train) != 1 or trains.get(node.model) != train or train[0] not in options:
             continue
         t = graph.nodes[train[0]]
         opts = options[t.name].options
-        output = registry.entry("losses", t.loss).meta.get("output", "logprobs")
-        if output == "logprobs" and node.reads[0] in t.reads and (opts["epochs"], opts["mini_batches"]) == (1, 1):
+        sequences = [k for k in t.reads if k in graph.sequence_keys()]
+        if sequences == [node.reads[0]] and (opts.get("epochs"), opts.get("mini_batches")) == (1, 1):
             out[node.name] = t.name
     return out
 
@@ -994,9 +1007,16 @@ def verify_plan(graph: Graph, plan: ExecutionPlan) -> None:
                 raise PlanError(
                     f"node '{n.node}' runs on unknown device group '{n.group}' (groups: {', '.join(sorted(groups))})."
                 )
-    for fwd, train in plan.fused.items():
-        if not isinstance(graph.nodes.get(fwd), Forward) or not isinstance(graph.nodes.get(train), Train):
-            raise PlanError(f"the plan fuses node '{fwd}' into '{train}'; the graph has no such forward / train node.")
+    if plan.fused:
+        allowed = fusable(graph, plan.options)
+        for fwd, train in plan.fused.items():
+            if allowed.get(fwd) != train:
+                here = ", ".join(f"{f} -> {t}" for f, t in allowed.items()) or "none"
+                raise PlanError(
+                    f"the plan fuses node '{fwd}' into '{train}', but only a log-prob forward whose output that "
+                    "model's one train node alone reads, taking one update per batch, can be computed in its train "
+                    f"step (here: {here}). Re-run `flowrl plan`."
+                )
     for est in plan.memory:
         if est.required_bytes > est.capacity_bytes:
             parts = "; ".join(f"{k}: {mem.gib(v)}" for k, v in sorted(est.breakdown.items(), key=lambda kv: -kv[1]))

@@ -128,7 +128,7 @@ def register_training_engines(register: Register) -> None:
         _local_training_engine,
         description="HF models in this process: forward, AdamW train steps (FSDP2 data parallel over a group)",
         # offload: FSDP2's CPUOffloadPolicy on a group, optimizer states in host memory between steps in one process
-        capabilities=EngineCapabilities(model_parallel=False, optimizer_offload=True),
+        capabilities=EngineCapabilities(model_parallel=False, optimizer_offload=True, own_outputs=True),
     )
 
 

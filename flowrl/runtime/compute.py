@@ -63,18 +63,28 @@ def on_compute_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return _pool.submit(call).result()
 
 
+_serial = threading.local()
+
+
 @contextlib.contextmanager
 def serial_here() -> Iterator[None]:
-    """This thread's torch kernels on one core while inside (its OpenMP team is not started), its
-    setting restored after, and the compute thread computing with this thread's count: for threads
-    that route work to the compute thread."""
+    """This thread's torch kernels on one core while inside (its OpenMP team is not started), and the
+    compute thread computing with this thread's count; both restored after. For threads that route
+    work to the compute thread; nested (a run started inside a run), it changes nothing."""
+    if getattr(_serial, "on", False):
+        yield
+        return
     before = torch.get_num_threads()
+    computing = on_compute_thread(torch.get_num_threads)
     set_compute_threads(before)
     thread_count(1)
+    _serial.on = True
     try:
         yield
     finally:
+        _serial.on = False
         thread_count(before)
+        set_compute_threads(computing)
 
 
 def set_compute_threads(threads: int) -> None:

@@ -77,8 +77,9 @@ class TrainStep:
     # what the loss is a mean over (flowrl.specs.LOSS_UNITS): the engine weighs each micro-batch's
     # loss by its share of the mini-batch's tokens or rows (or by 1, a sum)
     unit: str = "token-mean"
-    # ports the step computes itself: the model's outputs, detached (the old log-probs of one update
-    # per batch; `flowrl.planner.passes.fused_forwards`)
+    # ports the step computes itself: the model's outputs of each micro-batch, detached, under these
+    # names in the batch the loss reads (the old log-probs of one update per batch, fused by the planner
+    # only for an engine declaring `EngineCapabilities.own_outputs`; `flowrl.planner.passes.fused_forwards`)
     own: tuple[str, ...] = ()
 
 

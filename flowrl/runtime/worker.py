@@ -137,8 +137,10 @@ class Worker:
         Returns (tokenizer, hf_config) of every model built here."""
         import torch
 
-        if self.threads:
-            torch.set_num_threads(self.threads)
+        from flowrl.runtime.compute import set_compute_threads
+
+        if self.threads:  # the engines compute on the compute thread (flowrl.runtime.compute)
+            set_compute_threads(self.threads)
         torch.manual_seed(plan.config.seed)
         self.schedule = schedule
         channels = {  # model -> ranks that take part in its weight sync (the trainer's first rank sends)

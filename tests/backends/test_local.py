@@ -261,3 +261,11 @@ def test_draw_samples_each_row_from_its_distribution_and_never_a_token_without_m
     # rounding in the cumulative sum cannot carry a draw past the last token with mass
     edge = torch.tensor([[0.3, 0.7 - 1e-7, 0.0, 0.0]])
     assert all(int(draw(edge, g)) in (0, 1) for _ in range(2000))
+
+
+def test_draw_refuses_probabilities_that_are_not_finite():
+    from flowrl.backends.local.generation import draw
+
+    probs = torch.tensor([[0.5, 0.5], [float("nan"), 0.5]])
+    with pytest.raises(RuntimeError, match="not finite"):
+        draw(probs, torch.Generator().manual_seed(0))

@@ -3,8 +3,9 @@ old-log-prob forward (``plan.fused``), the one compute thread per process (flowr
 CPU auto numerics (bfloat16 for models of 10M parameters or more) and sampling by inverse CDF
 (``flowrl.backends.local.generation.draw``).
 
-Tests marked ``xfail(strict=True)`` pin bugs found in the review; each reason names the symptom and
-the code at fault. Everything here runs tiny models for 1-4 steps.
+The review's bugs (a fused run losing logprob_gap, a plugin engine and hand-edited fusions, the
+threads of nested runs and of ``threads``) are fixed; their tests pin the fixes. Everything here runs
+tiny models for 1-4 steps.
 """
 
 from __future__ import annotations
@@ -115,14 +116,6 @@ def test_a_fused_run_has_no_old_logprob_pass_but_trains_on_the_ratio_one(fused_r
         assert record["train_actor/ratio_mean"] == 1.0 and record["train_actor/clipfrac"] == 0.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a fused run loses `logprob_gap` (the headline metric, `old_logprobs/logprob_gap(_max)` and "
-    "the final line's 'log-prob gap'), which README ('Every run reports logprob_gap in its metrics and final "
-    "line') promises: only flowrl/runtime/nodes.py:_forward computes it, and the fused forward never runs "
-    "(schedule.lower drops it); the train step (nodes._train / engine._accumulate) has the same log-probs "
-    "and the sampler's but reports no gap.",
-)
 def test_a_fused_run_still_reports_the_sampler_vs_trainer_logprob_gap(fused_run):
     _, _, result = fused_run
     assert all(isinstance(r.get("logprob_gap"), float) for r in result.metrics)
@@ -148,6 +141,22 @@ def test_fused_equals_separate_forward_with_lora_packing_and_one_step_off(tmp_pa
     wa = load_file(str(a.checkpoints["actor"] / "model.safetensors"))
     wb = load_file(str(b.checkpoints["actor"] / "model.safetensors"))
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["streaming", "partial+async"])
+def test_fused_equals_separate_forward_when_scoring_streams_or_rollouts_continue(tmp_path, mode):
+    """Streaming starts scoring forward nodes on parts of the responses (the fused forward is one of
+    them, with no task); partial rollouts continue responses across steps."""
+    g, p = plan("grpo", f"rollout.mode={mode}", "checkpoint=false", steps=2)
+    assert p.fused == {"old_logprobs": "train_actor"}
+    a = api.run(g, p.with_run_settings({"out": str(tmp_path / "fused")}))
+    sep = unfused(p, tmp_path / "separate")
+    b = api.run(api.graph_for_plan(sep), sep)
+    for ra, rb in zip(a.metrics, b.metrics, strict=True):
+        assert ra["reward"] == rb["reward"]
+        assert ra["train_actor/loss"] == pytest.approx(rb["train_actor/loss"], abs=1e-5)
+        assert ra["train_actor/grad_norm"] == pytest.approx(rb["train_actor/grad_norm"], rel=1e-4)
+        assert "old_logprobs" not in ra["spans"] and "old_logprobs" in rb["spans"]
 
 
 class Stop(Exception):
@@ -183,13 +192,6 @@ def test_a_fused_run_stopped_by_ctrl_c_resumes_to_the_uninterrupted_run(tmp_path
 # ---------------------------------------------------------------------------- fusion: plan edits
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: verify_plan (flowrl/planner/passes.py) checks only that a fused pair is a Forward and a "
-    "Train node, so a plan edited to fuse the *reference* model's forward into the actor's train node "
-    "(README: delete the 'id' line to accept an edit) runs: ref_logprobs become the actor's own "
-    "log-probs and the KL penalty is silently zero.",
-)
 def test_a_plan_fusing_another_models_forward_is_refused():
     g, p = plan("grpo")
     assert "ref_logprobs" in g.nodes
@@ -198,13 +200,6 @@ def test_a_plan_fusing_another_models_forward_is_refused():
         verify_plan(g, edited)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: verify_plan (flowrl/planner/passes.py) accepts a fusion in a plan whose train node takes "
-    "two optimizer steps per batch (mini_batches=2): the second mini-batch's 'old' log-probs would be the "
-    "updated weights' own, the PPO ratio always 1 and clipping off; fused_forwards' conditions are not "
-    "re-checked for a plan read from a file.",
-)
 def test_a_stale_fusion_in_a_plan_of_two_updates_per_batch_is_refused():
     g, p = plan("grpo", "train.mini_batches=2")
     assert p.fused == {} and p.options["train_actor"].options["mini_batches"] == 2
@@ -302,7 +297,14 @@ def _model_free_run(tmp_path: Path, *sets: str):
     g, p = api.plan(
         "grpo",
         registry=reg,
-        overrides=[*TINY, "steps=1", "checkpoint=false", "train.engine=modelfree", "generation.engine=modelfree", *sets],
+        overrides=[
+            *TINY,
+            "steps=1",
+            "checkpoint=false",
+            "train.engine=modelfree",
+            "generation.engine=modelfree",
+            *sets,
+        ],
         emit=quiet,
     )
     return p, api.run(g, p, registry=reg, out_dir=tmp_path)
@@ -313,13 +315,6 @@ def test_a_plugin_training_engine_runs_a_plan_of_two_updates_per_batch(tmp_path)
     assert p.fused == {} and "train_actor/loss" in result.metrics[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: fused_forwards (flowrl/planner/passes.py) fuses whatever the training engine, but only the "
-    "local engine (engine._accumulate) fills TrainStep.own; a plugin training engine written to the "
-    "TrainingEngine protocol (protocols.py does not say it must) gets a batch without old_logprobs: "
-    "\"node 'train_actor': loss 'ppo' raised KeyError: 'old_logprobs'\" as soon as train.mini_batches=1.",
-)
 def test_a_plugin_training_engine_runs_a_plan_of_one_update_per_batch(tmp_path):
     p, result = _model_free_run(tmp_path, "train.mini_batches=1")
     assert "train_actor/loss" in result.metrics[0]
@@ -333,7 +328,9 @@ def _threads_seen(tmp_path: Path, *sets: str) -> list[tuple[str, int, int]]:
     seen: list[tuple[str, int, int]] = []
 
     def on_step(_: dict) -> None:  # called on the run's caller thread
-        seen.append((threading.current_thread().name, torch.get_num_threads(), on_compute_thread(torch.get_num_threads)))
+        seen.append(
+            (threading.current_thread().name, torch.get_num_threads(), on_compute_thread(torch.get_num_threads))
+        )
 
     before = torch.get_num_threads()
     api.run(g, p.with_run_settings({"out": str(tmp_path)}), on_step=on_step)
@@ -342,30 +339,16 @@ def _threads_seen(tmp_path: Path, *sets: str) -> list[tuple[str, int, int]]:
 
 
 def test_the_callers_thread_computes_serially_during_a_run(tmp_path):
-    (name, caller, compute), = _threads_seen(tmp_path)
+    ((name, caller, compute),) = _threads_seen(tmp_path)
     assert name == threading.current_thread().name and caller == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: with `threads` set (threads=2), the run's caller thread computes with 2 threads during the "
-    "run, starting a second OpenMP team (what flowrl.runtime.compute exists to prevent): "
-    "flowrl/runtime/worker.py Worker.setup calls torch.set_num_threads(self.threads) on the caller thread "
-    "after executor.run's serial_here() set it to 1.",
-)
 def test_the_callers_thread_computes_serially_with_threads_configured(tmp_path):
-    (_, caller, compute), = _threads_seen(tmp_path, "threads=2")
+    ((_, caller, compute),) = _threads_seen(tmp_path, "threads=2")
     assert compute == 2  # the engines compute with the configured count
     assert caller == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a run started inside another run (from its on_step callback, on the caller thread that "
-    "serial_here() set to 1 thread) sets the compute thread to 1 thread (serial_here -> "
-    "set_compute_threads(before) with before=1, flowrl/runtime/compute.py) and never gives it back: the "
-    "outer run's later steps, and whatever computes after it until the next run, use one core.",
-)
 def test_a_nested_run_leaves_the_outer_runs_compute_threads_alone(tmp_path):
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # the outer run's engines compute on two threads (tests default to one)
@@ -502,7 +485,9 @@ def test_greedy_sampling_is_argmax_decoding_and_draws_nothing():
     for step in range(tokens.shape[1]):
         want = model.table[last].argmax(-1)
         assert torch.equal(tokens[:, step], want)
-        assert torch.allclose(logprobs[:, step], torch.log_softmax(model.table[last], -1).gather(1, want[:, None])[:, 0])
+        assert torch.allclose(
+            logprobs[:, step], torch.log_softmax(model.table[last], -1).gather(1, want[:, None])[:, 0]
+        )
         last = want
     # sampled, at a near-zero temperature, the draw agrees with argmax
     hot, _, _ = sample(

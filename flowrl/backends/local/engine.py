@@ -51,6 +51,7 @@ from flowrl.planner.plan import ModelRun
 from flowrl.runtime.batch import position_ids, ragged, select_rows, to_device, trim
 from flowrl.runtime.compute import on_compute_thread
 from flowrl.runtime.dispatch import micro_batches, padding
+from flowrl.runtime.nodes import logprob_gap
 from flowrl.runtime.protocols import EngineContext, LossFn, TrainStep
 from flowrl.runtime.responses import Response, ResponseRules, prompt_rows, responses_of, to_rollout
 
@@ -381,7 +382,8 @@ class LocalModel:
         self.module.eval()
         self.version += 1
         finite = {k: [x for x in v if math.isfinite(x)] for k, v in stats.items()}  # a skipped step's loss is not
-        out = {k: sum(v) / len(v) for k, v in finite.items() if v}
+        # over the micro-batches: a mean, a maximum's the largest
+        out = {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in finite.items() if v}
         if opt.skip_nonfinite:
             out["skipped"] = float(skipped)
         if self.oom_splits > splits_before:  # micro-batches split after running out of memory
@@ -422,9 +424,13 @@ class LocalModel:
             where = f"node '{step.node}' training model '{self.decl.name}'"
             try:
                 out = self._outputs(view[step.sequences_key], step.output)
+                gap: dict[str, float] = {}
                 if step.own:  # what the step computes itself: its own outputs, detached
                     view = view.with_columns({**view.columns, **{k: out.detach() for k in step.own}})
+                    # the forward it replaces reported how far the sampler's log-probs are from these
+                    gap = logprob_gap(out.detach().cpu(), view[step.sequences_key].to("cpu"), self.version)
                 value, step_stats = loss(out, view, step.algo)
+                step_stats = {**step_stats, **gap}
             except RuntimeError as err:
                 parts[i : i + 1] = self._split(err, part, where)
                 continue

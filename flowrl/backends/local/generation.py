@@ -35,6 +35,8 @@ def draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     uniform draw: one random number a row (``torch.multinomial`` draws one per vocabulary entry, a
     tenth of a decode step's time over a 49k vocabulary on a CPU)."""
     cumulative = probs.cumsum(-1)
+    if not bool(torch.isfinite(cumulative[:, -1]).all()):  # a NaN or inf anywhere in a row reaches its sum
+        raise RuntimeError("sampling: the model's next-token probabilities are not finite (NaN or inf logits)")
     u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cumulative.dtype)
     tok = torch.searchsorted(cumulative, u * cumulative[:, -1:], right=True).squeeze(-1)
     # a draw past the last token with mass (rounding in the sum) takes that token
