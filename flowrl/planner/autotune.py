@@ -142,6 +142,9 @@ class Tuner:
         self.micro_batch = micro_batch  # configured (train.micro_batch_size): every layout uses it
         self.constraints = constraints or Constraints()  # what the user requires (--require)
         self.numerics = numerics or mem.Numerics()
+        if self.numerics.activation_bytes >= 4:  # an engine computing in float32 runs at the fp32 peak
+            hw = msgspec.structs.replace(cluster.hardware, peak_flops_bf16=cluster.hardware.peak_flops_fp32)
+            cluster = self.cluster = msgspec.structs.replace(cluster, hardware=hw)
         # the training engine generates with the weights it trains: no second copy where it trains
         self.in_place = self.numerics.generation_in_place and generation_engine == training_engine
         self.capacity = mem.usable_bytes(cluster.hardware, self.numerics)
@@ -504,6 +507,7 @@ class Tuner:
         compute = c.result.flops / (n * hw.peak_flops_bf16)
         decode = c.result.longest_decode * self.cost.param_bytes / (n * hw.memory_bandwidth)
         return {
+            "peak_flops": hw.peak_flops_bf16,  # of the precision the engine computes in
             "flops": c.result.flops,
             "compute_bound_s": compute,
             "decode_bound_s": decode,
@@ -625,7 +629,7 @@ def explain(
     roof = result.roofline
     lines.append(
         f"  roofline: {roof['flops'] / 1e15:.1f} PFLOP/iteration -> {roof['compute_bound_s']:.2f}s at "
-        f"{cluster.devices} x {cluster.hardware.peak_flops_bf16 / 1e12:.3g} TFLOP/s; "
+        f"{cluster.devices} x {roof.get('peak_flops', cluster.hardware.peak_flops_bf16) / 1e12:.3g} TFLOP/s; "
         f"decode bound {roof['decode_bound_s']:.2f}s; the plan reaches {pred.efficiency:.0%} of the bound"
     )
     lines.append("runners-up:")

@@ -393,25 +393,33 @@ def test_the_tuner_checks_memory_with_the_backends_numerics():
         recompute=False, eager_attention=True, decode_batch=None, reserve=0.2,
     )  # fmt: skip
     results = {}
+
+    def need(t: Tuner, n: mem.Numerics, plan: ClusterPlan) -> dict[str, int]:
+        trainable, out = t.roles.trainable, {}
+        for g in plan.groups:
+            members = [m for m in plan.models if m.group == g.name]
+            states = {m.model: mem.state_bytes(QWEN, n, m, m.model in trainable) for m in members}
+            peaks = {
+                m.model: mem.activation_bytes(QWEN, n, m, t.max_len, training=m.model in trainable) for m in members
+            }
+            if plan.generation.group == g.name:
+                peaks["gen"] = mem.generation_bytes(QWEN, n, plan.generation, t.w.sequences, t.max_len)
+            out[g.name] = mem.group_need(states, peaks)[0]
+        return out
+
     for name, numerics in (("default", None), ("heavy", heavy)):
         t = make_tuner("grpo", QWEN, "2xA100-80G", load(64), numerics=numerics)
         n = numerics or mem.Numerics()
         assert t.numerics == n and t.capacity == mem.usable_bytes(t.cluster.hardware, n)
         result = unbounded(t, exhaustive_limit=0)
         for c in result.ranked:
-            trainable = t.roles.trainable
-            for g in c.plan.groups:
-                members = [m for m in c.plan.models if m.group == g.name]
-                states = {m.model: mem.state_bytes(QWEN, n, m, m.model in trainable) for m in members}
-                peaks = {
-                    m.model: mem.activation_bytes(QWEN, n, m, t.max_len, training=m.model in trainable) for m in members
-                }
-                if c.plan.generation.group == g.name:
-                    peaks["gen"] = mem.generation_bytes(QWEN, n, c.plan.generation, t.w.sequences, t.max_len)
-                assert c.memory[g.name] == mem.group_need(states, peaks)[0] <= t.capacity, c.plan.summary()
-        results[name] = result
-    default, fp32 = (results[k].best.predicted.memory_bytes for k in ("default", "heavy"))
-    assert max(fp32.values()) > max(default.values())
+            assert c.memory == need(t, n, c.plan) and max(c.memory.values()) <= t.capacity, c.plan.summary()
+        results[name] = (t, result)
+    # the same plan needs more under the heavier numerics (each numerics' best plan may differ: fp32 is priced
+    # at the fp32 peak)
+    t, default = results["default"]
+    plan = default.best
+    assert max(need(t, heavy, plan).values()) > max(need(t, mem.Numerics(), plan).values())
 
 
 def test_nothing_fits_names_the_numerics_bytes_per_parameter():
@@ -664,3 +672,16 @@ def test_ppo_with_a_reward_model_plans_for_llama_on_a100_80g(model, devices):
     pred = plan.layout.predicted
     assert all(pred.breakdown[k] > 0 for k in ("rollout", "train_actor", "train_critic", "score"))
     assert sum(g.devices for g in plan.layout.groups) == devices
+
+
+def test_an_engine_computing_in_float32_is_priced_at_the_fp32_peak():
+    """The time model takes the precision the engine computes in: an A100's fp32 peak is 16x below its bf16."""
+    model, cluster = MODEL_PRESETS["qwen2.5-0.5b"], "1x8xA100-80G"
+    fp32 = mem.Numerics(weight_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4)
+    bf16 = mem.Numerics()
+    slow = make_tuner("grpo", model, cluster, load(64), numerics=fp32).search(budget_s=1.0)
+    fast = make_tuner("grpo", model, cluster, load(64), numerics=bf16).search(budget_s=1.0)
+    hw = HARDWARE_PRESETS["A100-80G"]
+    assert slow.roofline["peak_flops"] == hw.peak_flops_fp32 and fast.roofline["peak_flops"] == hw.peak_flops_bf16
+    assert slow.ranked[0].result.iteration_s > 1.2 * fast.ranked[0].result.iteration_s  # its matmuls, not decode
+    assert f"{hw.peak_flops_fp32 / 1e12:.3g} TFLOP/s" in explain(slow, model, parse_cluster(cluster))

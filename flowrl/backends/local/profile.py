@@ -42,8 +42,9 @@ def _best(fn: Callable[[], Any], repeat: int = 5) -> float:
     return min(times)
 
 
-def peak_flops(n: int = 1024) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def peak_flops(n: int = 1024, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of an n x n matmul in ``dtype`` (bfloat16: native on CPUs with AVX-512-bf16 or AMX)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     return 2 * n**3 / _best(lambda: torch.mm(a, b))
 
 
@@ -175,7 +176,8 @@ def profile(out: Path, *, progress: Callable[[str], None] = lambda s: None) -> H
     from flowrl.specs import TinyModelConfig
 
     peak = peak_flops()
-    progress(f"matmul: {peak / 1e9:.1f} GFLOP/s")
+    half = peak_flops(dtype=torch.bfloat16)
+    progress(f"matmul: {peak / 1e9:.1f} GFLOP/s float32, {half / 1e9:.1f} GFLOP/s bfloat16")
     bw = bandwidth()
     progress(f"memory bandwidth: {bw / 1e9:.1f} GB/s")
     tok = load_tokenizer(None)
@@ -193,7 +195,7 @@ def profile(out: Path, *, progress: Callable[[str], None] = lambda s: None) -> H
                 generation[name] = cal
     hw = HardwareSpec(
         name="local-cpu",
-        peak_flops_bf16=peak,
+        peak_flops_bf16=half,  # what a bfloat16 engine's matmuls reach (a float32 one's: the fp32 peak)
         peak_flops_fp32=peak,
         memory_bytes=device_capacity("cpu"),
         memory_bandwidth=bw / 2,
