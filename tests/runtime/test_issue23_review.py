@@ -24,13 +24,10 @@ import torch
 from safetensors.torch import load_file
 
 from flowrl import api
-from flowrl.data import Rollout, Sequences
 from flowrl.errors import PlanError
 from flowrl.planner import passes
 from flowrl.planner.passes import verify_plan
 from flowrl.planner.plan import load_plan
-from flowrl.plugins.hookspecs import hookimpl
-from flowrl.plugins.manager import load_plugins
 from flowrl.runtime.compute import on_compute_thread
 from flowrl.runtime.schedule import lower
 
@@ -220,104 +217,7 @@ def test_a_plan_file_edited_to_add_a_fusion_keeps_its_id_check(tmp_path):
 
 
 # ---------------------------------------------------------------------------- fusion: other engines
-
-
-class ModelFreeEngine:
-    """A third-party training and generation engine written to the TrainingEngine protocol
-    (flowrl/runtime/protocols.py): no model; its train step runs the loss on outputs of its own."""
-
-    resumable = False
-
-    def __init__(self, ctx: Any) -> None:
-        self.decl, self.tokenizer, self.hf_config, self.version = ctx.decl, None, None, 0
-        self.limit = ctx.spec.sampling.max_new_tokens
-
-    def generate(self, prompts, *, n, greedy, generator, max_new_tokens=None, temperature=None) -> Rollout:
-        rows = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
-        b, r = len(rows), self.limit
-        lengths = torch.randint(1, r + 1, (b,), generator=generator)
-        mask = (torch.arange(r)[None] < lengths[:, None]).float()
-        seqs = Sequences(
-            prompt_ids=torch.ones(b, 2, dtype=torch.long),
-            prompt_mask=torch.ones(b, 2, dtype=torch.long),
-            response_ids=torch.randint(3, 20, (b, r), generator=generator) * mask.long(),
-            response_mask=mask,
-            prompt_index=torch.tensor([i for i, _ in rows], dtype=torch.long),
-            texts=tuple(p.answer if j % 2 == 0 else "?" for j, (_, p) in enumerate(rows)),
-            version=self.version,
-        )
-        logprobs = -torch.rand(b, r, generator=generator) * mask
-        return Rollout(sequences=seqs, logprobs=logprobs, finished=torch.ones(b, dtype=torch.bool), greedy=greedy)
-
-    def resume(self, rollout, *, generator, max_new_tokens=None) -> Rollout:
-        return rollout
-
-    def load_weights(self, weights, version) -> None:
-        self.version = version
-
-    def forward(self, seqs, output, micro_batch):
-        if output == "scores":
-            return torch.linspace(0.0, 1.0, len(seqs))
-        return torch.full(seqs.response_ids.shape, -0.5 - 0.01 * self.version) * seqs.response_mask
-
-    def train(self, loss, batch, step):
-        out = self.forward(batch[step.sequences_key], step.output, step.micro_batch).requires_grad_()
-        value, stats = loss(out, batch, step.algo)
-        self.version += 1
-        return {"loss": float(value.detach()), **stats}
-
-    def export_weights(self):
-        return {}
-
-    def import_weights(self, weights) -> None:
-        pass
-
-    def save_state(self, path: Path) -> None:
-        path.mkdir(parents=True, exist_ok=True)
-
-    def load_state(self, path: Path) -> int:
-        return self.version
-
-    def save(self, path: Path) -> None:
-        path.mkdir(parents=True, exist_ok=True)
-
-
-def _model_free_registry():
-    def engines(register: Any) -> None:
-        register("modelfree", ModelFreeEngine)
-
-    module = types.ModuleType("review_engines_plugin")
-    module.register_generation_engines = hookimpl(engines)
-    module.register_training_engines = hookimpl(engines)
-    return load_plugins(entry_points=False, extra=[("review_engines_plugin", module)])[1]
-
-
-def _model_free_run(tmp_path: Path, *sets: str):
-    reg = _model_free_registry()
-    g, p = api.plan(
-        "grpo",
-        registry=reg,
-        overrides=[
-            *TINY,
-            "steps=1",
-            "checkpoint=false",
-            "train.engine=modelfree",
-            "generation.engine=modelfree",
-            *sets,
-        ],
-        emit=quiet,
-    )
-    return p, api.run(g, p, registry=reg, out_dir=tmp_path)
-
-
-def test_a_plugin_training_engine_runs_a_plan_of_two_updates_per_batch(tmp_path):
-    p, result = _model_free_run(tmp_path, "train.mini_batches=2")
-    assert p.fused == {} and "train_actor/loss" in result.metrics[0]
-
-
-def test_a_plugin_training_engine_runs_a_plan_of_one_update_per_batch(tmp_path):
-    p, result = _model_free_run(tmp_path, "train.mini_batches=1")
-    assert "train_actor/loss" in result.metrics[0]
+# (a plugin engine that declares no own outputs: tests/runtime/test_runtime_boundary.py, with its fake engine)
 
 
 # ---------------------------------------------------------------------------- the compute thread

@@ -135,6 +135,17 @@ def run_fake(source: str, reg: Registry, tmp_path: Path, *extra: str, steps: int
     return api.run(graph, plan, registry=reg, out_dir=tmp_path / source)
 
 
+@pytest.mark.parametrize("mini_batches", [2, 1])
+def test_a_plugin_engine_declaring_no_own_outputs_runs_one_or_two_updates_per_batch(tmp_path, mini_batches):
+    """An engine written to the TrainingEngine protocol fills no `TrainStep.own`: the planner fuses no
+    old-log-prob pass into it (`EngineCapabilities.own_outputs`), even at one update per batch."""
+    reg = fake_registry()
+    sets = [*TINY, *FAKE, f"train.mini_batches={mini_batches}"]
+    graph, plan = api.plan("grpo", registry=reg, overrides=sets, flags={"steps": 1}, emit=quiet)
+    assert plan.fused == {}
+    assert "train_actor/loss" in api.run(graph, plan, registry=reg, out_dir=tmp_path).metrics[0]
+
+
 def algorithm(name: str, build: Any) -> types.ModuleType:
     def register_algorithms(register: Any) -> None:
         register(name, build)
