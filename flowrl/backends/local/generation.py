@@ -16,6 +16,7 @@ import inspect
 import torch
 from torch import Tensor, nn
 
+from flowrl.backends.local.decode import LeanDecoder
 from flowrl.runtime.batch import position_ids
 
 
@@ -39,8 +40,9 @@ def draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
         raise RuntimeError("sampling: the model's next-token probabilities are not finite (NaN or inf logits)")
     u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cumulative.dtype)
     tok = torch.searchsorted(cumulative, u * cumulative[:, -1:], right=True).squeeze(-1)
-    # a draw past the last token with mass (rounding in the sum) takes that token
-    last = probs.shape[1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)
+    # a draw past the last token with mass (rounding in the sum) takes that token: the first index
+    # where the running sum reaches its total (the sum rises there, so that token has mass)
+    last = (cumulative < cumulative[:, -1:]).sum(-1)
     return torch.minimum(tok, last)
 
 
@@ -100,6 +102,10 @@ def sample(
     logits = out.logits[:, -1, :]
     cache.batch_select_indices(copies)  # back to the caller's rows, in its order
     logits = logits[copies]
+    lean = LeanDecoder.of(model) if max_new_tokens > 1 else None
+    if lean is not None:
+        layers = cache.layers
+        lean.start([layer.keys for layer in layers], [layer.values for layer in layers], mask, max_new_tokens)
     next_pos = mask.sum(-1, keepdim=True)  # position of the first generated token
     device = prompt_ids.device
     done = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -112,10 +118,11 @@ def sample(
             tok = scaled.argmax(-1)
         else:
             tok = draw(torch.softmax(top_p_filter(scaled, top_p), dim=-1), generator)
-        full = torch.full((batch,), pad_id, dtype=tok.dtype, device=device)
-        full[active] = tok
-        lp = torch.zeros(batch, dtype=logp.dtype, device=device)
-        lp[active] = logp.gather(-1, tok[:, None]).squeeze(-1)
+        lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+        full = tok
+        if len(active) < batch:  # back to the caller's rows: finished rows get padding
+            full = torch.full((batch,), pad_id, dtype=tok.dtype, device=device).index_put_((active,), tok)
+            lp = torch.zeros(batch, dtype=logp.dtype, device=device).index_put_((active,), lp)
         tokens.append(full)
         logprobs.append(lp)
         alive.append(~done)
@@ -125,8 +132,14 @@ def sample(
             break
         keep = (~done[active]).nonzero().flatten()
         if len(keep) < len(active):  # drop finished rows from the batch and the KV cache
-            cache.batch_select_indices(keep)
+            if lean is not None:
+                lean.keep(keep)
+            else:
+                cache.batch_select_indices(keep)
             active, tok, mask, next_pos = active[keep], tok[keep], mask[keep], next_pos[keep]
+        if lean is not None:
+            logits = lean.step(tok, (next_pos + step).squeeze(-1))
+            continue
         mask = torch.cat([mask, torch.ones(len(active), 1, dtype=mask.dtype, device=device)], dim=1)
         out = model(
             input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos + step, use_cache=True, **{kwarg: cache}
