@@ -235,11 +235,12 @@ class Tuner:
                 + self.w.mini_batches * cost.optimizer_step(lay)
             )
         states = mem.state_bytes(spec, self.numerics, lay, trainable)
+        steps = mem.micro_steps(self.w.sequences // self.w.mini_batches, lay, lay.micro_batch)
         return (
             lay,
             seconds,
             states,
-            mem.model_pass_bytes(spec, self.numerics, lay, self.max_len, trainable),
+            mem.model_pass_bytes(spec, self.numerics, lay, self.max_len, trainable, steps),
         )
 
     def group_memory(

@@ -59,6 +59,11 @@ class Numerics(CheckedSpec, kw_only=True):
     # ZeRO-3), gathering a layer's parameters (and holding its unsharded gradient) while it computes;
     # False: only the optimizer states are sharded (ZeRO-1)
     sharded_states: bool = False
+    # a sharded model keeps all its layers gathered from a forward to the backward after it (FSDP2's
+    # reshard_after_forward=False), and over a mini-batch of several micro-steps their unsharded
+    # gradients, reduced once at the last (the torch engine); False: two layers gathered at a time and
+    # each micro-batch's gradients reduced as its backward goes
+    gather_whole: bool = False
 
 
 def usable_bytes(hw: HardwareSpec, numerics: Numerics | None = None) -> int:
@@ -88,6 +93,12 @@ def sharded(numerics: Numerics, layout: ModelLayout, trainable: bool) -> bool:
     return numerics.sharded_states and trainable and layout.parallel.dp > 1
 
 
+def micro_steps(rows: int, layout: ModelLayout, size: int) -> int:
+    """The micro-batches of ``size`` rows one rank of ``layout`` computes for ``rows`` rows (a mini-batch's,
+    shared over its data-parallel ranks)."""
+    return max(-(-max(rows // layout.parallel.dp, 1) // max(size, 1)), 1)
+
+
 def activation_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout, seq_len: int, *, training: bool) -> int:
     """Peak activations of one micro-batch: what is kept across layers for backward (the layer
     inputs with recomputation, every layer's working set without), one layer's working set,
@@ -114,34 +125,55 @@ def compute_copy_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout
     return int(model.parameters() / (p.tp * p.pp) * numerics.compute_copy_bytes)
 
 
-def gathered_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout, *, training: bool) -> int:
-    """What a sharded model (`sharded`) holds unsharded while it computes: two decoder layers' parameters
-    (the one computing and the next, prefetched) and the root's (embeddings, LM head, final norm), in
-    the precision it computes in, and in a train step a layer's unsharded gradient."""
+def gathered_bytes(
+    model: ModelSpec, numerics: Numerics, layout: ModelLayout, *, training: bool, micro_steps: int = 1
+) -> int:
+    """What a sharded model (`sharded`) holds unsharded while it computes: its decoder layers' parameters
+    -- all of them with `Numerics.gather_whole`, else two (the one computing and the next, prefetched)
+    -- and the root's (embeddings, LM head, final norm), in the precision it computes in; in a train
+    step a layer's unsharded gradient, or, gathering whole over ``micro_steps`` > 1 micro-batches of a
+    mini-batch, the whole model's, accumulated until the last reduces it."""
     p = layout.parallel
     layer = model.layer_parameters() / (p.tp * p.pp)
+    layers = model.layers // p.pp
     root = (model.vocab * model.hidden * (1 if model.tied_embeddings else 2) + model.hidden) / p.tp
-    held = (2 * layer + root) * (numerics.compute_copy_bytes or numerics.weight_bytes)
-    return int(held + (layer * numerics.grad_bytes if training else 0))
+    held = ((layers if numerics.gather_whole else 2) * layer + root) * (
+        numerics.compute_copy_bytes or numerics.weight_bytes
+    )
+    if not training:
+        return int(held)
+    accumulated = numerics.gather_whole and micro_steps > 1
+    return int(held + (layers * layer + root if accumulated else layer) * numerics.grad_bytes)
 
 
 def pass_bytes(
-    model: ModelSpec, numerics: Numerics, layout: ModelLayout, seq_len: int, *, training: bool, trainable: bool = False
+    model: ModelSpec,
+    numerics: Numerics,
+    layout: ModelLayout,
+    seq_len: int,
+    *,
+    training: bool,
+    trainable: bool = False,
+    micro_steps: int = 1,
 ) -> int:
     """One micro-batch's peak beyond the model's states: its activations, and its compute copy -- kept
-    for the backward unless each layer is recomputed from its input -- or, sharded, what it gathers."""
+    for the backward unless each layer is recomputed from its input -- or, sharded, what it gathers
+    (``micro_steps``: a train step's micro-batches per mini-batch on one rank)."""
     acts = activation_bytes(model, numerics, layout, seq_len, training=training)
     if sharded(numerics, layout, trainable):
-        return acts + gathered_bytes(model, numerics, layout, training=training)
+        return acts + gathered_bytes(model, numerics, layout, training=training, micro_steps=micro_steps)
     return acts + (0 if training and numerics.recompute else compute_copy_bytes(model, numerics, layout))
 
 
-def model_pass_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout, seq_len: int, trainable: bool) -> int:
+def model_pass_bytes(
+    model: ModelSpec, numerics: Numerics, layout: ModelLayout, seq_len: int, trainable: bool, micro_steps: int = 1
+) -> int:
     """The largest `pass_bytes` of a model's passes: a trained model's train step or its forward passes."""
     forward = pass_bytes(model, numerics, layout, seq_len, training=False, trainable=trainable)
     if not trainable:
         return forward
-    return max(forward, pass_bytes(model, numerics, layout, seq_len, training=True, trainable=True))
+    train = pass_bytes(model, numerics, layout, seq_len, training=True, trainable=True, micro_steps=micro_steps)
+    return max(forward, train)
 
 
 def generation_bytes(

@@ -811,14 +811,17 @@ def micro_batch(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
             if isinstance(node, (Forward, Train)):
                 size = min(cfg.train.micro_batch_size or lay.micro_batch, rows)
                 if isinstance(node, Train):  # a micro-batch never spans two mini-batches
-                    mini_batches = int(
-                        plan.options[name].options["mini_batches"]
-                        if name in plan.options
-                        else node.options.get("mini_batches", cfg.train.mini_batches)
-                    )
-                    size = min(size, max(rows // mini_batches, 1))
+                    size = min(size, max(rows // _mini_batches(plan, node), 1))
         nodes.append(NodePlan(node=name, kind=node.kind, group=group, rows=rows, micro_batch_size=max(size, 1)))
     return _replace(plan, nodes=tuple(nodes))
+
+
+def _mini_batches(plan: ExecutionPlan, node: Train) -> int:
+    """A train node's mini-batches per step, as resolved (the graph's, the config's)."""
+    resolved = plan.options.get(node.name)
+    if resolved is not None:
+        return int(resolved.options["mini_batches"])
+    return int(node.options.get("mini_batches", plan.config.train.mini_batches))
 
 
 def _layout(plan: ExecutionPlan) -> ClusterPlan:
@@ -962,14 +965,16 @@ def memory(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
                         t.spec(model).parameters() * t.numerics.weight_bytes
                     )
             elif n.kind in ("forward", "train"):
-                model = ctx.graph.nodes[n.node].model
+                node = ctx.graph.nodes[n.node]
+                model = node.model
                 lay = layout.layout(model)
                 training = n.kind == "train"
                 size = budgeted_rows(n.micro_batch_size, seq_len, plan.models[model].max_tokens_per_micro_batch)
                 name = f"node {n.node} activations" + (" (+ its compute copy)" if t.numerics.compute_copy_bytes else "")
+                steps = mem.micro_steps(n.rows // _mini_batches(plan, node) if training else n.rows, lay, size)
                 peaks[name] = mem.pass_bytes(
                     t.spec(lay.model), t.numerics, msgspec.structs.replace(lay, micro_batch=size), seq_len,
-                    training=training, trainable=model in _trainable(ctx.graph),
+                    training=training, trainable=model in _trainable(ctx.graph), micro_steps=steps,
                 )  # fmt: skip
         need, breakdown = mem.group_need(states, peaks)
         estimates.append(

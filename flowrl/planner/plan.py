@@ -157,8 +157,9 @@ class ExecutionPlan(Spec, kw_only=True):
             body["config"].pop(name, None)
         if not body["fused"]:  # plans written before fusion keep their ids
             body.pop("fused")
-        if not body["target"]["numerics"]["sharded_states"]:  # and before sharded states
-            body["target"]["numerics"].pop("sharded_states")
+        for flag in ("sharded_states", "gather_whole"):  # and before sharded states, gathered whole
+            if not body["target"]["numerics"][flag]:
+                body["target"]["numerics"].pop(flag)
         default = msgspec.to_builtins(RunConfig())
         for name in LATER_SECTIONS:  # left at their defaults, plans written before them keep their ids
             *parents, leaf = name.split(".")

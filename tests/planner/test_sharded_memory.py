@@ -43,3 +43,46 @@ def test_the_one_device_plan_generates_in_place_and_keeps_its_states_whole():
     params = plan.target.spec("actor").parameters()
     assert estimate.breakdown["model actor (weights+grads+optimizer)"] == params * 16
     assert not any("replica" in k for k in estimate.breakdown)
+
+
+def _train_peak(plan) -> int:
+    (estimate,) = plan.memory
+    return next(v for k, v in estimate.breakdown.items() if k.startswith("peak: node train_actor"))
+
+
+def test_a_sharded_train_step_holds_every_layer_gathered_and_accumulates_whole_gradients(monkeypatch):
+    """The torch engine keeps a sharded model's layers gathered from a forward to its backward
+    (reshard_after_forward=False) and, over a mini-batch's micro-steps, the unsharded gradients it
+    reduces at the last: the Ray executor declares it, and the train step's peak prices it."""
+    import msgspec
+
+    from flowrl.planner import memory as mem
+
+    monkeypatch.setenv("FLOWRL_PLUGINS", "ray")
+    peaks = {}
+    for size, steps in ((8, 1), (4, 2)):  # 16 rows over 2 ranks: one micro-step of 8 rows a rank, or two of 4
+        plan = _plan("backend=ray", "device=cpu", f"train.micro_batch_size={size}", "train.mini_batches=1")
+        numerics, spec = plan.target.numerics, plan.target.spec("actor")
+        layout = msgspec.structs.replace(plan.layout.layout("actor"), micro_batch=size)
+        assert numerics.gather_whole and layout.parallel.dp == 2 and mem.micro_steps(16, layout, size) == steps
+        acts = mem.activation_bytes(spec, numerics, layout, plan.workload.max_sequence(), training=True)
+        peaks[steps] = _train_peak(plan) - acts
+    spec = plan.target.spec("actor")
+    layer = spec.layer_parameters()
+    whole = spec.layers * layer + spec.vocab * spec.hidden * 2 + spec.hidden  # every layer and the root
+    assert peaks[1] == int(whole * 4 + layer * 4)  # float32, gathered; one layer's unsharded gradient at a time
+    assert peaks[2] == int(whole * 4 + whole * 4)  # the whole model's gradients, until the last micro-step
+
+
+def test_without_gathering_whole_two_layers_and_one_gradient_are_priced():
+    from flowrl.planner import memory as mem
+    from flowrl.planner.modelspec import ModelSpec
+    from flowrl.planner.space import ModelLayout, Parallel
+
+    spec = ModelSpec(name="m", layers=8, hidden=64, heads=4, kv_heads=4, intermediate=128, vocab=100)
+    layout = ModelLayout(model="m", group="g", parallel=Parallel(dp=2, tp=1, pp=1), micro_batch=2)
+    numerics = mem.Numerics(weight_bytes=4, grad_bytes=4, sharded_states=True)
+    layer, root = spec.layer_parameters(), 100 * 64 * 2 + 64
+    for steps in (1, 3):  # gradients reduced per micro-batch: no accumulation to hold
+        expected = int((2 * layer + root) * 4 + layer * 4)
+        assert mem.gathered_bytes(spec, numerics, layout, training=True, micro_steps=steps) == expected

@@ -77,8 +77,9 @@ class RayExecutor(PlanExecutor):
         weight_sync=("reshard", "full", "bucketed", "sparse"),
         model_parallel=True,  # groups of any size: whether a model splits over them is its engine's to declare
         optimizer_offload=True,  # whether a model offloads is its engine's to declare (local: FSDP2 CPUOffloadPolicy)
-        # a trained model on several ranks is FSDP2-sharded: weights and gradients too (the local engine)
-        numerics=msgspec.structs.replace(LOCAL_NUMERICS, sharded_states=True),
+        # a trained model on several ranks is FSDP2-sharded: weights and gradients too, gathered whole from
+        # a forward to its backward and accumulated unsharded over a mini-batch's micro-steps (the local engine)
+        numerics=msgspec.structs.replace(LOCAL_NUMERICS, sharded_states=True, gather_whole=True),
     )
 
     def __init__(self, registry: Any) -> None:
