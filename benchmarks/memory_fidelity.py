@@ -12,7 +12,8 @@ the issue asks for it within 15 %. Each configuration also reports its largest p
 call with the highest peak).
 
 ``ray-cpu2`` runs the fp32 job as a Ray plan for this machine as two devices (``cpu:2``: the actor
-FSDP2-sharded over two worker processes, or as the tuner places it): measured per worker process
+FSDP2-sharded over two worker processes), ``ray-cpu2-tp2`` with the actor split tensor-parallel over
+them instead (the tuner's pick for this model once the engine runs tp): measured per worker process
 from its ``/proc`` status around each call the driver makes to it, from the worker's RSS after a
 warm-up in it (a tiny model built, trained a step and dropped); predicted, the plan's estimate for
 one device of the group.
@@ -34,7 +35,11 @@ CONFIGS = {
     "bf16+recompute": ["train.dtype=bfloat16", "train.attention=sdpa", "train.recompute=true"],
     "lora": ["train.dtype=float32", "train.lora.rank=8"],
     "ray-cpu2": ["train.dtype=float32", "backend=ray", "device=cpu"],
+    "ray-cpu2-tp2": ["train.dtype=float32", "backend=ray", "device=cpu"],
 }
+# the layout a Ray row requires (`flowrl plan --require`): the actor FSDP2-sharded over both ranks, or split
+# tensor-parallel over them
+REQUIRE = {"ray-cpu2": ["actor.dp=2"], "ray-cpu2-tp2": ["actor.tp=2"]}
 MODEL = [
     "tiny_model.hidden_size=512",
     "tiny_model.intermediate_size=1408",
@@ -90,6 +95,7 @@ print(json.dumps({"predicted": estimate.required_bytes, "breakdown": estimate.br
 RAY_CHILD = r"""
 import ctypes, gc, json, sys
 from flowrl import api
+from flowrl.planner.constraints import parse_requirements
 from flowrl.plugins.manager import registry
 from flowrl_ray import executor as rx
 
@@ -115,10 +121,13 @@ def warm(_self):  # in a worker, as the local run's warm-up: a tiny model built,
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     return True
 
-overrides = json.loads(sys.argv[1])
-_, cfg = api.load("graphs/grpo.py", overrides=overrides)
+overrides, required = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+graph, cfg = api.load("graphs/grpo.py", overrides=overrides)
 target = api.local_target(cfg, registry(), devices=2)
-graph, plan = api.plan("graphs/grpo.py", overrides=overrides, target=target, for_backend=True, emit=lambda s: None)
+options = {"require": parse_requirements(required, graph.models)}
+graph, plan = api.plan(
+    "graphs/grpo.py", overrides=overrides, target=target, for_backend=True, options=options, emit=lambda s: None
+)
 estimates = {m.group: m.required_bytes for m in plan.memory}
 base, phases = {}, {}
 call = rx.RayTransport.call
@@ -153,7 +162,8 @@ def measure(name: str, steps: int, prompts: int) -> dict:
     ]  # fmt: skip
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
     child = RAY_CHILD if name.startswith("ray") else CHILD
-    proc = subprocess.run([sys.executable, "-c", child, json.dumps(overrides)], capture_output=True, text=True, env=env)
+    args = [json.dumps(overrides), json.dumps(REQUIRE.get(name, []))]
+    proc = subprocess.run([sys.executable, "-c", child, *args], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         sys.exit(f"configuration {name} failed:\n{proc.stderr[-3000:]}")
     out = proc.stdout

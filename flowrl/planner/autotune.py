@@ -235,7 +235,7 @@ class Tuner:
                 + self.w.mini_batches * cost.optimizer_step(lay)
             )
         states = mem.state_bytes(spec, self.numerics, lay, trainable)
-        steps = mem.micro_steps(self.w.sequences // self.w.mini_batches, lay, lay.micro_batch)
+        steps = mem.micro_steps(self.w.sequences, lay, lay.micro_batch, self.w.mini_batches)
         return (
             lay,
             seconds,
@@ -536,13 +536,20 @@ class Tuner:
             models = sorted({key.split(":")[0] for i in infeasible for key in i.breakdown})
             required = self.constraints.describe()
             caps = self.capabilities
-            split = any(d.get("tp", 1) * d.get("pp", 1) > 1 for d in self.constraints.parallel.values())
-            if caps is not None and not caps.model_parallel and split:
+            wants = {k for d in self.constraints.parallel.values() for k in ("tp", "pp") if d.get(k, 1) > 1}
+            lacks = [
+                (k, flag)
+                for k, flag in (("tp", "model_parallel"), ("pp", "pipeline_parallel"))
+                if k in wants and caps is not None and not getattr(caps, flag)
+            ]
+            if lacks:
+                kind, flag = lacks[0]
+                what = "tensor" if kind == "tp" else "pipeline"
                 return (
-                    f"no plan fits {self.graph.name}: --require {required} splits a model over devices, but the "
-                    "run's training engine declares no model parallelism (it splits no model; see `flowrl "
-                    "plugins`), or its executor cannot place one. Use an engine that declares "
-                    "EngineCapabilities(model_parallel=True), or drop the tp/pp requirement."
+                    f"no plan fits {self.graph.name}: --require {required} splits a model over devices ({kind} > 1), "
+                    f"but the run's training engine declares no {what} parallelism (see `flowrl plugins`), or its "
+                    f"executor cannot place it. Use an engine that declares EngineCapabilities({flag}=True), or drop "
+                    f"the {kind} requirement."
                 )
             return (
                 f"no plan fits {self.graph.name} on {self.cluster.devices} x {hw.name}: no parallel layout of "
@@ -577,7 +584,7 @@ class Tuner:
         else:  # the states would fit: activations or the KV cache do not
             limits = (
                 ""
-                if self.capabilities is None or self.capabilities.model_parallel
+                if self.capabilities is None or self.capabilities.model_parallel or self.capabilities.pipeline_parallel
                 else " (this executor splits no model over devices)"
             )
             advice = (

@@ -34,7 +34,8 @@ class Capabilities(Spec):
     partial_rollouts: bool = True
     streaming: bool = True  # scoring nodes on finished groups while generation goes on
     weight_sync: tuple[SyncStrategy, ...] = ("reshard", "full", "bucketed", "sparse")
-    model_parallel: bool = True  # a trained model's layout with tp or pp > 1
+    model_parallel: bool = True  # a trained model's layout with tp > 1 (tensor parallel)
+    pipeline_parallel: bool = True  # a trained model's layout with pp > 1
     generation_parallel: bool = True  # generation replicas with tp > 1
     optimizer_offload: bool = True
     numerics: Numerics = Numerics()
@@ -45,7 +46,8 @@ class EngineCapabilities(Spec):
     (``register(name, factory, capabilities=EngineCapabilities(...))``); an engine that declares
     nothing runs one unsplit model per rank, without offload."""
 
-    model_parallel: bool = False  # its model split over ranks (tensor / pipeline parallel)
+    model_parallel: bool = False  # its model split over ranks tensor-parallel (tp > 1; generation: its replicas)
+    pipeline_parallel: bool = False  # its model split over ranks by layers (pp > 1)
     optimizer_offload: bool = False  # optimizer states in host memory between steps
     # a train step computes the ports `TrainStep.own` names itself (the model's outputs, detached):
     # the planner may then fuse an old-log-prob forward into it (`flowrl.planner.passes.fused_forwards`)
@@ -61,6 +63,7 @@ def compose(
     return msgspec.structs.replace(
         executor,
         model_parallel=executor.model_parallel and training.model_parallel,
+        pipeline_parallel=executor.pipeline_parallel and training.pipeline_parallel,
         generation_parallel=executor.generation_parallel and generation.model_parallel,
         optimizer_offload=executor.optimizer_offload and training.optimizer_offload,
     )
@@ -87,6 +90,7 @@ def of_config(executor: Capabilities, registry: Registry, cfg: RunConfig) -> Cap
 def _all(declared: list[EngineCapabilities]) -> EngineCapabilities:
     return EngineCapabilities(
         model_parallel=all(d.model_parallel for d in declared),
+        pipeline_parallel=all(d.pipeline_parallel for d in declared),
         optimizer_offload=all(d.optimizer_offload for d in declared),
         own_outputs=all(d.own_outputs for d in declared),
     )
@@ -117,7 +121,11 @@ def supports(
 def supports_layout(caps: Capabilities, layout: ModelLayout) -> bool:
     """Whether ``caps`` runs one model's layout."""
     p = layout.parallel
-    return (caps.model_parallel or p.tp * p.pp == 1) and (caps.optimizer_offload or not layout.offload_optimizer)
+    return (
+        (caps.model_parallel or p.tp == 1)
+        and (caps.pipeline_parallel or p.pp == 1)
+        and (caps.optimizer_offload or not layout.offload_optimizer)
+    )
 
 
 def unsupported(caps: Capabilities, layout: ClusterPlan, devices: int) -> list[str]:
@@ -136,10 +144,15 @@ def unsupported(caps: Capabilities, layout: ClusterPlan, devices: int) -> list[s
     if layout.weight_sync.strategy not in caps.weight_sync:
         out.append(f"weight sync '{layout.weight_sync.strategy}' (runs: {', '.join(caps.weight_sync)})")
     for m in layout.models:
-        if not caps.model_parallel and m.parallel.tp * m.parallel.pp > 1:
+        if not caps.model_parallel and m.parallel.tp > 1:
             out.append(
-                f"model '{m.model}' split tp {m.parallel.tp} x pp {m.parallel.pp} (no model parallelism: the "
-                "training engine does not declare it, or the executor cannot place it)"
+                f"model '{m.model}' split tp {m.parallel.tp} (no tensor parallelism: the training engine does not "
+                "declare it, or the executor cannot place it)"
+            )
+        if not caps.pipeline_parallel and m.parallel.pp > 1:
+            out.append(
+                f"model '{m.model}' split pp {m.parallel.pp} (no pipeline parallelism: the training engine does not "
+                "declare EngineCapabilities(pipeline_parallel=True), or the executor cannot place it)"
             )
         if not caps.optimizer_offload and m.offload_optimizer:
             out.append(f"model '{m.model}' with its optimizer offloaded (no offload)")

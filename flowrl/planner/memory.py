@@ -22,6 +22,7 @@ from flowrl.planner.modelspec import ModelSpec
 from flowrl.planner.space import GenerationLayout, ModelLayout
 
 GiB = 1024**3
+REPLICATED_HIDDEN = 5  # of a layer's working set (16 x hidden, below), the hidden-sized tensors tp does not split
 
 
 Bytes = Annotated[int, Meta(ge=0, le=64)]
@@ -93,10 +94,14 @@ def sharded(numerics: Numerics, layout: ModelLayout, trainable: bool) -> bool:
     return numerics.sharded_states and trainable and layout.parallel.dp > 1
 
 
-def micro_steps(rows: int, layout: ModelLayout, size: int) -> int:
-    """The micro-batches of ``size`` rows one rank of ``layout`` computes for ``rows`` rows (a mini-batch's,
-    shared over its data-parallel ranks)."""
-    return max(-(-max(rows // layout.parallel.dp, 1) // max(size, 1)), 1)
+def micro_steps(rows: int, layout: ModelLayout, size: int, mini_batches: int = 1, even: bool = True) -> int:
+    """The micro-batches of ``size`` rows the busiest rank of ``layout`` computes for a mini-batch of
+    ``rows`` rows in ``mini_batches`` (split as `torch.chunk` splits them: the first the largest),
+    shared over its data-parallel ranks -- evenly, or (``even`` False: dealt by tokens under a token
+    budget) at worst all on one rank."""
+    mini = -(-rows // max(mini_batches, 1))
+    mine = -(-mini // layout.parallel.dp) if even else mini
+    return max(-(-mine // max(size, 1)), 1)
 
 
 def activation_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout, seq_len: int, *, training: bool) -> int:
@@ -108,7 +113,11 @@ def activation_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout, 
     tokens = layout.micro_batch * seq_len
     layers = model.layers // p.pp
     scores = model.heads * seq_len if numerics.eager_attention else 0
-    working = (16 * model.hidden + 2 * model.intermediate + scores) * b / p.tp
+    # tensor parallel splits the heads' and the MLP's tensors; the layer's input, its norms and the
+    # residual stream stay whole on every rank without sequence parallelism (Korthikanti et al. 2022:
+    # 10sbh of a layer's 34sbh bytes are not split)
+    whole = REPLICATED_HIDDEN * model.hidden if p.tp > 1 else 0
+    working = (whole + ((16 * model.hidden - whole) + 2 * model.intermediate + scores) / p.tp) * b
     if not training:
         kept = 0.0
     elif numerics.recompute:

@@ -969,9 +969,10 @@ def memory(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
                 model = node.model
                 lay = layout.layout(model)
                 training = n.kind == "train"
-                size = budgeted_rows(n.micro_batch_size, seq_len, plan.models[model].max_tokens_per_micro_batch)
+                budget = plan.models[model].max_tokens_per_micro_batch
+                size = budgeted_rows(n.micro_batch_size, seq_len, budget)
                 name = f"node {n.node} activations" + (" (+ its compute copy)" if t.numerics.compute_copy_bytes else "")
-                steps = mem.micro_steps(n.rows // _mini_batches(plan, node) if training else n.rows, lay, size)
+                steps = mem.micro_steps(n.rows, lay, size, _mini_batches(plan, node) if training else 1, budget is None)
                 peaks[name] = mem.pass_bytes(
                     t.spec(lay.model), t.numerics, msgspec.structs.replace(lay, micro_batch=size), seq_len,
                     training=training, trainable=model in _trainable(ctx.graph), micro_steps=steps,

@@ -157,9 +157,15 @@ class ExecutionPlan(Spec, kw_only=True):
             body["config"].pop(name, None)
         if not body["fused"]:  # plans written before fusion keep their ids
             body.pop("fused")
-        for flag in ("sharded_states", "gather_whole"):  # and before sharded states, gathered whole
-            if not body["target"]["numerics"][flag]:
-                body["target"]["numerics"].pop(flag)
+        # and before sharded states and whole gathering (the executor's numerics, also in its capabilities),
+        # and before pipeline parallelism was declared apart from tensor parallelism (its default: as before)
+        caps = body["target"].get("capabilities") or {}
+        later = [(body["target"]["numerics"], "sharded_states"), (body["target"]["numerics"], "gather_whole")]
+        for numerics, flag in [*later, (caps.get("numerics") or {}, "gather_whole")]:
+            if flag in numerics and not numerics[flag]:
+                numerics.pop(flag)
+        if caps.get("pipeline_parallel") is True:
+            caps.pop("pipeline_parallel")
         default = msgspec.to_builtins(RunConfig())
         for name in LATER_SECTIONS:  # left at their defaults, plans written before them keep their ids
             *parents, leaf = name.split(".")

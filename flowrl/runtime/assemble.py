@@ -61,7 +61,13 @@ def assemble(graph: Graph, plan: ExecutionPlan, registry: Registry, schedule: Sc
     stream = PromptStream(task, random.Random(cfg.seed))
     transport, built = launch(schedule)
     trainers = {
-        m.model: TrainingGroup(graph.models[m.model], schedule.ranks_of(m.model), transport, *built[m.model])
+        m.model: TrainingGroup(
+            graph.models[m.model],
+            schedule.ranks_of(m.model),
+            transport,
+            *built[m.model],
+            tp=plan.layout.layout(m.model).parallel.tp,
+        )
         for m in schedule.models
     }
     generators = {

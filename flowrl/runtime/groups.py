@@ -62,34 +62,43 @@ class InProcessTransport:
 
 
 class TrainingGroup:
-    """A model's training engine on the ranks of its device group (data parallel)."""
+    """A model's training engine on the ranks of its device group: data parallel over rows of ``tp``
+    ranks, each row one copy of the model split tensor-parallel (the ranks of a row compute the same rows)."""
 
     def __init__(
-        self, decl: ModelDecl, ranks: Sequence[int], transport: Transport, tokenizer: Any, hf_config: Any
+        self,
+        decl: ModelDecl,
+        ranks: Sequence[int],
+        transport: Transport,
+        tokenizer: Any,
+        hf_config: Any,
+        tp: int = 1,
     ) -> None:
         self.decl, self.ranks, self.transport = decl, tuple(ranks), transport
         self.tokenizer, self.hf_config = tokenizer, hf_config
+        self.tp = tp
         self.version = 0
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         return self.transport.call(self.ranks, method, [(self.decl.name, *args)] * len(self.ranks), CURRENT_TASK.get())
 
     def forward(self, seqs: Sequences, output: str, micro_batch: int) -> Tensor:
-        """Rows in equal shards (the last real row repeated where a shard is short, so that every
-        rank takes the same steps), results concatenated and the padding dropped."""
+        """Rows in equal shards, one per data-parallel row of ranks (the last real row repeated where a
+        shard is short, so that every rank takes the same steps), results concatenated and the padding
+        dropped."""
         n, world = len(seqs), len(self.ranks)
         if world == 1:
             return self.transport.call(
                 self.ranks, "forward", [(self.decl.name, seqs, output, micro_batch)], CURRENT_TASK.get()
             )[0]
-        cuts = dispatch.shards(n, world)
+        cuts = dispatch.shards(n, world // self.tp)
         width = max(s.stop - s.start for s in cuts)
         args = []
         for s in cuts:
             rows = list(range(s.start, s.stop)) or [n - 1]
             rows += [rows[-1]] * (width - len(rows))
-            args.append((self.decl.name, seqs.select(torch.tensor(rows)), output, micro_batch))
-        parts = self.transport.call(self.ranks, "forward", args, CURRENT_TASK.get())
+            args += [(self.decl.name, seqs.select(torch.tensor(rows)), output, micro_batch)] * self.tp
+        parts = self.transport.call(self.ranks, "forward", args, CURRENT_TASK.get())[:: self.tp]
         return dispatch.concat_rows([p[: s.stop - s.start] for p, s in zip(parts, cuts)])
 
     def train(self, loss: LossFn, batch: Batch, step: TrainStep) -> dict[str, float]:

@@ -453,7 +453,7 @@ def test_the_search_stays_within_the_executors_placements_rollouts_and_syncs(cap
 
 
 def test_an_executor_without_model_parallelism_gets_no_tp_or_pp():
-    caps = Capabilities(model_parallel=False)
+    caps = Capabilities(model_parallel=False, pipeline_parallel=False)
     workload = WorkloadSpec(prompts_per_step=64, prompt_length=256, response_length=Fixed(value=256))
     t = make_tuner("grpo", MODEL_PRESETS["llama-7b"], "8xA100-80G", workload, capabilities=caps)
     result = t.search(budget_s=2)

@@ -1,7 +1,7 @@
 """Engines declare what they can compute; an executor's capabilities are what it can place and
 schedule, composed with its engines'. A plugin engine that declares tensor parallelism is accepted
-by the Ray executor's check without any executor change; the local engine's plan with the same
-layout is refused, naming the feature."""
+by the Ray executor's check without any executor change; the local engine runs tensor parallel too,
+but a layout split by layers (pp) is refused, naming the feature."""
 
 from __future__ import annotations
 
@@ -64,18 +64,23 @@ def test_a_tensor_parallel_engine_plugin_is_accepted_by_the_ray_executor(reg) ->
     executor.check(graph, plan)  # accepted: no executor code knows about engine 'tp'
 
 
-def test_the_same_layout_with_the_local_engine_is_refused_naming_the_feature(reg) -> None:
-    graph, plan = tp2_plan(reg, "tp")
-    runs = {m: msgspec.structs.replace(run, training_engine="local") for m, run in plan.models.items()}
-    cfg = msgspec.structs.replace(plan.config, train=msgspec.structs.replace(plan.config.train, engine="local"))
-    as_local = msgspec.structs.replace(plan, models=runs, config=cfg)  # as if its models trained on the local engine
-    with pytest.raises(PlanError, match="no model parallelism"):
-        api.executor(as_local, reg).check(graph, as_local)
+def test_a_pipeline_parallel_layout_is_refused_naming_the_feature(reg) -> None:
+    """The local engine splits a model tensor-parallel, not by layers: a hand-edited pp 2 layout is
+    refused before any model is built."""
+    graph, plan = tp2_plan(reg, "local")
+    actor = plan.layout.layout("actor")
+    split = msgspec.structs.replace(actor, parallel=msgspec.structs.replace(actor.parallel, tp=1, pp=2))
+    models = tuple(split if m.model == "actor" else m for m in plan.layout.models)
+    edited = msgspec.structs.replace(plan, layout=msgspec.structs.replace(plan.layout, models=models))
+    with pytest.raises(PlanError, match="no pipeline parallelism"):
+        api.executor(edited, reg).check(graph, edited)
 
 
-def test_the_local_engine_cannot_be_planned_tensor_parallel(reg) -> None:
-    with pytest.raises(PlanError):
-        tp2_plan(reg, "local")
+def test_the_local_engine_is_planned_tensor_parallel(reg) -> None:
+    graph, plan = tp2_plan(reg, "local")
+    assert plan.layout.layout("actor").parallel.tp == 2
+    assert plan.target.capabilities.model_parallel and not plan.target.capabilities.pipeline_parallel
+    api.executor(plan, reg).check(graph, plan)
 
 
 def test_compose_takes_the_executors_placement_and_the_engines_computation() -> None:

@@ -42,7 +42,7 @@ def test_a_splitting_generation_engine_beside_the_local_trainer_may_run_generati
     assert expected.generation_parallel  # what compose says: the generation engine splits its model
     run = for_run(executor, reg, ["local"], ["splitter"])
     assert run.generation_parallel
-    assert not run.model_parallel  # the local trainer still splits nothing
+    assert run.model_parallel and not run.pipeline_parallel  # the local trainer splits tensor-parallel only
 
 
 class MisdeclaredEngines:
@@ -79,10 +79,10 @@ class AnyLayoutExecutor:
         register("placer", Placer, machine=machine)
 
 
-def test_requiring_tp_of_an_engine_that_splits_nothing_names_the_engine_not_divisibility() -> None:
-    """`--require actor.tp=2` with the local training engine (which declares no model parallelism) on
-    an executor that could place it: the message must say that the engine cannot split a model,
-    not that "tp must divide the model's heads" (2 divides the tiny model's 2 heads)."""
+def test_requiring_pp_of_an_engine_that_splits_no_layers_names_the_engine_not_divisibility() -> None:
+    """`--require actor.pp=2` with the local training engine (which declares no pipeline parallelism)
+    on an executor that could place it: the message must say that the engine cannot split a model,
+    not that "pp must divide the model's layers" (2 divides the tiny model's 2 layers)."""
     from flowrl import api
     from flowrl.errors import PlanError
     from flowrl.planner.constraints import parse_requirements
@@ -91,9 +91,9 @@ def test_requiring_tp_of_an_engine_that_splits_nothing_names_the_engine_not_divi
     overrides = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "executor=placer"]
     overrides += ["train.engine=local", "generation.engine=local"]
     graph, cfg = api.load("grpo", registry=reg, overrides=overrides)
-    assert cfg.tiny_model.num_heads % 2 == 0
+    assert cfg.tiny_model.num_layers % 2 == 0
     target = api.local_target(cfg, reg, devices=2)
-    require = parse_requirements(["actor.tp=2", "placement=colocate"], graph.models)
+    require = parse_requirements(["actor.pp=2", "placement=colocate"], graph.models)
     with pytest.raises(PlanError) as refused:
         api.plan(
             "grpo",
@@ -105,4 +105,4 @@ def test_requiring_tp_of_an_engine_that_splits_nothing_names_the_engine_not_divi
             emit=lambda s: None,
         )
     message = str(refused.value)
-    assert "model parallel" in message or "splits no model" in message or "engine 'local'" in message, message
+    assert "no pipeline parallelism" in message and "pipeline_parallel=True" in message, message

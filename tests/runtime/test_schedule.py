@@ -20,7 +20,8 @@ SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4"]
 
 def cluster_plan(graph: str, **pins):
     _, cfg = api.load(graph, overrides=SMALL)
-    caps = Capabilities(rollout_modes=("sync",), partial_rollouts=False, model_parallel=False)  # data parallel only
+    # data parallel only
+    caps = Capabilities(rollout_modes=("sync",), partial_rollouts=False, model_parallel=False, pipeline_parallel=False)
     target = ClusterTarget(
         cluster=cpu_cluster(HARDWARE_PRESETS["A100-80G"], 2), model=api.model_spec(cfg), capabilities=caps
     )

@@ -27,6 +27,7 @@ import msgspec
 import torch
 from torch import Tensor, nn
 
+from flowrl.backends.local import tensor_parallel
 from flowrl.backends.local.generation import last_logits_only, sample
 from flowrl.backends.local.models import (
     ADAPTER_FILE,
@@ -44,6 +45,7 @@ from flowrl.backends.local.models import (
     save_hf,
 )
 from flowrl.backends.local.packing import pack, response_logprobs, response_values
+from flowrl.backends.local.tensor_parallel import token_logprobs
 from flowrl.data import Prompt, Rollout, Sequences, StepBatch, adds_special_tokens
 from flowrl.errors import BackendError
 from flowrl.graph.ir import ModelDecl
@@ -102,9 +104,12 @@ class LocalModel:
         world: int = 1,
         group: Any = None,
         offload: bool = False,
+        tp: int = 1,
     ) -> None:
         self.decl = decl
         self.rank, self.world = rank, world
+        # a dp x tp group: the tp ranks of a row hold one copy between them and compute the same rows
+        self.tp, self.dp = tp, world // tp
         self.lock = threading.RLock()
         self.module = module.to(device)
         # LoRA: only the adapters (and a value head) train; the base weights stay as loaded
@@ -114,12 +119,19 @@ class LocalModel:
         numerics = spec.numerics
         apply_numerics(self.module, numerics.attention, numerics.recompute and decl.trainable, decl.name)
         half = numerics.dtype == "bfloat16"
-        self.sharded = world > 1 and decl.trainable
+        self.sharded = self.dp > 1 and decl.trainable
+        self.distributed = self.sharded or tp > 1  # its weights are DTensors: whole state dicts are gathered
         # optimizer states in host memory between steps: FSDP2 keeps the shards there (parameters,
         # gradients and states; the step runs on the host), one process moves the states there and back
         self.offload = offload and decl.trainable
+        dp_mesh = None
+        if tp > 1:
+            tensor_parallel.check_splits(hf_config, tp, decl.name)
+            grid = tensor_parallel.mesh(group, tp, device.type)
+            tensor_parallel.parallelize(self.module, grid["tp"])
+            dp_mesh = grid["dp"]
         if self.sharded:  # FSDP2 computes in bfloat16 from float32 shards, and reduces gradients in float32
-            _fully_shard(self.module, group, device, half, self.offload)
+            _fully_shard(self.module, group, device, half, self.offload, dp_mesh)
         # one process: float32 weights, computed in bfloat16 under autocast (float32 where autocast keeps it)
         self.autocast = half and not self.sharded
         self.tokenizer = tokenizer
@@ -271,9 +283,8 @@ class LocalModel:
         # the LM head on the response positions only (the last of them predicts nothing)
         keep = last_logits_only(self.module, seqs.response_ids.shape[1] + 1)
         logits = self.module(input_ids=ids, attention_mask=mask, position_ids=pos, **keep).logits
-        logits = (logits[:, :-1] if keep else logits[:, start:-1]).float()
-        logp = torch.log_softmax(logits / self.sampling.temperature, dim=-1)
-        return logp.gather(-1, seqs.response_ids.to(self.device)[..., None]).squeeze(-1)
+        logits = logits[:, :-1] if keep else logits[:, start:-1]  # tensor parallel: sharded over the vocabulary
+        return token_logprobs(logits, seqs.response_ids.to(self.device), self.sampling.temperature)
 
     def _forward_packed(self, seqs: Sequences, output: str) -> Tensor:
         """`_forward` on the rows packed into one row without padding (`flowrl.backends.local.packing`)."""
@@ -352,15 +363,18 @@ class LocalModel:
             order = torch.randperm(n_rows, generator=step.generator)  # the same on every rank
             for mb in order.chunk(step.mini_batches):
                 # every rank's micro-batches (similar lengths together): all ranks take as many micro-steps
-                shares = self._micro_batches(seqs, mb, self.world, micro)
-                parts, steps = shares[self.rank], max(len(p) for p in shares)
+                shares = self._micro_batches(seqs, mb, self.dp, micro)  # a tp row's ranks take the same rows
+                parts, steps = shares[self.rank // self.tp], max(len(p) for p in shares)
                 while True:  # a micro-batch whose backward ran out of memory: the mini-batch again, split
                     try:
                         acc = self._accumulate(loss, batch, step, mb, parts, steps)
                         break
                     except _SplitAndRestart as again:
                         parts[again.index : again.index + 1] = again.halves
-                norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), opt.grad_clip)
+                if self.tp > 1:  # DTensor slices over the tp mesh beside FSDP shards and whole tensors
+                    norm = tensor_parallel.clip_grad_norm(list(self.module.parameters()), opt.grad_clip)
+                else:
+                    norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), opt.grad_clip)
                 norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
                 if not math.isfinite(float(norm)):  # the same on every rank: the norm is global
                     if not opt.skip_nonfinite:
@@ -413,8 +427,8 @@ class LocalModel:
         whole = share_of(seqs, mb, step.unit)  # seqs live on the host
         self.optimizer.zero_grad(set_to_none=True)
         acc = _Accumulated()
-        # FSDP averages gradients over ranks: scale by world so they sum, as one process would
-        scale = float(self.world)
+        # FSDP averages gradients over its data-parallel ranks: scale by them so they sum, as one process would
+        scale = float(self.dp if self.sharded else 1)
         i = 0
         while i < max(steps, len(parts)):  # one rank splits only unsharded: its step count is its own
             if self.sharded:  # accumulate locally; reduce-scatter once, at the last micro-step
@@ -459,7 +473,7 @@ class LocalModel:
         compute their micro-batches in step)."""
         if not out_of_memory(err):
             raise err
-        if len(rows) < 2 or self.sharded:
+        if len(rows) < 2 or self.distributed:
             why = "a single row" if len(rows) < 2 else "one rank of a sharded model (its ranks compute in step)"
             raise BackendError(
                 f"{where}: a micro-batch of {len(rows)} row(s) ran out of memory, and it cannot be split "
@@ -493,7 +507,7 @@ class LocalModel:
 
     def _state(self) -> dict[str, Tensor]:
         """The module's whole state dict on the host, as it is (LoRA adapters apart)."""
-        if self.sharded:
+        if self.distributed:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
@@ -510,7 +524,7 @@ class LocalModel:
                 f"model '{self.decl.name}' trains LoRA adapters; its weights are its base model's plus them, and "
                 "cannot be replaced by full weights."
             )
-        if self.sharded:
+        if self.distributed:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
             set_model_state_dict(self.module, dict(weights), options=StateDictOptions(full_state_dict=True))
@@ -604,7 +618,7 @@ class LocalModel:
         ``path``; the engine is at ``version`` again."""
         from flowrl.runtime.checkpoint import load_tree
 
-        if self.sharded:
+        if self.distributed:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
             set_model_state_dict(self.module, weights, options=StateDictOptions(full_state_dict=True, strict=False))
@@ -618,7 +632,7 @@ class LocalModel:
     def _optimizer_state(self) -> dict[str, Any] | None:
         if self.optimizer is None:
             return None
-        if self.sharded:
+        if self.distributed:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
             return get_optimizer_state_dict(self.module, self.optimizer, options=StateDictOptions(full_state_dict=True))
@@ -626,7 +640,7 @@ class LocalModel:
 
     def _load_optimizer_state(self, state: dict[str, Any]) -> None:
         assert self.optimizer is not None
-        if self.sharded:
+        if self.distributed:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
             set_optimizer_state_dict(self.module, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
@@ -636,13 +650,13 @@ class LocalModel:
     @_computes
     def save(self, path: Path, weights: Mapping[str, Tensor] | None = None) -> None:
         """An HF checkpoint, written by the group's first rank (every rank calls this)."""
-        if weights is None and (self.sharded or self.lora is not None):
+        if weights is None and (self.distributed or self.lora is not None):
             weights = self.export_weights()
         if self.rank != 0:
             return
         path.mkdir(parents=True, exist_ok=True)
         module = self.module
-        if self.sharded or self.lora is not None:  # a plain copy holding the full (merged) weights
+        if self.distributed or self.lora is not None:  # a plain copy holding the full (merged) weights
             assert weights is not None
             module = _unsharded_copy(self, weights)
         if isinstance(module, ValueModel):
@@ -772,10 +786,21 @@ def adamw(params: list[nn.Parameter], opt: Any) -> torch.optim.AdamW:
     (CPU and CUDA, plain or FSDP2-sharded) -- on CPU 6-8x faster than the per-tensor loop torch picks by
     default, the same update within rounding -- else that loop."""
     settings = {"lr": opt.lr, "betas": opt.betas, "weight_decay": opt.weight_decay}
+    groups = _by_mesh(params)
     try:
-        return torch.optim.AdamW(params, **settings, fused=True)
+        return torch.optim.AdamW(groups, **settings, fused=True)
     except (RuntimeError, ValueError):  # a device or dtype the fused kernel does not take
-        return torch.optim.AdamW(params, **settings)
+        return torch.optim.AdamW(groups, **settings)
+
+
+def _by_mesh(params: list[nn.Parameter]) -> list[dict[str, Any]]:
+    """``params`` as optimizer parameter groups of one kind each -- the DTensors of one device mesh
+    (tensor-parallel slices, FSDP2 shards), the plain tensors -- which a fused or foreach kernel takes
+    at once; a single group (as before) when all are of one kind."""
+    groups: dict[Any, list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    return [{"params": ps} for ps in groups.values()]
 
 
 def _move_states(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -787,15 +812,16 @@ def _move_states(optimizer: torch.optim.Optimizer, device: torch.device) -> None
 
 
 def _fully_shard(
-    module: nn.Module, group: Any, device: torch.device, half: bool = False, offload: bool = False
+    module: nn.Module, group: Any, device: torch.device, half: bool = False, offload: bool = False, mesh: Any = None
 ) -> None:
-    """FSDP2 over ``group``: each decoder layer one unit, the rest (embeddings, head) the root; with
-    ``half``, float32 shards computed in bfloat16 and gradients reduced in float32; with ``offload``,
-    the shards (and so the gradients and optimizer states) kept in host memory (`CPUOffloadPolicy`)."""
+    """FSDP2 over ``group`` (or over ``mesh``, the data-parallel dimension of a tensor-parallel group):
+    each decoder layer one unit, the rest (embeddings, head) the root; with ``half``, float32 shards
+    computed in bfloat16 and gradients reduced in float32; with ``offload``, the shards (and so the
+    gradients and optimizer states) kept in host memory (`CPUOffloadPolicy`)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    mesh = DeviceMesh.from_group(group, device.type)
+    mesh = mesh if mesh is not None else DeviceMesh.from_group(group, device.type)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if half else None
     kwargs: dict[str, Any] = {"mp_policy": policy} if policy is not None else {}
     if offload:
@@ -841,7 +867,7 @@ def training_engine(ctx: EngineContext) -> LocalModel:
         module = ValueModel(lm) if ctx.decl.scalar_head else lm
     engine = LocalModel(
         ctx.decl, module, tokenizer, hf_config, spec, torch.device(ctx.device), ctx.rank, ctx.world, ctx.group,
-        offload=ctx.offload,
+        offload=ctx.offload, tp=ctx.tp,
     )  # fmt: skip
     if writer is not None and not same_tokenizer(writer, tokenizer):
         if not ctx.decl.scalar_head or ctx.decl.role == "critic":

@@ -36,6 +36,7 @@ class LocalExecutor(PlanExecutor):
         streaming=True,
         weight_sync=("reshard",),
         model_parallel=False,
+        pipeline_parallel=False,
         optimizer_offload=True,  # the states of a one-process GPU model in host memory between steps
         numerics=LOCAL_NUMERICS,
     )

@@ -1,0 +1,61 @@
+"""Tensor parallelism in the torch engine (flowrl/backends/local/tensor_parallel.py): a model split
+tp=2 over two gloo processes computes what one process computes -- log-probs from vocabulary shards
+that are never gathered, a train step's loss, gradient norm and update -- and exports the whole
+model. Two processes of this machine, spawned (no Ray)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("tp_worker.py")
+
+
+@pytest.fixture(scope="module", params=["mqa", "gqa"])
+def tp2(tmp_path_factory, request):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path_factory.mktemp("tp") / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes on two cores: one thread each
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(rank), str(port), str(out), request.param],
+            env=env,
+            stderr=subprocess.PIPE,
+        )
+        for rank in (0, 1)
+    ]
+    errors = [p.communicate(timeout=600)[1].decode()[-3000:] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errors
+    return json.loads(out.read_text())
+
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_tp2_model_is_split_and_exports_the_whole_model(tp2):
+    assert "DTensor" in tp2["dtensors"]
+    assert tp2["sharded_head"][0] * 2 == tp2["head"][0]  # the LM head over the vocabulary, half a rank
+    assert tp2["same_start"] and tp2["keys"]  # built from the same seed; the export gathers every slice
+
+
+def test_tp2_log_probs_equal_the_one_process_log_probs(tp2):
+    assert tp2["forward"] < 1e-5  # fp32: the matmuls' reductions split in two, summed in another order
+
+
+def test_a_tp2_train_step_equals_the_one_process_step(tp2):
+    """Loss and gradient norm to fp32 rounding; the update too, up to AdamW's normalisation of
+    near-zero gradients (its first step moves every weight by about lr, the sign of a tiny gradient
+    rounding either way): within 2 % of lr."""
+    (l1, l2), (n1, n2) = tp2["loss"], tp2["grad_norm"]
+    assert abs(l1 - l2) < 1e-5 * max(1.0, abs(l1))
+    assert abs(n1 - n2) < 1e-5 * max(1.0, n1)
+    assert tp2["moved"] > 0.5 * tp2["lr"]  # the step did something
+    assert tp2["update_diff"] < 0.02 * tp2["lr"], tp2

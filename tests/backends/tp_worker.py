@@ -1,0 +1,110 @@
+"""Run by test_tensor_parallel.py as two processes (rank 0 and 1 of a gloo group): the same model
+built whole in this process and split tp=2 over the two, its log-probs and one train step compared.
+Rank 0 writes the comparison as JSON to the file it is given.
+
+    python tests/backends/tp_worker.py RANK PORT OUT MODEL   # MODEL: mqa or gqa
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+import torch
+
+OVERRIDES = [
+    "rollout.prompts_per_step=4",
+    "rollout.samples_per_prompt=2",
+    "progress=false",
+    "checkpoint=false",
+    "device=cpu",
+    "train.dtype=float32",
+    "train.mini_batches=2",
+]
+MODELS = {  # the default tiny model: 2 heads sharing one key/value head (each rank holds it whole); 4 over 2 (split)
+    "mqa": [],
+    "gqa": ["tiny_model.num_heads=4", "tiny_model.num_kv_heads=2"],
+}
+
+
+def _engine(graph, plan, **dist):
+    from flowrl.backends.local.engine import training_engine
+    from flowrl.runtime.protocols import EngineContext
+
+    run = plan.model_run("actor")
+    torch.manual_seed(run.seed)
+    return training_engine(EngineContext(decl=graph.models["actor"], spec=run, device="cpu", **dist))
+
+
+def _step(plan, micro):
+    from flowrl.algorithms.ops import LOSSES
+    from flowrl.runtime.protocols import TrainStep
+    from flowrl.specs import loss_unit
+
+    fn, meta = LOSSES["ppo"]
+    algo = plan.config.algo
+    step = TrainStep(
+        node="train_actor",
+        sequences_key="responses",
+        output="logprobs",
+        micro_batch=micro,
+        epochs=1,
+        mini_batches=2,
+        algo=algo,
+        generator=torch.Generator().manual_seed(7),
+        unit=loss_unit(meta["aggregate"], algo),
+    )
+    return fn, step
+
+
+def main(rank: int, port: int, out: str, model: str) -> None:
+    import torch.distributed as dist
+
+    from flowrl import api
+    from flowrl.tasks.builtin import Copy
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    graph, plan = api.plan("grpo", overrides=[*OVERRIDES, *MODELS[model]], emit=lambda s: None)
+    whole = _engine(graph, plan)
+    split = _engine(graph, plan, rank=rank, world=2, group=dist.group.WORLD, tp=2)
+    start, exported = whole.export_weights(), split.export_weights()
+    rollout = whole.generate(
+        Copy().prompts(random.Random(0), 4), n=2, greedy=False, generator=torch.Generator().manual_seed(0)
+    )
+    seqs = rollout.sequences
+    noise = torch.Generator().manual_seed(1)
+    logp = whole.forward(seqs, "logprobs", 0)
+    batch = {
+        "responses": seqs,
+        "old_logprobs": logp + 0.05 * torch.randn(logp.shape, generator=noise),  # ratios off 1: some rows clip
+        "advantages": torch.randn(len(seqs), 1, generator=noise) * seqs.response_mask,
+    }
+    fwd = float((split.forward(seqs, "logprobs", 0) - logp).abs().max())
+    local = {k: type(p).__name__ for k, p in split.module.named_parameters()}
+    fn, whole_step = _step(plan, 0)  # one micro-batch a mini-batch
+    stats1 = whole.train(fn, batch, whole_step)
+    stats2 = split.train(fn, batch, _step(plan, 3)[1])  # micro-batches of 3 rows
+    after1, after2 = whole.export_weights(), split.export_weights()
+    result = {
+        "same_start": all(torch.equal(start[k], exported[k]) for k in start),
+        "keys": sorted(start) == sorted(exported),
+        "forward": fwd,
+        "loss": [stats1["loss"], stats2["loss"]],
+        "grad_norm": [stats1["grad_norm"], stats2["grad_norm"]],
+        "moved": max(float((after1[k] - start[k]).abs().max()) for k in start),
+        "update_diff": max(float(((after1[k] - start[k]) - (after2[k] - start[k])).abs().max()) for k in start),
+        "lr": plan.model_run("actor").optimizer.lr,
+        "dtensors": sorted({v for v in local.values()}),
+        "sharded_head": tuple(split.module.lm_head.weight.to_local().shape),
+        "head": tuple(whole.module.lm_head.weight.shape),
+    }
+    if rank == 0:
+        with open(out, "w") as fh:
+            json.dump(result, fh)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
