@@ -17,8 +17,9 @@ import pytest
 WORKER = Path(__file__).with_name("tp_worker.py")
 
 
-@pytest.fixture(scope="module", params=["mqa", "gqa"])
-def tp2(tmp_path_factory, request):
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    """Both models' comparisons, from one pair of processes."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -26,7 +27,7 @@ def tp2(tmp_path_factory, request):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes on two cores: one thread each
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(rank), str(port), str(out), request.param],
+            [sys.executable, str(WORKER), str(rank), str(port), str(out)],
             env=env,
             stderr=subprocess.PIPE,
         )
@@ -35,6 +36,11 @@ def tp2(tmp_path_factory, request):
     errors = [p.communicate(timeout=600)[1].decode()[-3000:] for p in procs]
     assert all(p.returncode == 0 for p in procs), errors
     return json.loads(out.read_text())
+
+
+@pytest.fixture(params=["mqa", "gqa"])
+def tp2(both, request):
+    return both[request.param]
 
 
 pytestmark = pytest.mark.slow

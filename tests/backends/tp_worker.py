@@ -2,7 +2,7 @@
 built whole in this process and split tp=2 over the two, its log-probs and one train step compared.
 Rank 0 writes the comparison as JSON to the file it is given.
 
-    python tests/backends/tp_worker.py RANK PORT OUT MODEL   # MODEL: mqa or gqa
+    python tests/backends/tp_worker.py RANK PORT OUT
 """
 
 from __future__ import annotations
@@ -58,14 +58,24 @@ def _step(plan, micro):
     return fn, step
 
 
-def main(rank: int, port: int, out: str, model: str) -> None:
+def main(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    results = {model: compare(rank, model) for model in MODELS}  # one process pair for both models
+    if rank == 0:
+        with open(out, "w") as fh:
+            json.dump(results, fh)
+    dist.destroy_process_group()
+
+
+def compare(rank: int, model: str) -> dict:
     import torch.distributed as dist
 
     from flowrl import api
     from flowrl.tasks.builtin import Copy
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     graph, plan = api.plan("grpo", overrides=[*OVERRIDES, *MODELS[model]], emit=lambda s: None)
     whole = _engine(graph, plan)
     split = _engine(graph, plan, rank=rank, world=2, group=dist.group.WORLD, tp=2)
@@ -100,11 +110,8 @@ def main(rank: int, port: int, out: str, model: str) -> None:
         "sharded_head": tuple(split.module.lm_head.weight.to_local().shape),
         "head": tuple(whole.module.lm_head.weight.shape),
     }
-    if rank == 0:
-        with open(out, "w") as fh:
-            json.dump(result, fh)
-    dist.destroy_process_group()
+    return result
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
