@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 
 from flowrl.errors import PlanError
-from flowrl.graph.ir import Forward, Graph
+from flowrl.graph.ir import Forward, Graph, Train
 from flowrl.planner import memory as mem
 from flowrl.planner.capabilities import Capabilities, rollout_conflict, supports, supports_layout
 from flowrl.planner.constraints import Constraints
@@ -235,13 +235,20 @@ class Tuner:
                 + self.w.mini_batches * cost.optimizer_step(lay)
             )
         states = mem.state_bytes(spec, self.numerics, lay, trainable)
-        steps = mem.micro_steps(self.w.sequences, lay, lay.micro_batch, self.w.mini_batches)
+        steps = mem.micro_steps(self.w.sequences, lay, lay.micro_batch, self._fewest_mini_batches(lay.model))
         return (
             lay,
             seconds,
             states,
             mem.model_pass_bytes(spec, self.numerics, lay, self.max_len, trainable, steps),
         )
+
+    def _fewest_mini_batches(self, model: str) -> int:
+        """The fewest mini-batches a train node of ``model`` takes a step (its own, or the workload's): the
+        largest mini-batch, whose micro-steps set the gradients a sharded model accumulates."""
+        own = self.train_steps or {}
+        trains = [n.name for n in self.graph.nodes.values() if isinstance(n, Train) and n.model == model]
+        return min((own.get(n, (0, self.w.mini_batches))[1] for n in trains), default=self.w.mini_batches)
 
     def group_memory(
         self, sk: Skeleton, choice: dict[str, tuple[ModelLayout, float, int, int]], group: str

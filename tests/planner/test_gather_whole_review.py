@@ -172,14 +172,6 @@ def test_a_token_budget_prices_the_micro_steps_of_the_rank_with_the_most_rows():
     assert _peak(plan) >= acts + gathered
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: autotune.Tuner._score counts micro-steps over the workload's mini-batch "
-    "(self.w.sequences // self.w.mini_batches, train.mini_batches), not the train node's own "
-    "(nodes.NAME.mini_batches, which it has in self.train_steps): with train.mini_batches=4 and "
-    "nodes.train_actor.mini_batches=1 the node takes 4 micro-steps and the memory pass prices the whole "
-    "model's gradients, but the tuner scores 1 micro-step and picks layouts on that",
-)
 def test_the_tuner_prices_a_train_nodes_own_mini_batches():
     estimates = {}
     for name, extra in (
