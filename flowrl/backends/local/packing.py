@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from flowrl.backends.local.tensor_parallel import token_logprobs
 from flowrl.data import Sequences
 
 
@@ -61,7 +62,6 @@ def response_logprobs(logits: Tensor, packed: Packed, response_ids: Tensor, temp
     """[B, R] log-probs of the response tokens under ``softmax(logits / temperature)``, from a packed
     row's [T, V] ``logits``, computed at the real response tokens only; 0 past a row's response."""
     valid = packed.valid.to(logits.device)
-    rows = logits[packed.at.to(logits.device)[valid]].float()  # [N, V]: one per real response token
-    tokens = response_ids.to(logits.device)[valid]
-    logp = torch.log_softmax(rows / temperature, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    rows = logits[packed.at.to(logits.device)[valid]]  # [N, V]: one per real response token
+    logp = token_logprobs(rows, response_ids.to(logits.device)[valid], temperature)
     return torch.zeros(valid.shape, dtype=logp.dtype, device=logits.device).index_put((valid,), logp)
