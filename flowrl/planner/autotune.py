@@ -39,6 +39,7 @@ from flowrl.planner.space import (
     RolloutPolicy,
     Skeleton,
     layouts,
+    samples_in_place,
     skeletons,
 )
 from flowrl.planner.workload import WorkloadSpec, mean_length, sample_lengths
@@ -258,7 +259,11 @@ class Tuner:
         if sk.generation.group == group:  # the policies generate in turn: each engine is a peak of its own
             for actor in self.roles.policies:
                 # in place: the training engine samples, on one device (sharded, a full replica per rank)
-                in_place = self.in_place and actor in members and choice[actor][0].parallel.size == 1
+                in_place = (
+                    self.in_place
+                    and actor in members
+                    and samples_in_place(choice[actor][0].parallel, sk.generation.tp)
+                )
                 gen = mem.generation_bytes(
                     self.specs[actor], self.numerics, sk.generation, self.w.sequences, self.max_len, in_place
                 )

@@ -29,6 +29,14 @@ class Parallel(Spec):
         return self.dp * self.tp * self.pp
 
 
+def samples_in_place(parallel: Parallel, generation_tp: int) -> bool:
+    """Whether a model trained with ``parallel`` can sample with its training engine's own weights
+    in a generation layout of ``generation_tp`` on the same group: one copy of the model, split the
+    same way (tp ranks, no data-parallel shards or pipeline stages to gather): 3D-HybridEngine's
+    tp = tp' case, with nothing to move."""
+    return parallel.dp == 1 and parallel.pp == 1 and parallel.tp == generation_tp
+
+
 class ModelLayout(Spec):
     model: str
     group: str

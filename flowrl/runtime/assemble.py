@@ -71,7 +71,13 @@ def assemble(graph: Graph, plan: ExecutionPlan, registry: Registry, schedule: Sc
         for m in schedule.models
     }
     generators = {
-        m.model: GenerationGroup(m.model, schedule.generation_ranks(m.model), transport, pad_id(built[m.model][0]))
+        m.model: GenerationGroup(
+            m.model,
+            schedule.generation_ranks(m.model),
+            transport,
+            pad_id(built[m.model][0]),
+            tp=plan.layout.generation_of(m.model).tp,
+        )
         for m in schedule.models
         if m.generation_group is not None
     }

@@ -123,14 +123,30 @@ class TrainingGroup:
 
 
 class GenerationGroup:
-    """A model's generation replicas on the ranks of its generation group: prompts in shards."""
+    """A model's generation replicas on the ranks of its generation group: prompts in shards, one per
+    replica (``tp`` consecutive ranks, which a replica split tensor-parallel takes the same call on;
+    its first rank's result is the replica's)."""
 
     def __init__(
-        self, model: str, ranks: Sequence[int], transport: Transport, pad_id: int, resumable: bool = True
+        self,
+        model: str,
+        ranks: Sequence[int],
+        transport: Transport,
+        pad_id: int,
+        resumable: bool = True,
+        tp: int = 1,
     ) -> None:
         self.model, self.ranks, self.transport, self.pad_id = model, tuple(ranks), transport, pad_id
         self.version = 0
         self.resumable = resumable
+        self.tp = tp
+        self.replicas = [self.ranks[i : i + tp] for i in range(0, len(self.ranks), tp)]
+
+    def _call(self, method: str, args: list[tuple[Any, ...]], first: Sequence[int]) -> list[Any]:
+        """``method`` on every rank of the replicas whose first ranks are ``first`` (each its args)."""
+        ranks = [r for f in first for r in next(rep for rep in self.replicas if rep[0] == f)]
+        parts = self.transport.call(ranks, method, [a for a in args for _ in range(self.tp)], CURRENT_TASK.get())
+        return parts[:: self.tp]
 
     def generate(
         self,
@@ -143,23 +159,25 @@ class GenerationGroup:
         temperature: float | None = None,
     ) -> Rollout:
         seed = dispatch.draw_seed(generator)
-        cuts = dispatch.shards(len(prompts), len(self.ranks))
-        used = [(r, s) for r, s in zip(self.ranks, cuts) if s.stop > s.start] or [(self.ranks[0], cuts[0])]
+        firsts = [rep[0] for rep in self.replicas]
+        cuts = dispatch.shards(len(prompts), len(firsts))
+        used = [(r, s) for r, s in zip(firsts, cuts) if s.stop > s.start] or [(firsts[0], cuts[0])]
         args = [
             (self.model, list(prompts[s]), n, greedy, seed + i, max_new_tokens, *([temperature] if temperature else []))
             for i, (_, s) in enumerate(used)
         ]
-        parts = self.transport.call([r for r, _ in used], "generate", args, CURRENT_TASK.get())
+        parts = self._call("generate", args, [r for r, _ in used])
         return Rollout.concat(parts, self.pad_id, [s.start for _, s in used])
 
     def resume(self, rollout: Rollout, *, generator: torch.Generator, max_new_tokens: int | None = None) -> Rollout:
         seed = dispatch.draw_seed(generator)
-        cuts = dispatch.shards(len(rollout.sequences), len(self.ranks))
-        used = [(r, s) for r, s in zip(self.ranks, cuts) if s.stop > s.start]
+        firsts = [rep[0] for rep in self.replicas]
+        cuts = dispatch.shards(len(rollout.sequences), len(firsts))
+        used = [(r, s) for r, s in zip(firsts, cuts) if s.stop > s.start]
         args = []
         for i, (_, s) in enumerate(used):
             args.append((self.model, rollout.select(s), seed + i, max_new_tokens))
-        parts = self.transport.call([r for r, _ in used], "resume", args, CURRENT_TASK.get())
+        parts = self._call("resume", args, [r for r, _ in used])
         return Rollout.concat(parts, self.pad_id, [0] * len(parts))
 
     def load_weights(self, weights: Mapping[str, Tensor], version: int) -> None:

@@ -55,7 +55,9 @@ class EngineContext:
     rank: int = 0  # rank among the ranks of the model's device group
     world: int = 1  # ranks of that group; a training engine with world > 1 shards the model
     group: Any = None  # the group's torch.distributed process group (None: one rank)
-    tp: int = 1  # the model's tensor-parallel size in its training layout (for engines that declare model_parallel)
+    # the model's tensor-parallel size in its training layout, or a generation engine's in its replica, whose
+    # ranks are then ``group``'s (for engines that declare model_parallel)
+    tp: int = 1
     # the layout keeps the model's optimizer states in host memory between steps (for engines that
     # declare optimizer_offload)
     offload: bool = False

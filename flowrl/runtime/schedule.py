@@ -17,6 +17,7 @@ from __future__ import annotations
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Compute, Forward, Generate, Graph, Reward, Train
 from flowrl.planner.plan import ExecutionPlan
+from flowrl.planner.space import samples_in_place
 from flowrl.specs import Spec
 
 
@@ -90,7 +91,9 @@ def lower(graph: Graph, plan: ExecutionPlan, *, same_engine: bool = True) -> Sch
         ml = layout.layout(name)
         gen = name in generating
         gen_group = layout.generation_of(name).group
-        in_place = gen and same_engine and ml.group == gen_group and ml.parallel.size == 1
+        in_place = (
+            gen and same_engine and ml.group == gen_group and samples_in_place(ml.parallel, layout.generation_of(name).tp)
+        )
         models.append(
             ModelPlacement(
                 model=name,

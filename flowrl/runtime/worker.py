@@ -83,6 +83,20 @@ def _seed_for(seed: int, model: str) -> None:
     torch.manual_seed(seed + zlib.crc32(model.encode()))
 
 
+def _split_replicas(plan: ExecutionPlan, schedule: Schedule) -> dict[str, list[list[int]]]:
+    """The ranks of each generation replica split tp > 1 (tp consecutive ranks of its generation group),
+    by model, for the models that do not sample with their training engine in place."""
+    assert plan.layout is not None
+    out = {}
+    for m in schedule.models:
+        tp = plan.layout.generation_of(m.model).tp
+        if m.generation_group is None or m.in_place or tp == 1:
+            continue
+        ranks = list(schedule.group(m.generation_group).ranks)
+        out[m.model] = [ranks[i : i + tp] for i in range(0, len(ranks), tp)]
+    return out
+
+
 class Worker:
     """One rank: engines for the models of its group, generation replicas, sync state, spans."""
 
@@ -104,6 +118,8 @@ class Worker:
         self.sparse: dict[str, Any] = {}  # model -> its SparseSync (what the last sync sent)
         self.bucketed: dict[str, Any] = {}  # model -> its BucketedSync (flat buffers kept between syncs)
         self.buffers: dict[str, dict[str, Any]] = {}
+        # model -> (process group, rank in it, tp) of this rank's generation replica, where it is split tp > 1
+        self.replicas: dict[str, tuple[Any, int, int]] = {}
         self.schedule: Schedule | None = None
         self._spans: list[tuple[str, float, float]] = []
 
@@ -167,6 +183,11 @@ class Worker:
                 pg = dist.new_group(list(g.ranks))
                 if self.rank in g.ranks:
                     self.dp_groups[g.name] = pg
+            for model, replica in _split_replicas(plan, schedule).items():  # generation replicas split tp > 1
+                for ranks in replica:
+                    pg = dist.new_group(list(ranks))
+                    if self.rank in ranks:
+                        self.replicas[model] = (pg, ranks.index(self.rank), len(ranks))
             for model, ranks in channels.items():
                 if len(ranks) > 1:
                     pg = dist.new_group(ranks, backend="gloo")  # weights travel host to host
@@ -219,12 +240,15 @@ class Worker:
             gen = self.registry.entry("generation_engines", run.generation_engine or "", field="generation.engine")
             _seed_for(run.seed, name)
             template = self._template(train, models[name], plan, device)
-            if run.generation_engine == run.training_engine and isinstance(template, GenerationEngine):
+            group, at, tp = self.replicas.get(name, (None, 0, 1))
+            if run.generation_engine == run.training_engine and isinstance(template, GenerationEngine) and tp == 1:
                 engine = template
-            else:
-                engine = built_by(
-                    gen, EngineContext(decl=models[name], spec=plan.model_run(name), device=device, source=template)
+            else:  # split tp > 1 over this rank's replica: each rank takes its slice of the template's weights
+                spec = plan.model_run(name)
+                ctx = EngineContext(
+                    decl=models[name], spec=spec, device=device, source=template, rank=at, world=tp, group=group, tp=tp
                 )
+                engine = built_by(gen, ctx)
             self.generators[name] = checked(engine, GenerationEngine, gen, name)
             if self.channels.get(name) is not None and self.rank != schedule.ranks_of(name)[0]:
                 # what syncs receive into: the trainer's export format (names, shapes, dtypes), which the
@@ -309,6 +333,10 @@ class Worker:
         trainer_ranks = self.schedule.ranks_of(model)
         weights = self.trainers[model].export_weights() if self.rank in trainer_ranks else None
         sent = 0
+        if strategy == "reshard" and self._same_split(model):  # colocated, split alike: each rank its own slices
+            shards = self.trainers[model].export_local_shards()  # type: ignore[attr-defined]
+            self.generators[model].load_local_shards(shards, version)  # type: ignore[attr-defined]
+            return {"bytes": weightsync.state_bytes(shards), "seconds": time.perf_counter() - t0}
         if strategy == "reshard":  # colocated: every rank all-gathered the full weights; load them in place
             if model in self.generators:
                 self.generators[model].load_weights(weights, version)
@@ -333,6 +361,21 @@ class Worker:
         if model in self.generators:  # on the sender, state is its exported weights
             self.generators[model].load_weights(state, version)
         return {"bytes": sent, "seconds": time.perf_counter() - t0}
+
+    def _same_split(self, model: str) -> bool:
+        """Whether ``model``'s generation replica on this rank is split as its training engine is (the same
+        tp, over the same ranks, no LoRA to merge): then a sync moves each rank's own slices."""
+        assert self.schedule is not None
+        trainer, engine = self.trainers.get(model), self.generators.get(model)
+        place = self.schedule.placement(model)
+        return (
+            model in self.replicas
+            and place.generation_group == place.group
+            and getattr(trainer, "tp", 1) == self.replicas[model][2]
+            and getattr(trainer, "lora", None) is None
+            and hasattr(trainer, "export_local_shards")
+            and hasattr(engine, "load_local_shards")
+        )
 
     def close_engines(self) -> None:
         """Release what engines hold outside this process (an engine's own processes, shared memory):

@@ -1,7 +1,9 @@
 """Tensor parallelism in the torch engine (flowrl/backends/local/tensor_parallel.py): a model split
-tp=2 over two gloo processes computes what one process computes -- log-probs from vocabulary shards
-that are never gathered, a train step's loss, gradient norm and update -- and exports the whole
-model. Two processes of this machine, spawned (no Ray)."""
+tp=2 over two gloo processes (and tp=4 over four: fewer key/value heads than ranks, a vocabulary
+tp does not divide) computes what one process computes -- log-probs from vocabulary shards that are
+never gathered, a train step's loss, gradient norm and update, greedy generation token for token --
+exports the whole model, and reaches a generation replica split the same way bit for bit, from its
+own slices or from whole weights. Processes of this machine, spawned (no Ray)."""
 
 from __future__ import annotations
 
@@ -17,30 +19,41 @@ import pytest
 WORKER = Path(__file__).with_name("tp_worker.py")
 
 
-@pytest.fixture(scope="module")
-def both(tmp_path_factory):
-    """Both models' comparisons, from one pair of processes."""
+def _spawn(tmp_path_factory, world: int) -> dict:
+    """Every model's comparison for ``world`` ranks, from one group of processes."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path_factory.mktemp("tp") / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes on two cores: one thread each
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the processes share this machine's cores: one thread each
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(rank), str(port), str(out)],
+            [sys.executable, str(WORKER), str(rank), str(port), str(out), str(world)],
             env=env,
             stderr=subprocess.PIPE,
         )
-        for rank in (0, 1)
+        for rank in range(world)
     ]
     errors = [p.communicate(timeout=600)[1].decode()[-3000:] for p in procs]
     assert all(p.returncode == 0 for p in procs), errors
     return json.loads(out.read_text())
 
 
-@pytest.fixture(params=["mqa", "gqa"])
-def tp2(both, request):
-    return both[request.param]
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    return _spawn(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return _spawn(tmp_path_factory, 4)
+
+
+@pytest.fixture(params=["mqa", "gqa", "gqa-kv2 tp4"])
+def tp2(request, tmp_path_factory):
+    if request.param.endswith("tp4"):
+        return request.getfixturevalue("four")[request.param.split()[0]]
+    return request.getfixturevalue("both")[request.param]
 
 
 pytestmark = pytest.mark.slow
@@ -48,7 +61,8 @@ pytestmark = pytest.mark.slow
 
 def test_a_tp2_model_is_split_and_exports_the_whole_model(tp2):
     assert "DTensor" in tp2["dtensors"]
-    assert tp2["sharded_head"][0] * 2 == tp2["head"][0]  # the LM head over the vocabulary, half a rank
+    vocab, tp = tp2["head"][0], tp2["tp"]
+    assert tp2["sharded_head"][0] == -(-vocab // tp) < vocab  # rank 0's slice of the vocabulary (torch.chunk's)
     assert tp2["same_start"] and tp2["keys"]  # built from the same seed; the export gathers every slice
 
 
@@ -65,3 +79,14 @@ def test_a_tp2_train_step_equals_the_one_process_step(tp2):
     assert abs(n1 - n2) < 1e-5 * max(1.0, n1)
     assert tp2["moved"] > 0.5 * tp2["lr"]  # the step did something
     assert tp2["update_diff"] < 0.02 * tp2["lr"], tp2
+
+
+def test_tp_greedy_generation_equals_the_one_process_generation_token_for_token(tp2):
+    assert tp2["greedy_rows"] == 8 and tp2["greedy_tp"]  # the training engine sampling in place
+    assert tp2["greedy_replica"]  # a generation replica split alike, after a sync of the trained weights
+
+
+def test_every_way_weights_reach_a_split_replica_is_bit_for_bit(tp2):
+    assert tp2["replica_built"]  # sliced from a one-rank template at build
+    assert tp2["reshard_shards"]  # tp = tp': each rank's own slices, gathered over nothing
+    assert tp2["reshard_whole"]  # tp' from whole weights: any other layout's export

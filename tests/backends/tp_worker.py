@@ -1,8 +1,9 @@
-"""Run by test_tensor_parallel.py as two processes (rank 0 and 1 of a gloo group): the same model
-built whole in this process and split tp=2 over the two, its log-probs and one train step compared.
+"""Run by test_tensor_parallel.py as WORLD processes (the ranks of a gloo group): the same model
+built whole in this process and split tp=WORLD over them; its log-probs, one train step, greedy
+generation and every way weights reach a generation replica split the same way are compared.
 Rank 0 writes the comparison as JSON to the file it is given.
 
-    python tests/backends/tp_worker.py RANK PORT OUT
+    python tests/backends/tp_worker.py RANK PORT OUT [WORLD]
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ OVERRIDES = [
     "train.mini_batches=2",
 ]
 MODELS = {  # the default tiny model: 2 heads sharing one key/value head (each rank holds it whole); 4 over 2 (split)
-    "mqa": [],
-    "gqa": ["tiny_model.num_heads=4", "tiny_model.num_kv_heads=2"],
+    2: {"mqa": [], "gqa": ["tiny_model.num_heads=4", "tiny_model.num_kv_heads=2"]},
+    # 2 key/value heads over 4 ranks (each rank holds both, reads its own), a vocabulary of 50 over 4 (13, 13, 13, 11)
+    4: {"gqa-kv2": ["tiny_model.num_heads=4", "tiny_model.num_kv_heads=2"]},
 }
 
 
@@ -58,31 +60,42 @@ def _step(plan, micro):
     return fn, step
 
 
-def main(rank: int, port: int, out: str) -> None:
+def main(rank: int, port: int, out: str, world: int) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    results = {model: compare(rank, model) for model in MODELS}  # one process pair for both models
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = {model: compare(rank, model, world) for model in MODELS[world]}  # one process group for all models
     if rank == 0:
         with open(out, "w") as fh:
             json.dump(results, fh)
     dist.destroy_process_group()
 
 
-def compare(rank: int, model: str) -> dict:
+def _greedy(engine, prompts):
+    return engine.generate(prompts, n=2, greedy=True, generator=torch.Generator().manual_seed(0)).sequences
+
+
+def compare(rank: int, model: str, world: int) -> dict:
     import torch.distributed as dist
 
     from flowrl import api
+    from flowrl.backends.local.engine import generation_engine
+    from flowrl.runtime.protocols import EngineContext
     from flowrl.tasks.builtin import Copy
 
-    graph, plan = api.plan("grpo", overrides=[*OVERRIDES, *MODELS[model]], emit=lambda s: None)
+    graph, plan = api.plan("grpo", overrides=[*OVERRIDES, *MODELS[world][model]], emit=lambda s: None)
     whole = _engine(graph, plan)
-    split = _engine(graph, plan, rank=rank, world=2, group=dist.group.WORLD, tp=2)
+    tp = dict(rank=rank, world=world, group=dist.group.WORLD, tp=world)
+    split = _engine(graph, plan, **tp)
     start, exported = whole.export_weights(), split.export_weights()
-    rollout = whole.generate(
-        Copy().prompts(random.Random(0), 4), n=2, greedy=False, generator=torch.Generator().manual_seed(0)
+    prompts = Copy().prompts(random.Random(0), 4)
+    greedy = [_greedy(whole, prompts), _greedy(split, prompts)]
+    # a generation replica split alike, built from a one-rank template (each rank slices the whole weights)
+    replica = generation_engine(
+        EngineContext(decl=graph.models["actor"], spec=plan.model_run("actor"), device="cpu", source=whole, **tp)
     )
+    rollout = whole.generate(prompts, n=2, greedy=False, generator=torch.Generator().manual_seed(0))
     seqs = rollout.sequences
     noise = torch.Generator().manual_seed(1)
     logp = whole.forward(seqs, "logprobs", 0)
@@ -97,7 +110,21 @@ def compare(rank: int, model: str) -> dict:
     stats1 = whole.train(fn, batch, whole_step)
     stats2 = split.train(fn, batch, _step(plan, 3)[1])  # micro-batches of 3 rows
     after1, after2 = whole.export_weights(), split.export_weights()
+    built = replica.export_weights()
+    replica.load_local_shards(split.export_local_shards(), 1)  # tp = tp': each rank its own slices
+    by_shards = replica.export_weights()
+    replica.load_weights(after1, 2)  # tp' from whole weights (a tp 1 trainer's, or any other layout's)
+    by_whole = replica.export_weights()
+    # the replica samples what the trained one-process model samples
+    same_greedy = torch.equal(_greedy(whole, prompts).response_ids, _greedy(replica, prompts).response_ids)
     result = {
+        "tp": world,
+        "greedy_tp": torch.equal(greedy[0].response_ids, greedy[1].response_ids),
+        "greedy_rows": len(greedy[0]),
+        "replica_built": _same_bits(built, start),
+        "reshard_shards": _same_bits(by_shards, after2),
+        "reshard_whole": _same_bits(by_whole, after1),
+        "greedy_replica": same_greedy,
         "same_start": all(torch.equal(start[k], exported[k]) for k in start),
         "keys": sorted(start) == sorted(exported),
         "forward": fwd,
@@ -113,5 +140,9 @@ def compare(rank: int, model: str) -> dict:
     return result
 
 
+def _same_bits(a: dict, b: dict) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 2)

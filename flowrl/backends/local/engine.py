@@ -518,6 +518,20 @@ class LocalModel:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
     @_computes
+    def export_local_shards(self) -> dict[str, Tensor]:
+        """This rank's tensor-parallel slices of the weights (`tensor_parallel.local_shards`: gathered over
+        data parallel, never over tp); every rank of the group calls this."""
+        if self.lora is not None:
+            raise BackendError(f"model '{self.decl.name}' trains LoRA adapters; it exports whole merged weights.")
+        return tensor_parallel.local_shards(self.module)
+
+    @_locked
+    def load_local_shards(self, shards: Mapping[str, Tensor], version: int) -> None:
+        """Take `export_local_shards` of a model split the same way over the same tp ranks, in place."""
+        tensor_parallel.load_local_shards(self.module, dict(shards))
+        self.version = version
+
+    @_computes
     def import_weights(self, weights: Mapping[str, Tensor]) -> None:
         if self.lora is not None:
             raise BackendError(
@@ -884,7 +898,9 @@ def training_engine(ctx: EngineContext) -> LocalModel:
 @_computes
 def generation_engine(ctx: EngineContext) -> LocalModel:
     """Generation on a separate local copy of the training engine's model (when another
-    training engine trains it); weights arrive through `load_weights` after each step."""
+    training engine trains it, or it samples in another layout); weights arrive through
+    `load_weights` after each step. With ``ctx.tp`` > 1 the copy is split tensor-parallel over the
+    ``ctx.world`` ranks of ``ctx.group`` (one generation replica), each rank its slice of the weights."""
     source = ctx.source
     module = build_causal_lm(None, source.hf_config, ctx.spec.seed)
     engine = LocalModel(
@@ -894,6 +910,10 @@ def generation_engine(ctx: EngineContext) -> LocalModel:
         source.hf_config,
         msgspec.structs.replace(ctx.spec, optimizer=None),
         torch.device(ctx.device),
+        ctx.rank,
+        ctx.world,
+        ctx.group,
+        tp=ctx.tp,
     )
     engine.load_weights(source.export_weights(), source.version)
     return engine

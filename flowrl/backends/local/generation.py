@@ -46,6 +46,13 @@ def draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     return torch.minimum(tok, last)
 
 
+def _whole(logits: Tensor) -> Tensor:
+    """The logits over the whole vocabulary: a tensor-parallel model's (a DTensor sharded over the
+    vocabulary) gathered from its tp ranks, which then sample alike (the same draws from the same seed)."""
+    full = getattr(logits, "full_tensor", None)
+    return full() if full is not None else logits
+
+
 @functools.cache
 def _forward_parameters(cls: type) -> frozenset[str]:
     """The keyword names a model class's ``forward`` takes (read once per class: engines ask per pass)."""
@@ -99,7 +106,7 @@ def sample(
         use_cache=True, **last_logits_only(model, 1),
     )  # fmt: skip
     cache = getattr(out, field)
-    logits = out.logits[:, -1, :]
+    logits = _whole(out.logits[:, -1, :])
     cache.batch_select_indices(copies)  # back to the caller's rows, in its order
     logits = logits[copies]
     lean = LeanDecoder.of(model) if max_new_tokens > 1 else None
@@ -138,12 +145,12 @@ def sample(
                 cache.batch_select_indices(keep)
             active, tok, mask, next_pos = active[keep], tok[keep], mask[keep], next_pos[keep]
         if lean is not None:
-            logits = lean.step(tok, (next_pos + step).squeeze(-1))
+            logits = _whole(lean.step(tok, (next_pos + step).squeeze(-1)))
             continue
         mask = torch.cat([mask, torch.ones(len(active), 1, dtype=mask.dtype, device=device)], dim=1)
         out = model(
             input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos + step, use_cache=True, **{kwarg: cache}
         )
         cache = getattr(out, field)
-        logits = out.logits[:, -1, :]
+        logits = _whole(out.logits[:, -1, :])
     return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(alive, 1).float()

