@@ -260,9 +260,7 @@ class Tuner:
             for actor in self.roles.policies:
                 # in place: the training engine samples, on one device (sharded, a full replica per rank)
                 in_place = (
-                    self.in_place
-                    and actor in members
-                    and samples_in_place(choice[actor][0].parallel, sk.generation.tp)
+                    self.in_place and actor in members and samples_in_place(choice[actor][0].parallel, sk.generation.tp)
                 )
                 gen = mem.generation_bytes(
                     self.specs[actor], self.numerics, sk.generation, self.w.sequences, self.max_len, in_place

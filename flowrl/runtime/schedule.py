@@ -90,10 +90,9 @@ def lower(graph: Graph, plan: ExecutionPlan, *, same_engine: bool = True) -> Sch
     for name in graph.models:
         ml = layout.layout(name)
         gen = name in generating
-        gen_group = layout.generation_of(name).group
-        in_place = (
-            gen and same_engine and ml.group == gen_group and samples_in_place(ml.parallel, layout.generation_of(name).tp)
-        )
+        gen_layout = layout.generation_of(name)
+        gen_group = gen_layout.group
+        in_place = gen and same_engine and ml.group == gen_group and samples_in_place(ml.parallel, gen_layout.tp)
         models.append(
             ModelPlacement(
                 model=name,
