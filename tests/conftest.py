@@ -102,16 +102,18 @@ def _fresh_registry():
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    """One private Ray (2 CPUs, on loopback) shared by a test module, with the Ray backend plugin
-    enabled; executors join it instead of starting their own. Shut down after the module."""
+def ray_session(request):
+    """One private Ray (2 CPUs, or the module's ``RAY_CPUS``, on loopback) shared by a test module, with
+    the Ray backend plugin enabled; executors join it instead of starting their own. Shut down after
+    the module."""
     import ray
 
     old = os.environ.get("FLOWRL_PLUGINS")
     os.environ["FLOWRL_PLUGINS"] = "ray"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    cpus = getattr(request.module, "RAY_CPUS", 2)
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
     if old is None:

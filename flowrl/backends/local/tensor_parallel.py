@@ -135,10 +135,11 @@ def local_shards(module: nn.Module) -> dict[str, Tensor]:
 
     out = {}
     for name, t in module.state_dict().items():
-        if isinstance(t, DTensor):
-            mesh = t.device_mesh
-            if mesh.ndim > 1:  # (dp, tp): gathered over dp, kept as sliced over tp
-                t = t.redistribute(mesh, [Replicate(), *t.placements[1:]])
+        if isinstance(t, DTensor):  # gathered over the dp dimension of its mesh, kept as sliced over tp
+            names = t.device_mesh.mesh_dim_names or ()
+            placements = [Replicate() if n == "dp" else pl for n, pl in zip(names, t.placements)]
+            if placements != list(t.placements):
+                t = t.redistribute(t.device_mesh, placements)
             t = t.to_local()
         out[name] = t.detach().to("cpu", copy=True)
     return out
