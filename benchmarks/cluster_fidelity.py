@@ -17,14 +17,18 @@ import argparse
 import json
 import statistics
 
-# (name, graph, placement, weight sync)
+# (name, graph, placement, weight sync, required layouts)
 VARIANTS = [
-    ("grpo colocate reshard", "graphs/grpo.py", "colocate", "reshard"),
-    ("grpo standalone reshard", "graphs/grpo.py", "standalone", "reshard"),
-    ("ppo split reshard", "graphs/ppo.py", "split", "reshard"),
-    ("grpo disaggregated full", "graphs/grpo.py", "disaggregated", "full"),
-    ("grpo disaggregated bucketed", "graphs/grpo.py", "disaggregated", "bucketed"),
-    ("grpo disaggregated sparse", "graphs/grpo.py", "disaggregated", "sparse"),
+    ("grpo colocate reshard", "graphs/grpo.py", "colocate", "reshard", ()),
+    ("grpo standalone reshard", "graphs/grpo.py", "standalone", "reshard", ()),
+    ("ppo split reshard", "graphs/ppo.py", "split", "reshard", ()),
+    ("grpo disaggregated full", "graphs/grpo.py", "disaggregated", "full", ()),
+    ("grpo disaggregated bucketed", "graphs/grpo.py", "disaggregated", "bucketed", ()),
+    ("grpo disaggregated sparse", "graphs/grpo.py", "disaggregated", "sparse", ()),
+    # tensor parallel: the actor split over both devices, generating from whole replicas or in place
+    ("grpo colocate tp2", "graphs/grpo.py", "colocate", "reshard", ("actor.tp=2",)),
+    ("grpo colocate tp2 gen tp2", "graphs/grpo.py", "colocate", "reshard", ("actor.tp=2", "generation.tp=2")),
+    ("grpo colocate dp2 gen tp2", "graphs/grpo.py", "colocate", "reshard", ("actor.dp=2", "generation.tp=2")),
 ]
 
 
@@ -39,13 +43,14 @@ def main() -> None:
     from cpu2 import start
 
     from flowrl import api
+    from flowrl.planner.constraints import parse_requirements
     from flowrl.planner.plan import ClusterTarget
     from flowrl.planner.workload import Fixed, WorkloadSpec
 
     tmp, hw, cluster = start(args.out, "flowrl-cluster-fidelity-")
     rows = []
     try:
-        for name, graph_src, placement, sync in VARIANTS:
+        for name, graph_src, placement, sync, require in VARIANTS:
             if args.only and not any(o in name for o in args.only):
                 continue
             overrides = [
@@ -60,7 +65,8 @@ def main() -> None:
                 f"out={tmp / 'runs'}",
                 f"name={name.replace(' ', '-')}",
             ]
-            _, cfg = api.load(graph_src, overrides=overrides)
+            loaded, cfg = api.load(graph_src, overrides=overrides)
+            need = parse_requirements(require, loaded.models) if require else None
             w = WorkloadSpec(
                 prompts_per_step=cfg.rollout.prompts_per_step,
                 samples_per_prompt=cfg.rollout.samples_per_prompt,
@@ -75,7 +81,7 @@ def main() -> None:
                 overrides=overrides,
                 target=target,
                 for_backend=True,
-                options={"placement": placement, "weight_sync": sync},
+                options={"placement": placement, "weight_sync": sync, "require": need},
                 emit=lambda s: None,
             )
             result = api.run(graph, plan)

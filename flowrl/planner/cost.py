@@ -30,6 +30,7 @@ from flowrl.planner.modelspec import ModelSpec
 from flowrl.planner.space import ModelLayout
 
 BF16 = 2
+FP32 = 4
 ADAM_STATE_BYTES = 12  # fp32 master weights + two moments per parameter
 
 
@@ -104,7 +105,7 @@ class CostModel:
         """Prompt forward of one replica: compute-bound."""
         tokens = sequences * prompt
         flops = tokens * self.model.flops_per_token(prompt // 2)
-        comm = self.model.layers * 2 * self.allreduce(tokens * self.model.hidden * BF16, tp)
+        comm = self.tp_pass(tokens, tp, self.model.layers, rows=sequences)  # the last position's logits
         overhead, efficiency = self._decode_factors()
         if self.calibration is None:
             efficiency = self.efficiency(tokens, prompt, tp)
@@ -116,7 +117,7 @@ class CostModel:
         base = self.model.flops_per_token(0)
         flops = batch * (base + (self.model.flops_per_token(1) - base) * context)  # linear in the context
         nbytes = (self.param_bytes + batch * context * self.model.kv_bytes_per_token(BF16)) / tp
-        comm = self.model.layers * 2 * self.allreduce(batch * self.model.hidden * BF16, tp)
+        comm = self.tp_pass(batch, tp, self.model.layers)  # the draw reads the whole vocabulary's logits
         overhead, efficiency = self._decode_factors()
         if self.calibration is None:
             efficiency = self.efficiency(batch, 2 * context, tp)
@@ -160,12 +161,7 @@ class CostModel:
         bubble = (p.pp - 1) / (micro + p.pp - 1) if p.pp > 1 else 0.0
         compute = compute / (1 - bubble)
         tokens_mb = layout.micro_batch * seq_len
-        comm = (
-            micro
-            * (self.model.layers // p.pp)
-            * (4 if backward else 2)
-            * self.allreduce(tokens_mb * self.model.hidden * BF16, p.tp)
-        )
+        comm = micro * self.tp_pass(tokens_mb, p.tp, self.model.layers // p.pp, backward, head=True)
         if p.pp > 1:  # activations (and their gradients) cross pp - 1 stage boundaries per micro-batch
             bw, lat = self.link(p.tp * p.pp)
             comm += (
@@ -176,6 +172,26 @@ class CostModel:
             units = self.model.layers // p.pp + 1
             comm += micro * units * self.allreduce(self.param_bytes / (p.tp * p.pp) / units, p.dp, span=p.size) / 2
         return compute + comm + overhead
+
+    def tp_pass(
+        self, tokens: Any, tp: int, layers: int, backward: bool = False, head: bool = False, rows: Any = None
+    ) -> Any:
+        """The tensor-parallel collectives and host work of one pass over ``tokens`` through ``layers`` split
+        ``tp`` ways (Megatron's split, as `flowrl.backends.local.tensor_parallel` runs it). Forward: per layer the
+        attention's and the MLP's row-wise outputs all-reduced, and the embedding's; backward: per layer the
+        gradients of the five column-wise inputs (q, k, v, gate, up), and the head's. ``head``: log-probs from
+        the vocabulary-sharded logits (three all-reduces of [tokens]); else the logits of ``rows`` (default:
+        every token) gathered for the draw."""
+        if tp <= 1:
+            return 0.0
+        act = self.allreduce(tokens * self.model.hidden * BF16, tp)
+        reduces = layers * 2 + 1 + ((layers * 5 + 1) if backward else 0)
+        if head:
+            logits = 3 * self.allreduce(tokens * FP32, tp)
+        else:  # an all-gather of the vocabulary slices: half an all-reduce's traffic
+            logits = self.allreduce((tokens if rows is None else rows) * self.model.vocab * FP32 / 2, tp)
+        host = (layers * 7 + 2) * self.hw.tp_op_overhead * (2 if backward else 1)
+        return reduces * act + logits + host
 
     def optimizer_step(self, layout: ModelLayout) -> float:
         """Gradient all-reduce over dp (ZeRO-1 reduce-scatter + all-gather) and the AdamW update."""

@@ -13,7 +13,7 @@ import msgspec
 
 from flowrl.errors import ConfigError, PlanError
 from flowrl.planner.capabilities import Capabilities
-from flowrl.planner.hardware import ClusterSpec
+from flowrl.planner.hardware import TP_OP_OVERHEAD, ClusterSpec
 from flowrl.planner.memory import Numerics
 from flowrl.planner.modelspec import ModelSpec
 from flowrl.planner.space import ClusterPlan
@@ -166,6 +166,9 @@ class ExecutionPlan(Spec, kw_only=True):
                 numerics.pop(flag)
         if caps.get("pipeline_parallel") is True:
             caps.pop("pipeline_parallel")
+        hardware = (body["target"].get("cluster") or {}).get("hardware") or {}
+        if hardware.get("tp_op_overhead") == TP_OP_OVERHEAD:  # and before tp's host work was priced
+            hardware.pop("tp_op_overhead")
         default = msgspec.to_builtins(RunConfig())
         for name in LATER_SECTIONS:  # left at their defaults, plans written before them keep their ids
             *parents, leaf = name.split(".")

@@ -244,10 +244,14 @@ def _transfer_seconds(plan: ClusterPlan, cost: CostModel, model: str) -> float:
     # a trainer sharded over dp (FSDP) gathers its full weights first: one all-gather per tensor
     gather = cost.param_tensors * cost.link(actor.parallel.size)[1] if actor.parallel.dp > 1 else 0.0
     if ws.strategy == "reshard":  # 3D-HybridEngine: all-gather within the group, no cross-group copy
-        tp_train, tp_gen = actor.parallel.tp * actor.parallel.pp, plan.generation_of(model).tp
-        bw, lat = cost.link(max(tp_train, tp_gen))
-        gathered = volume / tp_gen * (1 - min(tp_gen, tp_train) / max(tp_gen, tp_train))
-        return gather + gathered / bw + cost.model.layers * lat + cost.stream(volume / tp_gen)
+        p, tp_gen = actor.parallel, plan.generation_of(model).tp
+        bw, lat = cost.link(p.size)
+        if p.pp == 1 and p.tp == tp_gen:  # split alike: each rank gathers its own tp slices over dp
+            gathered = volume / p.tp * (p.dp - 1) / p.dp
+        else:  # each rank gathers the whole model and keeps its generation slice
+            gathered = volume * (p.size - 1) / p.size
+        tensors = cost.param_tensors * lat if p.size > 1 else 0.0
+        return tensors + gathered / bw + cost.stream(volume / tp_gen)
     src = plan.group(actor.group)
     dst = plan.group(plan.generation_of(model).group)
     bw, lat = cost.link(src.devices + dst.devices)
@@ -275,12 +279,15 @@ def simulate(
     node_rows: dict[str, int] | None = None,
     train_steps: Mapping[str, tuple[int, int]] | None = None,
     fused: Collection[str] = (),
+    in_place: Collection[str] = (),
 ) -> SimResult:
     """Simulate ``iterations`` steps of ``plan``. ``cost``: one cost model for every graph model, or
     one per model (per-role models). ``node_rows``: the sequences each node sees per step (default:
     the workload's prompts x samples, one per prompt for a greedy generate node). ``train_steps``:
     a train node's own (epochs, mini-batches), where its options set them (default: the workload's);
-    ``fused``: forward nodes their train node computes (``ExecutionPlan.fused``), taking no time."""
+    ``fused``: forward nodes their train node computes (``ExecutionPlan.fused``), taking no time;
+    ``in_place``: policies that sample with their training engine's weights as they are (`samples_in_place`):
+    no sync to run."""
     rng = np.random.default_rng(seed)
     order = graph.order()
     costs = dict(cost) if isinstance(cost, Mapping) else {m: cost for m in graph.models}
@@ -299,10 +306,13 @@ def simulate(
     dag = graph.dag()
     # each generating policy's train node, then the sync of its new weights to its generation layout
     # training states sent to host memory for the rollout come back before training: the sync pays the trip
+    # (a policy sampling in place moves nothing: its sync takes no time)
     syncs = {
         n: (
             graph.nodes[n].model,
-            sync_seconds(plan, costs[graph.nodes[n].model], roles, graph.nodes[n].model)
+            0.0
+            if graph.nodes[n].model in in_place
+            else sync_seconds(plan, costs[graph.nodes[n].model], roles, graph.nodes[n].model)
             + costs[graph.nodes[n].model].offload_seconds(gens[graph.nodes[n].model].offloaded),
         )
         for n in order
