@@ -197,6 +197,8 @@ def resume(run: Path, manifest: Mapping[str, Any], st: RunState, sync: Callable[
             _, driver = read(path, manifest)
             snapshot = restore(path, driver, st, sync)
         except FlowRLError as exc:
+            if any(getattr(g.transport, "closed", False) for g in st.trainers.values()):
+                raise  # a worker failed and the workers are stopped: no older checkpoint can be tried
             failures.append(str(exc))
             continue
         for why in failures:
