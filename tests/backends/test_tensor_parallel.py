@@ -90,3 +90,12 @@ def test_every_way_weights_reach_a_split_replica_is_bit_for_bit(tp2):
     assert tp2["replica_built"]  # sliced from a one-rank template at build
     assert tp2["reshard_shards"]  # tp = tp': each rank's own slices, gathered over nothing
     assert tp2["reshard_whole"]  # tp' from whole weights: any other layout's export
+
+
+@pytest.mark.parametrize("case", ["2 resume tp2", "4 resume tp4", "4 resume tp2"])
+def test_a_split_model_resumes_bit_exactly(case, request):
+    """save_state then load_state into a new engine: the weights and the next step bit for bit; with four
+    ranks at tp 2 the model is FSDP2 shards of tp slices (dp2 x tp2), which torch's whole-state loaders cannot cut."""
+    world, name = case.split(" ", 1)
+    got = request.getfixturevalue("both" if world == "2" else "four")[name]
+    assert got["version"] == 1 and got["restored"] and got["next_step"], got

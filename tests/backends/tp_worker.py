@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+from pathlib import Path
 
 import torch
 
@@ -66,6 +67,8 @@ def main(rank: int, port: int, out: str, world: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     results = {model: compare(rank, model, world) for model in MODELS[world]}  # one process group for all models
+    for tp in sorted({world, 2}):  # tp over all ranks; with 4 ranks also dp2 x tp2 (FSDP2 shards of tp slices)
+        results[f"resume tp{tp}"] = resumed(rank, world, tp, Path(out).with_name(f"ckpt-tp{tp}"))
     if rank == 0:
         with open(out, "w") as fh:
             json.dump(results, fh)
@@ -138,6 +141,45 @@ def compare(rank: int, model: str, world: int) -> dict:
         "head": tuple(whole.module.lm_head.weight.shape),
     }
     return result
+
+
+def resumed(rank: int, world: int, tp: int, folder: Path) -> dict:
+    """A split model's checkpoint (`save_state` after a step) restored into a new engine: its weights and
+    the next step's weights bit for bit (the optimizer state restored with them)."""
+    import torch.distributed as dist
+
+    from flowrl import api
+    from flowrl.tasks.builtin import Copy
+
+    shape = MODELS[4]["gqa-kv2"] if tp == 4 else []  # the default tiny model has two heads
+    graph, plan = api.plan("grpo", overrides=[*OVERRIDES, *shape], emit=lambda s: None)
+    whole = _engine(graph, plan)
+    split = dict(rank=rank, world=world, group=dist.group.WORLD, tp=tp)
+    first = _engine(graph, plan, **split)
+    seqs = whole.generate(
+        Copy().prompts(random.Random(0), 4), n=2, greedy=False, generator=torch.Generator().manual_seed(0)
+    ).sequences
+    noise = torch.Generator().manual_seed(1)
+    batch = {
+        "responses": seqs,
+        "old_logprobs": whole.forward(seqs, "logprobs", 0),
+        "advantages": torch.randn(len(seqs), 1, generator=noise) * seqs.response_mask,
+    }
+    fn, step = _step(plan, 3)
+    first.train(fn, batch, step)
+    folder.mkdir(exist_ok=True)
+    first.save_state(folder)
+    dist.barrier()  # rank 0 wrote it
+    again = _engine(graph, plan, **split)
+    version = again.load_state(folder)
+    restored = _same_bits(first.export_weights(), again.export_weights())
+    first.train(fn, batch, _step(plan, 3)[1])
+    again.train(fn, batch, _step(plan, 3)[1])
+    return {
+        "version": version,
+        "restored": restored,
+        "next_step": _same_bits(first.export_weights(), again.export_weights()),
+    }
 
 
 def _same_bits(a: dict, b: dict) -> bool:

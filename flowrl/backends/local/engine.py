@@ -538,10 +538,11 @@ class LocalModel:
                 f"model '{self.decl.name}' trains LoRA adapters; its weights are its base model's plus them, and "
                 "cannot be replaced by full weights."
             )
-        if self.distributed:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-            set_model_state_dict(self.module, dict(weights), options=StateDictOptions(full_state_dict=True))
+        if self.distributed:  # each rank keeps its pieces (tp slices, FSDP2 shards) of the whole weights
+            missing = _untied_keys(self.module) - set(weights)
+            if missing:
+                raise BackendError(f"weights for model '{self.decl.name}' lack {sorted(missing)[:3]}.")
+            tensor_parallel.load_whole(self.module, dict(weights))
             return
         self.module.load_state_dict(dict(weights))
 
@@ -633,9 +634,7 @@ class LocalModel:
         from flowrl.runtime.checkpoint import load_tree
 
         if self.distributed:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-            set_model_state_dict(self.module, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+            tensor_parallel.load_whole(self.module, dict(weights))
         else:
             self.module.load_state_dict(weights, strict=False)
         if self.optimizer is not None:  # a trainable model's checkpoint always holds its optimizer state
@@ -657,7 +656,10 @@ class LocalModel:
         if self.distributed:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            set_optimizer_state_dict(self.module, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+            sharded = tensor_parallel.sharded_optimizer_state(self.module, state)
+            set_optimizer_state_dict(
+                self.module, self.optimizer, sharded, options=StateDictOptions(full_state_dict=False)
+            )
         else:
             self.optimizer.load_state_dict(state)
 

@@ -149,8 +149,50 @@ def load_local_shards(module: nn.Module, shards: dict[str, Tensor]) -> None:
     """Copy ``shards`` (`local_shards` of a model split the same way) into ``module``'s own slices, in place."""
     with torch.no_grad():
         for name, t in module.state_dict().items():
-            local = t.to_local() if hasattr(t, "to_local") else t
-            local.copy_(shards[name])
+            _local(t).copy_(shards[name])
+
+
+def distribute_like(whole: Tensor, like: Tensor) -> Tensor:
+    """``whole`` (the same on every rank) held as ``like`` is held: for a DTensor, one of its mesh and
+    placements -- tp slices, FSDP2 shards, both (a strided shard) -- each rank cutting its own piece
+    without communication; a plain tensor, ``whole`` itself. (torch's full-state-dict loaders cannot
+    cut FSDP2 shards of tp slices.)"""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(like, DTensor):
+        return whole
+    mesh = like.device_mesh
+    held = DTensor.from_local(whole.to(like.device, like.dtype), mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return held.redistribute(mesh, like.placements)
+
+
+def load_whole(module: nn.Module, weights: dict[str, Tensor]) -> None:
+    """Copy the whole tensors ``weights`` (some or all of ``module``'s state dict, by name) into the
+    pieces of them ``module`` holds on this rank, in place."""
+    with torch.no_grad():
+        for name, t in module.state_dict().items():
+            if name in weights:
+                piece = distribute_like(weights[name], t)
+                _local(t).copy_(_local(piece))
+
+
+def sharded_optimizer_state(module: nn.Module, whole: dict[str, Any]) -> dict[str, Any]:
+    """A whole optimizer state dict (`get_optimizer_state_dict(full_state_dict=True)`: by parameter name)
+    with each per-parameter tensor held as its parameter is (`distribute_like`), for
+    `set_optimizer_state_dict(full_state_dict=False)`."""
+    params = dict(module.named_parameters())
+    state = {}
+    for name, entry in whole["state"].items():
+        p = params.get(name)
+        state[name] = {
+            k: distribute_like(v, p) if isinstance(v, Tensor) and p is not None and v.shape == p.shape else v
+            for k, v in entry.items()
+        }
+    return {**whole, "state": state}
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _kv_heads(config: Any) -> int:
