@@ -130,6 +130,7 @@ class Tuner:
         constraints: Constraints | None = None,
         models: Mapping[str, ModelSpec] | None = None,
         micro_batch: int | None = None,
+        unsplit: Collection[str] = (),
         train_steps: Mapping[str, tuple[int, int]] | None = None,
         fused: Collection[str] = (),
     ) -> None:
@@ -141,6 +142,7 @@ class Tuner:
         self.train_steps = train_steps
         self.fused = frozenset(fused)
         self.micro_batch = micro_batch  # configured (train.micro_batch_size): every layout uses it
+        self.unsplit = frozenset(unsplit)  # models whose engine does not split them tensor-parallel (LoRA)
         self.constraints = constraints or Constraints()  # what the user requires (--require)
         self.numerics = numerics or mem.Numerics()
         if self.numerics.activation_bytes >= 4:  # an engine computing in float32 runs at the fp32 peak
@@ -191,6 +193,8 @@ class Tuner:
                 kv_heads=self.specs[model].kv_heads,
                 layers=self.specs[model].layers,
                 batch=batch,
+                intermediate=self.specs[model].intermediate,
+                split=model not in self.unsplit,
             )
             if self.capabilities is not None:
                 options = [lay for lay in options if supports_layout(self.capabilities, lay)]
@@ -378,9 +382,15 @@ class Tuner:
             self.cluster.devices_per_node,
             self.specs[self.roles.actor].heads,
             self.specs[self.roles.actor].kv_heads,
+            intermediate=self.specs[self.roles.actor].intermediate,
         )
         policies = [self.specs[a] for a in self.roles.policies]
-        sks = [sk for sk in sks if all(p.heads % sk.generation.tp == 0 for p in policies)]  # each policy's own heads
+        # each policy's own heads and MLP width
+        sks = [
+            sk
+            for sk in sks
+            if all(p.heads % sk.generation.tp == 0 == p.intermediate % sk.generation.tp for p in policies)
+        ]
         c = self.constraints
         sks = _pinned(sks, placement or c.placement, weight_sync or c.weight_sync, rollout)
         if c.generation_tp is not None:
@@ -567,11 +577,18 @@ class Tuner:
                     f"executor cannot place it. Use an engine that declares EngineCapabilities({flag}=True), or drop "
                     f"the {kind} requirement."
                 )
+            lora = sorted(m for m in self.unsplit if self.constraints.parallel.get(m, {}).get("tp", 1) > 1)
+            if lora:
+                return (
+                    f"no plan fits {self.graph.name}: --require {required} splits model '{lora[0]}' tensor-parallel, "
+                    "but it trains LoRA adapters, which the torch engine does not split. Drop the tp requirement, or "
+                    "train it without LoRA (train.lora.rank=0)."
+                )
             return (
                 f"no plan fits {self.graph.name} on {self.cluster.devices} x {hw.name}: no parallel layout of "
                 f"{', '.join(models)}{f' with --require {required}' if required else ''} fills a device group of "
-                f"this cluster (tp must divide the model's heads, pp its layers, and dp the mini-batch of "
-                f"{self.w.sequences // self.w.mini_batches} sequences). "
+                f"this cluster (tp must divide the model's heads and MLP width, pp its layers, and dp the mini-batch "
+                f"of {self.w.sequences // self.w.mini_batches} sequences). "
                 + ("Relax the requirement, or use" if required else "Use")
                 + " a cluster or a mini-batch whose sizes divide."
             )

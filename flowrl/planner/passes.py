@@ -741,6 +741,7 @@ def _place(
         constraints=opts.get("require"),
         models=t.models or None,
         micro_batch=plan.config.train.micro_batch_size,
+        unsplit=[m for m, run in plan.models.items() if run.lora is not None],  # the torch engine splits no adapters
     )
     pins = {k: opts.get(k) for k in ("placement", "weight_sync")}
     if single is not None and any(pins.values()):

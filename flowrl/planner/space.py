@@ -193,8 +193,16 @@ def _pow2_upto(n: int) -> list[int]:
     return out
 
 
-def tp_options(heads: int, kv_heads: int, per_node: int, limit: int) -> list[int]:
-    return [t for t in _pow2_upto(min(per_node, limit)) if heads % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0)]
+def tp_options(heads: int, kv_heads: int, per_node: int, limit: int, intermediate: int | None = None) -> list[int]:
+    """The tp sizes a model splits into (as the torch engine splits it, `tensor_parallel.check_splits`): they
+    divide its heads and its MLP width, and its key/value heads (or those divide them: held whole)."""
+    return [
+        t
+        for t in _pow2_upto(min(per_node, limit))
+        if heads % t == 0
+        and (kv_heads % t == 0 or t % kv_heads == 0)
+        and (intermediate is None or intermediate % t == 0)
+    ]
 
 
 def group_sizes(total: int, per_node: int) -> list[int]:
@@ -216,7 +224,14 @@ def _groups(names_sizes: list[tuple[str, int]]) -> tuple[DeviceGroup, ...]:
 
 
 def skeletons(
-    roles: Roles, devices: int, per_node: int, heads: int, kv_heads: int, *, sync_density: float = 0.1
+    roles: Roles,
+    devices: int,
+    per_node: int,
+    heads: int,
+    kv_heads: int,
+    *,
+    sync_density: float = 0.1,
+    intermediate: int | None = None,
 ) -> list[Skeleton]:
     """Every placement x group split x generation layout x rollout policy x weight sync."""
     out: list[Skeleton] = []
@@ -227,7 +242,7 @@ def skeletons(
         placement: Placement, groups: tuple[DeviceGroup, ...], assignment: dict[str, str], gen_group: str, overlap: bool
     ) -> None:
         g = next(x for x in groups if x.name == gen_group)
-        for tp in tp_options(heads, kv_heads, per_node, g.devices):
+        for tp in tp_options(heads, kv_heads, per_node, g.devices, intermediate):
             gen = GenerationLayout(group=gen_group, tp=tp, replicas=g.devices // tp)
             policies = [RolloutPolicy()]
             policies.append(RolloutPolicy(staleness=1, partial=True, overprovision=0.25))
@@ -307,10 +322,13 @@ def layouts(
     kv_heads: int,
     layers: int,
     batch: int,
+    intermediate: int | None = None,
+    split: bool = True,
 ) -> list[ModelLayout]:
-    """One model's options on a group: dp x tp x pp = group size; micro-batches; offload."""
+    """One model's options on a group: dp x tp x pp = group size; micro-batches; offload. ``split`` False:
+    tp 1 only (a model its engine does not split tensor-parallel)."""
     out = []
-    for tp in tp_options(heads, kv_heads, per_node, group.devices):
+    for tp in tp_options(heads, kv_heads, per_node, group.devices, intermediate) if split else [1]:
         for pp in _divisors(group.devices // tp):
             if layers % pp:
                 continue

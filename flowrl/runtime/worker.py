@@ -331,12 +331,12 @@ class Worker:
         assert self.schedule is not None
         t0 = time.perf_counter()
         trainer_ranks = self.schedule.ranks_of(model)
-        weights = self.trainers[model].export_weights() if self.rank in trainer_ranks else None
-        sent = 0
         if strategy == "reshard" and self._same_split(model):  # colocated, split alike: each rank its own slices
             shards = self.trainers[model].export_local_shards()  # type: ignore[attr-defined]
             self.generators[model].load_local_shards(shards, version)  # type: ignore[attr-defined]
             return {"bytes": weightsync.state_bytes(shards), "seconds": time.perf_counter() - t0}
+        weights = self.trainers[model].export_weights() if self.rank in trainer_ranks else None
+        sent = 0
         if strategy == "reshard":  # colocated: every rank all-gathered the full weights; load them in place
             if model in self.generators:
                 self.generators[model].load_weights(weights, version)

@@ -114,6 +114,12 @@ class LocalModel:
         self.module = module.to(device)
         # LoRA: only the adapters (and a value head) train; the base weights stay as loaded
         self.lora = spec.lora if decl.trainable else None
+        if self.lora is not None and tp > 1:
+            raise BackendError(
+                f"model '{decl.name}' trains LoRA adapters, which the torch engine does not split tensor-parallel "
+                f"(its layout has tp {tp}). Plan it with --require {decl.name}.tp=1, or train it without LoRA "
+                "(train.lora.rank=0)."
+            )
         if self.lora is not None:
             add_lora(self.module, self.lora, spec.seed, decl.name)
         numerics = spec.numerics

@@ -86,11 +86,11 @@ def parallelize(module: nn.Module, tp_mesh: Any) -> None:
         if whole_kv:
             attn = layer.self_attn
             attn.num_key_value_groups = module.config.num_attention_heads // tp  # this rank's heads, one KV head
-            head = tp_mesh.get_local_rank() * kv // tp  # the key/value head this rank's query heads read
+            kv_head = tp_mesh.get_local_rank() * kv // tp  # the key/value head this rank's query heads read
             width = attn.head_dim
             for proj in (attn.k_proj, attn.v_proj):
                 proj.register_forward_hook(
-                    lambda _m, _i, out, at=head * width: _GradSummed.apply(out, group)[..., at : at + width]
+                    lambda _m, _i, out, at=kv_head * width: _GradSummed.apply(out, group)[..., at : at + width]
                 )
     parallelize_module(base, tp_mesh, {"embed_tokens": RowwiseParallel(input_layouts=Replicate())})
     if head is not None:
