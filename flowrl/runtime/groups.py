@@ -174,6 +174,8 @@ class GenerationGroup:
         firsts = [rep[0] for rep in self.replicas]
         cuts = dispatch.shards(len(rollout.sequences), len(firsts))
         used = [(r, s) for r, s in zip(firsts, cuts) if s.stop > s.start]
+        if not used:  # no row to continue
+            return rollout
         args = []
         for i, (_, s) in enumerate(used):
             args.append((self.model, rollout.select(s), seed + i, max_new_tokens))
