@@ -181,6 +181,19 @@ class EvalConfig(Spec):
     max_prompts: int | None = None  # with data.val: at most this many of its rows (None: all)
 
 
+class RewardConfig(Spec):
+    """How reward functions run (`flowrl.runtime.rewardpool`): in the driver once per batch (``workers`` 0,
+    a synchronous function), or in calls of ``rows_per_call`` rows by ``workers`` forked processes (an
+    ``async def`` function: awaited, ``concurrency`` calls at once), each within ``timeout_s``; a call
+    that raises or times out scores by ``on_error``."""
+
+    workers: int = 0
+    timeout_s: float | None = None  # None: no limit
+    on_error: Literal["zero", "drop", "fail"] = "fail"  # drop: its rows score their prompt's other rows' mean
+    rows_per_call: int = 1
+    concurrency: int = 16
+
+
 class LogConfig(Spec):
     """Where metrics go besides metrics.jsonl, and how many sample rows samples.jsonl gets."""
 
@@ -242,6 +255,7 @@ class RunConfig(Spec):
     data: DataConfig = DataConfig()
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
+    reward: RewardConfig = RewardConfig()
 
     def checkpoint_due(self, step: int) -> bool:
         """Whether a checkpoint is written after ``step`` (0-based): every save_every steps and at the end."""
@@ -297,6 +311,10 @@ class RunConfig(Spec):
                 f"must be >= 0 and <= {MAX_STALENESS}",
             ),
             (0 <= self.rollout.overprovision <= 16, "rollout.overprovision", "must be >= 0 and <= 16"),
+            (0 <= self.reward.workers <= 256, "reward.workers", "must be in [0, 256] (0: in the driver)"),
+            (self.reward.timeout_s is None or self.reward.timeout_s > 0, "reward.timeout_s", "must be > 0 seconds"),
+            (self.reward.rows_per_call >= 1, "reward.rows_per_call", "must be >= 1"),
+            (self.reward.concurrency >= 1, "reward.concurrency", "must be >= 1"),
             (
                 self.rollout.chunk_tokens is None or self.rollout.chunk_tokens >= 1,
                 "rollout.chunk_tokens",
@@ -589,7 +607,7 @@ RUN_SETTINGS = ("out", "name", "save_every", "keep_checkpoints", "progress", "ev
 
 #: Config sections and fields (dotted) added after plans were first written: a plan's id leaves
 #: them out while they hold their defaults, so a plan file an earlier flowrl wrote keeps its id.
-LATER_SECTIONS = ("data", "rollout.stop")
+LATER_SECTIONS = ("data", "rollout.stop", "reward")
 
 
 def current_names(layer: dict[str, Any]) -> dict[str, Any]:

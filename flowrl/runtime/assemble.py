@@ -12,11 +12,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from flowrl.graph.ir import Filter, Generate, Graph
 from flowrl.planner.plan import ExecutionPlan
 from flowrl.planner.space import RolloutPolicy
 from flowrl.runtime.groups import GenerationGroup, TrainingGroup, Transport, publish
 from flowrl.runtime.nodes import NodeRuntime, filter_groups, run_node
+from flowrl.runtime.rewardpool import RewardRunner
 from flowrl.runtime.rollout import Rounds, StepRollout
 from flowrl.runtime.runstate import PromptStream
 from flowrl.runtime.schedule import Schedule
@@ -94,6 +97,7 @@ def assemble(graph: Graph, plan: ExecutionPlan, registry: Registry, schedule: Sc
         seed=cfg.seed,
         skip_nonfinite=cfg.train.skip_nonfinite,
         fused=dict(plan.fused),
+        rewards=RewardRunner(**msgspec.structs.asdict(cfg.reward)),
     )
     policy = plan.layout.rollout if plan.layout is not None else RolloutPolicy()
     sources = {

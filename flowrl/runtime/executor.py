@@ -294,6 +294,7 @@ class PlanExecutor:
             except Exception:  # a dead worker keeps its spans
                 pass
             transport.close()
+            parts.rt.rewards.close()  # the reward workers
             ran = result.resumed_from is None or result.resumed_from < cfg.steps
             if ran:  # a resumed run keeps the trace of the session before it
                 runstate.archive_trace(out_dir, result.resumed_from)

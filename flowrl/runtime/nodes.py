@@ -8,6 +8,7 @@ functions, losses and reward functions add their own (``kl``, ``exact``, ``clipf
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from flowrl.graph.ir import Compute, Filter, Forward, Generate, Graph, Reward, T
 from flowrl.runtime.batch import sequences_in
 from flowrl.runtime.dispatch import draw_seed
 from flowrl.runtime.protocols import GenerationEngine, TrainingEngine, TrainStep
+from flowrl.runtime.rewardpool import RewardRunner
 from flowrl.specs import AlgoConfig, loss_unit
 
 
@@ -40,6 +42,7 @@ class NodeRuntime:
     seed: int
     skip_nonfinite: bool = False  # train.skip_nonfinite: let non-finite values reach the trainer, which skips
     fused: Mapping[str, str] = field(default_factory=dict)  # forward node -> the train node computing its output
+    rewards: RewardRunner = field(default_factory=RewardRunner)  # how reward functions run (reward.*)
     state: dict[str, float] = field(default_factory=dict)  # graph state: its value after the last update
     _rngs: dict[str, torch.Generator] = field(default_factory=dict, repr=False)
 
@@ -357,8 +360,11 @@ def _reward(
         )
     rows = [prompts[i] for i in seqs.prompt_index.tolist()]
     fn = rt.functions["reward_functions"][node.fn]
-    result = _user(f"reward function '{node.fn}'", fn, rows, list(seqs.texts), rt.task, **options)
-    scores, metrics = result if isinstance(result, tuple) and len(result) == 2 else (result, {})
+    if rt.rewards.direct(fn):
+        result = _user(f"reward function '{node.fn}'", fn, rows, list(seqs.texts), rt.task, **options)
+        scores, metrics = result if isinstance(result, tuple) and len(result) == 2 else (result, {})
+    else:
+        scores, metrics = _pooled(rt, node, fn, rows, seqs, options)
     if not isinstance(metrics, Mapping):
         raise GraphError(
             f"node '{node.name}': reward function '{node.fn}' returned (scores, {type(metrics).__name__}); the "
@@ -384,6 +390,46 @@ def _reward(
         )
     name = "cost" if "cost" in node.writes[0] else "reward"  # a cost node's mean is not the headline reward
     return {node.writes[0]: scores}, {name: round(float(scores.mean()), 6), **dict(metrics)}
+
+
+def _pooled(
+    rt: NodeRuntime, node: Reward, fn: Any, rows: list[Any], seqs: Sequences, options: dict[str, Any]
+) -> tuple[list[float], dict[str, Any]]:
+    """A reward function's scores from calls run by `flowrl.runtime.rewardpool`, a failed call's rows
+    scored by ``reward.on_error``; the calls' numeric metrics averaged, their errors and timeouts counted."""
+    runner = rt.rewards
+    outcomes, cuts = runner.score(node.fn, fn, rows, list(seqs.texts), rt.task, options)
+    scores: list[float] = [0.0] * len(rows)
+    failed: list[int] = []
+    errors = timeouts = 0
+    parts: list[dict[str, Any]] = []
+    for o, cut in zip(outcomes, cuts):
+        width = cut.stop - cut.start
+        if o.error is None and (o.scores is None or len(o.scores) != width):
+            o.error = f"returned {0 if o.scores is None else len(o.scores)} scores for {width} responses"
+        if o.error is None and not all(math.isfinite(x) for x in o.scores):  # type: ignore[union-attr]
+            o.error = f"returned a non-finite score ({o.scores})"
+        if o.error is not None:
+            errors, timeouts = errors + 1, timeouts + o.timed_out
+            if runner.on_error == "fail":
+                raise GraphError(
+                    f"reward function '{node.fn}' {'' if o.timed_out else 'failed: '}{o.error} on responses "
+                    f"{cut.start}..{cut.stop - 1} (e.g. {seqs.texts[cut.start]!r}). Set reward.on_error=zero or drop "
+                    "to score such calls instead of stopping" + (", or raise reward.timeout_s." if o.timed_out else ".")
+                )
+            failed.extend(range(cut.start, cut.stop))
+            continue
+        scores[cut] = o.scores  # type: ignore[assignment]
+        parts.append(o.metrics)
+    if failed and runner.on_error == "drop":  # the prompt's other rows' mean: no group-relative advantage
+        bad = set(failed)
+        index = seqs.prompt_index.tolist()
+        for i in failed:
+            others = [scores[j] for j in range(len(rows)) if index[j] == index[i] and j not in bad]
+            scores[i] = sum(others) / len(others) if others else 0.0
+    keys = {k for m in parts for k, v in m.items() if isinstance(v, (int, float))}
+    metrics = {k: sum(m[k] for m in parts if k in m) / sum(k in m for m in parts) for k in sorted(keys)}
+    return scores, {**metrics, "errors": errors, "timeouts": timeouts}
 
 
 def _checked_loss(loss: Any, name: str, options: Mapping[str, Any]) -> Any:

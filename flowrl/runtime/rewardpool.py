@@ -1,0 +1,212 @@
+"""Reward execution: a reward function's rows scored in calls of ``reward.rows_per_call`` rows, run
+by a pool of worker processes (``reward.workers``), or awaited with a concurrency limit for an
+``async def`` function, each call within ``reward.timeout_s``. A call that raises or times out gets
+the defined reward (``reward.on_error``): ``zero``, ``drop`` (its rows score their prompt's other
+rows' mean, so their group-relative advantage is zero and they move nothing) or ``fail`` (the run
+stops, naming the node and function). Errors and timeouts are counted in the node's metrics.
+
+Workers (on Linux and macOS) are forked from the driver when first needed and kept: they inherit every registered
+function, a graph file's own included, and receive only its name and the rows. A worker whose call
+runs past the timeout is killed and replaced (a hung verifier cannot stall the run). With
+``reward.workers=0`` (the default) a synchronous function is called once per batch in the driver,
+as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import multiprocessing
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+#: functions a forked worker may call, by name (filled before the first fork; inherited by it)
+_FUNCTIONS: dict[str, Callable[..., Any]] = {}
+
+
+@dataclass
+class Outcome:
+    """One call's result: its scores (one per row) and metrics, or why it has none."""
+
+    scores: list[float] | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # the exception, in one line
+    timed_out: bool = False
+
+
+def _serve(conn: Connection) -> None:
+    """A worker's loop: (name, rows, texts, task, options) in, ("ok", result) or ("error", text) out."""
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        name, rows, texts, task, options = job
+        try:
+            result = _FUNCTIONS[name](rows, texts, task, **options)
+            conn.send(("ok", _portable(result)))
+        except BaseException as exc:  # noqa: BLE001 - reported to the driver, which decides
+            conn.send(("error", f"{type(exc).__name__}: {exc}".strip()))
+
+
+def _portable(result: Any) -> Any:
+    """A reward function's result with tensors and arrays as lists (they travel back by pipe)."""
+    scores, metrics = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
+    if hasattr(scores, "tolist"):
+        scores = scores.tolist()
+    return (list(scores), metrics) if metrics is not None else list(scores)
+
+
+class _Worker:
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child,), daemon=True, name="flowrl-reward")
+        self.process.start()
+        child.close()
+        self.job: int | None = None  # the call it runs
+        self.since = 0.0
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+class RewardPool:
+    """``workers`` forked processes that run reward calls; one call at a time each."""
+
+    def __init__(self, workers: int) -> None:
+        self.size = workers
+        self.workers: list[_Worker] = []
+        self.lock = threading.Lock()  # one batch at a time (streamed parts call from pipeline threads)
+
+    def run(self, name: str, calls: Sequence[tuple[Any, ...]], timeout: float | None) -> list[Outcome]:
+        """Each call's outcome, in order; ``calls``: (rows, texts, task, options)."""
+        with self.lock:
+            while len(self.workers) < self.size:
+                self.workers.append(_Worker())
+            outcomes: list[Outcome | None] = [None] * len(calls)
+            todo = list(range(len(calls)))
+            busy: dict[Connection, _Worker] = {}
+            while todo or busy:
+                for w in self.workers:
+                    if w.job is None and todo:
+                        w.job, w.since = todo.pop(0), time.monotonic()
+                        w.conn.send((name, *calls[w.job]))
+                        busy[w.conn] = w
+                now = time.monotonic()
+                left = None if timeout is None else max(0.0, min(w.since + timeout for w in busy.values()) - now)
+                for conn in wait(list(busy), timeout=left):
+                    w = busy.pop(conn)  # type: ignore[arg-type]
+                    try:
+                        status, value = conn.recv()  # type: ignore[union-attr]
+                    except (EOFError, OSError):  # the worker died (os._exit, a signal): replaced
+                        status, value = "error", f"the reward worker died (exit code {w.process.exitcode})"
+                        self._replace(w)
+                    outcomes[w.job] = _outcome(status, value)  # type: ignore[index]
+                    w.job = None
+                if timeout is not None:
+                    now = time.monotonic()
+                    for conn, w in list(busy.items()):
+                        if now - w.since >= timeout:
+                            outcomes[w.job] = Outcome(error=f"timed out after {timeout:g} s", timed_out=True)  # type: ignore[index]
+                            busy.pop(conn)
+                            self._replace(w)
+            return [o if o is not None else Outcome(error="not run") for o in outcomes]
+
+    def _replace(self, w: _Worker) -> None:
+        w.kill()
+        self.workers[self.workers.index(w)] = _Worker()
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.kill()
+        self.workers = []
+
+
+def _outcome(status: str, value: Any) -> Outcome:
+    if status == "error":
+        return Outcome(error=str(value))
+    scores, metrics = value if isinstance(value, tuple) and len(value) == 2 else (value, {})
+    return Outcome(scores=[float(s) for s in scores], metrics=dict(metrics or {}))
+
+
+async def _awaited(
+    fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]], timeout: float | None, concurrency: int
+) -> list[Outcome]:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(rows: Any, texts: Any, task: Any, options: Mapping[str, Any]) -> Outcome:
+        async with gate:
+            try:
+                result = await asyncio.wait_for(fn(rows, texts, task, **options), timeout)
+            except asyncio.TimeoutError:
+                return Outcome(error=f"timed out after {timeout:g} s", timed_out=True)
+            except Exception as exc:  # noqa: BLE001 - the policy decides
+                return Outcome(error=f"{type(exc).__name__}: {exc}".strip())
+            return _outcome("ok", _portable(result))
+
+    return list(await asyncio.gather(*(one(*c) for c in calls)))
+
+
+def run_async(
+    fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]], timeout: float | None, concurrency: int
+) -> list[Outcome]:
+    """The calls of an ``async def`` function awaited at most ``concurrency`` at a time (in a thread of
+    its own when this one already runs an event loop)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_awaited(fn, calls, timeout, concurrency))
+    out: list[list[Outcome]] = []
+    thread = threading.Thread(target=lambda: out.append(asyncio.run(_awaited(fn, calls, timeout, concurrency))))
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+@dataclass
+class RewardRunner:
+    """How a run calls its reward functions (`flowrl.specs.RewardConfig`)."""
+
+    workers: int = 0
+    timeout_s: float | None = None
+    on_error: str = "fail"
+    rows_per_call: int = 1
+    concurrency: int = 16
+    pool: RewardPool | None = None
+
+    def direct(self, fn: Callable[..., Any]) -> bool:
+        """Whether ``fn`` is called as before: synchronous, once per batch, in the driver (no pool)."""
+        return self.workers == 0 and not inspect.iscoroutinefunction(fn)
+
+    def calls(self, fn: Callable[..., Any], n: int) -> list[slice]:
+        """The row slices of one batch's calls, ``rows_per_call`` rows each."""
+        step = max(1, self.rows_per_call)
+        return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+    def score(
+        self, name: str, fn: Callable[..., Any], rows: list[Any], texts: list[str], task: Any, options: dict[str, Any]
+    ) -> tuple[list[Outcome], list[slice]]:
+        """Every call's outcome for one batch, and the rows each covers."""
+        cuts = self.calls(fn, len(rows))
+        calls = [(rows[s], texts[s], task, options) for s in cuts]
+        if inspect.iscoroutinefunction(fn):
+            return run_async(fn, calls, self.timeout_s, self.concurrency), cuts
+        _FUNCTIONS.setdefault(name, fn)
+        if _FUNCTIONS[name] is not fn:  # re-registered under the same name (a new graph): fresh workers
+            _FUNCTIONS[name] = fn
+            self.close()
+        if self.pool is None:
+            self.pool = RewardPool(self.workers)
+        return self.pool.run(name, calls, self.timeout_s), cuts
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
