@@ -123,3 +123,48 @@ def test_the_reward_settings_are_checked_naming_the_field():
         RunConfig(reward=RewardConfig(timeout_s=0))
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"on_error": "ignore"}, RewardConfig)
+
+
+GRAPH = """
+import os
+
+from flowrl import register
+from flowrl.algorithms.ops import task_reward
+from flowrl.graph import Graph
+
+DRIVER = os.getpid()  # a forked worker inherits it
+
+
+@register.reward("elsewhere")
+def elsewhere(prompts, responses, task):
+    scores, metrics = task_reward(prompts, responses, task)
+    return scores, {**metrics, "in_worker": float(os.getpid() != DRIVER)}
+
+
+def build(cfg):
+    g = Graph("pooled")
+    g.model("actor", "actor")
+    g.generate("rollout", model="actor", reads="prompts", writes="responses", n=2)
+    g.forward("old_logprobs", model="actor", output="logprobs", reads="responses", writes="old_logprobs")
+    g.reward("reward", fn="elsewhere", reads="prompts responses", writes="rewards")
+    g.compute("advantages", fn="grpo", reads="rewards responses", writes="advantages")
+    g.train("train_actor", model="actor", loss="ppo", reads="responses old_logprobs advantages")
+    return g
+"""
+
+
+def test_a_graph_files_own_reward_runs_in_the_pools_workers_and_scores_as_in_the_driver(tmp_path):
+    from flowrl import api
+
+    src = tmp_path / "pooled.py"
+    src.write_text(GRAPH)
+    small = ["steps=2", "rollout.prompts_per_step=4", "progress=false", "checkpoint=false", f"out={tmp_path}"]
+    runs = {}
+    for name, extra in (("driver", []), ("pool", ["reward.workers=2", "reward.rows_per_call=3"])):
+        graph, plan = api.plan(str(src), overrides=[*small, f"name={name}", *extra], emit=lambda s: None)
+        runs[name] = api.run(graph, plan).metrics
+    assert [m["reward/in_worker"] for m in runs["driver"]] == [0.0, 0.0]
+    assert [m["reward/in_worker"] for m in runs["pool"]] == [1.0, 1.0]
+    assert [m["reward"] for m in runs["pool"]] == [m["reward"] for m in runs["driver"]]  # the same run
+    assert [m["train_actor/loss"] for m in runs["pool"]] == [m["train_actor/loss"] for m in runs["driver"]]
+    assert all(m["reward/errors"] == 0 for m in runs["pool"])
