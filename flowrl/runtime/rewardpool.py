@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-#: functions a forked worker may call, by name (filled before the first fork; inherited by it)
+#: functions a forked worker may call, by name, and the run's task (set before the first fork; inherited)
 _FUNCTIONS: dict[str, Callable[..., Any]] = {}
+_TASK: list[Any] = [None]
 
 
 @dataclass
@@ -39,15 +40,16 @@ class Outcome:
 
 
 def _serve(conn: Connection) -> None:
-    """A worker's loop: (name, rows, texts, task, options) in, ("ok", result) or ("error", text) out."""
+    """A worker's loop: (name, rows, texts, options) in, ("ok", result) or ("error", text) out; the task is
+    the one the driver held when it forked this worker (a dataset task's table is not sent per call)."""
     while True:
         try:
             job = conn.recv()
         except (EOFError, OSError):
             return
-        name, rows, texts, task, options = job
+        name, rows, texts, options = job
         try:
-            result = _FUNCTIONS[name](rows, texts, task, **options)
+            result = _FUNCTIONS[name](rows, texts, _TASK[0], **options)
             conn.send(("ok", _portable(result)))
         except BaseException as exc:  # noqa: BLE001 - reported to the driver, which decides
             conn.send(("error", f"{type(exc).__name__}: {exc}".strip()))
@@ -86,7 +88,7 @@ class RewardPool:
         self.lock = threading.Lock()  # one batch at a time (streamed parts call from pipeline threads)
 
     def run(self, name: str, calls: Sequence[tuple[Any, ...]], timeout: float | None) -> list[Outcome]:
-        """Each call's outcome, in order; ``calls``: (rows, texts, task, options)."""
+        """Each call's outcome, in order; ``calls``: (rows, texts, options)."""
         with self.lock:
             while len(self.workers) < self.size:
                 self.workers.append(_Worker())
@@ -195,16 +197,15 @@ class RewardRunner:
     ) -> tuple[list[Outcome], list[slice]]:
         """Every call's outcome for one batch, and the rows each covers."""
         cuts = self.calls(fn, len(rows))
-        calls = [(rows[s], texts[s], task, options) for s in cuts]
         if inspect.iscoroutinefunction(fn):
+            calls = [(rows[s], texts[s], task, options) for s in cuts]
             return run_async(fn, calls, self.timeout_s, self.concurrency), cuts
-        _FUNCTIONS.setdefault(name, fn)
-        if _FUNCTIONS[name] is not fn:  # re-registered under the same name (a new graph): fresh workers
-            _FUNCTIONS[name] = fn
+        if _FUNCTIONS.get(name) is not fn or _TASK[0] is not task:  # what forked workers inherit changed
+            _FUNCTIONS[name], _TASK[0] = fn, task
             self.close()
         if self.pool is None:
             self.pool = RewardPool(self.workers)
-        return self.pool.run(name, calls, self.timeout_s), cuts
+        return self.pool.run(name, [(rows[s], texts[s], options) for s in cuts], self.timeout_s), cuts
 
     def close(self) -> None:
         if self.pool is not None:
