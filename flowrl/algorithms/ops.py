@@ -374,6 +374,36 @@ def verbosity_cost(prompts: list[Prompt], responses: list[str], task: Any) -> tu
     return costs, {"violations": round(float(costs.mean()), 4) if len(costs) else 0.0}
 
 
+def code_reward(
+    prompts: list[Prompt], responses: list[str], task: Any, template: str = "{response}", wall_s: float = 5.0
+) -> tuple[list[float], dict[str, float]]:
+    """Model-written Python run against the prompt's tests in the sandbox (`flowrl.tasks.sandbox`,
+    bubblewrap): the fraction of ``prompt.meta["tests"]`` (assert statements: a list, or one per line)
+    that pass. The response (its fenced code block, when it has one) is put into ``template`` first,
+    e.g. ``template="f = lambda x: {response}"``. Metrics: ``all_passed`` (the fraction passing every
+    test) and ``timeouts``, ``crashed``, ``forged`` (runs that ended so)."""
+    from flowrl.tasks import sandbox
+
+    limits = sandbox.Limits(wall_s=wall_s, cpu_s=max(1, int(wall_s)))
+    scores, status = [], {"timeout": 0, "crashed": 0, "forged": 0, "output": 0}
+    for p, r in zip(prompts, responses):
+        tests = p.meta.get("tests", [])
+        tests = [t for t in tests.splitlines() if t.strip()] if isinstance(tests, str) else list(tests)
+        if not tests:
+            raise ValueError(f"prompt {p.text[:60]!r} has no tests (meta 'tests'): the code reward has nothing to run")
+        result = sandbox.run_tests(template.format(response=sandbox.code_of(r)), tests, limits)
+        scores.append(sum(result.passed) / len(tests))
+        if result.status in status:
+            status[result.status] += 1
+    n = max(len(scores), 1)
+    return scores, {
+        "all_passed": round(sum(s == 1.0 for s in scores) / n, 4),
+        "timeouts": status["timeout"],
+        "crashed": status["crashed"] + status["output"],
+        "forged": status["forged"],
+    }
+
+
 COMPUTE_FUNCTIONS = {
     "gae": (
         gae_op,
@@ -424,4 +454,4 @@ LOSSES = {
     # reads only the responses (found by their type): declared, so a train node reading more is refused
     "sft": (sft_loss, {"needs": (), "output": "logprobs", "optional": ("responses",), "aggregate": "token-mean"}),
 }
-REWARD_FUNCTIONS = {"task": task_reward, "verbosity": verbosity_cost}
+REWARD_FUNCTIONS = {"task": task_reward, "verbosity": verbosity_cost, "code": code_reward}
