@@ -402,7 +402,7 @@ def _pooled(
     scores: list[float] = [0.0] * len(rows)
     failed: list[int] = []
     errors = timeouts = 0
-    parts: list[dict[str, Any]] = []
+    parts: list[tuple[int, dict[str, Any]]] = []  # (rows, metrics) of each call that scored
     for o, cut in zip(outcomes, cuts):
         width = cut.stop - cut.start
         if o.error is None and (o.scores is None or len(o.scores) != width):
@@ -420,16 +420,31 @@ def _pooled(
             failed.extend(range(cut.start, cut.stop))
             continue
         scores[cut] = o.scores  # type: ignore[assignment]
-        parts.append(o.metrics)
+        parts.append((width, o.metrics))
     if failed and runner.on_error == "drop":  # the prompt's other rows' mean: no group-relative advantage
         bad = set(failed)
         index = seqs.prompt_index.tolist()
         for i in failed:
             others = [scores[j] for j in range(len(rows)) if index[j] == index[i] and j not in bad]
             scores[i] = sum(others) / len(others) if others else 0.0
-    keys = {k for m in parts for k, v in m.items() if isinstance(v, (int, float))}
-    metrics = {k: sum(m[k] for m in parts if k in m) / sum(k in m for m in parts) for k in sorted(keys)}
-    return scores, {**metrics, "errors": errors, "timeouts": timeouts}
+    return scores, {**_merged(parts), "errors": errors, "timeouts": timeouts}
+
+
+def _merged(parts: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+    """The metrics of a batch scored in calls, as one call over all its rows would report them: a
+    fraction or mean (a float) weighted by each call's rows, a count (an int) summed, anything else
+    (text) the first call's."""
+    out: dict[str, Any] = {}
+    for key in dict.fromkeys(k for _, m in parts for k in m):
+        have = [(n, m[key]) for n, m in parts if key in m]
+        values = [v for _, v in have]
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            out[key] = sum(values)
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = sum(n * v for n, v in have) / max(sum(n for n, _ in have), 1)
+        else:
+            out[key] = values[0]
+    return out
 
 
 def _checked_loss(loss: Any, name: str, options: Mapping[str, Any]) -> Any:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from flowrl.errors import ConfigError
+
 #: functions a forked worker may call, by name, and the run's task (set before the first fork; inherited)
 _FUNCTIONS: dict[str, Callable[..., Any]] = {}
 _TASK: list[Any] = [None]
@@ -42,6 +44,10 @@ class Outcome:
 def _serve(conn: Connection) -> None:
     """A worker's loop: (name, rows, texts, options) in, ("ok", result) or ("error", text) out; the task is
     the one the driver held when it forked this worker (a dataset task's table is not sent per call)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle (it stops the workers)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     while True:
         try:
             job = conn.recv()
@@ -56,10 +62,13 @@ def _serve(conn: Connection) -> None:
 
 
 def _portable(result: Any) -> Any:
-    """A reward function's result with tensors and arrays as lists (they travel back by pipe)."""
+    """A reward function's result with tensors and arrays as lists, and one-element metrics (numpy scalars,
+    0-d tensors) as numbers (they travel back by pipe)."""
     scores, metrics = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
     if hasattr(scores, "tolist"):
         scores = scores.tolist()
+    if isinstance(metrics, Mapping):
+        metrics = {k: v.item() if hasattr(v, "item") else v for k, v in metrics.items()}
     return (list(scores), metrics) if metrics is not None else list(scores)
 
 
@@ -92,34 +101,52 @@ class RewardPool:
         with self.lock:
             while len(self.workers) < self.size:
                 self.workers.append(_Worker())
-            outcomes: list[Outcome | None] = [None] * len(calls)
-            todo = list(range(len(calls)))
             busy: dict[Connection, _Worker] = {}
-            while todo or busy:
-                for w in self.workers:
-                    if w.job is None and todo:
-                        w.job, w.since = todo.pop(0), time.monotonic()
-                        w.conn.send((name, *calls[w.job]))
-                        busy[w.conn] = w
-                now = time.monotonic()
-                left = None if timeout is None else max(0.0, min(w.since + timeout for w in busy.values()) - now)
-                for conn in wait(list(busy), timeout=left):
-                    w = busy.pop(conn)  # type: ignore[arg-type]
+            try:
+                return self._run(name, calls, timeout, busy)
+            except BaseException:  # the driver was interrupted: the calls in flight are abandoned with their workers
+                for w in busy.values():
+                    self._replace(w)
+                raise
+
+    def _run(
+        self, name: str, calls: Sequence[tuple[Any, ...]], timeout: float | None, busy: dict[Connection, _Worker]
+    ) -> list[Outcome]:
+        outcomes: list[Outcome | None] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        while todo or busy:
+            for i, w in enumerate(self.workers):
+                if w.job is None and todo:
+                    if not w.process.is_alive():  # died while idle (a signal, the OOM killer): replaced
+                        w = self.workers[i] = _Worker()
+                    job = todo.pop(0)
                     try:
-                        status, value = conn.recv()  # type: ignore[union-attr]
-                    except (EOFError, OSError):  # the worker died (os._exit, a signal): replaced
-                        status, value = "error", f"the reward worker died (exit code {w.process.exitcode})"
+                        w.conn.send((name, *calls[job]))
+                    except (BrokenPipeError, OSError):
+                        todo.insert(0, job)
                         self._replace(w)
-                    outcomes[w.job] = _outcome(status, value)  # type: ignore[index]
-                    w.job = None
-                if timeout is not None:
-                    now = time.monotonic()
-                    for conn, w in list(busy.items()):
-                        if now - w.since >= timeout:
-                            outcomes[w.job] = Outcome(error=f"timed out after {timeout:g} s", timed_out=True)  # type: ignore[index]
-                            busy.pop(conn)
-                            self._replace(w)
-            return [o if o is not None else Outcome(error="not run") for o in outcomes]
+                        continue
+                    w.job, w.since = job, time.monotonic()
+                    busy[w.conn] = w
+            now = time.monotonic()
+            left = None if timeout is None else max(0.0, min(w.since + timeout for w in busy.values()) - now)
+            for conn in wait(list(busy), timeout=left):
+                w = busy.pop(conn)  # type: ignore[arg-type]
+                job, w.job = w.job, None
+                try:
+                    status, value = conn.recv()  # type: ignore[union-attr]
+                except (EOFError, OSError):  # the worker died (os._exit, a signal): replaced
+                    status, value = "error", f"the reward worker died (exit code {w.process.exitcode})"
+                    self._replace(w)
+                outcomes[job] = _outcome(status, value)  # type: ignore[index]
+            if timeout is not None:
+                now = time.monotonic()
+                for conn, w in list(busy.items()):
+                    if now - w.since >= timeout:
+                        outcomes[w.job] = Outcome(error=f"timed out after {timeout:g} s", timed_out=True)  # type: ignore[index]
+                        busy.pop(conn)
+                        self._replace(w)
+        return [o if o is not None else Outcome(error="not run") for o in outcomes]
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
@@ -135,7 +162,12 @@ def _outcome(status: str, value: Any) -> Outcome:
     if status == "error":
         return Outcome(error=str(value))
     scores, metrics = value if isinstance(value, tuple) and len(value) == 2 else (value, {})
-    return Outcome(scores=[float(s) for s in scores], metrics=dict(metrics or {}))
+    if metrics is not None and not isinstance(metrics, Mapping):
+        return Outcome(error=f"returned (scores, {type(metrics).__name__}); the second item must be a dict of metrics")
+    try:
+        return Outcome(scores=[float(s) for s in scores], metrics=dict(metrics or {}))
+    except (TypeError, ValueError) as exc:
+        return Outcome(error=f"must return one number per response ({exc})")
 
 
 async def _awaited(
@@ -145,13 +177,19 @@ async def _awaited(
 
     async def one(rows: Any, texts: Any, task: Any, options: Mapping[str, Any]) -> Outcome:
         async with gate:
-            try:
-                result = await asyncio.wait_for(fn(rows, texts, task, **options), timeout)
-            except asyncio.TimeoutError:
+            call = asyncio.ensure_future(fn(rows, texts, task, **options))
+            done, _ = await asyncio.wait({call}, timeout=timeout)
+            if not done:  # ours: the function's own TimeoutError is an error like any other
+                call.cancel()
                 return Outcome(error=f"timed out after {timeout:g} s", timed_out=True)
+            try:
+                result = call.result()
             except Exception as exc:  # noqa: BLE001 - the policy decides
                 return Outcome(error=f"{type(exc).__name__}: {exc}".strip())
-            return _outcome("ok", _portable(result))
+            try:
+                return _outcome("ok", _portable(result))
+            except (TypeError, ValueError) as exc:
+                return Outcome(error=f"must return one number per response ({exc})")
 
     return list(await asyncio.gather(*(one(*c) for c in calls)))
 
@@ -183,9 +221,13 @@ class RewardRunner:
     concurrency: int = 16
     pool: RewardPool | None = None
 
+    lock: threading.Lock = field(default_factory=threading.Lock)  # the pool's workers, replaced under it
+
     def direct(self, fn: Callable[..., Any]) -> bool:
-        """Whether ``fn`` is called as before: synchronous, once per batch, in the driver (no pool)."""
-        return self.workers == 0 and not inspect.iscoroutinefunction(fn)
+        """Whether ``fn`` is called as before: synchronous, once per batch, in the driver (no pool), its
+        error stopping the run."""
+        plain = self.on_error == "fail" and self.timeout_s is None
+        return self.workers == 0 and not inspect.iscoroutinefunction(fn) and plain
 
     def calls(self, fn: Callable[..., Any], n: int) -> list[slice]:
         """The row slices of one batch's calls, ``rows_per_call`` rows each."""
@@ -196,18 +238,42 @@ class RewardRunner:
         self, name: str, fn: Callable[..., Any], rows: list[Any], texts: list[str], task: Any, options: dict[str, Any]
     ) -> tuple[list[Outcome], list[slice]]:
         """Every call's outcome for one batch, and the rows each covers."""
-        cuts = self.calls(fn, len(rows))
         if inspect.iscoroutinefunction(fn):
+            cuts = self.calls(fn, len(rows))
             calls = [(rows[s], texts[s], task, options) for s in cuts]
             return run_async(fn, calls, self.timeout_s, self.concurrency), cuts
-        if _FUNCTIONS.get(name) is not fn or _TASK[0] is not task:  # what forked workers inherit changed
-            _FUNCTIONS[name], _TASK[0] = fn, task
-            self.close()
-        if self.pool is None:
-            self.pool = RewardPool(self.workers)
-        return self.pool.run(name, [(rows[s], texts[s], options) for s in cuts], self.timeout_s), cuts
+        if self.workers == 0:  # one call in the driver, its error scored by on_error
+            if self.timeout_s is not None:
+                raise ConfigError(
+                    f"reward.timeout_s={self.timeout_s:g}: reward function '{name}' is synchronous, and a call in the "
+                    "driver cannot be stopped; set reward.workers >= 1 to run it in worker processes."
+                )
+            return [_in_driver(fn, rows, texts, task, options)], [slice(0, len(rows))]
+        cuts = self.calls(fn, len(rows))
+        with self.lock:
+            if _FUNCTIONS.get(name) is not fn or _TASK[0] is not task:  # what forked workers inherit changed
+                _FUNCTIONS[name], _TASK[0] = fn, task
+                self._close()
+            if self.pool is None:
+                self.pool = RewardPool(self.workers)
+            return self.pool.run(name, [(rows[s], texts[s], options) for s in cuts], self.timeout_s), cuts
 
     def close(self) -> None:
+        with self.lock:
+            self._close()
+
+    def _close(self) -> None:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+
+def _in_driver(fn: Callable[..., Any], rows: Any, texts: Any, task: Any, options: Mapping[str, Any]) -> Outcome:
+    """A synchronous call in the driver (``reward.workers`` 0), its error an outcome (no timeout: a call
+    here cannot be stopped; `flowrl.specs.RewardConfig` refuses one)."""
+    try:
+        return _outcome("ok", _portable(fn(rows, texts, task, **options)))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the policy decides
+        return Outcome(error=f"{type(exc).__name__}: {exc}".strip())
