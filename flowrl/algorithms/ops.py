@@ -404,6 +404,67 @@ def code_reward(
     }
 
 
+def http_reward(
+    prompts: list[Prompt],
+    responses: list[str],
+    task: Any,
+    url: str = "",
+    batch_size: int = 32,
+    retries: int = 3,
+    timeout_s: float = 30.0,
+    backoff_s: float = 0.5,
+) -> tuple[list[float], dict[str, float]]:
+    """Scores from a reward server (OpenRLHF's ``--remote_rm_url``): the rows POSTed as JSON in batches
+    of ``batch_size`` -- ``{"prompts", "answers", "meta", "responses"}``, lists of equal length -- and
+    ``{"scores": [...]}`` (one number per response) read back. A connection error, a timeout or a 5xx
+    answer is retried ``retries`` times (waiting ``backoff_s``, doubled each time); a 4xx answer is an
+    error at once. Metrics: ``requests`` and ``retried``."""
+    import json
+    import time
+    import urllib.error
+    import urllib.request
+
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"the http reward needs url=http://HOST:PORT/PATH (got {url!r}): g.reward(..., url=...)")
+    scores: list[float] = []
+    requests = retried = 0
+    for at in range(0, len(responses), max(1, batch_size)):
+        rows = prompts[at : at + batch_size]
+        body = json.dumps(
+            {
+                "prompts": [p.text for p in rows],
+                "answers": [p.answer for p in rows],
+                "meta": [p.meta for p in rows],
+                "responses": responses[at : at + batch_size],
+            }
+        ).encode()
+        for attempt in range(retries + 1):
+            request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+            requests += 1
+            try:
+                with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+                    got = json.loads(answer.read())
+                break
+            except urllib.error.HTTPError as exc:
+                if exc.code < 500 or attempt == retries:
+                    detail = exc.read(300).decode(errors="replace")
+                    raise RuntimeError(f"reward server {url} answered {exc.code} {exc.reason}: {detail}") from None
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+                if attempt == retries:
+                    why = getattr(exc, "reason", exc)
+                    raise RuntimeError(f"reward server {url} unreachable after {retries + 1} tries: {why}") from None
+            retried += 1
+            time.sleep(backoff_s * 2**attempt)
+        batch = got.get("scores") if isinstance(got, dict) else None
+        if not isinstance(batch, list) or len(batch) != len(rows):
+            raise RuntimeError(
+                f"reward server {url} answered {str(got)[:200]!r}; expected "
+                f'{{"scores": [...]}} with {len(rows)} numbers'
+            )
+        scores += [float(x) for x in batch]
+    return scores, {"requests": requests, "retried": retried}
+
+
 COMPUTE_FUNCTIONS = {
     "gae": (
         gae_op,
@@ -454,4 +515,4 @@ LOSSES = {
     # reads only the responses (found by their type): declared, so a train node reading more is refused
     "sft": (sft_loss, {"needs": (), "output": "logprobs", "optional": ("responses",), "aggregate": "token-mean"}),
 }
-REWARD_FUNCTIONS = {"task": task_reward, "verbosity": verbosity_cost, "code": code_reward}
+REWARD_FUNCTIONS = {"task": task_reward, "verbosity": verbosity_cost, "code": code_reward, "http": http_reward}
