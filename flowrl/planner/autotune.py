@@ -320,11 +320,6 @@ class Tuner:
             generations=tuple(msgspec.structs.replace(sk.generation, model=m) for m in self.roles.actors[1:]),
         )
 
-    def samples_in_place(self, plan: ClusterPlan, model: str) -> bool:
-        """Whether ``model`` samples with its training engine's own weights in ``plan`` (no sync runs)."""
-        gen, trained = plan.generation_of(model), plan.layout(model)
-        return self.in_place and trained.group == gen.group and samples_in_place(trained.parallel, gen.tp)
-
     def evaluate(self, plan: ClusterPlan, *, iterations: int, max_replicas: int | None) -> Candidate:
         gen_group = plan.generation.group
         members = [m for m in plan.models if m.group == gen_group]
@@ -345,7 +340,7 @@ class Tuner:
             node_rows=self.rows,
             train_steps=self.train_steps,
             fused=self.fused,
-            in_place=[m for m in self.roles.actors if self.samples_in_place(plan, m)],
+            in_place=[m for m in self.roles.actors if self.in_place and plan.trains_as_it_generates(m)],
         )
         memory = {}
         choice = {m.model: self.score(m) for m in plan.models}

@@ -47,7 +47,6 @@ from flowrl.planner.space import (
     Parallel,
     RolloutPolicy,
     WeightSync,
-    samples_in_place,
 )
 from flowrl.planner.workload import Fixed, Histogram, Lengths, WorkloadSpec
 from flowrl.specs import (
@@ -887,14 +886,9 @@ def _generates_in_place(plan: ExecutionPlan, layout: ClusterPlan, model: str | N
     run = plan.models.get(model or "")
     if not plan.target.numerics.generation_in_place or run is None or run.generation_engine != run.training_engine:
         return False
-    trained = next((m for m in layout.models if m.model == model), None)
     # a model sharded over several devices samples with a replica per generation replica (as `lower` runs it),
     # unless its tp ranks are the generation layout's
-    return (
-        trained is not None
-        and trained.group == group
-        and samples_in_place(trained.parallel, layout.generation_of(model or "").tp)
-    )
+    return layout.generation_of(model or "").group == group and layout.trains_as_it_generates(model or "")
 
 
 def _resident_replica(plan: ExecutionPlan, layout: ClusterPlan, model: str | None) -> bool:

@@ -131,6 +131,13 @@ class ClusterPlan(Spec):
         """The generation layout of generating model ``model``."""
         return next((g for g in self.generations if g.model == model), self.generation)
 
+    def trains_as_it_generates(self, model: str) -> bool:
+        """Whether ``model``'s training layout is its generation layout (`samples_in_place`, on the same
+        group): an engine that generates with its own weights then needs no copy and no sync."""
+        trained = next((m for m in self.models if m.model == model), None)
+        gen = self.generation_of(model)
+        return trained is not None and trained.group == gen.group and samples_in_place(trained.parallel, gen.tp)
+
     def group(self, name: str) -> DeviceGroup:
         return next(g for g in self.groups if g.name == name)
 

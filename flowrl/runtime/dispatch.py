@@ -37,6 +37,11 @@ def shards(n: int, parts: int) -> list[slice]:
     return out
 
 
+def replicas(ranks: Sequence[int], tp: int) -> list[tuple[int, ...]]:
+    """A generation group's ranks as its replicas: ``tp`` consecutive ranks each."""
+    return [tuple(ranks[i : i + tp]) for i in range(0, len(ranks), tp)]
+
+
 def rank_rows(rows: Tensor, rank: int, world: int) -> Tensor:
     """This rank's share of a mini-batch's row indices (strided, so shares differ by at most one)."""
     return rows[rank::world]

@@ -140,7 +140,7 @@ class GenerationGroup:
         self.version = 0
         self.resumable = resumable
         self.tp = tp
-        self.replicas = [self.ranks[i : i + tp] for i in range(0, len(self.ranks), tp)]
+        self.replicas = dispatch.replicas(self.ranks, tp)
 
     def _call(self, method: str, args: list[tuple[Any, ...]], first: Sequence[int]) -> list[Any]:
         """``method`` on every rank of the replicas whose first ranks are ``first`` (each its args)."""

@@ -22,7 +22,7 @@ from flowrl.graph.ir import Compute, Filter, Forward, Generate, Graph, Reward, T
 from flowrl.runtime.batch import sequences_in
 from flowrl.runtime.dispatch import draw_seed
 from flowrl.runtime.protocols import GenerationEngine, TrainingEngine, TrainStep
-from flowrl.runtime.rewardpool import RewardRunner
+from flowrl.runtime.rewardpool import RewardRunner, split_result
 from flowrl.specs import AlgoConfig, loss_unit
 
 
@@ -362,7 +362,8 @@ def _reward(
     fn = rt.functions["reward_functions"][node.fn]
     if rt.rewards.direct(fn):
         result = _user(f"reward function '{node.fn}'", fn, rows, list(seqs.texts), rt.task, **options)
-        scores, metrics = result if isinstance(result, tuple) and len(result) == 2 else (result, {})
+        scores, metrics = split_result(result)
+        metrics = {} if metrics is None else metrics
     else:
         scores, metrics = _pooled(rt, node, fn, rows, seqs, options)
     if not isinstance(metrics, Mapping):

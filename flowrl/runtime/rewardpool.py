@@ -61,10 +61,15 @@ def _serve(conn: Connection) -> None:
             conn.send(("error", f"{type(exc).__name__}: {exc}".strip()))
 
 
+def split_result(result: Any) -> tuple[Any, Any]:
+    """A reward function's result as (scores, metrics): it returns scores, or (scores, metrics)."""
+    return result if isinstance(result, tuple) and len(result) == 2 else (result, None)
+
+
 def _portable(result: Any) -> Any:
     """A reward function's result with tensors and arrays as lists, and one-element metrics (numpy scalars,
     0-d tensors) as numbers (they travel back by pipe)."""
-    scores, metrics = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
+    scores, metrics = split_result(result)
     if hasattr(scores, "tolist"):
         scores = scores.tolist()
     if isinstance(metrics, Mapping):
@@ -161,7 +166,7 @@ class RewardPool:
 def _outcome(status: str, value: Any) -> Outcome:
     if status == "error":
         return Outcome(error=str(value))
-    scores, metrics = value if isinstance(value, tuple) and len(value) == 2 else (value, {})
+    scores, metrics = split_result(value)
     if metrics is not None and not isinstance(metrics, Mapping):
         return Outcome(error=f"returned (scores, {type(metrics).__name__}); the second item must be a dict of metrics")
     try:

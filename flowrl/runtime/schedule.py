@@ -17,7 +17,6 @@ from __future__ import annotations
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Compute, Forward, Generate, Graph, Reward, Train
 from flowrl.planner.plan import ExecutionPlan
-from flowrl.planner.space import samples_in_place
 from flowrl.specs import Spec
 
 
@@ -90,9 +89,8 @@ def lower(graph: Graph, plan: ExecutionPlan, *, same_engine: bool = True) -> Sch
     for name in graph.models:
         ml = layout.layout(name)
         gen = name in generating
-        gen_layout = layout.generation_of(name)
-        gen_group = gen_layout.group
-        in_place = gen and same_engine and ml.group == gen_group and samples_in_place(ml.parallel, gen_layout.tp)
+        gen_group = layout.generation_of(name).group
+        in_place = gen and same_engine and layout.trains_as_it_generates(name)
         models.append(
             ModelPlacement(
                 model=name,

@@ -83,17 +83,18 @@ def _seed_for(seed: int, model: str) -> None:
     torch.manual_seed(seed + zlib.crc32(model.encode()))
 
 
-def _split_replicas(plan: ExecutionPlan, schedule: Schedule) -> dict[str, list[list[int]]]:
+def _split_replicas(plan: ExecutionPlan, schedule: Schedule) -> dict[str, list[tuple[int, ...]]]:
     """The ranks of each generation replica split tp > 1 (tp consecutive ranks of its generation group),
     by model, for the models that do not sample with their training engine in place."""
+    from flowrl.runtime import dispatch
+
     assert plan.layout is not None
     out = {}
     for m in schedule.models:
         tp = plan.layout.generation_of(m.model).tp
         if m.generation_group is None or m.in_place or tp == 1:
             continue
-        ranks = list(schedule.group(m.generation_group).ranks)
-        out[m.model] = [ranks[i : i + tp] for i in range(0, len(ranks), tp)]
+        out[m.model] = dispatch.replicas(schedule.group(m.generation_group).ranks, tp)
     return out
 
 

@@ -519,7 +519,7 @@ class LocalModel:
             full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
             # gathered tensors are copies already: on the host they are returned as they are (a second copy
             # of the whole model was the weight sync's peak); a tensor the module holds is copied
-            held = {_local(t).untyped_storage().data_ptr() for t in self.module.state_dict().values()}
+            held = {tensor_parallel.local(t).untyped_storage().data_ptr() for t in self.module.state_dict().values()}
             return {k: v.detach().to("cpu", copy=v.untyped_storage().data_ptr() in held) for k, v in full.items()}
         return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
@@ -786,16 +786,11 @@ def _check_ids(engine: LocalModel, seqs: Sequences) -> None:
         )
 
 
-def _local(tensor: Tensor) -> Tensor:
-    """A DTensor's shard on this rank; a plain tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 def _untied_keys(module: nn.Module) -> set[str]:
     """State-dict keys, less those sharing storage with an earlier key (tied weights, stored once)."""
     keys, seen = set(), set()
     for key, value in module.state_dict().items():
-        local = _local(value)
+        local = tensor_parallel.local(value)
         if local.numel() and local.data_ptr() in seen:
             continue
         seen.add(local.data_ptr())

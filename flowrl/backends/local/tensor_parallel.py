@@ -149,7 +149,7 @@ def load_local_shards(module: nn.Module, shards: dict[str, Tensor]) -> None:
     """Copy ``shards`` (`local_shards` of a model split the same way) into ``module``'s own slices, in place."""
     with torch.no_grad():
         for name, t in module.state_dict().items():
-            _local(t).copy_(shards[name])
+            local(t).copy_(shards[name])
 
 
 def distribute_like(whole: Tensor, like: Tensor) -> Tensor:
@@ -173,7 +173,7 @@ def load_whole(module: nn.Module, weights: dict[str, Tensor]) -> None:
         for name, t in module.state_dict().items():
             if name in weights:
                 piece = distribute_like(weights[name], t)
-                _local(t).copy_(_local(piece))
+                local(t).copy_(local(piece))
 
 
 def sharded_optimizer_state(module: nn.Module, whole: dict[str, Any]) -> dict[str, Any]:
@@ -191,7 +191,8 @@ def sharded_optimizer_state(module: nn.Module, whole: dict[str, Any]) -> dict[st
     return {**whole, "state": state}
 
 
-def _local(tensor: Tensor) -> Tensor:
+def local(tensor: Tensor) -> Tensor:
+    """A DTensor's piece on this rank; a plain tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
