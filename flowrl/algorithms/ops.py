@@ -380,27 +380,32 @@ def code_reward(
     """Model-written Python run against the prompt's tests in the sandbox (`flowrl.tasks.sandbox`,
     bubblewrap): the fraction of ``prompt.meta["tests"]`` (assert statements: a list, or one per line)
     that pass. The response (its fenced code block, when it has one) is put into ``template`` first,
-    e.g. ``template="f = lambda x: {response}"``. Metrics: ``all_passed`` (the fraction passing every
-    test) and ``timeouts``, ``crashed``, ``forged`` (runs that ended so)."""
+    e.g. ``template="f = lambda x: {response}"``. The same code for the same tests runs once per call
+    (a group's repeated answers). Metrics: ``all_passed`` (the fraction passing every test),
+    ``sandbox_runs`` and ``timeouts``, ``crashed``, ``forged`` (runs that ended so)."""
     from flowrl.tasks import sandbox
 
     limits = sandbox.Limits(wall_s=wall_s, cpu_s=max(1, int(wall_s)))
     scores, status = [], {"timeout": 0, "crashed": 0, "forged": 0, "output": 0}
+    runs: dict[tuple[str, tuple[str, ...]], sandbox.Result] = {}  # a response repeated for its prompt runs once
     for p, r in zip(prompts, responses):
         tests = p.meta.get("tests", [])
         tests = [t for t in tests.splitlines() if t.strip()] if isinstance(tests, str) else list(tests)
         if not tests:
             raise ValueError(f"prompt {p.text[:60]!r} has no tests (meta 'tests'): the code reward has nothing to run")
-        result = sandbox.run_tests(template.format(response=sandbox.code_of(r)), tests, limits)
-        scores.append(sum(result.passed) / len(tests))
-        if result.status in status:
-            status[result.status] += 1
+        job = (template.format(response=sandbox.code_of(r)), tuple(tests))
+        if job not in runs:
+            runs[job] = sandbox.run_tests(job[0], tests, limits)
+            if runs[job].status in status:
+                status[runs[job].status] += 1
+        scores.append(sum(runs[job].passed) / len(tests))
     n = max(len(scores), 1)
     return scores, {
         "all_passed": round(sum(s == 1.0 for s in scores) / n, 4),
         "timeouts": status["timeout"],
         "crashed": status["crashed"] + status["output"],
         "forged": status["forged"],
+        "sandbox_runs": len(runs),
     }
 
 

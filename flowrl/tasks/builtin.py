@@ -10,6 +10,9 @@ Built-in tasks (every prompt and answer is made of :data:`flowrl.tasks.tokenizer
 - ``add``: ``"7+8="`` -> ``"5"``, the sum of two digits modulo ``modulo``.
 - ``copy``: ``"cab>"`` -> ``"cab"``, copy a short string of letters.
 - ``repeat``: ``"b*7="`` -> ``"bbbbbbb"``, with a long-tailed count distribution.
+- ``calc``: ``"37*58:"`` -> ``"2146"``, answered with a calculator environment.
+- ``expr``: ``"add 3>"`` -> a Python expression in ``x`` (``"x+3"``) that passes the prompt's asserts,
+  run in the code sandbox (`flowrl.tasks.sandbox`).
 """
 
 from __future__ import annotations
@@ -195,7 +198,56 @@ class Calc(TaskBase, frozen=True, kw_only=True):
         return 0.1 * (f"{prompt.answer}|" in response) + 0.9 * char_score(prompt.answer, final)
 
 
-BUILTIN_TASKS: dict[str, type[TaskBase]] = {"add": Add, "copy": Copy, "repeat": Repeat, "calc": Calc}
+_EXPR_TESTS = {  # per operation: asserts on f = lambda x: <response>, with k the prompt's number
+    "add": ("f(0) == {k}", "f(1) - f(0) == 1", "f(2) == {k} + 2", "f(5) == {k} + 5"),
+    "sub": ("f({k}) == 0", "f(1) - f(0) == 1", "f(2) == 2 - {k}", "f(9) == 9 - {k}"),
+    "mul": ("f(0) == 0", "f(1) == {k}", "f(2) == 2 * {k}", "f(3) - f(2) == {k}"),
+}
+_EXPR_OPS = {"add": "+", "sub": "-", "mul": "*"}
+
+
+class Expr(TaskBase, frozen=True, kw_only=True):
+    """Code RL in miniature: ``"add 3>"`` asks for the body of ``f = lambda x: ...`` that passes four
+    asserts (``prompt.meta["tests"]``: ``assert f(0) == 3``, ``assert f(1) - f(0) == 1``, ...); ``"x+3"`` (or
+    ``"3+x"``) passes all. Some asserts test a property (the slope), so a partly right expression
+    (``"x"``, ``"3"``) passes some: the score is the fraction passed, run in the code sandbox
+    (`flowrl.tasks.sandbox`, bubblewrap) -- the built-in ``code`` reward with
+    ``template="f = lambda x: {response}"`` scores alike."""
+
+    name: ClassVar[str] = "expr"
+    description: ClassVar[str] = "write a Python expression in x that passes asserts: 'add 3>' -> 'x+3'"
+
+    ops: tuple[str, ...] = ("add", "sub", "mul")
+    high: int = 9
+
+    TEMPLATE: ClassVar[str] = "f = lambda x: {response}"
+
+    def __post_init__(self) -> None:
+        self._check(
+            "ops", bool(self.ops) and set(self.ops) <= set(_EXPR_TESTS), f"a non-empty subset of {sorted(_EXPR_TESTS)}"
+        )
+        self._check("high", 1 <= self.high <= 9, "between 1 and 9")
+
+    def max_new_tokens(self) -> int:
+        return 3 + 2
+
+    def sample(self, rng: random.Random) -> Prompt:
+        op, k = rng.choice(self.ops), rng.randint(1, self.high)
+        tests = ["assert " + t.format(k=k) for t in _EXPR_TESTS[op]]
+        return Prompt(text=f"{op} {k}>", answer=f"x{_EXPR_OPS[op]}{k}", meta={"tests": tests})
+
+    def score(self, prompt: Prompt, response: str) -> float:
+        """The fraction of the prompt's asserts the response passes, run in the sandbox."""
+        from flowrl.tasks import sandbox
+
+        tests = list(prompt.meta.get("tests", ()))
+        if not tests:
+            return char_score(prompt.answer, response)
+        result = sandbox.run_tests(self.TEMPLATE.format(response=response), tests, sandbox.Limits(wall_s=5.0, cpu_s=2))
+        return sum(result.passed) / len(tests)
+
+
+BUILTIN_TASKS: dict[str, type[TaskBase]] = {"add": Add, "copy": Copy, "repeat": Repeat, "calc": Calc, "expr": Expr}
 
 
 def make_task(

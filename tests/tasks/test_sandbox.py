@@ -70,7 +70,7 @@ def test_the_code_reward_scores_the_fraction_of_tests_each_response_passes():
     responses = ["x * 2", "```python\nx + 1\n```", "while True: pass"]  # the last: not an expression
     scores, metrics = code_reward([prompt] * 3, responses, None, template="f = lambda x: {response}", wall_s=2.0)
     assert scores == [1.0, 0.5, 0.0]
-    assert metrics == {"all_passed": round(1 / 3, 4), "timeouts": 0, "crashed": 0, "forged": 0}
+    assert metrics == {"all_passed": round(1 / 3, 4), "timeouts": 0, "crashed": 0, "forged": 0, "sandbox_runs": 3}
 
 
 def test_a_prompt_without_tests_is_an_error_naming_it():

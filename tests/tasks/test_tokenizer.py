@@ -78,6 +78,7 @@ def test_task_text_has_no_unk(tok: transformers.PreTrainedTokenizerFast, name: s
         "copy": {"alphabet_size": 26, "max_len": 8},
         "repeat": {"alphabet_size": 26},
         "calc": {"low": 100, "high": 999},
+        "expr": {"ops": ["mul"], "high": 3},
     }
     for options in ({}, big[name]):
         task = make_task(name, options)
