@@ -1,6 +1,8 @@
 """The typed data that crosses module boundaries, in one place.
 
 - `Prompt`: one task instance (what the model sees, the reference answer).
+- `Turn`, `ToolCall`: one turn of a multi-turn episode (the model's, or the environment's), and a
+  tool call parsed from a model turn; `EpisodeText`: a response as reward functions see it, with its turns.
 - `Sequences`: prompt + response token rows of one batch of responses (one constructor path:
   every copy, slice, trim and concatenation goes through `Sequences.replaced`).
 - `Rollout`: what a generation engine returns (sequences, behaviour log-probs, finished rows).
@@ -37,6 +39,52 @@ class Prompt(msgspec.Struct, frozen=True, kw_only=True):
     answer: str
     meta: dict[str, Any] = {}
     templated: bool = False
+    messages: tuple[dict[str, str], ...] = ()  # the chat turns ``text`` was rendered from (templated prompts)
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """A tool call parsed from a model turn: the tool's name and its arguments (JSON values)."""
+
+    name: str
+    arguments: dict[str, Any] = {}
+
+
+class Turn(msgspec.Struct, frozen=True, kw_only=True):
+    """One turn of an episode. ``role``: ``assistant`` (the model's: sampled, trained on), ``tool``
+    (tool results the environment wrote, rendered by the chat template) or ``env`` (other text it
+    wrote). ``reward``: the environment's reward for the model turn before it (on its own turns);
+    ``tokens``: how many response tokens the turn holds."""
+
+    role: str
+    text: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    reward: float = 0.0
+    tokens: int = 0
+
+
+class EpisodeText(str):
+    """A multi-turn response as reward functions receive it: the whole text (a ``str``), with its
+    ``turns`` (`Turn`s: the model's and the environment's, in order)."""
+
+    turns: tuple[Turn, ...]
+
+    def __new__(cls, text: str, turns: Sequence[Turn]) -> EpisodeText:
+        out = super().__new__(cls, text)
+        out.turns = tuple(turns)
+        return out
+
+    def __reduce__(self) -> tuple[Any, ...]:  # to reward pool workers
+        return (EpisodeText, (str(self), self.turns))
+
+    @property
+    def final(self) -> str:
+        """The model's last turn (its final answer)."""
+        return next((t.text for t in reversed(self.turns) if t.role == "assistant"), "")
+
+    @property
+    def env_reward(self) -> float:
+        """The sum of the rewards the environment gave over the episode."""
+        return float(sum(t.reward for t in self.turns))
 
 
 def adds_special_tokens(prompts: Sequence[Prompt]) -> bool:
@@ -75,6 +123,8 @@ class Sequences:
     # [B, R] float: 1 for the tokens the model sampled, 0 for what an environment wrote into the
     # response (multi-turn); None: every response token was sampled
     action_mask: Tensor | None = None
+    # per row, the episode's turns (multi-turn generation); None: single-turn responses
+    episodes: tuple[tuple[Turn, ...], ...] | None = None
 
     # ------------------------------------------------------------ the one constructor path
     def replaced(
@@ -99,6 +149,8 @@ class Sequences:
             changes.update({name: row(getattr(self, name)) for name in ROW_FIELDS})
         if texts is not None:
             changes["texts"] = tuple(texts)
+            if self.episodes is not None and "episodes" not in values and len(texts) != len(self.episodes):
+                raise ValueError(f"{len(texts)} texts for {len(self.episodes)} episodes: give their episodes too")
         changes.update(values)
         return replace(self, **changes)
 
@@ -146,7 +198,16 @@ class Sequences:
         else:
             rows = idx.nonzero().flatten().tolist() if idx.dtype == _bool_dtype() else idx.tolist()
         take = lambda t, _=None: t[idx]  # noqa: E731
-        return self.replaced(prompt=take, response=take, row=take, texts=[self.texts[i] for i in rows])
+        episodes = None if self.episodes is None else tuple(self.episodes[i] for i in rows)
+        return self.replaced(
+            prompt=take, response=take, row=take, texts=[self.texts[i] for i in rows], episodes=episodes
+        )
+
+    def reward_texts(self) -> list[str]:
+        """The responses as reward functions receive them: texts, or `EpisodeText`s with their turns."""
+        if self.episodes is None:
+            return list(self.texts)
+        return [EpisodeText(t, turns) for t, turns in zip(self.texts, self.episodes)]
 
     def trimmed(self) -> Sequences:
         """Without the padding columns no row uses (left prompt padding, right response padding)."""
@@ -177,8 +238,12 @@ class Sequences:
             return torch.cat([_pad(v, width, pad_id if fill is None else fill, left) for v in values])
 
         first = parts[0]
+        episodes = None
+        if any(s.episodes is not None for s in parts):  # a part of single-turn rows: no turns of their own
+            episodes = tuple(e for s in parts for e in (s.episodes or ((),) * len(s)))
         return first.replaced(
             texts=[t for s in parts for t in s.texts],
+            episodes=episodes,
             version=min(s.version for s in parts),
             prompt_index=torch.cat([s.prompt_index + off for s, off in zip(parts, index_offsets)]),
             **{n: join(n, f, p_width, True) for n, f in PROMPT_FIELDS.items()},

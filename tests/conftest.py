@@ -146,7 +146,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_chat_model(folder: os.PathLike[str] | str, *, template: bool = True, hidden: int = 32) -> str:
+def build_chat_model(
+    folder: os.PathLike[str] | str, *, template: bool = True, hidden: int = 32, context: int = 256
+) -> str:
     """A tiny Llama with a byte-level BPE tokenizer trained on the fly (with ``tokenizers``) and,
     with ``template``, a ChatML chat template: an HF folder like an instruct model's, made locally."""
     import torch
@@ -181,7 +183,7 @@ def build_chat_model(folder: os.PathLike[str] | str, *, template: bool = True, h
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
-        max_position_embeddings=256,
+        max_position_embeddings=context,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
@@ -195,3 +197,71 @@ def build_chat_model(folder: os.PathLike[str] | str, *, template: bool = True, h
 def chat_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The folder of a tiny chat model (BPE tokenizer with a ChatML template), built once a session."""
     return build_chat_model(tmp_path_factory.mktemp("chat-model"))
+
+
+#: A chat template that renders tools (compactly: their names) and tool messages, Hermes-style.
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\ntools: {{ tools | map(attribute='function') | map(attribute='name') | join(',') }}"
+    "<|im_end|>\n{% endif %}{% for message in messages %}{% if message['role'] == 'tool' %}<|im_start|>user\n"
+    "<tool_response>{{ message['content'] }}</tool_response><|im_end|>\n{% else %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)
+TOOL_CALL = '<tool_call>{"name": "mul", "arguments": {"a": 6, "b": 7}}</tool_call>'
+
+
+def mul(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A tiny chat model (head size 32, as vLLM's CPU kernels need) taught, by a few hundred steps of
+    supervised training here, to answer a chat prompt offering the ``mul`` tool with the call
+    ``TOOL_CALL``, and to answer "42" after the tool's result: a model that really calls tools, made
+    locally. Returns its folder, the template file and a data file of such prompts."""
+    import json
+
+    import torch
+    import transformers
+
+    from flowrl.tasks.tools import tool_text
+
+    root = tmp_path_factory.mktemp("tool-model")
+    folder = build_chat_model(root / "model", hidden=64, context=512)
+    (root / "tools.jinja").write_text(TOOL_TEMPLATE)
+    rows = [{"prompt": f"What is {a} * {b}?", "answer": str(a * b)} for a in range(2, 9) for b in (3, 7)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    schema = [transformers.utils.get_json_schema(mul)]
+    after = tool_text(tok, TOOL_TEMPLATE, ["42"], True)
+    seqs = []
+    for r in rows:
+        msgs = [{"role": "user", "content": r["prompt"]}]
+        prompt = tok.apply_chat_template(msgs, tools=schema, tokenize=False, add_generation_prompt=True,
+                                         chat_template=TOOL_TEMPLATE)  # fmt: skip
+        p = tok(prompt, add_special_tokens=False)["input_ids"]
+        first = tok(TOOL_CALL + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        env = tok(after, add_special_tokens=False)["input_ids"]
+        last = tok("42<|im_end|>", add_special_tokens=False)["input_ids"]
+        ids = p + first + env + last
+        labels = [-100] * len(p) + first + [-100] * len(env) + last
+        seqs.append((ids, labels))
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for step in range(300):
+        ids, labels = seqs[step % len(seqs)]
+        loss = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels])).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(folder)
+    return {"model": folder, "template": str(root / "tools.jinja"), "data": str(root / "train.jsonl")}

@@ -365,6 +365,26 @@ def task_reward(prompts: list[Prompt], responses: list[str], task: Any) -> tuple
     return scores, metrics
 
 
+def episode_reward(
+    prompts: list[Prompt], responses: list[str], task: Any, env_weight: float = 1.0
+) -> tuple[Tensor, dict[str, float]]:
+    """A multi-turn episode's reward: the task's score of the model's final turn (not of the text the
+    environment wrote, tool results included) plus ``env_weight`` times the rewards the environment
+    gave its turns (`flowrl.data.EpisodeText`). A single-turn response is scored whole. Metrics:
+    ``final_exact`` (the fraction whose final answer scores 1) and ``env_reward`` (their mean)."""
+    import torch
+
+    finals = [getattr(r, "final", r) for r in responses]
+    env = [float(getattr(r, "env_reward", 0.0)) for r in responses]
+    scores = torch.tensor([task.score(p, f) for p, f in zip(prompts, finals)], dtype=torch.float32)
+    n = max(len(responses), 1)
+    metrics = {
+        "final_exact": round(float((scores == 1.0).float().mean()), 4) if len(scores) else 0.0,
+        "env_reward": round(sum(env) / n, 4),
+    }
+    return scores + env_weight * torch.tensor(env, dtype=torch.float32), metrics
+
+
 def verbosity_cost(prompts: list[Prompt], responses: list[str], task: Any) -> tuple[Tensor, dict[str, float]]:
     """A toy safety cost: 1 for a response longer than its reference answer (it says more than
     asked), else 0 (metric ``violations``: the fraction that cost)."""
@@ -520,4 +540,10 @@ LOSSES = {
     # reads only the responses (found by their type): declared, so a train node reading more is refused
     "sft": (sft_loss, {"needs": (), "output": "logprobs", "optional": ("responses",), "aggregate": "token-mean"}),
 }
-REWARD_FUNCTIONS = {"task": task_reward, "verbosity": verbosity_cost, "code": code_reward, "http": http_reward}
+REWARD_FUNCTIONS = {
+    "task": task_reward,
+    "verbosity": verbosity_cost,
+    "code": code_reward,
+    "http": http_reward,
+    "episode": episode_reward,
+}

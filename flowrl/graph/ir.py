@@ -135,6 +135,8 @@ class Generate(_Node, frozen=True, tag="generate"):
     greedy: bool = False
     env: str | None = None
     turns: int = 1
+    turn_tokens: int | None = None  # model tokens per turn (None: the response budget over the turns)
+    env_tokens: int | None = None  # environment text per episode (None: within the response budget)
 
     samples = True
     write_count = (1, 2)
@@ -155,6 +157,10 @@ class Generate(_Node, frozen=True, tag="generate"):
             parts.append("greedy")
         if self.env is not None:
             parts.append(f"env={self.env} turns={self.turns}")
+            if self.turn_tokens is not None:
+                parts.append(f"turn_tokens={self.turn_tokens}")
+            if self.env_tokens is not None:
+                parts.append(f"env_tokens={self.env_tokens}")
         return parts
 
 
@@ -385,11 +391,16 @@ class Graph:
         greedy: bool = False,
         env: str | None = None,
         turns: int = 1,
+        turn_tokens: int | None = None,
+        env_tokens: int | None = None,
         **options: Any,
     ) -> str:
         """Sample ``n`` responses per prompt. With ``env`` (a registered environment), each response
-        is an episode: the model acts, the environment answers, for up to ``turns`` model turns;
-        ``options`` then go to the environment."""
+        is an episode: the model acts, the environment answers, for up to ``turns`` model turns of at
+        most ``turn_tokens`` each (default: the response budget over the turns), with at most
+        ``env_tokens`` of environment text (default: what the response budget leaves); a given
+        ``env_tokens`` makes the response budget ``turns * turn_tokens + env_tokens``. ``options``
+        then go to the environment."""
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
             raise GraphError(f"node '{name}': n must be >= 1 and <= {MAX_SAMPLES} (a whole number), got {n!r}.")
         if env is not None and (not isinstance(env, str) or not env):
@@ -398,6 +409,17 @@ class Graph:
             raise GraphError(f"node '{name}': turns must be a whole number in [1, 64], got {turns!r}.")
         if turns > 1 and env is None:
             raise GraphError(f"node '{name}': turns={turns} needs an environment to answer between turns (env=NAME).")
+        for key, value in (("turn_tokens", turn_tokens), ("env_tokens", env_tokens)):
+            if value is None:
+                continue
+            if env is None:
+                raise GraphError(f"node '{name}': {key} is a budget of multi-turn episodes; it needs env=NAME.")
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "turn_tokens" else 0):
+                raise GraphError(
+                    f"node '{name}': {key} must be a whole number >= {int(key == 'turn_tokens')}, got {value!r}."
+                )
+        if env_tokens is not None and turn_tokens is None:
+            raise GraphError(f"node '{name}': env_tokens={env_tokens} needs turn_tokens (the model's budget per turn).")
         return self._add(
             Generate(
                 name=name,
@@ -408,6 +430,8 @@ class Graph:
                 greedy=greedy,
                 env=env,
                 turns=turns,
+                turn_tokens=turn_tokens,
+                env_tokens=env_tokens,
                 options=options,
             )
         )

@@ -173,12 +173,6 @@ def rollout_conflict(graph: Graph, rollout: RolloutPolicy) -> str | None:
             f"{len(generates)} ({', '.join(generates)}). Use rollout.mode=sync or one_step_off."
         )
     if rollout.chunked:
-        for node in graph.nodes.values():
-            if isinstance(node, Generate) and node.env is not None:
-                return (
-                    f"rollout '{rollout.describe()}' decodes in chunks; generate node '{node.name}' runs episodes with "
-                    f"environment '{node.env}', which take whole turns. Use rollout.mode=sync or one_step_off."
-                )
         filters = graph.filters()
         if filters:
             gen, name = next(iter(filters.items()))

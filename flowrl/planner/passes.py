@@ -401,6 +401,7 @@ def model_runs(
                 grad_clip=train.grad_clip,
                 skip_nonfinite=train.skip_nonfinite,
             )
+        budget_of = episode_budget(graph, name, budget)
         runs[name] = ModelRun(
             model=name,
             checkpoint=checkpoints[name],
@@ -408,7 +409,7 @@ def model_runs(
             seed=cfg.seed,
             training_engine=train.engine,
             generation_engine=cfg.generation.engine if name in generating else None,
-            sampling=sampling,
+            sampling=sampling if budget_of == budget else msgspec.structs.replace(sampling, max_new_tokens=budget_of),
             optimizer=optimizer,
             numerics=numerics or EngineNumerics(),
             max_tokens_per_micro_batch=train.max_tokens_per_micro_batch,
@@ -416,6 +417,15 @@ def model_runs(
             lora=train.lora if decl.trainable and train.lora.rank > 0 else None,
         )
     return runs
+
+
+def episode_budget(graph: Graph, model: str, budget: int) -> int:
+    """The response budget of ``model``'s engines: ``budget``, or more for a generate node of its with
+    separate budgets for model turns and environment text (``turns * turn_tokens + env_tokens``)."""
+    for node in graph.nodes.values():
+        if isinstance(node, Generate) and node.model == model and node.env_tokens is not None:
+            budget = max(budget, node.turns * (node.turn_tokens or 1) + node.env_tokens)
+    return budget
 
 
 def model_checkpoints(graph: Graph, model: str | None) -> dict[str, str | None]:

@@ -179,7 +179,7 @@ def _episodes(gen: Generate, rt: NodeRuntime, tokenizer: Any, budget: int) -> An
 
     factory = rt.functions["environments"][gen.env]
     _, options = rt.options[gen.name]
-    return Episodes.build(gen, factory, rt.task, options, tokenizer, budget)
+    return Episodes.build(gen, factory, rt.task, options, tokenizer, budget, rt.rewards.concurrency)
 
 
 def pad_id(tokenizer: Any) -> int:

@@ -312,7 +312,7 @@ def _check_resolved(graph: Graph, plan: ExecutionPlan) -> None:
     """The plan's resolved sections (each model's run, each node's options: what runs) agree with the
     config they were resolved from: a config field edited in a plan file afterwards would otherwise
     be ignored. This compares what `resolve` copied; it re-derives nothing."""
-    from flowrl.planner.passes import model_checkpoints
+    from flowrl.planner.passes import episode_budget, model_checkpoints
 
     cfg = plan.config
     folders = model_checkpoints(graph, cfg.model)  # config field 'model': one folder, or one per model
@@ -325,7 +325,10 @@ def _check_resolved(graph: Graph, plan: ExecutionPlan) -> None:
             "tiny_model": (cfg.tiny_model, run.tiny),
             "rollout.temperature": (cfg.rollout.temperature, run.sampling.temperature),
             "rollout.top_p": (cfg.rollout.top_p, run.sampling.top_p),
-            "rollout.max_new_tokens": (cfg.rollout.max_new_tokens, run.sampling.max_new_tokens),
+            "rollout.max_new_tokens": (
+                episode_budget(graph, name, cfg.rollout.max_new_tokens or 0),
+                run.sampling.max_new_tokens,
+            ),
             "rollout.ignore_eos": (cfg.rollout.ignore_eos, run.sampling.ignore_eos),
             "rollout.stop": (tuple(cfg.rollout.stop), tuple(run.sampling.stop)),
             "generation.dtype": (cfg.generation.dtype, run.sampling.dtype),

@@ -361,7 +361,7 @@ def _reward(
     rows = [prompts[i] for i in seqs.prompt_index.tolist()]
     fn = rt.functions["reward_functions"][node.fn]
     if rt.rewards.direct(fn):
-        result = _user(f"reward function '{node.fn}'", fn, rows, list(seqs.texts), rt.task, **options)
+        result = _user(f"reward function '{node.fn}'", fn, rows, seqs.reward_texts(), rt.task, **options)
         scores, metrics = split_result(result)
         metrics = {} if metrics is None else metrics
     else:
@@ -399,7 +399,7 @@ def _pooled(
     """A reward function's scores from calls run by `flowrl.runtime.rewardpool`, a failed call's rows
     scored by ``reward.on_error``; the calls' numeric metrics averaged, their errors and timeouts counted."""
     runner = rt.rewards
-    outcomes, cuts = runner.score(node.fn, fn, rows, list(seqs.texts), rt.task, options)
+    outcomes, cuts = runner.score(node.fn, fn, rows, seqs.reward_texts(), rt.task, options)
     scores: list[float] = [0.0] * len(rows)
     failed: list[int] = []
     errors = timeouts = 0

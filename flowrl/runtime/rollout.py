@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from flowrl.data import GenerateResult, Part, Prompt, Rollout, Sequences
+from flowrl.data import GenerateResult, Part, Prompt, Rollout, Sequences, Turn
 from flowrl.errors import BackendError
 from flowrl.planner.space import RolloutPolicy
 from flowrl.runtime.batch import padded_rows, ragged, select_rows
@@ -43,6 +43,14 @@ class Row:
     finished: bool = False
     done_at: int = -1  # when it finished (the buffer's chunk clock): batches take groups in finish order
     started: int = 0  # the step whose generation sampled its first token
+    # a multi-turn episode (`flowrl.runtime.episodes`): 1 per sampled token, 0 per environment token;
+    # its turns so far; where the model's current turn began; its environment episode's number
+    multi: bool = False
+    action: list[float] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    turn_start: int = 0
+    episode: int = -1
+    ended: bool = False  # the episode is over (a finished row of a live episode is between turns)
 
     def oldest(self) -> int | None:
         return min(self.versions) if self.versions else None
@@ -50,6 +58,7 @@ class Row:
     def restart(self, step: int) -> None:
         self.tokens, self.logprobs, self.versions = [], [], []
         self.text, self.finished, self.done_at, self.started = "", False, -1, step
+        self.action, self.turns, self.turn_start, self.episode, self.ended = [], [], 0, -1, False
 
 
 @dataclass
@@ -125,8 +134,9 @@ class RolloutBuffer:
 # ------------------------------------------------------------------ rows <-> engine rollouts
 
 
-def rows_to_rollout(rows: Sequence[Row], pad_id: int, greedy: bool) -> Rollout:
-    """Rows as one engine `Rollout`: prompts left-padded, responses right-padded."""
+def rows_to_rollout(rows: Sequence[Row], pad_id: int, greedy: bool, episodes: bool = False) -> Rollout:
+    """Rows as one engine `Rollout`: prompts left-padded, responses right-padded; ``episodes``: with
+    the rows' action masks and turns (multi-turn)."""
     prompt_ids, prompt_mask, response_ids, response_mask = padded_rows(
         [r.prompt_ids for r in rows], [r.tokens for r in rows], pad_id
     )
@@ -143,8 +153,11 @@ def rows_to_rollout(rows: Sequence[Row], pad_id: int, greedy: bool) -> Rollout:
         version=min((r.oldest() for r in rows if r.versions), default=0),
         logprobs=logprobs,
         versions=versions,
+        action_mask=ragged([r.action for r in rows], r_width, 0.0, torch.float32) if episodes else None,
+        episodes=tuple(tuple(r.turns) for r in rows) if episodes else None,
     )
-    return Rollout(sequences=seqs, logprobs=logprobs, finished=torch.tensor([r.finished for r in rows]), greedy=greedy)
+    finished = torch.tensor([r.finished for r in rows], dtype=torch.bool)
+    return Rollout(sequences=seqs, logprobs=logprobs, finished=finished, greedy=greedy)
 
 
 def absorb(rows: Sequence[Row], out: Rollout, version: int) -> int:
@@ -158,20 +171,23 @@ def absorb(rows: Sequence[Row], out: Rollout, version: int) -> int:
             row.tokens += ids[i][have:now]
             row.logprobs += logprobs[i][have:now]
             row.versions += [version] * (now - have)
+            if row.multi:
+                row.action += [1.0] * (now - have)
             new += now - have
         row.text = seqs.texts[i]
         row.finished = bool(finished[i])
     return new
 
 
-def fresh_rows(groups: Sequence[int], out: Rollout, n: int, version: int, step: int) -> list[Row]:
-    """Rows for new groups from the engine's first call (``n`` rows a group, in order)."""
+def fresh_rows(groups: Sequence[int], out: Rollout, n: int, version: int, step: int, multi: bool = False) -> list[Row]:
+    """Rows for new groups from the engine's first call (``n`` rows a group, in order); ``multi``:
+    rows of multi-turn episodes."""
     seqs = out.sequences
     prompt_ids, prompt_mask = seqs.prompt_ids.tolist(), seqs.prompt_mask.tolist()
     rows = []
     for i in range(len(seqs)):
         ids = [t for t, m in zip(prompt_ids[i], prompt_mask[i]) if m]
-        rows.append(Row(group=groups[i // n], prompt_ids=ids, started=step))
+        rows.append(Row(group=groups[i // n], prompt_ids=ids, started=step, multi=multi))
     absorb(rows, out, version)
     return rows
 
@@ -256,7 +272,7 @@ class StepRollout:
             self.buffer.prompts.clear()
             metrics = {**self._metrics(seqs, tokens, version, 0, 0), "carried": 0, "in_flight": 0}
             if self.episodes is not None:
-                metrics.update(self.episodes.metrics)
+                metrics.update(self.episodes.take_metrics(seqs))
             return GenerateResult(None, seqs, metrics, [Part(seqs, list(prompts))])
         buf = self.buffer
         restarted = buf.enforce(version, step)
@@ -273,21 +289,28 @@ class StepRollout:
         generated = 0
         emitted: list[int] = []
         parts: list[Part] = []
+        episodes = self.episodes
+        of = lambda row: buf.prompts[row.group]  # noqa: E731
         while True:
             todo = [r for r in buf.rows if not r.finished]
             if new_prompts:  # the first chunk of new prompts: the engine tokenises them
+                engine_prompts = new_prompts if episodes is None else [episodes.prompt(p) for p in new_prompts]
                 out = gen.generate(
-                    new_prompts, n=self.n, greedy=self.greedy, generator=rng, max_new_tokens=self.chunk_tokens
+                    engine_prompts, n=self.n, greedy=self.greedy, generator=rng, max_new_tokens=self.chunk_tokens
                 )
-                fresh = fresh_rows(new_groups, out, self.n, gen.version, step)
+                fresh = fresh_rows(new_groups, out, self.n, gen.version, step, multi=episodes is not None)
                 generated += sum(len(r.tokens) for r in fresh)
                 buf.rows.extend(fresh)
                 new_prompts = []
+                if episodes is not None:
+                    episodes.advance(fresh, of, gen.version)
             if todo:
                 out = gen.resume(
                     rows_to_rollout(todo, self.pad_id, self.greedy), generator=rng, max_new_tokens=self.chunk_tokens
                 )
                 generated += absorb(todo, out, gen.version)
+                if episodes is not None:  # model turns that ended get their environment's answer
+                    episodes.advance(todo, of, gen.version)
             buf.tick()
             taken = set(emitted)
             done = [g for g in buf.finished_groups() if g not in taken and (self.policy.partial or g in mine)]
@@ -310,6 +333,8 @@ class StepRollout:
         recycled = sum(before.get(id(r), 0) for r in rows)
         metrics = self._metrics(seqs, generated, version, restarted, recycled)
         metrics.update(carried=carried, in_flight=len(buf.groups()))
+        if episodes is not None:
+            metrics.update(episodes.take_metrics(seqs))
         return GenerateResult(batch_prompts if self.policy.partial else None, seqs, metrics, parts)
 
     def _sample(self, prompts: Sequence[Prompt], rng: torch.Generator) -> tuple[Sequences, int]:
@@ -317,7 +342,7 @@ class StepRollout:
         environment); the responses with their log-probs and versions, and the tokens sampled."""
         gen = self.generator
         if self.episodes is not None:
-            seqs = self.episodes.run(gen, prompts, self.n, rng)
+            seqs = self.episodes.run(gen, prompts, self.n, rng, gen.version)
         else:
             out = gen.generate(prompts, n=self.n, greedy=self.greedy, generator=rng)
             seqs = replace(out.sequences, logprobs=out.logprobs)
@@ -347,7 +372,7 @@ class StepRollout:
             seqs, n_tokens = self._sample(prompts, rng)
             tokens += n_tokens
             if self.episodes is not None:
-                episode_runs.append((len(seqs), dict(self.episodes.metrics)))
+                episode_runs.append((len(seqs), self.episodes.take_metrics(seqs)))
             outputs, keep, metrics = self.rounds.run(prompts, seqs, seqs.logprobs)
             rows_kept = None
             if self.rounds.rows:  # one bool per row: a group passes when any of its rows does
@@ -397,7 +422,7 @@ class StepRollout:
         prompts (partial: in the order groups are taken) or the step's own prompts (otherwise),
         with their behaviour log-probs, and their groups' prompts."""
         rows = [r for g in groups for r in self.buffer.rows if r.group == g]
-        rollout = rows_to_rollout(rows, self.pad_id, self.greedy)
+        rollout = rows_to_rollout(rows, self.pad_id, self.greedy, episodes=self.episodes is not None)
         if self.policy.partial:
             index = {g: first + i for i, g in enumerate(groups)}
         else:

@@ -100,6 +100,7 @@ class DataTask:
         self.train, self.val = list(train), list(val)
         self.seed, self.shuffle, self.verifier, self.budget = seed, shuffle, verifier, budget
         self.report = report or DataReport()
+        self.template: str | None = None  # the chat template the prompts were rendered with
         self._orders: dict[int, list[int]] = {}
         self._fingerprint: str | None = None
 
@@ -205,6 +206,7 @@ def load(cfg: RunConfig) -> DataTask:
             budget=cfg.rollout.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
             report=report,
         )
+        _LOADED[key].template = template
     _LOADED[key].report.evaluated = cfg.eval.every > 0
     return _LOADED[key]
 
@@ -431,7 +433,8 @@ def rows_to_prompts(
             report.truncated[split] += 1
             count = data.max_prompt_tokens
         report.longest[split] = max(report.longest.get(split, 0), count)
-        prompts.append(Prompt(text=text, answer=answer, meta=meta, templated=template is not None))
+        messages = tuple(turns) if template is not None else ()  # re-rendered with an environment's tools
+        prompts.append(Prompt(text=text, answer=answer, meta=meta, templated=template is not None, messages=messages))
     report.kept[split] = len(prompts)
     return prompts
 

@@ -1,10 +1,19 @@
 """Environments for multi-turn rollouts: what answers the model between its turns.
 
 An environment is registered as a factory ``factory(task, **options)`` (hook
-``register_environments``; the generate node's options are its options). The object it returns
-answers ``reply(prompt, turns)``: given the prompt and the model's turns so far (their texts), the
-text the environment writes into the response before the model's next turn, or None to end the
-episode. What the environment writes is part of the response the model reads, but not trained on.
+``register_environments``; the generate node's environment options are its options). The object
+it returns has:
+
+- ``episode(prompt)``: a new episode's state, one per response, whose ``step(turn)`` (a `Turn`: the
+  model's text and the tool calls parsed from it; may be ``async def``) returns a `Step`: text to
+  write into the response, or tool results (rendered by the chat template), a turn reward, and
+  whether the episode is done (a final reply and ``done`` together are fine);
+- optionally ``tools``: JSON schemas (as ``transformers.utils.get_json_schema`` makes them), given to
+  the chat template with the prompt (``apply_chat_template(tools=...)``).
+
+The simpler ``reply(prompt, turns)`` (the model's turn texts so far in, text or None out: None ends
+the episode) is still understood. What the environment writes is part of the response the model
+reads, but not trained on. `flowrl.tasks.tools.ToolEnvironment` makes one from Python functions.
 """
 
 from __future__ import annotations
@@ -13,8 +22,36 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from flowrl.data import Prompt
+import msgspec
+
+from flowrl.data import Prompt, Turn
 from flowrl.errors import TaskError
+
+
+class Step(msgspec.Struct, frozen=True, kw_only=True):
+    """An environment's answer to a model turn: ``text`` written into the response as it is, or
+    ``tool_results`` (one per tool call, rendered as the chat template writes ``role: tool``
+    messages); ``reward`` for the turn; ``done`` ends the episode after what it wrote."""
+
+    text: str | None = None
+    tool_results: tuple[str, ...] = ()
+    reward: float = 0.0
+    done: bool = False
+
+
+class ReplyEpisode:
+    """An episode of an environment with ``reply(prompt, turns)``: text continues, None ends."""
+
+    def __init__(self, env: Any, prompt: Prompt) -> None:
+        self.env, self.prompt, self.turns = env, prompt, []
+
+    def step(self, turn: Turn) -> Step:
+        self.turns.append(turn.text)
+        reply = self.env.reply(self.prompt, list(self.turns))
+        if reply is not None and not isinstance(reply, str):
+            raise TypeError(f"reply() returned {type(reply).__name__}; a reply is text (or None to end the episode)")
+        return Step(text=reply, done=reply is None)
+
 
 _PRODUCT = re.compile(r"^\s*(\d+)\s*([*+-])\s*(\d+)\s*:?\s*$")
 
@@ -45,4 +82,32 @@ def calculator(task: Any, *, key: str = "=") -> Calculator:
     return Calculator(key=key)
 
 
-ENVIRONMENTS: dict[str, Any] = {"calculator": calculator}
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return int(a) * int(b)
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first term
+        b: the second term
+    """
+    return int(a) + int(b)
+
+
+def arithmetic(task: Any, *, penalty: float = 0.0) -> Any:
+    """Tools in the chat template's format: ``multiply(a, b)`` and ``add(a, b)``; a turn without a
+    tool call is the final answer. ``penalty``: the turn reward of a malformed or failing call."""
+    from flowrl.tasks.tools import ToolEnvironment
+
+    return ToolEnvironment([multiply, add], penalty=penalty)
+
+
+ENVIRONMENTS: dict[str, Any] = {"calculator": calculator, "arithmetic": arithmetic}

@@ -186,14 +186,17 @@ def test_episodes_train_only_the_model_tokens(tmp_path):
             )
 
     tok = build_tokenizer()
-    episodes = Episodes("ep", "calculator", calculator(Calc()), 2, tok, 30)
+    episodes = Episodes("ep", "calculator", calculator(Calc()), 2, tok, 30, 15)
     seqs = episodes.run(ScriptedEngine(tok), [Prompt(text="6*7:", answer="42")], 2, torch.Generator())
     assert seqs.texts == ("=42|42", "=42|42")
     # '=' EOS (sampled) | '42|' (the calculator's, not trained) | '42' EOS (sampled)
     assert seqs.action_mask[0].tolist() == [1, 1, 0, 0, 0, 1, 1, 1]
     assert seqs.response_mask[0].tolist() == [1.0] * 8
     assert Calc().score(Prompt(text="6*7:", answer="42"), seqs.texts[0]) == 1.0
-    assert episodes.metrics == {"turns": 2.0, "env_replies": 1.0}
+    m = episodes.take_metrics(seqs)
+    assert (m["turns"], m["env_replies"], m["env_tokens"]) == (2.0, 1.0, 3.0)
+    assert [t.role for t in seqs.episodes[0]] == ["assistant", "env", "assistant", "env"]
+    assert [t.text for t in seqs.episodes[0]] == ["=", "42|", "42", ""]
 
 
 def test_reading_rows_of_two_generate_nodes_is_an_error_naming_the_node(tmp_path):

@@ -151,10 +151,12 @@ def test_a_filter_may_not_depend_on_a_model_node():
         g.verify()
 
 
-def test_filters_and_environments_refuse_chunked_rollouts():
-    for src in ("graphs/dapo.py", "graphs/tool_use.py"):
-        with pytest.raises(FlowRLError, match="decodes in chunks"):
-            api.plan(src, overrides=["rollout.mode=async"], emit=lambda s: None)
+def test_filters_refuse_chunked_rollouts_and_environments_take_them():
+    with pytest.raises(FlowRLError, match="decodes in chunks"):
+        api.plan("graphs/dapo.py", overrides=["rollout.mode=async"], emit=lambda s: None)
+    for mode in ("async", "partial", "streaming", "partial+async"):
+        _, plan = api.plan("graphs/tool_use.py", overrides=[f"rollout.mode={mode}"], emit=lambda s: None)
+        assert plan.layout.rollout.chunked
 
 
 def test_environment_generation_needs_a_registered_environment_and_turns_need_one():
