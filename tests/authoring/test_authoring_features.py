@@ -869,7 +869,7 @@ def test_tool_use_runs_on_calc_and_refuses_chunked_rollouts(tmp_path):
 
 def test_an_environment_that_cannot_start_or_reply_is_a_clear_error(tmp_path):
     src = graph_file(tmp_path, ENV_GRAPH.format(text="|x").replace("return Reply(text)", "return object()"))
-    with pytest.raises(GraphError, match="node 'rollout': environment 'rv_reply' returned object, which has neither an episode"):
+    with pytest.raises(GraphError, match="environment 'rv_reply' returned object, which has neither an episode"):
         run(tmp_path, src, steps=1)
 
 

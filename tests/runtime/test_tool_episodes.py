@@ -6,14 +6,12 @@ The model is `tool_model` (tests/conftest.py): a tiny chat model taught here to 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from flowrl import api
 from flowrl.data import EpisodeText, Prompt, ToolCall, Turn
-from flowrl.errors import ConfigError, FlowRLError
+from flowrl.errors import ConfigError
 from flowrl.tasks import tools
 
 GRAPH = '''
@@ -79,9 +77,11 @@ def overrides(tool_model, tmp_path, *extra):
 
 def run(tool_model, tmp_path, *extra, steps=2, turn=96, env=64, out="runs"):
     graph, plan = api.plan(
-        graph_file(tmp_path, turn, env), overrides=overrides(tool_model, tmp_path / out, *extra), flags={"steps": steps},
+        graph_file(tmp_path, turn, env),
+        overrides=overrides(tool_model, tmp_path / out, *extra),
+        flags={"steps": steps},
         emit=lambda s: None,
-    )  # fmt: skip
+    )
     return plan, api.run(graph, plan)
 
 
