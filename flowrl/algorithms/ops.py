@@ -183,6 +183,53 @@ def followup_prompts_op(inputs: Batch, algo: AlgoConfig, *, sep: str = "") -> di
     return {"followups": out}
 
 
+def judge_prompts_op(inputs: Batch, algo: AlgoConfig, *, template: str = "{prompt}{response}") -> dict[str, Any]:
+    """Prompts for a judge model, one per response: ``template`` filled with ``{prompt}`` (the
+    question's text), ``{response}`` (its final turn, for an episode) and ``{answer}`` (the reference).
+    The prompt carries the response's number in ``meta["row"]``."""
+    from flowrl.runtime.batch import sequences_in
+
+    seqs = sequences_in(inputs, "compute function 'judge_prompts'")
+    prompts = inputs["prompts"]
+    out = []
+    for row, (i, text) in enumerate(zip(seqs.prompt_index.tolist(), seqs.reward_texts())):
+        p = prompts[i]
+        filled = template.format(prompt=p.text, response=getattr(text, "final", text), answer=p.answer)
+        out.append(Prompt(text=filled, answer=p.answer, meta={"row": row}))
+    return {"judge_prompts": out}
+
+
+def judge_scores_op(
+    inputs: Batch, algo: AlgoConfig, *, pattern: str = r"(-?\d+(?:\.\d+)?)", scale: float = 1.0, default: float = 0.0
+) -> tuple[dict[str, Tensor], dict[str, float]]:
+    """Scores parsed from a judge's verdicts (one per response, in the responses' order): the first
+    match of ``pattern``'s first group as a number, divided by ``scale``; ``default`` where none
+    matches. Metrics: ``reward`` (their mean: the run's headline reward) and ``unparsed`` (verdicts without a score)."""
+    import re
+
+    import torch
+
+    from flowrl.runtime.batch import sequences_in
+
+    seqs = sequences_in(inputs, "compute function 'judge_scores'")
+    found = re.compile(pattern)
+    order = torch.argsort(seqs.prompt_index, stable=True).tolist()  # verdict k answers judge prompt k
+    scores, unparsed = [], 0
+    for k in order:
+        match = found.search(seqs.texts[k])
+        try:
+            scores.append(float(match.group(1)) / scale if match else default)
+        except (ValueError, IndexError):
+            scores.append(default)
+            match = None
+        unparsed += match is None
+    values = torch.tensor(scores, dtype=torch.float32)
+    return {"scores": values}, {
+        "reward": round(float(values.mean()), 6) if len(values) else 0.0,
+        "unparsed": unparsed,
+    }
+
+
 def weighted_sum_op(
     inputs: Batch, algo: AlgoConfig, *, weights: dict[str, float] | None = None
 ) -> tuple[dict[str, Tensor], dict[str, float]]:
@@ -517,6 +564,8 @@ COMPUTE_FUNCTIONS = {
         {"needs": ("values", "prompts", "responses"), "gives": ("means",), "rows": "prompts"},  # one row per prompt
     ),
     "followup_prompts": (followup_prompts_op, {"needs": ("prompts", "responses"), "gives": ("followups",)}),
+    "judge_prompts": (judge_prompts_op, {"needs": ("prompts", "responses"), "gives": ("judge_prompts",)}),
+    "judge_scores": (judge_scores_op, {"needs": ("verdicts",), "gives": ("scores",)}),
     # reads any keys (its weights name them); write another key than 'rewards' with ports={"rewards": KEY}
     "weighted_sum": (weighted_sum_op, {"needs": (), "gives": ("rewards",)}),
 }

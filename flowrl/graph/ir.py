@@ -474,6 +474,49 @@ class Graph:
             )
         )
 
+    def judge(
+        self,
+        name: str,
+        *,
+        model: str,
+        template: str,
+        reads: Iterable[str] | str = ("prompts", "responses"),
+        writes: str = "rewards",
+        pattern: str = r"(-?\d+(?:\.\d+)?)",
+        scale: float = 1.0,
+        default: float = 0.0,
+    ) -> str:
+        """Score responses with a judge model (LLM-as-judge): three nodes, as one would write them.
+        ``NAME_prompts`` fills ``template`` (``{prompt}``, ``{response}``, ``{answer}``) for each
+        response; ``NAME_generate`` has ``model`` (a frozen ``reference`` model, say) write one greedy
+        verdict per prompt; ``NAME`` parses each verdict's score (``pattern``'s first group, divided by
+        ``scale``; ``default`` where it finds none) into ``writes``, one per response."""
+        keys = _keys(reads, "read", name)
+        if len(keys) != 2:
+            raise GraphError(f"node '{name}': a judge reads two keys, the prompts and the responses; got {keys}.")
+        if not isinstance(template, str) or "{response}" not in template:
+            raise GraphError(f"node '{name}': the judge's template must hold {{response}}, got {template!r}.")
+        prompts, verdicts = f"{name}_prompts", f"{name}_verdicts"
+        self.compute(
+            prompts,
+            fn="judge_prompts",
+            reads=keys,
+            writes=prompts,
+            ports={"prompts": keys[0], "responses": keys[1], "judge_prompts": prompts},
+            template=template,
+        )
+        self.generate(f"{name}_generate", model=model, reads=prompts, writes=verdicts, greedy=True)
+        return self.compute(
+            name,
+            fn="judge_scores",
+            reads=verdicts,
+            writes=writes,
+            ports={"verdicts": verdicts, "scores": writes},
+            pattern=pattern,
+            scale=scale,
+            default=default,
+        )
+
     def compute(
         self,
         name: str,

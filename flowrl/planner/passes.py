@@ -48,7 +48,7 @@ from flowrl.planner.space import (
     RolloutPolicy,
     WeightSync,
 )
-from flowrl.planner.workload import Fixed, Histogram, Lengths, WorkloadSpec
+from flowrl.planner.workload import Fixed, Histogram, Lengths, WorkloadSpec, max_length
 from flowrl.specs import (
     AGGREGATES,
     AUTO,
@@ -238,7 +238,11 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
         target = msgspec.structs.replace(target, models=models, model=models.get(first or "", target.model))
     if target.workload is None:
         prompt_length, lengths = task_lengths(task, cfg.rollout.max_new_tokens, cfg.rollout.ignore_eos)
+        turns = max((n.turns for n in graph.nodes.values() if isinstance(n, Generate) and n.env), default=1)
+        if turns > 1:
+            lengths = episode_lengths(graph, lengths, budget, cfg.rollout.ignore_eos)
         workload = WorkloadSpec(
+            turns=turns,
             prompts_per_step=cfg.rollout.prompts_per_step,
             samples_per_prompt=cfg.rollout.samples_per_prompt,
             prompt_length=prompt_length,
@@ -499,6 +503,26 @@ def task_lengths(task: Any, budget: int, ignore_eos: bool) -> tuple[int, Lengths
         return prompt, Fixed(value=budget)
     counts = Counter(min(len(p.answer) + 1, budget) for p in drawn)
     return prompt, Histogram(lengths=sorted(counts), weights=[float(counts[k]) for k in sorted(counts)])
+
+
+def episode_lengths(graph: Graph, answer: Lengths, budget: int, ignore_eos: bool) -> Lengths:
+    """The response lengths of a graph's multi-turn episodes: each of its ``turns`` model turns about
+    an answer long (at most ``turn_tokens``) and, between turns, environment text about as long again
+    (at most ``env_tokens`` in all), within the episode's budget; the whole budget when EOS is ignored."""
+    node = max((n for n in graph.nodes.values() if isinstance(n, Generate) and n.env), key=lambda n: n.turns)
+    cap = episode_budget(graph, node.model, budget)
+    if ignore_eos:
+        return Fixed(value=cap)
+    values, weights = (
+        (answer.lengths, answer.weights) if isinstance(answer, Histogram) else ([max_length(answer)], [1.0])
+    )
+    out: dict[int, float] = {}
+    for length, weight in zip(values, weights):
+        turn = min(length, node.turn_tokens or length)
+        env = min((node.turns - 1) * length, node.env_tokens if node.env_tokens is not None else cap)
+        total = min(node.turns * turn + env, cap)
+        out[total] = out.get(total, 0.0) + weight
+    return Histogram(lengths=sorted(out), weights=[out[k] for k in sorted(out)])
 
 
 def _inputs_only(meta: dict[str, Any]) -> dict[str, Any]:

@@ -186,6 +186,8 @@ class Generator:
             if chunked:  # every chunk boundary re-reads prompt + response so far for the rows still going
                 chunk = pol.chunk(self.w.max_response())
                 seconds += restart_seconds(self.cost, done, before, self.w.prompt_length, gen.tp, chunk)
+            if self.w.turns > 1:  # episodes: each later turn re-reads the context, after the environment answers
+                seconds += episode_seconds(self.cost, done, self.w, gen.tp)
             slowest = max(slowest, seconds)
             tokens += float(done.sum())
             self.longest = max(self.longest, int(done.max()) if done.size else 0)
@@ -203,6 +205,20 @@ def restart_seconds(
         if live.any():
             total += cost.prefill(int(live.sum()), prompt + int(np.mean(before[live])) + at, tp)
     return total
+
+
+def episode_seconds(cost: CostModel, lengths: np.ndarray, workload: WorkloadSpec, tp: int) -> float:
+    """What multi-turn episodes add to decoding ``lengths`` (whole episodes): at each of the
+    ``turns - 1`` turn boundaries, every episode's environment answers (``env_s_per_turn``, one after
+    another in the driver) and the engine prefills prompt + episode so far again."""
+    turns = workload.turns
+    if not lengths.size or turns < 2:
+        return 0.0
+    total = 0.0
+    for k in range(1, turns):
+        so_far = int(np.mean(lengths)) * k // turns
+        total += cost.prefill(int(lengths.size), workload.prompt_length + so_far, tp)
+    return total + workload.env_s_per_turn * (turns - 1) * int(lengths.size)
 
 
 def padded_length(lengths: np.ndarray, prompt: int, rows: int) -> float:

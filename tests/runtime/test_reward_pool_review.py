@@ -27,7 +27,7 @@ from flowrl.runtime.rewardpool import RewardRunner
 
 def _run(fn, texts, groups, runner, options=None, task=None):
     rt = SimpleNamespace(rewards=runner, task=task)
-    seqs = SimpleNamespace(texts=texts, prompt_index=torch.tensor(groups))
+    seqs = SimpleNamespace(texts=texts, prompt_index=torch.tensor(groups), reward_texts=lambda: list(texts))
     return _pooled(rt, SimpleNamespace(fn=fn.__name__), fn, [None] * len(texts), seqs, dict(options or {}))
 
 
