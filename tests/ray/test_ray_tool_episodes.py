@@ -38,6 +38,8 @@ def _run(tool_model, tmp_path, *extra):
         options={"placement": "disaggregated"}, emit=lambda s: None,
     )  # fmt: skip
     assert plan.layout.placement == "disaggregated"
+    engine = "vllm" if "generation.engine=vllm" in extra else "local"
+    assert plan.models["actor"].generation_engine == engine
     assert plan.layout.rollout.partial and plan.layout.rollout.mode == "async"
     return api.run(graph, plan).metrics
 
