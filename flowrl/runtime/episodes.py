@@ -32,11 +32,27 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgspec
 import torch
 
 from flowrl.data import Prompt, Sequences, Turn
 from flowrl.errors import FlowRLError, GraphError
+from flowrl.runtime.rewardpool import run_coroutine
 from flowrl.tasks.environments import ReplyEpisode, Step
+
+
+@dataclass
+class _Live:
+    """The environment episode of one row, and how many of the row's turns it has seen (a row
+    restarted, or restored from a checkpoint, no longer matches it)."""
+
+    row: Any
+    episode: Any
+    seen: int = 0
+
+
+#: tool-rendered prompts kept at most (prompts come and go with the steps)
+_PROMPT_CACHE = 4096
 
 
 @dataclass
@@ -53,7 +69,7 @@ class Episodes:
     env_tokens: int | None = None  # environment text per episode, at most (None: within the budget)
     template: str | None = None  # the chat template tool results are rendered with
     concurrency: int = 64  # environment steps awaited at once (async environments)
-    live: dict[int, Any] = field(default_factory=dict)  # a row's episode number -> its environment episode
+    live: dict[int, _Live] = field(default_factory=dict)  # a row's episode number -> its environment episode
     serial: Any = field(default_factory=itertools.count)
     counts: dict[str, float] = field(default_factory=dict)  # since the last `take_metrics`
     _prompts: dict[int, tuple[Prompt, Prompt]] = field(default_factory=dict)  # id -> (prompt, with the tools)
@@ -99,6 +115,8 @@ class Episodes:
 
         key = id(prompt)
         if key not in self._prompts or self._prompts[key][0] is not prompt:
+            if len(self._prompts) >= _PROMPT_CACHE:
+                self._prompts.clear()
             self._prompts[key] = (prompt, with_tools(prompt, self.tools, self.tokenizer, self.template))
         return self._prompts[key][1]
 
@@ -109,7 +127,8 @@ class Episodes:
         ``prompts(row)``: the prompt a row answers."""
         ended = []
         for row in rows:
-            if row.episode < 0 or row.episode not in self.live:
+            live = self.live.get(row.episode)
+            if live is None or live.row is not row or live.seen != len(row.turns):
                 self._open(row, prompts(row))
             if row.ended:
                 continue
@@ -130,7 +149,7 @@ class Episodes:
             return
         turns = [self._turn(row) for row in ended]
         start = time.perf_counter()
-        steps = self._steps([self.live[row.episode] for row in ended], turns)
+        steps = self._steps([self.live[row.episode].episode for row in ended], turns)
         self.counts["env_s"] = self.counts.get("env_s", 0.0) + time.perf_counter() - start
         eos = getattr(self.tokenizer, "eos_token_id", None)
         for row, turn, step in zip(ended, turns, steps):
@@ -139,22 +158,26 @@ class Episodes:
     def _open(self, row: Any, prompt: Prompt) -> None:
         """A fresh environment episode for ``row``; one with recorded turns (restored from a checkpoint)
         is replayed through them, and restarts from its prompt if the environment answers differently."""
+        old = self.live.get(row.episode)
+        if old is not None and old.row is row:  # the row restarted: its episode is over
+            del self.live[row.episode]
         row.episode = next(self.serial)
-        self.live[row.episode] = self._episode(prompt)
+        live = self.live[row.episode] = _Live(row, self._episode(prompt))
         recorded, at = list(row.turns), 0
         eos = getattr(self.tokenizer, "eos_token_id", None)
         for i, turn in enumerate(recorded):
             at += turn.tokens
             if turn.role != "assistant":
                 continue
-            step = self._steps([self.live[row.episode]], [turn])[0]
+            step = self._steps([live.episode], [turn])[0]
             following = recorded[i + 1] if i + 1 < len(recorded) else None
             ended_at_eos = turn.tokens > 0 and row.tokens[at - 1] == eos
             if following is not None and self._written(step, ended_at_eos) != following.text:
                 row.restart(row.started)
-                self.live[row.episode] = self._episode(prompt)
+                live.episode = self._episode(prompt)
                 self.counts["replay_restarts"] = self.counts.get("replay_restarts", 0) + 1
-                return
+                break
+        live.seen = len(row.turns)
 
     def _episode(self, prompt: Prompt) -> Any:
         try:
@@ -195,14 +218,24 @@ class Episodes:
             except Exception as exc:
                 raise self._error("step()", exc) from exc
         if any(inspect.isawaitable(s) for s in out):
-            out = asyncio.run(self._gather(out))
-        for s in out:
-            if not isinstance(s, Step):
-                raise GraphError(
-                    f"node '{self.node}': environment '{self.env_name}' step() returned {type(s).__name__}; it "
-                    "returns a flowrl.tasks.environments.Step (text or tool_results, reward, done)."
-                )
-        return out
+            pending = out
+            out = run_coroutine(lambda: self._gather(pending))
+        return [self._checked(s) for s in out]
+
+    def _checked(self, step: Any) -> Step:
+        """``step`` with its fields' types checked (a Struct built in Python is not)."""
+        if not isinstance(step, Step):
+            raise GraphError(
+                f"node '{self.node}': environment '{self.env_name}' step() returned {type(step).__name__}; it "
+                "returns a flowrl.tasks.environments.Step (text or tool_results, reward, done)."
+            )
+        try:
+            return msgspec.convert(msgspec.structs.asdict(step), Step)
+        except msgspec.ValidationError as exc:
+            raise GraphError(
+                f"node '{self.node}': environment '{self.env_name}' step() returned a Step with a bad field: {exc} "
+                "(text: str or None; tool_results: a tuple of str, one per call; reward: a number; done: a bool)."
+            ) from None
 
     async def _gather(self, pending: list[Any]) -> list[Any]:
         gate = asyncio.Semaphore(self.concurrency)
@@ -240,14 +273,15 @@ class Episodes:
         row.turns.append(turn)
         model_turns = sum(t.role == "assistant" for t in row.turns)
         env_used = sum(t.tokens for t in row.turns if t.role != "assistant")
-        fits = len(row.tokens) + len(obs) < self.budget and (
-            self.env_tokens is None or env_used + len(obs) <= self.env_tokens
-        )
         out_of_room = row.finished and len(row.tokens) >= self.budget  # the response budget is spent
         more = not step.done and not out_of_room and model_turns < self.turns
-        write = bool(obs) and fits and (more or step.done)
-        if obs and not fits:
+        room = len(row.tokens) + len(obs) < self.budget or (step.done and len(row.tokens) + len(obs) <= self.budget)
+        fits = room and (self.env_tokens is None or env_used + len(obs) <= self.env_tokens)
+        wanted = bool(obs) and (more or step.done)  # text no model turn or final reply follows is not written
+        write = wanted and fits
+        if wanted and not fits:
             self.counts["env_truncated"] = self.counts.get("env_truncated", 0) + 1
+            more = False
         role = "tool" if step.tool_results else "env"
         row.turns.append(
             Turn(role=role, text=text if write else "", reward=float(step.reward), tokens=len(obs) * write)
@@ -259,8 +293,9 @@ class Episodes:
             row.action += [0.0] * len(obs)
             self.counts["env_replies"] = self.counts.get("env_replies", 0) + 1
         row.text = "".join(t.text for t in row.turns)
-        if more and write:
+        if more:  # the model's next turn (after what the environment wrote, if anything)
             row.finished, row.turn_start = False, len(row.tokens)
+            self.live[row.episode].seen = len(row.turns)
         else:
             row.finished, row.ended = True, True
             self.live.pop(row.episode, None)
@@ -278,24 +313,26 @@ class Episodes:
         return tokens
 
     # ------------------------------------------------------------ one whole-turn rollout (sync modes)
-    def run(self, gen: Any, prompts: Sequence[Prompt], n: int, rng: torch.Generator, version: int = 0) -> Sequences:
+    def run(
+        self, gen: Any, prompts: Sequence[Prompt], n: int, rng: torch.Generator, version: int = 0, greedy: bool = False
+    ) -> Sequences:
         """``n`` episodes per prompt (rows grouped by prompt), a whole model turn per engine call, as
         Sequences with behaviour log-probs, the action mask and each row's turns."""
         from flowrl.runtime.rollout import absorb, fresh_rows, rows_to_rollout
 
         first = gen.generate(
-            [self.prompt(p) for p in prompts], n=n, greedy=False, generator=rng, max_new_tokens=self.turn_tokens
+            [self.prompt(p) for p in prompts], n=n, greedy=greedy, generator=rng, max_new_tokens=self.turn_tokens
         )
         rows = fresh_rows(list(range(len(prompts))), first, n, version, 0, multi=True)
         of = lambda row: prompts[row.group]  # noqa: E731
         self.advance(rows, of, version)
         while active := [r for r in rows if not r.finished]:
             out = gen.resume(
-                rows_to_rollout(active, self._pad(), False), generator=rng, max_new_tokens=self.turn_tokens
+                rows_to_rollout(active, self._pad(), greedy), generator=rng, max_new_tokens=self.turn_tokens
             )
             absorb(active, out, version)
             self.advance(active, of, version)
-        seqs = rows_to_rollout(rows, self._pad(), False, episodes=True).sequences
+        seqs = rows_to_rollout(rows, self._pad(), greedy, episodes=True).sequences
         return replace(seqs, prompt_index=torch.tensor([r.group for r in rows], dtype=torch.long))
 
     def take_metrics(self, seqs: Sequences) -> dict[str, float]:

@@ -202,16 +202,31 @@ async def _awaited(
 def run_async(
     fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]], timeout: float | None, concurrency: int
 ) -> list[Outcome]:
-    """The calls of an ``async def`` function awaited at most ``concurrency`` at a time (in a thread of
-    its own when this one already runs an event loop)."""
+    """The calls of an ``async def`` function awaited at most ``concurrency`` at a time."""
+    return run_coroutine(lambda: _awaited(fn, calls, timeout, concurrency))
+
+
+def run_coroutine(make: Callable[[], Any]) -> Any:
+    """``make()``'s coroutine run to its end: here, or in a thread of its own when this thread already
+    runs an event loop (a notebook's); its exception is raised here."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(_awaited(fn, calls, timeout, concurrency))
-    out: list[list[Outcome]] = []
-    thread = threading.Thread(target=lambda: out.append(asyncio.run(_awaited(fn, calls, timeout, concurrency))))
+        return asyncio.run(make())
+    out: list[Any] = []
+    failed: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            out.append(asyncio.run(make()))
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=target)
     thread.start()
     thread.join()
+    if failed:
+        raise failed[0]
     return out[0]
 
 

@@ -58,7 +58,8 @@ class Row:
     def restart(self, step: int) -> None:
         self.tokens, self.logprobs, self.versions = [], [], []
         self.text, self.finished, self.done_at, self.started = "", False, -1, step
-        self.action, self.turns, self.turn_start, self.episode, self.ended = [], [], 0, -1, False
+        # its episode number stays: `Episodes` sees the turns gone and replaces that episode
+        self.action, self.turns, self.turn_start, self.ended = [], [], 0, False
 
 
 @dataclass
@@ -342,7 +343,7 @@ class StepRollout:
         environment); the responses with their log-probs and versions, and the tokens sampled."""
         gen = self.generator
         if self.episodes is not None:
-            seqs = self.episodes.run(gen, prompts, self.n, rng, gen.version)
+            seqs = self.episodes.run(gen, prompts, self.n, rng, gen.version, greedy=self.greedy)
         else:
             out = gen.generate(prompts, n=self.n, greedy=self.greedy, generator=rng)
             seqs = replace(out.sequences, logprobs=out.logprobs)

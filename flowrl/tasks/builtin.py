@@ -243,7 +243,8 @@ class Expr(TaskBase, frozen=True, kw_only=True):
         tests = list(prompt.meta.get("tests", ()))
         if not tests:
             return char_score(prompt.answer, response)
-        result = sandbox.run_tests(self.TEMPLATE.format(response=response), tests, sandbox.Limits(wall_s=5.0, cpu_s=2))
+        code = self.TEMPLATE.format(response=sandbox.code_of(response))  # a fenced answer as the code reward reads it
+        result = sandbox.run_tests(code, tests, sandbox.Limits(wall_s=5.0, cpu_s=2))
         return sum(result.passed) / len(tests)
 
 

@@ -858,13 +858,13 @@ def test_the_calculator_answers_a_key_press_once():
 
 
 @pytest.mark.slow
-def test_tool_use_runs_on_calc_and_refuses_chunked_rollouts(tmp_path):
+def test_tool_use_runs_on_calc_also_in_chunked_rollouts(tmp_path):
     recs = run(tmp_path, str(GRAPHS / "tool_use.py"), steps=1)
     assert recs[0]["episodes/samples"] == 8 and 1.0 <= recs[0]["episodes/turns"] <= 2.0
     _, p = plan(str(GRAPHS / "tool_use.py"))
     assert p.config.task == "calc"
-    with pytest.raises(PlanError, match="environment 'calculator'.*rollout.mode=sync or one_step_off"):
-        plan(str(GRAPHS / "tool_use.py"), "rollout.mode=partial+async")
+    _, p = plan(str(GRAPHS / "tool_use.py"), "rollout.mode=partial+async")
+    assert p.layout.rollout.partial and p.layout.rollout.mode == "async"
 
 
 def test_an_environment_that_cannot_start_or_reply_is_a_clear_error(tmp_path):
