@@ -613,7 +613,12 @@ class Graph:
 
     def fingerprint(self) -> str:
         """A content hash of the graph (stable across runs and processes)."""
-        return hashlib.sha256(msgspec.json.encode(self.spec(), order="sorted")).hexdigest()[:16]
+        body = msgspec.to_builtins(self.spec())
+        for node in body["nodes"]:  # budgets added later, left unset: graphs keep their fingerprints
+            for key in ("turn_tokens", "env_tokens"):
+                if node.get("kind") == "generate" and key in node and node[key] is None:
+                    node.pop(key)
+        return hashlib.sha256(msgspec.json.encode(body, order="sorted")).hexdigest()[:16]
 
     def producers(self) -> dict[str, list[str]]:
         """key -> nodes writing it."""

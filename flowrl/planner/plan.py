@@ -169,6 +169,10 @@ class ExecutionPlan(Spec, kw_only=True):
         hardware = (body["target"].get("cluster") or {}).get("hardware") or {}
         if hardware.get("tp_op_overhead") == TP_OP_OVERHEAD:  # and before tp's host work was priced
             hardware.pop("tp_op_overhead")
+        workload = body["target"].get("workload") or {}
+        for key, value in (("turns", 1), ("env_s_per_turn", 0.0)):  # and before episodes were costed
+            if workload.get(key) == value:
+                workload.pop(key)
         default = msgspec.to_builtins(RunConfig())
         for name in LATER_SECTIONS:  # left at their defaults, plans written before them keep their ids
             *parents, leaf = name.split(".")

@@ -48,6 +48,8 @@ def test_builtin_registrations(builtin: Registry) -> None:
         "gae",
         "group_mean",
         "grpo",
+        "judge_prompts",
+        "judge_scores",
         "lagrange_update",
         "lagrangian",
         "overlong",
