@@ -17,6 +17,7 @@ import msgspec
 from flowrl.graph.ir import Filter, Generate, Graph
 from flowrl.planner.plan import ExecutionPlan
 from flowrl.planner.space import RolloutPolicy
+from flowrl.runtime.batch import pad_id
 from flowrl.runtime.groups import GenerationGroup, TrainingGroup, Transport, publish
 from flowrl.runtime.nodes import NodeRuntime, filter_groups, run_node
 from flowrl.runtime.rewardpool import RewardRunner
@@ -180,9 +181,3 @@ def _episodes(gen: Generate, rt: NodeRuntime, tokenizer: Any, budget: int) -> An
     factory = rt.functions["environments"][gen.env]
     _, options = rt.options[gen.name]
     return Episodes.build(gen, factory, rt.task, options, tokenizer, budget, rt.rewards.concurrency)
-
-
-def pad_id(tokenizer: Any) -> int:
-    """The token rows from several ranks are padded with (0 when an engine has no tokenizer: masks say what is real)."""
-    pad = getattr(tokenizer, "pad_token_id", None)
-    return 0 if pad is None else int(pad)

@@ -126,3 +126,9 @@ def sequences_in(batch: dict[str, Any], who: str) -> Sequences:
             "e.g. 'responses' to its reads."
         )
     return found[0]
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The token rows from several ranks are padded with (0 when an engine has no tokenizer: masks say what is real)."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return 0 if pad is None else int(pad)

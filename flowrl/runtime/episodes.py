@@ -37,6 +37,7 @@ import torch
 
 from flowrl.data import Prompt, Sequences, Turn
 from flowrl.errors import FlowRLError, GraphError
+from flowrl.runtime.batch import pad_id
 from flowrl.runtime.rewardpool import run_coroutine
 from flowrl.tasks.environments import ReplyEpisode, Step
 
@@ -141,8 +142,7 @@ class Episodes:
             if not (row.finished or turn >= self.turn_tokens):
                 continue  # mid-turn
             if turn == 0:  # no room for another model turn (the context's end)
-                row.ended, row.text = True, "".join(t.text for t in row.turns)
-                self.live.pop(row.episode, None)
+                self._end(row)
                 continue
             ended.append(row)
         if not ended:
@@ -292,13 +292,18 @@ class Episodes:
             row.versions += [version] * len(obs)
             row.action += [0.0] * len(obs)
             self.counts["env_replies"] = self.counts.get("env_replies", 0) + 1
-        row.text = "".join(t.text for t in row.turns)
         if more:  # the model's next turn (after what the environment wrote, if anything)
+            row.text = "".join(t.text for t in row.turns)
             row.finished, row.turn_start = False, len(row.tokens)
             self.live[row.episode].seen = len(row.turns)
         else:
-            row.finished, row.ended = True, True
-            self.live.pop(row.episode, None)
+            self._end(row)
+
+    def _end(self, row: Any) -> None:
+        """The episode of ``row`` is over: its text is its turns', and its environment episode goes."""
+        row.text = "".join(t.text for t in row.turns)
+        row.finished = row.ended = True
+        self.live.pop(row.episode, None)
 
     def _encode(self, text: str) -> list[int]:
         """Environment text's tokens; text the tokenizer cannot represent (unknown tokens) is refused:
@@ -328,11 +333,11 @@ class Episodes:
         self.advance(rows, of, version)
         while active := [r for r in rows if not r.finished]:
             out = gen.resume(
-                rows_to_rollout(active, self._pad(), greedy), generator=rng, max_new_tokens=self.turn_tokens
+                rows_to_rollout(active, pad_id(self.tokenizer), greedy), generator=rng, max_new_tokens=self.turn_tokens
             )
             absorb(active, out, version)
             self.advance(active, of, version)
-        seqs = rows_to_rollout(rows, self._pad(), greedy, episodes=True).sequences
+        seqs = rows_to_rollout(rows, pad_id(self.tokenizer), greedy, episodes=True).sequences
         return replace(seqs, prompt_index=torch.tensor([r.group for r in rows], dtype=torch.long))
 
     def take_metrics(self, seqs: Sequences) -> dict[str, float]:
@@ -350,7 +355,3 @@ class Episodes:
         out["env_s"] = round(self.counts.get("env_s", 0.0), 4)
         self.counts = {}
         return out
-
-    def _pad(self) -> int:
-        pad = getattr(self.tokenizer, "pad_token_id", None)
-        return 0 if pad is None else int(pad)
