@@ -17,7 +17,7 @@ from flowrl.errors import FlowRLError, PlanError, PluginError
 from flowrl.graph.ir import Graph
 from flowrl.graph.loading import build_graph, find_graph
 from flowrl.planner.capabilities import Capabilities, of_config
-from flowrl.planner.hardware import ClusterSpec, HardwareSpec, cpu_cluster
+from flowrl.planner.hardware import ClusterSpec, HardwareSpec, cpu_cluster, with_calibration
 from flowrl.planner.manager import initial_plan, run_passes
 from flowrl.planner.modelspec import ModelSpec, for_config
 from flowrl.planner.passes import PIPELINE, PlanContext
@@ -101,7 +101,7 @@ def local_target(cfg: RunConfig, reg: Registry, devices: int = 1) -> ClusterTarg
     if not isinstance(hardware, HardwareSpec):
         where = f"executor '{cfg.executor}' (plugin '{entry.plugin}')"
         raise PluginError(f"{where}: machine(cfg) returned {hardware!r}, not a HardwareSpec.")
-    cluster = (
+    cluster = with_calibration(
         ClusterSpec(nodes=1, devices_per_node=1, hardware=hardware) if devices == 1 else cpu_cluster(hardware, devices)
     )
     return ClusterTarget(cluster=cluster, model=model_spec(cfg), numerics=caps.numerics, capabilities=caps)

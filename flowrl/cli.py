@@ -539,7 +539,7 @@ def _cluster_target(args: argparse.Namespace, load_kwargs: dict[str, Any], for_r
     a run on a named cluster trains the run config's model too. Otherwise --model names the
     planned model (and is no longer a local checkpoint) and --workload its workload."""
     from flowrl import api
-    from flowrl.planner.hardware import cpu_devices, parse_cluster
+    from flowrl.planner.hardware import cpu_devices, parse_cluster, with_calibration
     from flowrl.planner.modelspec import DEFAULT_ROLE, load_model_specs
     from flowrl.planner.plan import ClusterTarget
     from flowrl.planner.workload import WorkloadSpec, load_workload
@@ -561,7 +561,7 @@ def _cluster_target(args: argparse.Namespace, load_kwargs: dict[str, Any], for_r
         _, cfg = api.load(_need_graph(args), **load_kwargs)
         return api.local_target(cfg, registry(), devices=devices)
     presets = {e.name: e.obj for e in registry().entries("hardware")}
-    cluster = parse_cluster(args.cluster, extra_presets=presets)
+    cluster = with_calibration(parse_cluster(args.cluster, extra_presets=presets))
     if for_run:  # what runs is the run config's model and workload, on that cluster
         _, cfg = api.load(_need_graph(args), **load_kwargs)
         return ClusterTarget(cluster=cluster, model=api.model_spec(cfg))

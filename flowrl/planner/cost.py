@@ -113,7 +113,8 @@ class CostModel:
 
     def decode_step(self, batch: np.ndarray, context: np.ndarray, tp: int) -> np.ndarray:
         """Decode steps of one replica (elementwise over arrays of live batch and context):
-        max(compute, weights + KV streamed) + TP all-reduces + per-layer overhead."""
+        max(compute, weights + KV streamed) + TP all-reduces + per-layer overhead + the engine's host work
+        per step and per live sequence (scheduler, sampler, detokenisation)."""
         base = self.model.flops_per_token(0)
         flops = batch * (base + (self.model.flops_per_token(1) - base) * context)  # linear in the context
         nbytes = (self.param_bytes + batch * context * self.model.kv_bytes_per_token(BF16)) / tp
@@ -121,7 +122,10 @@ class CostModel:
         overhead, efficiency = self._decode_factors()
         if self.calibration is None:
             efficiency = self.efficiency(batch, 2 * context, tp)
-        return np.maximum(self.matmul(flops, tp, efficiency), self.stream(nbytes)) + comm + self.model.layers * overhead
+        host = self.hw.decode_step_overhead + batch * self.hw.decode_row_overhead  # the engine's work around its kernels
+        return (
+            np.maximum(self.matmul(flops, tp, efficiency), self.stream(nbytes)) + comm + self.model.layers * overhead + host
+        )
 
     def engine_load(self, nbytes: float) -> float:
         """Loading ``nbytes`` (one device's share) of new weights into the running generation engine:

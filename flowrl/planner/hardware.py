@@ -211,6 +211,19 @@ class GenerationCalibration(CheckedSpec, kw_only=True):
 
 #: Seconds of host-side work per tensor-parallel module call on a GPU host (DTensor's Python dispatch).
 TP_OP_OVERHEAD = 3e-5
+#: Seconds of controller work per row (rule rewards, advantages, the batch's bookkeeping; ~1 ms / 512 here).
+CONTROLLER_ROW_SECONDS = 2e-6
+
+
+class Calibrated(CheckedSpec, kw_only=True):
+    """Where a spec's factors came from: `flowrl calibrate` fitted ``factors`` (factor -> the runs whose
+    measured spans constrained it) to the traces of ``runs``; the others are the spec's own."""
+
+    runs: list[str]
+    factors: dict[str, list[str]]
+    when: str = ""  # ISO date of the fit
+    # run -> (predicted s/iteration before, after, measured)
+    fit: dict[str, tuple[float, float, float]] = msgspec.field(default_factory=dict)
 
 
 class HardwareSpec(CheckedSpec, kw_only=True):
@@ -239,11 +252,20 @@ class HardwareSpec(CheckedSpec, kw_only=True):
     # load call); 0 for an engine that shares the trainer's tensors. Presets: fitted to published refit
     # times (benchmarks/published); `flowrl profile` measures an engine's own load rate instead
     engine_tensor_overhead: NonNegative = 0.0
+    # s of host-side work per task a device group runs: the controller's dispatch, moving the task's batch
+    # in and out, the engine's bookkeeping around its kernels (`flowrl calibrate` fits it from a run's trace)
+    task_overhead: NonNegative = 0.0
+    # a generation engine's host-side work per decode step beside its kernels: per step (its scheduler, the
+    # sampler's launch) and per live sequence per step (sampling, stop checks, detokenisation, bookkeeping)
+    decode_step_overhead: NonNegative = 0.0
+    decode_row_overhead: NonNegative = 0.0
+    controller_row_overhead: NonNegative = CONTROLLER_ROW_SECONDS  # s per row of controller work
     # the work-dependent matmul efficiency `flowrl profile` fitted on this device (None: the curve fitted to
     # published runs of its GPU family, `efficiency.py`; on this machine's CPU, matmul_efficiency)
     efficiency: EfficiencyCurve | None = None
     # generation engines measured here by `flowrl profile` (by engine name); others decode with the factors above
     generation: dict[str, GenerationCalibration] = msgspec.field(default_factory=dict)
+    calibration: Calibrated | None = None  # the factors `flowrl calibrate` fitted to runs here (None: none)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -397,6 +419,31 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
 def default_profile_path() -> Path:
     """Where ``flowrl profile`` saves this machine's spec: ``$FLOWRL_HOME/hardware/local.yaml``."""
     return Path(os.environ.get("FLOWRL_HOME", Path.home() / ".flowrl")) / "hardware" / "local.yaml"
+
+
+def cluster_key(cluster: ClusterSpec) -> str:
+    """The name a cluster's calibration is saved under: ``local`` (this machine as one device), ``cpu-2``
+    (``cpu:2``), else the cluster's label (``2x8xH100-80G``)."""
+    if cluster.devices == 1 and is_cpu(cluster.hardware):
+        return "local"
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", cluster.label)
+
+
+def calibration_path(cluster: ClusterSpec) -> Path:
+    """Where ``flowrl calibrate`` saves the factors fitted for ``cluster``:
+    ``$FLOWRL_HOME/hardware/calibrated/<cluster_key>.yaml``."""
+    return default_profile_path().parent / "calibrated" / f"{cluster_key(cluster)}.yaml"
+
+
+def with_calibration(cluster: ClusterSpec) -> ClusterSpec:
+    """``cluster`` costed with the factors `flowrl calibrate` fitted for it, where it has (its device
+    memory stays the one measured or given now); else as it is."""
+    path = calibration_path(cluster)
+    if not path.is_file():
+        return cluster
+    fitted = load_hardware(path)
+    hardware = msgspec.structs.replace(fitted, memory_bytes=cluster.hardware.memory_bytes)
+    return msgspec.structs.replace(cluster, hardware=hardware)
 
 
 def save_hardware(spec: HardwareSpec, path: str | Path) -> Path:

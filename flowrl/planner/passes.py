@@ -30,6 +30,7 @@ from flowrl.planner.constraints import Constraints
 from flowrl.planner.hardware import HardwareSpec, is_cpu
 from flowrl.planner.modelspec import role_models
 from flowrl.planner.plan import (
+    ClusterTarget,
     EngineNumerics,
     ExecutionPlan,
     MemoryEstimate,
@@ -741,8 +742,6 @@ def _place(
     A plan for a backend on one device is the colocated layout with each model's micro-batch the
     mini-batch, halved until it fits; it is still simulated, so --explain shows its prediction.
     Otherwise the auto-tuner searches the cluster (within the backend's capabilities, if any)."""
-    from flowrl.planner.autotune import Tuner
-
     t, opts = plan.target, ctx.options
     rollout = any(isinstance(n, Generate) for n in ctx.graph.nodes.values())
     single = None
@@ -756,26 +755,7 @@ def _place(
             return _replace(plan, layout=single), None  # nothing to simulate
     elif not rollout:
         raise PlanError(f"graph '{ctx.graph.name}' has no generate node; the cluster planner needs a rollout.")
-    tuner = Tuner(
-        ctx.graph,
-        t.model,
-        t.cluster,
-        plan.workload,
-        seed=int(opts.get("seed", 0)),
-        cost_model=opts.get("cost_model", "analytic"),
-        registry=ctx.registry,
-        numerics=t.numerics,
-        capabilities=t.capabilities,
-        generation_engine=engine,
-        training_engine=plan.config.train.engine,
-        rows=plan_rows(ctx, plan),
-        train_steps=_own_train_steps(ctx.graph, plan),
-        fused=plan.fused,
-        constraints=opts.get("require"),
-        models=t.models or None,
-        micro_batch=plan.config.train.micro_batch_size,
-        unsplit=[m for m, run in plan.models.items() if run.lora is not None],  # the torch engine splits no adapters
-    )
+    tuner = plan_tuner(ctx, plan, engine)
     pins = {k: opts.get(k) for k in ("placement", "weight_sync")}
     if single is not None and any(pins.values()):
         raise PlanError("--placement / --sync choose among cluster plans; this plan is for one device.")
@@ -809,6 +789,46 @@ def _place(
             free = result  # the constrained winner is in the unconstrained space: a shorter search missed it
         ctx.cache["unconstrained"] = free
     return _replace(plan, layout=result.best), result
+
+
+def plan_tuner(ctx: PlanContext, plan: ExecutionPlan, engine: str, target: ClusterTarget | None = None) -> Any:
+    """The tuner that costs ``plan``'s candidates (``target``: another cluster, model or workload), with
+    generation costed as ``engine`` generates."""
+    from flowrl.planner.autotune import Tuner
+
+    t, opts = target or plan.target, ctx.options
+    return Tuner(
+        ctx.graph,
+        t.model,
+        t.cluster,
+        t.workload or plan.workload,
+        seed=int(opts.get("seed", 0)),
+        cost_model=opts.get("cost_model", "analytic"),
+        registry=ctx.registry,
+        numerics=t.numerics,
+        capabilities=t.capabilities,
+        generation_engine=engine,
+        training_engine=plan.config.train.engine,
+        rows=plan_rows(ctx, plan),
+        train_steps=_own_train_steps(ctx.graph, plan),
+        fused=plan.fused,
+        constraints=opts.get("require"),
+        models=t.models or None,
+        micro_batch=plan.config.train.micro_batch_size,
+        unsplit=[m for m, run in plan.models.items() if run.lora is not None],  # the torch engine splits no adapters
+    )
+
+
+def replay(graph: Graph, plan: ExecutionPlan, registry: Registry, target: ClusterTarget | None = None) -> Any:
+    """The simulator's prediction (a ``SimResult``) of ``plan``'s layout as it was placed, on ``target``
+    (default: the plan's own: its hardware, model and workload)."""
+    from flowrl.planner.autotune import FINAL
+
+    if plan.layout is None:
+        raise PlanError(f"plan {plan.id or '?'} has no layout to simulate (it was not placed).")
+    ctx = PlanContext(graph=graph, registry=registry)
+    tuner = plan_tuner(ctx, plan, plan.config.generation.engine, target)
+    return tuner.evaluate(plan.layout, **FINAL).result
 
 
 def _own_train_steps(graph: Graph, plan: ExecutionPlan) -> dict[str, tuple[int, int]]:

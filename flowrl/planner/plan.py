@@ -13,7 +13,7 @@ import msgspec
 
 from flowrl.errors import ConfigError, PlanError
 from flowrl.planner.capabilities import Capabilities
-from flowrl.planner.hardware import TP_OP_OVERHEAD, ClusterSpec
+from flowrl.planner.hardware import CONTROLLER_ROW_SECONDS, TP_OP_OVERHEAD, ClusterSpec
 from flowrl.planner.memory import Numerics
 from flowrl.planner.modelspec import ModelSpec
 from flowrl.planner.space import ClusterPlan
@@ -131,6 +131,16 @@ class MemoryEstimate(Spec):
     breakdown: dict[str, int]
 
 
+#: HardwareSpec fields added after plans were first written, at their defaults: left out of plan ids.
+LATER_HARDWARE = {
+    "task_overhead": 0.0,
+    "decode_step_overhead": 0.0,
+    "decode_row_overhead": 0.0,
+    "controller_row_overhead": CONTROLLER_ROW_SECONDS,
+    "calibration": None,
+}
+
+
 class ExecutionPlan(Spec, kw_only=True):
     """Every plan places models on device groups of a cluster; this machine is a cluster too."""
 
@@ -169,6 +179,9 @@ class ExecutionPlan(Spec, kw_only=True):
         hardware = (body["target"].get("cluster") or {}).get("hardware") or {}
         if hardware.get("tp_op_overhead") == TP_OP_OVERHEAD:  # and before tp's host work was priced
             hardware.pop("tp_op_overhead")
+        for key, value in LATER_HARDWARE.items():  # and before calibration's factors
+            if hardware.get(key) == value:
+                hardware.pop(key)
         workload = body["target"].get("workload") or {}
         for key, value in (("turns", 1), ("env_s_per_turn", 0.0)):  # and before episodes were costed
             if workload.get(key) == value:

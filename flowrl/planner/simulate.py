@@ -23,7 +23,6 @@ from flowrl.planner.memory import Numerics, kv_capacity
 from flowrl.planner.space import ClusterPlan, Roles
 from flowrl.planner.workload import WorkloadSpec, mean_length, sample_lengths
 
-DRIVER_SECONDS_PER_SEQ = 2e-6  # rule-based rewards and advantage math on the controller (~1 ms / 512 here)
 STREAM_PARTS = 4  # streaming: parts a step's responses reach the scoring nodes in
 
 
@@ -343,7 +342,11 @@ def simulate(
 
     streamed = streamed_nodes(graph) if plan.rollout.streaming else set()
 
+    hw = next(iter(costs.values())).hw
+    every_task = hw.task_overhead  # host-side work around each task (dispatch, moving its batch)
+
     def run(it: int, task: str, groups: tuple[str, ...], deps: list[float], seconds: float) -> float:
+        seconds = seconds + every_task if seconds > 0 else seconds  # a sync that moves nothing is no task
         start = max([0.0, *deps, *(free[g] for g in groups)])
         end = start + seconds
         if task in streamed and (it, "rollout_start") in finish:
@@ -428,7 +431,7 @@ def simulate(
                 ) + epochs * minis * c.optimizer_step(layout)
                 flops_total += 3 * epochs * n_rows * seq_len * c.model.flops_per_token(seq_len // 2)
             else:
-                seconds = DRIVER_SECONDS_PER_SEQ * n_rows
+                seconds = hw.controller_row_overhead * n_rows
             run(it, name, node_group(plan, graph, name), deps, seconds)
         for train, (model, sync_s) in syncs.items():
             groups = tuple(dict.fromkeys([plan.layout(model).group, plan.generation_of(model).group]))

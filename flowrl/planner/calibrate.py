@@ -1,0 +1,274 @@
+"""`flowrl calibrate`: fit the cost model's factors to what runs measured.
+
+Every run writes its plan (with the hardware it was costed on) and ``trace.json``. For each run
+the simulator replays the plan's layout on the run's own response lengths (`traces.py`), and the
+factors below are moved, by bounded least squares on log errors, until the predicted time of each
+task and of the iteration match the measured steady state:
+
+    residual(task) = sqrt(share of the iteration) * log(predicted / measured)   (every task both name)
+    residual(iteration) = 2 * log(predicted / measured)
+
+A factor is fitted only where some run measures it (moving it moves that run's predictions); the
+others keep their values, and the result records which runs constrained which factor
+(``HardwareSpec.calibration``). The fitted spec is saved per cluster (`hardware.calibration_path`),
+and every later plan for that cluster (``local``, ``cpu:N``, a named cluster) is costed with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from flowrl.errors import ConfigError
+from flowrl.graph.ir import Graph
+from flowrl.planner.autotune import roles_of
+from flowrl.planner.efficiency import curve_for
+from flowrl.planner.hardware import Calibrated, HardwareSpec, cluster_key
+from flowrl.planner.traces import SYNC_PREFIX, Measured, read_run
+from flowrl.planner.workload import Fixed, Histogram, LogNormal, WorkloadSpec, mean_length
+
+
+@dataclass(frozen=True)
+class Factor:
+    """One fitted number of a HardwareSpec: ``path`` (``kernel_overhead``, ``efficiency.e_max``,
+    ``generation.vllm.kernel_overhead``), a typical magnitude (the unit it is fitted in where it is
+    0 now) and its bounds."""
+
+    path: str
+    typical: float
+    lo: float
+    hi: float
+
+
+#: The factors a calibration may fit (those a run measures), with a typical size and bounds.
+FACTORS = (
+    Factor("matmul_efficiency", 0.3, 1e-3, 1.0),
+    Factor("efficiency.e_max", 0.6, 0.05, 1.0),
+    Factor("kernel_overhead", 2e-5, 0.0, 0.1),
+    Factor("task_overhead", 1e-3, 0.0, 10.0),
+    Factor("decode_step_overhead", 1e-4, 0.0, 1.0),
+    Factor("decode_row_overhead", 1e-6, 0.0, 0.01),
+    Factor("controller_row_overhead", 2e-6, 0.0, 0.01),
+    Factor("bandwidth_efficiency", 0.75, 1e-3, 1.0),
+    Factor("tp_op_overhead", 3e-5, 0.0, 0.1),
+    Factor("intra_node_latency", 5e-6, 0.0, 1.0),
+    Factor("inter_node_latency", 1e-5, 0.0, 1.0),
+    Factor("intra_node_bandwidth", 1e10, 1e6, 1e13),
+    Factor("inter_node_bandwidth", 1e10, 1e6, 1e13),
+    Factor("engine_tensor_overhead", 0.01, 0.0, 10.0),
+)
+#: Per generation engine `flowrl profile` calibrated: ``generation.<engine>.<field>``.
+ENGINE_FACTORS = (
+    Factor("kernel_overhead", 2e-5, 0.0, 0.1),
+    Factor("matmul_efficiency", 0.3, 1e-3, 1.0),
+    Factor("load_bandwidth", 1e9, 1e5, 1e13),
+)
+#: A factor is measured by a run when tripling it (or setting it to its typical size) moves a residual this much.
+SENSITIVE = 0.01
+PRIOR_WEIGHT = 0.02  # a weak pull toward the current values, for factors the runs see only together
+
+
+def get(hw: HardwareSpec, path: str) -> float:
+    obj: Any = hw
+    for part in _parts(path):
+        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+    return float(obj)
+
+
+def with_values(hw: HardwareSpec, values: dict[str, float]) -> HardwareSpec:
+    """``hw`` with the factors at ``path: value`` replaced."""
+    changes: dict[str, Any] = {}
+    curve, engines = hw.efficiency, dict(hw.generation)
+    for path, value in values.items():
+        parts = _parts(path)
+        if parts[0] == "efficiency":
+            curve = msgspec.structs.replace(curve, **{parts[1]: value})
+        elif parts[0] == "generation":
+            engines[parts[1]] = msgspec.structs.replace(engines[parts[1]], **{parts[2]: value})
+        else:
+            changes[path] = int(value) if isinstance(getattr(hw, path), int) else value
+    return msgspec.structs.replace(hw, efficiency=curve, generation=engines, **changes)
+
+
+def _parts(path: str) -> list[str]:
+    head, _, rest = path.partition(".")
+    if head == "generation":
+        engine, _, field = rest.rpartition(".")
+        return [head, engine, field]
+    return [head, *([rest] if rest else [])]
+
+
+def candidates(hw: HardwareSpec, engines: set[str]) -> tuple[HardwareSpec, list[Factor]]:
+    """The spec to fit (the GPU family's efficiency curve made its own, so that its ceiling can move)
+    and the factors it has: the matmul constant where no curve applies, the curve's ceiling where one
+    does; each used engine's calibration where `flowrl profile` made one."""
+    curve = hw.efficiency or curve_for(hw)
+    if curve is not None and hw.efficiency is None:
+        hw = msgspec.structs.replace(hw, efficiency=curve)
+    out = [f for f in FACTORS if f.path != ("matmul_efficiency" if curve is not None else "efficiency.e_max")]
+    for engine in sorted(engines & set(hw.generation)):
+        out += [Factor(f"generation.{engine}.{f.path}", f.typical, f.lo, f.hi) for f in ENGINE_FACTORS]
+    return hw, out
+
+
+# ------------------------------------------------------------------ one run, replayed
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A measured run and what the simulator needs to replay it with other factors."""
+
+    measured: Measured
+    graph: Graph
+    workload: WorkloadSpec
+    registry: Any
+
+    def predict(self, hw: HardwareSpec) -> Any:
+        from flowrl.planner.passes import replay
+
+        plan = self.measured.plan
+        cluster = msgspec.structs.replace(plan.target.cluster, hardware=hw)
+        target = msgspec.structs.replace(plan.target, cluster=cluster, workload=self.workload)
+        return replay(self.graph, plan, self.registry, target)
+
+    def residuals(self, hw: HardwareSpec) -> np.ndarray:
+        result = self.predict(hw)
+        m = self.measured
+        out = [2.0 * math.log(max(result.iteration_s, 1e-12) / m.iteration_s)]
+        for task, seconds in sorted(m.tasks.items()):
+            predicted = result.breakdown.get(task, 0.0)
+            if seconds > 0 and predicted > 0:
+                share = max(seconds / m.iteration_s, 0.02)
+                out.append(math.sqrt(share) * math.log(predicted / seconds))
+        return np.asarray(out)
+
+
+def scaled(dist: Any, mean: float) -> Any:
+    """A length distribution of ``dist``'s shape with mean ``mean`` (what the run's responses averaged)."""
+    now = mean_length(dist)
+    if now <= 0 or mean <= 0 or abs(mean / now - 1) < 0.01:
+        return dist
+    ratio = mean / now
+    if isinstance(dist, Fixed):
+        return Fixed(value=max(1, round(mean)))
+    if isinstance(dist, LogNormal):
+        return msgspec.structs.replace(dist, median=dist.median * ratio)
+    if isinstance(dist, Histogram):
+        return Histogram(lengths=[max(1, round(n * ratio)) for n in dist.lengths], weights=list(dist.weights))
+    return dist
+
+
+def replay_of(measured: Measured, registry: Any) -> Replay:
+    """The run's plan, graph and workload, with the response lengths its rollouts produced."""
+    from flowrl import api
+
+    plan = measured.plan
+    graph = api.graph_for_plan(plan, registry)
+    workload = plan.target.workload or plan.workload
+    lengths = list(measured.response_length.values())
+    if lengths:
+        workload = msgspec.structs.replace(
+            workload, response_length=scaled(workload.response_length, float(np.mean(lengths)))
+        )
+    syncs = sync_names(graph)
+    tasks = {
+        syncs.get(name[len(SYNC_PREFIX) :], "weight_sync") if name.startswith(SYNC_PREFIX) else name: seconds
+        for name, seconds in measured.tasks.items()
+    }
+    measured = dataclasses.replace(measured, tasks=tasks)
+    return Replay(measured=measured, graph=graph, workload=workload, registry=registry)
+
+
+def sync_names(graph: Graph) -> dict[str, str]:
+    """Train node -> the simulator's name of the weight sync that follows it."""
+    roles = roles_of(graph)
+    return {
+        n: ("weight_sync" if graph.nodes[n].model == roles.actor else f"weight_sync:{graph.nodes[n].model}")
+        for n in graph.order()
+        if graph.nodes[n].trains
+    }
+
+
+def read_runs(paths: Sequence[str], registry: Any) -> list[Replay]:
+    """Each run folder, read and made replayable; all of one cluster."""
+    if not paths:
+        raise ConfigError("flowrl calibrate needs at least one run folder (runs/NAME).")
+    replays = [replay_of(read_run(path), registry) for path in paths]
+    keys = {cluster_key(r.measured.plan.target.cluster) for r in replays}
+    if len(keys) > 1:
+        where = ", ".join(f"{r.measured.run} ({r.measured.plan.target.cluster.label})" for r in replays)
+        raise ConfigError(f"these runs ran on different clusters ({where}); calibrate each cluster on its own.")
+    return replays
+
+
+# ------------------------------------------------------------------ the fit
+
+
+@dataclass(frozen=True)
+class Fit:
+    hardware: HardwareSpec  # the fitted spec, with its provenance (``calibration``)
+    before: dict[str, float]  # run -> predicted s/iteration before the fit
+    after: dict[str, float]  # ... and after
+    measured: dict[str, float]  # run -> measured s/iteration
+    factors: dict[str, tuple[float, float, list[str]]]  # factor -> (before, after, the runs that measured it)
+
+
+def fit(replays: Sequence[Replay], *, progress: Callable[[str], None] = lambda s: None) -> Fit:
+    """Fit the factors the runs measure, starting from the hardware the first run was costed on."""
+    from scipy.optimize import least_squares
+
+    base = replays[0].measured.plan.target.cluster.hardware
+    base = msgspec.structs.replace(base, calibration=None)
+    engines = {r.measured.plan.config.generation.engine for r in replays}
+    base, factors = candidates(base, engines)
+    start = [r.residuals(base) for r in replays]
+    measured_by: dict[str, list[str]] = {}
+    for f in factors:
+        value = get(base, f.path)
+        moved = with_values(base, {f.path: min(value * 3, f.hi) if value > 0 else f.typical})
+        for r, r0 in zip(replays, start):
+            if np.max(np.abs(r.residuals(moved) - r0)) > SENSITIVE:
+                measured_by.setdefault(f.path, []).append(r.measured.run)
+    chosen = [f for f in factors if f.path in measured_by]
+    if not chosen:
+        raise ConfigError("these runs measure none of the cost model's factors (no task of theirs is costed).")
+    progress(f"fitting {len(chosen)} factors to {len(replays)} runs: {', '.join(f.path for f in chosen)}")
+    scale = np.array([get(base, f.path) or f.typical for f in chosen])
+    x0 = np.array([get(base, f.path) for f in chosen]) / scale
+
+    def spec(x: np.ndarray) -> HardwareSpec:
+        return with_values(base, {f.path: float(v * s) for f, v, s in zip(chosen, x, scale)})
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        hw = spec(x)
+        prior = PRIOR_WEIGHT * (x - x0) / np.maximum(x0, 1.0)
+        return np.concatenate([*(r.residuals(hw) for r in replays), prior])
+
+    lo = np.array([f.lo for f in chosen]) / scale
+    hi = np.array([f.hi for f in chosen]) / scale
+    solution = least_squares(residuals, np.clip(x0, lo, hi), bounds=(lo, hi), x_scale=1.0, diff_step=1e-3, max_nfev=60)
+    fitted = spec(solution.x)
+    before = {r.measured.run: r.predict(base).iteration_s for r in replays}
+    after = {r.measured.run: r.predict(fitted).iteration_s for r in replays}
+    measured = {r.measured.run: r.measured.iteration_s for r in replays}
+    provenance = Calibrated(
+        runs=[r.measured.run for r in replays],
+        factors={f.path: measured_by[f.path] for f in chosen},
+        when=datetime.date.today().isoformat(),
+        fit={run: (round(before[run], 6), round(after[run], 6), round(measured[run], 6)) for run in measured},
+    )
+    table = {f.path: (get(base, f.path), get(fitted, f.path), measured_by[f.path]) for f in chosen}
+    return Fit(
+        hardware=msgspec.structs.replace(fitted, calibration=provenance),
+        before=before,
+        after=after,
+        measured=measured,
+        factors=table,
+    )
