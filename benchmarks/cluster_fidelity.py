@@ -40,12 +40,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="where the runs go (default: a temporary folder)")
     args = parser.parse_args()
     import ray
-    from cpu2 import start
-
-    from flowrl import api
-    from flowrl.planner.constraints import parse_requirements
-    from flowrl.planner.plan import ClusterTarget
-    from flowrl.planner.workload import Fixed, WorkloadSpec
+    from cpu2 import run_variant, start
 
     tmp, hw, cluster = start(args.out, "flowrl-cluster-fidelity-")
     rows = []
@@ -53,38 +48,17 @@ def main() -> None:
         for name, graph_src, placement, sync, require in VARIANTS:
             if args.only and not any(o in name for o in args.only):
                 continue
-            overrides = [
-                f"steps={args.steps}",
-                "seed=0",
-                "executor=ray",
-                "device=cpu",
-                "checkpoint=false",
-                "progress=false",
-                "rollout.ignore_eos=true",
-                f"rollout.max_new_tokens={args.max_new_tokens}",
-                f"out={tmp / 'runs'}",
-                f"name={name.replace(' ', '-')}",
-            ]
-            loaded, cfg = api.load(graph_src, overrides=overrides)
-            need = parse_requirements(require, loaded.models) if require else None
-            w = WorkloadSpec(
-                prompts_per_step=cfg.rollout.prompts_per_step,
-                samples_per_prompt=cfg.rollout.samples_per_prompt,
-                prompt_length=6,  # <s> + at most 4 letters and '>' (the copy task), left-padded
-                response_length=Fixed(value=cfg.rollout.max_new_tokens),
-                ppo_epochs=cfg.train.epochs,
-                mini_batches=cfg.train.mini_batches,
-            )
-            target = ClusterTarget(cluster=cluster, model=api.model_spec(cfg), workload=w)
-            graph, plan = api.plan(
+            plan, result = run_variant(
+                name,
                 graph_src,
-                overrides=overrides,
-                target=target,
-                for_backend=True,
-                options={"placement": placement, "weight_sync": sync, "require": need},
-                emit=lambda s: None,
+                cluster,
+                tmp,
+                steps=args.steps,
+                max_new_tokens=args.max_new_tokens,
+                placement=placement,
+                sync=sync,
+                require=require,
             )
-            result = api.run(graph, plan)
             steps = result.metrics[2:] or result.metrics
             measured = statistics.median(m["step_seconds"] for m in steps)
             predicted = plan.layout.predicted.iteration_s

@@ -28,3 +28,55 @@ def start(out: str | None, prefix: str) -> tuple[Path, Any, Any]:
     torch.set_num_threads(1)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     return tmp, hw, cluster
+
+
+def run_variant(
+    name: str,
+    graph_src: str,
+    cluster: Any,
+    out: Path,
+    *,
+    steps: int,
+    max_new_tokens: int,
+    placement: str | None = None,
+    sync: str | None = None,
+    require: tuple[str, ...] = (),
+    overrides: tuple[str, ...] = (),
+) -> tuple[Any, Any]:
+    """Plan ``graph_src`` for ``cluster`` (placement and sync pinned, layouts required) with fixed-length
+    responses (EOS ignored), and run the plan on Ray for ``steps`` steps into ``out/runs/NAME``.
+    Returns (the plan, the run's result)."""
+    from flowrl import api
+    from flowrl.planner.constraints import parse_requirements
+    from flowrl.planner.plan import ClusterTarget
+    from flowrl.planner.workload import Fixed, WorkloadSpec
+
+    settings = [
+        f"steps={steps}",
+        "seed=0",
+        "executor=ray",
+        "device=cpu",
+        "checkpoint=false",
+        "progress=false",
+        "rollout.ignore_eos=true",
+        f"rollout.max_new_tokens={max_new_tokens}",
+        f"out={out / 'runs'}",
+        f"name={name.replace(' ', '-')}",
+        *overrides,
+    ]
+    loaded, cfg = api.load(graph_src, overrides=settings)
+    need = parse_requirements(require, loaded.models) if require else None
+    w = WorkloadSpec(
+        prompts_per_step=cfg.rollout.prompts_per_step,
+        samples_per_prompt=cfg.rollout.samples_per_prompt,
+        prompt_length=6,  # <s> + at most 4 letters and '>' (the copy task), left-padded
+        response_length=Fixed(value=cfg.rollout.max_new_tokens),
+        ppo_epochs=cfg.train.epochs,
+        mini_batches=cfg.train.mini_batches,
+    )
+    target = ClusterTarget(cluster=cluster, model=api.model_spec(cfg), workload=w)
+    options = {"placement": placement, "weight_sync": sync, "require": need}
+    graph, plan = api.plan(
+        graph_src, overrides=settings, target=target, for_backend=True, options=options, emit=lambda s: None
+    )
+    return plan, api.run(graph, plan)

@@ -89,6 +89,14 @@ def requirements(case: dict) -> list[str]:
     return out
 
 
+def _plan(argv: list[str]) -> tuple[int, str]:
+    """`flowrl plan ARGV`, quietly: (exit status, the error's first 300 characters)."""
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, " ".join(err.getvalue().split())[:300]
+
+
 def run_case(path: Path, budget: float) -> dict:
     case = yaml.safe_load(path.read_text())
     w = case.get("workload") or {}
@@ -102,16 +110,19 @@ def run_case(path: Path, budget: float) -> dict:
         graph = str(HERE / case["graph"]) if case.get("graph") else GRAPHS.get(case["algorithm"], "grpo")
         argv = ["plan", graph, "--cluster", case["cluster"], "--model", case["model"]]
         argv += ["--workload", str(workload), "--budget", str(budget), "--out", str(out)]
+        argv += ["--set", f"generation.engine={case.get('generation_engine') or 'vllm'}"]  # a serving engine
+        required = list(argv)
         for r in requirements(case):
-            argv += ["--require", r]
-        err = io.StringIO()
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-            code = main(argv)
+            required += ["--require", r]
+        code, failure = _plan(required)
         if code != 0:
-            return {"case": case["name"], "failed": " ".join(err.getvalue().split())[:300]}
+            return {"case": case["name"], "failed": failure}
         planned = load_plan(out)
         layout, plan_target = planned.layout, planned.target
         predicted = layout.predicted
+        free = None  # the planner's own pick for the same cluster, model and workload
+        if requirements(case) and _plan([*argv, "--force"])[0] == 0:
+            free = load_plan(out).layout
     published = case["published"]
     phases = {}
     for name, seconds in (published.get("phases") or {}).items():
@@ -133,6 +144,10 @@ def run_case(path: Path, budget: float) -> dict:
     return {
         "implied_train_mfu": round(implied, 3) if train else None,
         "case": case["name"],
+        "family": case.get("family") or case["name"].split("-")[0],
+        "free_s": round(free.predicted.iteration_s, 2) if free else None,
+        "free_plan": free.summary() if free else None,
+        "required_plan": layout.summary(),
         "published_s": step,
         "predicted_s": round(predicted.iteration_s, 2),
         "error": abs(predicted.iteration_s - step) / step,
@@ -164,9 +179,29 @@ def main_() -> int:
         if r["implied_train_mfu"] is not None:
             print(f"    the published train phase implies {r['implied_train_mfu']:.0%} MFU for this workload")
         print(f"    required: {' '.join(r['required']) or 'nothing'}; assumed: {', '.join(r['assumed']) or 'nothing'}")
+        if r["free_s"] is not None:
+            gain = r["predicted_s"] / r["free_s"] - 1 if r["free_s"] else 0.0
+            print(f"    free pick: {r['free_s']:.1f} s ({gain:+.0%} faster than the published layout, as predicted): {r['free_plan']}")
     errors = [r["error"] for r in results if "error" in r]
     # cases whose response lengths were published (the others rest on an assumed mean response)
     known = [r["error"] for r in results if "error" in r and not any("mean response" in a for a in r["assumed"])]
+    families: dict[str, dict] = {}
+    for r in results:
+        if "error" not in r:
+            continue
+        fam = families.setdefault(r["family"], {"errors": [], "known": []})
+        fam["errors"].append(r["error"])
+        if not any("mean response" in a for a in r["assumed"]):
+            fam["known"].append(r["error"])
+    by_family = {
+        name: {
+            "cases": len(f["errors"]),
+            "median_error": round(statistics.median(f["errors"]), 4),
+            "cases_with_published_lengths": len(f["known"]),
+            "median_error_published_lengths": round(statistics.median(f["known"]), 4) if f["known"] else None,
+        }
+        for name, f in sorted(families.items())
+    }
     summary = {
         "bench": "published",
         "cases": len(errors),
@@ -177,6 +212,11 @@ def main_() -> int:
         "max_error_published_lengths": round(max(known), 4) if known else None,
         # the published train phase would need more than 80% MFU for the workload assumed
         "implausible_workload": [r["case"] for r in results if (r.get("implied_train_mfu") or 0) > 0.8],
+        "families": by_family,
+        # the planner's free pick against the published layout: predicted published-layout / free-pick time
+        "free_pick_speedup": {
+            r["case"]: round(r["predicted_s"] / r["free_s"], 3) for r in results if r.get("free_s")
+        },
         "skipped": [r["case"] for r in results if "skipped" in r],
         "failed": [r["case"] for r in results if "failed" in r],
     }

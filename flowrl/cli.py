@@ -350,6 +350,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"  checkpoint: {path}  (model '{model}'{hint})")
     if result.last_checkpoint is not None:
         print(f"  resumable:  {result.last_checkpoint}  (extend with `{again} --steps N`)")
+    if (result.out_dir / "trace.json").is_file() and plan.layout is not None and plan.layout.predicted is not None:
+        calibrated = plan.target.cluster.hardware.calibration is not None
+        note = "calibrated" if calibrated else "uncalibrated"
+        print(
+            f"  timeline:   {result.out_dir / 'timeline.png'}  (measured beside the plan's {note} prediction, "
+            f"{plan.layout.predicted.iteration_s:.3f} s/iteration)"
+        )
+        if not calibrated:
+            print(f"  calibrate:  `flowrl calibrate {result.out_dir}` fits the planner to what this run measured")
     return 0
 
 
@@ -600,6 +609,32 @@ def _timeline(path: str, tune: Any, name: str) -> None:
     print(f"flowrl: timeline written to {png} and {data}")
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from flowrl.planner.calibrate import fit, read_runs
+    from flowrl.planner.hardware import calibration_path, cluster_key, save_hardware
+    from flowrl.plugins.manager import registry
+
+    replays = read_runs(args.runs, registry(), args.graph)
+    cluster = replays[0].measured.plan.target.cluster
+    out = writable(args.out, args.force, "--out") if args.out else calibration_path(cluster)
+    print(f"flowrl: calibrating cluster '{cluster_key(cluster)}' from {len(replays)} run(s)", flush=True)
+    result = fit(replays, progress=lambda s: print(f"  {s}", flush=True))
+    print("  factor                          before        after  measured by")
+    for path, (before, after, runs) in result.factors.items():
+        print(f"  {path:<28} {before:12.4g} {after:12.4g}  {', '.join(runs)}")
+    print("  run: predicted s/iteration before -> after, measured")
+    for run, measured in result.measured.items():
+        before, after = result.before[run], result.after[run]
+        print(
+            f"  {run}: {before:.4g} ({before / measured - 1:+.0%}) -> {after:.4g} ({after / measured - 1:+.0%}), "
+            f"measured {measured:.4g}"
+        )
+    save_hardware(result.hardware, out)
+    used = "" if args.out else f"; plans for '{cluster_key(cluster)}' now use it (`flowrl plan ... --explain` says so)"
+    print(f"flowrl: calibrated hardware spec written to {out}{used}")
+    return 0
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from flowrl import api
     from flowrl.graph.printer import draw_png, to_dot, to_text
@@ -722,6 +757,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace --out / --timeline files that already exist")
     _pin_args(p)
     p.set_defaults(func=cmd_plan)
+    p = sub.add_parser("calibrate", help="fit the planner's cost model to runs' traces (runs/NAME ...)")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders (runs/NAME) of one cluster")
+    p.add_argument(
+        "--graph",
+        metavar="FILE",
+        action="append",
+        default=[],
+        help="a graph file a run ran, when it is not a built-in algorithm's (graph files are code: named, not found)",
+    )
+    p.add_argument(
+        "--out",
+        metavar="FILE",
+        help="write the fitted hardware spec here instead (default: where plans for that cluster read it)",
+    )
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.set_defaults(func=cmd_calibrate)
     p = sub.add_parser("show", help="print a graph (stages, edges); optionally DOT/PNG")
     _config_args(p, run_out=False)
     p.add_argument("--dot", metavar="FILE")

@@ -28,7 +28,7 @@ from flowrl.planner import memory as mem
 from flowrl.planner.capabilities import Capabilities, rollout_conflict, supports, supports_layout
 from flowrl.planner.constraints import Constraints
 from flowrl.planner.cost import CostModel
-from flowrl.planner.hardware import ClusterSpec
+from flowrl.planner.hardware import ClusterSpec, cost_provenance
 from flowrl.planner.modelspec import ModelSpec
 from flowrl.planner.simulate import SimResult, padded_length, simulate
 from flowrl.planner.space import (
@@ -75,6 +75,14 @@ class TuneResult:
     @property
     def best(self) -> ClusterPlan:
         return self.ranked[0].plan
+
+
+def _captured(registry: Any, engine: str) -> bool:
+    """Whether generation engine ``engine`` decodes from captured graphs (its declared capabilities)."""
+    if registry is None or engine not in registry.names("generation_engines"):
+        return False
+    caps = registry.entry("generation_engines", engine).meta.get("capabilities")
+    return bool(getattr(caps, "captured_decode", False))
 
 
 def roles_of(graph: Graph) -> Roles:
@@ -159,7 +167,7 @@ class Tuner:
             if spec not in by_shape:
                 cost = factory(spec, cluster.hardware)
                 if generation_engine is not None and hasattr(cost, "for_engine"):  # cost models may ignore engines
-                    cost = cost.for_engine(generation_engine)
+                    cost = cost.for_engine(generation_engine, captured=_captured(registry, generation_engine))
                 by_shape[spec] = cost
         self.costs = {m: by_shape[spec] for m, spec in self.specs.items()}
         self.roles = roles_of(graph)
@@ -647,6 +655,7 @@ def explain(
     lines = [
         f"searched {result.considered} feasible plans in {result.seconds:.2f}s ({len(result.infeasible)} "
         "skeletons rejected for memory)",
+        cost_provenance(cluster.hardware),
     ]
     if models:
         lines.append("models: " + shapes_line(models))

@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from flowrl.errors import ConfigError
+from flowrl.errors import ConfigError, FlowRLError
 from flowrl.graph.ir import Graph
 from flowrl.planner.autotune import roles_of
 from flowrl.planner.efficiency import curve_for
@@ -63,6 +63,7 @@ FACTORS = (
     Factor("intra_node_bandwidth", 1e10, 1e6, 1e13),
     Factor("inter_node_bandwidth", 1e10, 1e6, 1e13),
     Factor("engine_tensor_overhead", 0.01, 0.0, 10.0),
+    Factor("sync_tensor_overhead", 1e-3, 0.0, 10.0),
 )
 #: Per generation engine `flowrl profile` calibrated: ``generation.<engine>.<field>``.
 ENGINE_FACTORS = (
@@ -72,7 +73,11 @@ ENGINE_FACTORS = (
 )
 #: A factor is measured by a run when tripling it (or setting it to its typical size) moves a residual this much.
 SENSITIVE = 0.01
-PRIOR_WEIGHT = 0.02  # a weak pull toward the current values, for factors the runs see only together
+# A weak pull toward the current values, for factors the runs see only together: a factor something
+# measured (a bandwidth, a latency, an efficiency) moves by its log, an overhead still at 0 by its size. Where
+# the runs cannot tell two factors apart, the unmeasured overhead moves first.
+PRIOR_LOG = 0.1
+PRIOR_ZERO = 0.02
 
 
 def get(hw: HardwareSpec, path: str) -> float:
@@ -150,32 +155,53 @@ class Replay:
         return np.asarray(out)
 
 
-def scaled(dist: Any, mean: float) -> Any:
-    """A length distribution of ``dist``'s shape with mean ``mean`` (what the run's responses averaged)."""
+def scaled(dist: Any, mean: float, top: int) -> Any:
+    """A length distribution of ``dist``'s shape with mean ``mean`` (what the run's responses averaged),
+    at most ``top`` tokens (the response budget)."""
     now = mean_length(dist)
     if now <= 0 or mean <= 0 or abs(mean / now - 1) < 0.01:
         return dist
     ratio = mean / now
     if isinstance(dist, Fixed):
-        return Fixed(value=max(1, round(mean)))
+        return Fixed(value=min(top, max(1, round(mean))))
     if isinstance(dist, LogNormal):
         return msgspec.structs.replace(dist, median=dist.median * ratio)
     if isinstance(dist, Histogram):
-        return Histogram(lengths=[max(1, round(n * ratio)) for n in dist.lengths], weights=list(dist.weights))
+        return Histogram(lengths=[min(top, max(1, round(n * ratio))) for n in dist.lengths], weights=list(dist.weights))
     return dist
 
 
-def replay_of(measured: Measured, registry: Any) -> Replay:
-    """The run's plan, graph and workload, with the response lengths its rollouts produced."""
+def graph_of(measured: Measured, registry: Any, files: Sequence[str] = ()) -> Graph:
+    """The graph a run ran. A graph *file* is code: it is built only when named in ``files``
+    (``--graph``), or when it is a built-in algorithm's (``graphs/grpo.py`` is algorithm ``grpo``)."""
     from flowrl import api
 
     plan = measured.plan
-    graph = api.graph_for_plan(plan, registry)
+    source = plan.graph.source
+    if not (source.endswith(".py") or "/" in source or "\\" in source):
+        return api.graph_for_plan(plan, registry)  # an algorithm by name
+    builtin = [plan.graph.name] if plan.graph.name in registry.names("algorithms") else []
+    for file in [*builtin, *files]:  # the built-in algorithm of that name, if it builds the graph the run ran
+        try:
+            return api.graph_for_plan(plan, registry, source=file)
+        except FlowRLError:
+            continue
+    raise ConfigError(
+        f"run '{measured.run}' ran the graph file '{source}', which is Python code and not a built-in "
+        f"algorithm's; name it to rebuild the graph: `flowrl calibrate {measured.run} --graph {source}`."
+    )
+
+
+def replay_of(measured: Measured, registry: Any, files: Sequence[str] = ()) -> Replay:
+    """The run's plan, graph and workload, with the response lengths its rollouts produced."""
+    plan = measured.plan
+    graph = graph_of(measured, registry, files)
     workload = plan.target.workload or plan.workload
     lengths = list(measured.response_length.values())
     if lengths:
         workload = msgspec.structs.replace(
-            workload, response_length=scaled(workload.response_length, float(np.mean(lengths)))
+            workload,
+            response_length=scaled(workload.response_length, float(np.mean(lengths)), _budget(plan, workload)),
         )
     syncs = sync_names(graph)
     tasks = {
@@ -184,6 +210,11 @@ def replay_of(measured: Measured, registry: Any) -> Replay:
     }
     measured = dataclasses.replace(measured, tasks=tasks)
     return Replay(measured=measured, graph=graph, workload=workload, registry=registry)
+
+
+def _budget(plan: Any, workload: WorkloadSpec) -> int:
+    """The most tokens a response may have: the run's budget (its max_new_tokens), else the workload's longest."""
+    return max(workload.max_response(), int(getattr(plan.config.rollout, "max_new_tokens", 0) or 0))
 
 
 def sync_names(graph: Graph) -> dict[str, str]:
@@ -196,11 +227,11 @@ def sync_names(graph: Graph) -> dict[str, str]:
     }
 
 
-def read_runs(paths: Sequence[str], registry: Any) -> list[Replay]:
+def read_runs(paths: Sequence[str], registry: Any, files: Sequence[str] = ()) -> list[Replay]:
     """Each run folder, read and made replayable; all of one cluster."""
     if not paths:
         raise ConfigError("flowrl calibrate needs at least one run folder (runs/NAME).")
-    replays = [replay_of(read_run(path), registry) for path in paths]
+    replays = [replay_of(read_run(path), registry, files) for path in paths]
     keys = {cluster_key(r.measured.plan.target.cluster) for r in replays}
     if len(keys) > 1:
         where = ", ".join(f"{r.measured.run} ({r.measured.plan.target.cluster.label})" for r in replays)
@@ -248,7 +279,10 @@ def fit(replays: Sequence[Replay], *, progress: Callable[[str], None] = lambda s
 
     def residuals(x: np.ndarray) -> np.ndarray:
         hw = spec(x)
-        prior = PRIOR_WEIGHT * (x - x0) / np.maximum(x0, 1.0)
+        measured = x0 > 0
+        prior = np.where(
+            measured, PRIOR_LOG * np.log(np.maximum(x, 1e-9) / np.where(measured, x0, 1.0)), PRIOR_ZERO * x
+        )
         return np.concatenate([*(r.residuals(hw) for r in replays), prior])
 
     lo = np.array([f.lo for f in chosen]) / scale

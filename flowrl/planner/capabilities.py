@@ -52,6 +52,9 @@ class EngineCapabilities(Spec):
     # a train step computes the ports `TrainStep.own` names itself (the model's outputs, detached):
     # the planner may then fuse an old-log-prob forward into it (`flowrl.planner.passes.fused_forwards`)
     own_outputs: bool = False
+    # generation on accelerators replays each decode step as a captured graph (CUDA graphs) with the
+    # collectives in its own kernels: no host work per module call around them (the planner's tp costs)
+    captured_decode: bool = False
 
 
 def compose(

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from flowrl.planner.efficiency import EfficiencyCurve, curve_for
-from flowrl.planner.hardware import GenerationCalibration, HardwareSpec
+from flowrl.planner.hardware import GenerationCalibration, HardwareSpec, is_cpu
 from flowrl.planner.modelspec import ModelSpec
 from flowrl.planner.space import ModelLayout
 
@@ -41,10 +41,12 @@ class CostModel:
     model: ModelSpec
     hw: HardwareSpec
     engine: str | None = None  # the generation engine: its calibration (hw.generation) costs decode and loads
+    captured: bool = False  # the engine replays decode steps as captured graphs (EngineCapabilities.captured_decode)
 
-    def for_engine(self, engine: str) -> CostModel:
-        """This model costing generation as ``engine`` does (the hardware's factors if it has no calibration)."""
-        return dataclasses.replace(self, engine=engine)
+    def for_engine(self, engine: str, captured: bool = False) -> CostModel:
+        """This model costing generation as ``engine`` does (the hardware's factors if it has no calibration);
+        ``captured``: it decodes from captured graphs, without host work per module call on accelerators."""
+        return dataclasses.replace(self, engine=engine, captured=captured)
 
     @property
     def calibration(self) -> GenerationCalibration | None:
@@ -118,13 +120,17 @@ class CostModel:
         base = self.model.flops_per_token(0)
         flops = batch * (base + (self.model.flops_per_token(1) - base) * context)  # linear in the context
         nbytes = (self.param_bytes + batch * context * self.model.kv_bytes_per_token(BF16)) / tp
-        comm = self.tp_pass(batch, tp, self.model.layers)  # the draw reads the whole vocabulary's logits
+        host = not (self.captured and not is_cpu(self.hw))  # a captured graph's collectives have no host work
+        comm = self.tp_pass(batch, tp, self.model.layers, host=host)  # the draw reads the whole vocabulary's logits
         overhead, efficiency = self._decode_factors()
         if self.calibration is None:
             efficiency = self.efficiency(batch, 2 * context, tp)
-        host = self.hw.decode_step_overhead + batch * self.hw.decode_row_overhead  # the engine's work around its kernels
+        engine = self.hw.decode_step_overhead + batch * self.hw.decode_row_overhead  # its work around the kernels
         return (
-            np.maximum(self.matmul(flops, tp, efficiency), self.stream(nbytes)) + comm + self.model.layers * overhead + host
+            np.maximum(self.matmul(flops, tp, efficiency), self.stream(nbytes))
+            + comm
+            + self.model.layers * overhead
+            + engine
         )
 
     def engine_load(self, nbytes: float) -> float:
@@ -178,14 +184,22 @@ class CostModel:
         return compute + comm + overhead
 
     def tp_pass(
-        self, tokens: Any, tp: int, layers: int, backward: bool = False, head: bool = False, rows: Any = None
+        self,
+        tokens: Any,
+        tp: int,
+        layers: int,
+        backward: bool = False,
+        head: bool = False,
+        rows: Any = None,
+        host: bool = True,
     ) -> Any:
         """The tensor-parallel collectives and host work of one pass over ``tokens`` through ``layers`` split
         ``tp`` ways (Megatron's split, as `flowrl.backends.local.tensor_parallel` runs it). Forward: per layer the
         attention's and the MLP's row-wise outputs all-reduced, and the embedding's; backward: per layer the
         gradients of the five column-wise inputs (q, k, v, gate, up), and the head's. ``head``: log-probs from
         the vocabulary-sharded logits (three all-reduces of [tokens]); else the logits of ``rows`` (default:
-        every token) gathered for the draw."""
+        every token) gathered for the draw. ``host``: with the host work per split module call (not for a
+        captured decode graph)."""
         if tp <= 1:
             return 0.0
         act = self.allreduce(tokens * self.model.hidden * BF16, tp)
@@ -194,8 +208,8 @@ class CostModel:
             logits = 3 * self.allreduce(tokens * FP32, tp)
         else:  # an all-gather of the vocabulary slices: half an all-reduce's traffic
             logits = self.allreduce((tokens if rows is None else rows) * self.model.vocab * FP32 / 2, tp)
-        host = (layers * 7 + 2) * self.hw.tp_op_overhead * (2 if backward else 1)
-        return reduces * act + logits + host
+        work = (layers * 7 + 2) * self.hw.tp_op_overhead * (2 if backward else 1) if host else 0.0
+        return reduces * act + logits + work
 
     def optimizer_step(self, layout: ModelLayout) -> float:
         """Gradient all-reduce over dp (ZeRO-1 reduce-scatter + all-gather) and the AdamW update."""

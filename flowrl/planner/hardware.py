@@ -260,6 +260,9 @@ class HardwareSpec(CheckedSpec, kw_only=True):
     decode_step_overhead: NonNegative = 0.0
     decode_row_overhead: NonNegative = 0.0
     controller_row_overhead: NonNegative = CONTROLLER_ROW_SECONDS  # s per row of controller work
+    # s of host-side work per weight tensor a weight sync moves (its handle, the copy call into the generation
+    # layout's parameter), beside the bytes and the link's latency
+    sync_tensor_overhead: NonNegative = 0.0
     # the work-dependent matmul efficiency `flowrl profile` fitted on this device (None: the curve fitted to
     # published runs of its GPU family, `efficiency.py`; on this machine's CPU, matmul_efficiency)
     efficiency: EfficiencyCurve | None = None
@@ -319,6 +322,42 @@ CPU_DEVICES = "cpu"
 
 #: How this machine's CPU is named as one device (the local backend, `flowrl profile`).
 LOCAL_CPU = "local-cpu"
+
+
+#: The suffix of a local device's name when nothing has measured it (nominal speeds).
+NOMINAL = "-nominal"
+
+
+def cost_provenance(hw: HardwareSpec) -> str:
+    """Where the factors the cost model uses for ``hw`` come from, and how far to trust them."""
+    cal = hw.calibration
+    if cal is not None:
+        fit = "; ".join(
+            f"{run} {before:.3g} -> {after:.3g} s/iteration (measured {measured:.3g})"
+            for run, (before, after, measured) in cal.fit.items()
+        )
+        factors = "; ".join(f"{name} from {', '.join(runs)}" for name, runs in cal.factors.items())
+        return (
+            f"cost model: calibrated by `flowrl calibrate` ({cal.when}) to {len(cal.runs)} run(s): {fit}. Fitted: "
+            f"{factors}; every other factor is the spec's own."
+        )
+    if hw.name.endswith(NOMINAL):
+        return (
+            "cost model: UNCALIBRATED. Nominal speeds for this machine (neither `flowrl profile` nor `flowrl "
+            "calibrate` has run): predictions can be several times off. After a run, `flowrl calibrate runs/NAME` "
+            "fits them to what it measured."
+        )
+    if is_cpu(hw):
+        return (
+            "cost model: uncalibrated. `flowrl profile`'s micro-benchmarks of this machine, not fitted to a run: "
+            "per-task overheads (dispatch, moving batches, the engine's host work) are not in it, and a run takes "
+            "longer than predicted. After a run, `flowrl calibrate runs/NAME` fits them."
+        )
+    return (
+        f"cost model: uncalibrated for this cluster. {hw.name} datasheet peaks, the matmul efficiency fitted to "
+        "published runs (flowrl/planner/data/efficiency.yaml) and default engine overheads. After a run on it, "
+        "`flowrl calibrate runs/NAME` fits them to what the run measured."
+    )
 
 
 def is_cpu(hw: HardwareSpec) -> bool:

@@ -137,6 +137,7 @@ LATER_HARDWARE = {
     "decode_step_overhead": 0.0,
     "decode_row_overhead": 0.0,
     "controller_row_overhead": CONTROLLER_ROW_SECONDS,
+    "sync_tensor_overhead": 0.0,
     "calibration": None,
 }
 

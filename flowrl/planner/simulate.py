@@ -253,6 +253,12 @@ def sync_seconds(plan: ClusterPlan, cost: CostModel, roles: Roles, model: str | 
 
 
 def _transfer_seconds(plan: ClusterPlan, cost: CostModel, model: str) -> float:
+    """The weights' way from the trainer to the generation layout: the strategy's bytes and latencies, plus the
+    host's work per tensor moved."""
+    return _moved_seconds(plan, cost, model) + cost.param_tensors * cost.hw.sync_tensor_overhead
+
+
+def _moved_seconds(plan: ClusterPlan, cost: CostModel, model: str) -> float:
     actor = plan.layout(model)
     volume = cost.sync_volume()
     ws = plan.weight_sync

@@ -73,19 +73,12 @@ def predicted_spans(
     plan: ExecutionPlan, graph: Graph
 ) -> tuple[list[tuple[str, tuple[str, ...], float, float, int]], float]:
     """The planner's simulated timeline of ``plan`` (task, groups, start, end, iteration) and its s/iteration."""
-    from flowrl.planner.autotune import Tuner
+    from flowrl.planner.passes import replay
+    from flowrl.plugins.manager import registry
 
     if plan.layout is None or plan.target.workload is None:
         return [], 0.0
-    tuner = Tuner(
-        graph,
-        plan.target.model,
-        plan.target.cluster,
-        plan.workload,
-        numerics=plan.target.numerics,
-        models=plan.target.models or None,
-    )
-    result = tuner.evaluate(plan.layout, iterations=4, max_replicas=None).result
+    result = replay(graph, plan, registry())
     spans = [(s.task, s.groups or ("controller",), s.start, s.end, s.iteration) for s in result.spans]
     return spans, result.iteration_s
 
@@ -105,10 +98,16 @@ def draw_measured_vs_predicted(trace: Trace, plan: ExecutionPlan, graph: Graph, 
     names = sorted({_legend(t[0]) for t in trace.tasks + predicted})
     cmap = plt.get_cmap("tab20")
     colors = {n: cmap(i % 20) for i, n in enumerate(names)}
-    panels = [("measured", trace.tasks)] + ([("predicted", predicted)] if predicted else [])
-    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 1.2 + 1.1 * len(rows) * len(panels)), squeeze=False)
-    start = min((t[2] for t in trace.tasks), default=0.0)
+    shown = steady_window(trace.tasks, len({t[4] for t in predicted}) or SHOWN_ITERATIONS)
+    panels = [("measured", shown)] + ([("predicted", predicted)] if predicted else [])
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(12, 1.2 + 1.1 * len(rows) * len(panels)), squeeze=False, sharex=True
+    )
+    start = min((t[2] for t in shown), default=0.0)
     measured_iter = _iteration_seconds(trace.tasks)
+    hardware = plan.target.cluster.hardware
+    calibrated = "calibrated" if hardware.calibration is not None else "uncalibrated: `flowrl calibrate` this run"
+    iterations = sorted({t[4] for t in shown})
     for ax, (label, spans) in zip(axes[:, 0], panels):
         t0 = start if label == "measured" else 0.0
         for name, groups, s, e, _it in spans:
@@ -119,8 +118,12 @@ def draw_measured_vs_predicted(trace: Trace, plan: ExecutionPlan, graph: Graph, 
                 ax.barh(rows.index(g), e - s, left=s - t0, color=colors.get(key, "grey"), edgecolor="white", lw=0.4)
         ax.set_yticks(range(len(rows)), rows)
         ax.invert_yaxis()
-        secs = measured_iter if label == "measured" else pred_iter
-        ax.set_title(f"{label}: {secs:.3f} s/iteration", fontsize=9)
+        if label == "measured":
+            which = f"iterations {iterations[0]}-{iterations[-1]}" if iterations else "no iterations"
+            title = f"measured: {measured_iter:.3f} s/iteration (median; {which} of {_count(trace.tasks)} shown)"
+        else:
+            title = f"predicted ({calibrated}): {pred_iter:.3f} s/iteration"
+        ax.set_title(title, fontsize=9)
         ax.set_xlabel("seconds")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[n]) for n in names]
     fig.legend(handles, names, fontsize=6, ncol=min(6, len(names)), loc="lower center")
@@ -133,6 +136,29 @@ def draw_measured_vs_predicted(trace: Trace, plan: ExecutionPlan, graph: Graph, 
 def _legend(task: str) -> str:
     """One legend entry for weight syncs, measured (``sync:<train node>``) or predicted (``weight_sync``)."""
     return "weight sync" if task == "weight_sync" or task.startswith("sync:") else task
+
+
+#: Measured iterations drawn when there is no prediction to match.
+SHOWN_ITERATIONS = 4
+
+
+def _count(tasks: list[tuple[str, tuple[str, ...], float, float, int]]) -> int:
+    return len({t[4] for t in tasks})
+
+
+def steady_window(
+    tasks: list[tuple[str, tuple[str, ...], float, float, int]], count: int
+) -> list[tuple[str, tuple[str, ...], float, float, int]]:
+    """The tasks of ``count`` consecutive iterations from the middle of the run's steady state (past
+    warm-up): the measured panel then spans as many iterations as the predicted one, on its time scale."""
+    from flowrl.planner.traces import steady
+
+    iterations = steady([t[4] for t in tasks]) or sorted({t[4] for t in tasks})
+    if not iterations:
+        return []
+    middle = max(0, len(iterations) // 2 - count // 2)
+    keep = set(iterations[middle : middle + count])
+    return [t for t in tasks if t[4] in keep]
 
 
 def _iteration_seconds(tasks: list[tuple[str, tuple[str, ...], float, float, int]]) -> float:

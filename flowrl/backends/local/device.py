@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 
 from flowrl.errors import PlanError
-from flowrl.planner.hardware import HardwareSpec, default_profile_path, load_hardware
+from flowrl.planner.hardware import NOMINAL, HardwareSpec, default_profile_path, load_hardware
 from flowrl.planner.memory import GiB
 from flowrl.specs import RunConfig
 
@@ -66,7 +66,7 @@ def machine(cfg: RunConfig) -> HardwareSpec:
     if device == "cpu" and profile.is_file():
         return msgspec.structs.replace(load_hardware(profile), memory_bytes=memory)
     return HardwareSpec(
-        name=f"local-{device.replace(':', '')}",
+        name=f"local-{device.replace(':', '')}{NOMINAL}",  # no profile has measured it
         peak_flops_bf16=1e11,
         peak_flops_fp32=1e11,
         memory_bytes=memory,

@@ -27,5 +27,5 @@ def register_generation_engines(register: Any) -> None:
         vllm_engine,
         description="vLLM: batched sampling with log-probs, in-place weight updates, resumable rows",
         # tensor-parallel replicas on GPUs (SamplingSpec.tp); on a CPU each replica is one process
-        capabilities=EngineCapabilities(model_parallel=True),
+        capabilities=EngineCapabilities(model_parallel=True, captured_decode=True),  # CUDA graphs on GPUs
     )
