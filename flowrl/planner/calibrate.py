@@ -147,8 +147,8 @@ class Replay:
         result = self.predict(hw)
         m = self.measured
         out = [2.0 * math.log(max(result.iteration_s, 1e-12) / m.iteration_s)]
-        for task, seconds in sorted(m.tasks.items()):
-            predicted = result.breakdown.get(task, 0.0)
+        for task, seconds in sorted(m.tasks.items()):  # a task "a+b": the two together (a published phase)
+            predicted = sum(result.breakdown.get(t, 0.0) for t in task.split("+"))
             if seconds > 0 and predicted > 0:
                 share = max(seconds / m.iteration_s, 0.02)
                 out.append(math.sqrt(share) * math.log(predicted / seconds))
@@ -251,54 +251,66 @@ class Fit:
     factors: dict[str, tuple[float, float, list[str]]]  # factor -> (before, after, the runs that measured it)
 
 
-def fit(replays: Sequence[Replay], *, progress: Callable[[str], None] = lambda s: None) -> Fit:
-    """Fit the factors the runs measure, starting from the hardware the first run was costed on."""
+def fit_factors(
+    replays: Sequence[Replay],
+    bases: Sequence[HardwareSpec],
+    factors: Sequence[Factor],
+    *,
+    progress: Callable[[str], None] = lambda s: None,
+) -> tuple[dict[str, float], dict[str, list[str]]]:
+    """The values of those ``factors`` some run measures, fitted to every run at once (each replayed on
+    its own ``bases`` spec with the shared values), and the runs that measured each one."""
     from scipy.optimize import least_squares
 
-    base = replays[0].measured.plan.target.cluster.hardware
-    base = msgspec.structs.replace(base, calibration=None)
-    engines = {r.measured.plan.config.generation.engine for r in replays}
-    base, factors = candidates(base, engines)
-    start = [r.residuals(base) for r in replays]
+    start = [r.residuals(b) for r, b in zip(replays, bases)]
     measured_by: dict[str, list[str]] = {}
     for f in factors:
-        value = get(base, f.path)
-        moved = with_values(base, {f.path: min(value * 3, f.hi) if value > 0 else f.typical})
-        for r, r0 in zip(replays, start):
+        for r, b, r0 in zip(replays, bases, start):
+            value = get(b, f.path)
+            moved = with_values(b, {f.path: min(value * 3, f.hi) if value > 0 else f.typical})
             if np.max(np.abs(r.residuals(moved) - r0)) > SENSITIVE:
                 measured_by.setdefault(f.path, []).append(r.measured.run)
     chosen = [f for f in factors if f.path in measured_by]
     if not chosen:
         raise ConfigError("these runs measure none of the cost model's factors (no task of theirs is costed).")
     progress(f"fitting {len(chosen)} factors to {len(replays)} runs: {', '.join(f.path for f in chosen)}")
-    scale = np.array([get(base, f.path) or f.typical for f in chosen])
-    x0 = np.array([get(base, f.path) for f in chosen]) / scale
+    scale = np.array([get(bases[0], f.path) or f.typical for f in chosen])
+    x0 = np.array([get(bases[0], f.path) for f in chosen]) / scale
+    measured = x0 > 0
 
-    def spec(x: np.ndarray) -> HardwareSpec:
-        return with_values(base, {f.path: float(v * s) for f, v, s in zip(chosen, x, scale)})
+    def values(x: np.ndarray) -> dict[str, float]:
+        return {f.path: float(v * s) for f, v, s in zip(chosen, x, scale)}
 
     def residuals(x: np.ndarray) -> np.ndarray:
-        hw = spec(x)
-        measured = x0 > 0
-        prior = np.where(
-            measured, PRIOR_LOG * np.log(np.maximum(x, 1e-9) / np.where(measured, x0, 1.0)), PRIOR_ZERO * x
-        )
-        return np.concatenate([*(r.residuals(hw) for r in replays), prior])
+        now = values(x)
+        ratio = np.log(np.maximum(x, 1e-9) / np.where(measured, x0, 1.0))
+        prior = np.where(measured, PRIOR_LOG * ratio, PRIOR_ZERO * x)
+        return np.concatenate([*(r.residuals(with_values(b, now)) for r, b in zip(replays, bases)), prior])
 
     lo = np.array([f.lo for f in chosen]) / scale
     hi = np.array([f.hi for f in chosen]) / scale
     solution = least_squares(residuals, np.clip(x0, lo, hi), bounds=(lo, hi), x_scale=1.0, diff_step=1e-3, max_nfev=60)
-    fitted = spec(solution.x)
+    return values(solution.x), {f.path: measured_by[f.path] for f in chosen}
+
+
+def fit(replays: Sequence[Replay], *, progress: Callable[[str], None] = lambda s: None) -> Fit:
+    """Fit the factors the runs measure, starting from the hardware the first run was costed on."""
+    base = replays[0].measured.plan.target.cluster.hardware
+    base = msgspec.structs.replace(base, calibration=None)
+    engines = {r.measured.plan.config.generation.engine for r in replays}
+    base, factors = candidates(base, engines)
+    values, measured_by = fit_factors(replays, [base] * len(replays), factors, progress=progress)
+    fitted = with_values(base, values)
     before = {r.measured.run: r.predict(base).iteration_s for r in replays}
     after = {r.measured.run: r.predict(fitted).iteration_s for r in replays}
     measured = {r.measured.run: r.measured.iteration_s for r in replays}
     provenance = Calibrated(
         runs=[r.measured.run for r in replays],
-        factors={f.path: measured_by[f.path] for f in chosen},
+        factors=measured_by,
         when=datetime.date.today().isoformat(),
         fit={run: (round(before[run], 6), round(after[run], 6), round(measured[run], 6)) for run in measured},
     )
-    table = {f.path: (get(base, f.path), get(fitted, f.path), measured_by[f.path]) for f in chosen}
+    table = {path: (get(base, path), get(fitted, path), runs) for path, runs in measured_by.items()}
     return Fit(
         hardware=msgspec.structs.replace(fitted, calibration=provenance),
         before=before,
