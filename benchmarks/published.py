@@ -30,11 +30,14 @@ from flowrl.planner.plan import load_plan
 from flowrl.planner.workload import mean_length
 
 HERE = Path(__file__).parent / "published"
-# the graph a case runs: its `graph:` file (benchmarks/published/graphs), else by algorithm
 GRAPHS = {"grpo": "grpo", "dapo": "grpo", "ppo": "ppo"}
 # published phase name -> the planner's nodes that do that work
 PHASES = {
     "generation": ("rollout",),
+    "generate_sequences": ("rollout",),
+    "values": ("values",),
+    "update_critic": ("train_critic",),
+    "ref": ("ref_logprobs",),
     "train": ("train_actor",),
     "update_actor": ("train_actor",),
     "logprobs": ("old_logprobs", "ref_logprobs"),
@@ -97,6 +100,29 @@ def _plan(argv: list[str]) -> tuple[int, str]:
     return code, " ".join(err.getvalue().split())[:300]
 
 
+def plan_argv(case: dict, tmp: Path, budget: float, assumed: list[str]) -> list[str]:
+    """`flowrl plan` arguments for ``case`` (its cluster, model and workload; no requirements), writing
+    the workload file into ``tmp`` and the plan to ``tmp/plan.yaml``."""
+    workload = tmp / "w.yaml"
+    workload.write_text(workload_yaml(case, assumed))
+    argv = ["plan", graph_of(case), "--cluster", case["cluster"], "--model", case["model"]]
+    argv += ["--workload", str(workload), "--budget", str(budget), "--out", str(tmp / "plan.yaml"), "--force"]
+    argv += ["--set", f"generation.engine={case.get('generation_engine') or 'vllm'}"]  # a serving engine
+    micro = ((case.get("layout") or {}).get("train") or {}).get("micro_batch")
+    if isinstance(micro, int):  # the published micro-batch (rows per forward/backward call)
+        argv += ["--set", f"train.micro_batch_size={micro}"]
+    return argv
+
+
+def graph_of(case: dict) -> str:
+    """The graph a case runs: its `graph:` file (benchmarks/published/graphs), else by algorithm."""
+    return str(HERE / case["graph"]) if case.get("graph") else GRAPHS.get(case["algorithm"], "grpo")
+
+
+def required_argv(case: dict, argv: list[str]) -> list[str]:
+    return [*argv, *sum((["--require", r] for r in requirements(case)), [])]
+
+
 def run_case(path: Path, budget: float) -> dict:
     case = yaml.safe_load(path.read_text())
     w = case.get("workload") or {}
@@ -104,24 +130,16 @@ def run_case(path: Path, budget: float) -> dict:
         return {"case": case["name"], "skipped": "workload not published"}
     assumed: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
-        workload = Path(tmp) / "w.yaml"
-        workload.write_text(workload_yaml(case, assumed))
         out = Path(tmp) / "plan.yaml"
-        graph = str(HERE / case["graph"]) if case.get("graph") else GRAPHS.get(case["algorithm"], "grpo")
-        argv = ["plan", graph, "--cluster", case["cluster"], "--model", case["model"]]
-        argv += ["--workload", str(workload), "--budget", str(budget), "--out", str(out)]
-        argv += ["--set", f"generation.engine={case.get('generation_engine') or 'vllm'}"]  # a serving engine
-        required = list(argv)
-        for r in requirements(case):
-            required += ["--require", r]
-        code, failure = _plan(required)
+        argv = plan_argv(case, Path(tmp), budget, assumed)
+        code, failure = _plan(required_argv(case, argv))
         if code != 0:
             return {"case": case["name"], "failed": failure}
         planned = load_plan(out)
         layout, plan_target = planned.layout, planned.target
         predicted = layout.predicted
         free = None  # the planner's own pick for the same cluster, model and workload
-        if requirements(case) and _plan([*argv, "--force"])[0] == 0:
+        if requirements(case) and _plan(argv)[0] == 0:
             free = load_plan(out).layout
     published = case["published"]
     phases = {}

@@ -134,6 +134,7 @@ class Replay:
     graph: Graph
     workload: WorkloadSpec
     registry: Any
+    whole: bool = True  # the iteration's time is fitted too (not for published phases alone)
 
     def predict(self, hw: HardwareSpec) -> Any:
         from flowrl.planner.passes import replay
@@ -146,7 +147,7 @@ class Replay:
     def residuals(self, hw: HardwareSpec) -> np.ndarray:
         result = self.predict(hw)
         m = self.measured
-        out = [2.0 * math.log(max(result.iteration_s, 1e-12) / m.iteration_s)]
+        out = [2.0 * math.log(max(result.iteration_s, 1e-12) / m.iteration_s)] if self.whole else []
         for task, seconds in sorted(m.tasks.items()):  # a task "a+b": the two together (a published phase)
             predicted = sum(result.breakdown.get(t, 0.0) for t in task.split("+"))
             if seconds > 0 and predicted > 0:
@@ -289,7 +290,8 @@ def fit_factors(
 
     lo = np.array([f.lo for f in chosen]) / scale
     hi = np.array([f.hi for f in chosen]) / scale
-    solution = least_squares(residuals, np.clip(x0, lo, hi), bounds=(lo, hi), x_scale=1.0, diff_step=1e-3, max_nfev=60)
+    start = np.clip(np.where(measured, x0, 1.0), lo, hi)  # off the bound: a factor at 0 starts at its typical size
+    solution = least_squares(residuals, start, bounds=(lo, hi), x_scale=1.0, diff_step=1e-3, max_nfev=60)
     return values(solution.x), {f.path: measured_by[f.path] for f in chosen}
 
 

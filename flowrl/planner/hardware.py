@@ -413,8 +413,20 @@ def cpu_cluster(machine: HardwareSpec, devices: int) -> ClusterSpec:
 ENGINE_TENSOR_SECONDS = 0.012
 
 
+#: Where `benchmarks/overheads_fit.py` writes a serving engine's host work per decode step, fitted to published
+#: generation phases (NeMo-RL v0.3, vLLM with CUDA graphs: 8B on 8 H100 and 70B on 64 H100).
+DECODE_OVERHEADS = Path(__file__).parent / "data" / "decode_overheads.yaml"
+
+
+@cache
+def decode_overheads() -> dict[str, float]:
+    """``decode_step_overhead`` and ``decode_row_overhead`` of a vLLM-class engine on an accelerator."""
+    data = msgspec.yaml.decode(DECODE_OVERHEADS.read_bytes())
+    return {k: float(data[k]) for k in ("decode_step_overhead", "decode_row_overhead")}
+
+
 def _preset(name: str, **fields: Any) -> HardwareSpec:
-    return HardwareSpec(name=name, engine_tensor_overhead=ENGINE_TENSOR_SECONDS, **fields)
+    return HardwareSpec(name=name, engine_tensor_overhead=ENGINE_TENSOR_SECONDS, **decode_overheads(), **fields)
 
 
 _A100 = dict(peak_flops_bf16=312e12, peak_flops_fp32=19.5e12, intra_node_bandwidth=300e9, inter_node_bandwidth=25e9)
