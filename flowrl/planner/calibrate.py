@@ -55,6 +55,8 @@ FACTORS = (
     Factor("task_overhead", 1e-3, 0.0, 10.0),
     Factor("decode_step_overhead", 1e-4, 0.0, 1.0),
     Factor("decode_row_overhead", 1e-6, 0.0, 0.01),
+    Factor("generate_overhead", 1e-2, 0.0, 100.0),
+    Factor("optimizer_tensor_overhead", 1e-4, 0.0, 1.0),
     Factor("controller_row_overhead", 2e-6, 0.0, 0.01),
     Factor("bandwidth_efficiency", 0.75, 1e-3, 1.0),
     Factor("tp_op_overhead", 3e-5, 0.0, 0.1),

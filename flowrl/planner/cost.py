@@ -219,7 +219,8 @@ class CostModel:
         grads = self.allreduce(shard * BF16, p.dp, span=p.size) + (units - 1) * p.dp * self.link(p.size)[1] * (p.dp > 1)
         update = self.stream(shard / p.dp * (ADAM_STATE_BYTES * 2 + BF16 * 2))
         offload = 2 * shard / p.dp * ADAM_STATE_BYTES / self.hw.host_bandwidth if layout.offload_optimizer else 0.0
-        return grads + update + offload
+        host = self.param_tensors * self.hw.optimizer_tensor_overhead  # the step's work tensor by tensor
+        return grads + update + offload + host
 
     def sync_volume(self) -> int:
         return self.param_bytes

@@ -259,6 +259,11 @@ class HardwareSpec(CheckedSpec, kw_only=True):
     # sampler's launch) and per live sequence per step (sampling, stop checks, detokenisation, bookkeeping)
     decode_step_overhead: NonNegative = 0.0
     decode_row_overhead: NonNegative = 0.0
+    # s per generation call of a replica beside its steps: setting up the batch (its KV cache, the prompts'
+    # padding and positions) and handing the responses back
+    generate_overhead: NonNegative = 0.0
+    # s of host-side work per weight tensor per optimizer step (zeroing, clipping and updating it tensor by tensor)
+    optimizer_tensor_overhead: NonNegative = 0.0
     controller_row_overhead: NonNegative = CONTROLLER_ROW_SECONDS  # s per row of controller work
     # s of host-side work per weight tensor a weight sync moves (its handle, the copy call into the generation
     # layout's parameter), beside the bytes and the link's latency

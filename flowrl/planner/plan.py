@@ -136,6 +136,8 @@ LATER_HARDWARE = {
     "task_overhead": 0.0,
     "decode_step_overhead": 0.0,
     "decode_row_overhead": 0.0,
+    "generate_overhead": 0.0,
+    "optimizer_tensor_overhead": 0.0,
     "controller_row_overhead": CONTROLLER_ROW_SECONDS,
     "sync_tensor_overhead": 0.0,
     "calibration": None,

@@ -182,6 +182,7 @@ class Generator:
             done, before = done.ravel(), before.ravel()
             decode = continuous_seconds if self.continuous else decode_seconds
             seconds = decode(self.cost, done[done > 0], self.w.prompt_length, gen.tp, self.cap)
+            seconds += self.cost.hw.generate_overhead  # the call's setup around its steps
             if chunked:  # every chunk boundary re-reads prompt + response so far for the rows still going
                 chunk = pol.chunk(self.w.max_response())
                 seconds += restart_seconds(self.cost, done, before, self.w.prompt_length, gen.tp, chunk)
@@ -349,10 +350,11 @@ def simulate(
     streamed = streamed_nodes(graph) if plan.rollout.streaming else set()
 
     hw = next(iter(costs.values())).hw
-    every_task = hw.task_overhead  # host-side work around each task (dispatch, moving its batch)
+    every_task = hw.task_overhead  # host-side work around each device group's task (dispatch, moving its batch)
 
     def run(it: int, task: str, groups: tuple[str, ...], deps: list[float], seconds: float) -> float:
-        seconds = seconds + every_task if seconds > 0 else seconds  # a sync that moves nothing is no task
+        if groups and seconds > 0:  # a task on device groups (a sync that moves nothing is none; the controller's
+            seconds += every_task  # own work dispatches nothing)
         start = max([0.0, *deps, *(free[g] for g in groups)])
         end = start + seconds
         if task in streamed and (it, "rollout_start") in finish:
