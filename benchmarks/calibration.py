@@ -22,7 +22,14 @@ VARIANTS = [
     ("grpo colocate", "graphs/grpo.py", "colocate", "reshard", (), ()),
     ("ppo split", "graphs/ppo.py", "split", "reshard", (), ()),
     ("grpo standalone", "graphs/grpo.py", "standalone", "reshard", (), ()),
-    ("grpo disaggregated one-step-off", "graphs/grpo.py", "disaggregated", "bucketed", (), ("rollout.mode=one_step_off",)),
+    (
+        "grpo disaggregated one-step-off",
+        "graphs/grpo.py",
+        "disaggregated",
+        "bucketed",
+        (),
+        ("rollout.mode=one_step_off",),
+    ),
     ("grpo colocate tp2", "graphs/grpo.py", "colocate", "reshard", ("actor.tp=2",), ()),
     ("ppo colocate", "graphs/ppo.py", "colocate", "reshard", (), ()),
 ]

@@ -59,7 +59,12 @@ def replay(path: Path, budget: float, tmp: Path, reg, families: list[str]) -> Re
     plan = msgspec.structs.replace(plan, target=msgspec.structs.replace(plan.target, cluster=cluster))
     graph = api.graph_for_plan(plan, reg, source=graph_of(case))
     measured = Measured(
-        run=case["name"], plan=plan, tasks={"rollout": float(seconds)}, iteration_s=1.0, iterations=1, response_length={}
+        run=case["name"],
+        plan=plan,
+        tasks={"rollout": float(seconds)},
+        iteration_s=1.0,
+        iterations=1,
+        response_length={},
     )
     return Replay(measured=measured, graph=graph, workload=plan.target.workload, registry=reg, whole=False)
 
@@ -88,7 +93,9 @@ def main() -> int:
         before = r.predict(b).breakdown["rollout"]
         after = r.predict(with_values(b, values)).breakdown["rollout"]
         published = r.measured.tasks["rollout"]
-        rows.append({"case": r.measured.run, "published_s": published, "before_s": round(before, 2), "after_s": round(after, 2)})
+        rows.append(
+            {"case": r.measured.run, "published_s": published, "before_s": round(before, 2), "after_s": round(after, 2)}
+        )
         print(f"{r.measured.run:<55} published {published:7.1f} s  before {before:7.1f} s  after {after:7.1f} s")
     for name in FITTED:
         print(f"{name}: {get(with_values(bases[0], values), name):.3g}")
@@ -107,7 +114,17 @@ def main() -> int:
             + yaml.safe_dump(data, sort_keys=False)
         )
         print(f"written to {OUT}")
-    print(json.dumps({"bench": "overheads_fit", "cases": len(rows), **values, "mean_abs_log_error": round(sum(errors) / len(errors), 3), "measured_by": {k: len(v) for k, v in measured_by.items()}}))
+    print(
+        json.dumps(
+            {
+                "bench": "overheads_fit",
+                "cases": len(rows),
+                **values,
+                "mean_abs_log_error": round(sum(errors) / len(errors), 3),
+                "measured_by": {k: len(v) for k, v in measured_by.items()},
+            }
+        )
+    )
     return 0
 
 

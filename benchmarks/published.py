@@ -199,7 +199,9 @@ def main_() -> int:
         print(f"    required: {' '.join(r['required']) or 'nothing'}; assumed: {', '.join(r['assumed']) or 'nothing'}")
         if r["free_s"] is not None:
             gain = r["predicted_s"] / r["free_s"] - 1 if r["free_s"] else 0.0
-            print(f"    free pick: {r['free_s']:.1f} s ({gain:+.0%} faster than the published layout, as predicted): {r['free_plan']}")
+            print(
+                f"    free pick: {r['free_s']:.1f} s ({gain:+.0%} faster than the published layout, as predicted): {r['free_plan']}"
+            )
     errors = [r["error"] for r in results if "error" in r]
     # cases whose response lengths were published (the others rest on an assumed mean response)
     known = [r["error"] for r in results if "error" in r and not any("mean response" in a for a in r["assumed"])]
@@ -232,9 +234,7 @@ def main_() -> int:
         "implausible_workload": [r["case"] for r in results if (r.get("implied_train_mfu") or 0) > 0.8],
         "families": by_family,
         # the planner's free pick against the published layout: predicted published-layout / free-pick time
-        "free_pick_speedup": {
-            r["case"]: round(r["predicted_s"] / r["free_s"], 3) for r in results if r.get("free_s")
-        },
+        "free_pick_speedup": {r["case"]: round(r["predicted_s"] / r["free_s"], 3) for r in results if r.get("free_s")},
         "skipped": [r["case"] for r in results if "skipped" in r],
         "failed": [r["case"] for r in results if "failed" in r],
     }

@@ -21,6 +21,7 @@ import datetime
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -30,7 +31,7 @@ from flowrl.errors import ConfigError, FlowRLError
 from flowrl.graph.ir import Graph
 from flowrl.planner.autotune import roles_of
 from flowrl.planner.efficiency import curve_for
-from flowrl.planner.hardware import Calibrated, HardwareSpec, cluster_key
+from flowrl.planner.hardware import Calibrated, HardwareSpec, cluster_key, get, with_values
 from flowrl.planner.traces import SYNC_PREFIX, Measured, read_run
 from flowrl.planner.workload import Fixed, Histogram, LogNormal, WorkloadSpec, mean_length
 
@@ -80,36 +81,6 @@ SENSITIVE = 0.01
 # the runs cannot tell two factors apart, the unmeasured overhead moves first.
 PRIOR_LOG = 0.1
 PRIOR_ZERO = 0.02
-
-
-def get(hw: HardwareSpec, path: str) -> float:
-    obj: Any = hw
-    for part in _parts(path):
-        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
-    return float(obj)
-
-
-def with_values(hw: HardwareSpec, values: dict[str, float]) -> HardwareSpec:
-    """``hw`` with the factors at ``path: value`` replaced."""
-    changes: dict[str, Any] = {}
-    curve, engines = hw.efficiency, dict(hw.generation)
-    for path, value in values.items():
-        parts = _parts(path)
-        if parts[0] == "efficiency":
-            curve = msgspec.structs.replace(curve, **{parts[1]: value})
-        elif parts[0] == "generation":
-            engines[parts[1]] = msgspec.structs.replace(engines[parts[1]], **{parts[2]: value})
-        else:
-            changes[path] = int(value) if isinstance(getattr(hw, path), int) else value
-    return msgspec.structs.replace(hw, efficiency=curve, generation=engines, **changes)
-
-
-def _parts(path: str) -> list[str]:
-    head, _, rest = path.partition(".")
-    if head == "generation":
-        engine, _, field = rest.rpartition(".")
-        return [head, engine, field]
-    return [head, *([rest] if rest else [])]
 
 
 def candidates(hw: HardwareSpec, engines: set[str]) -> tuple[HardwareSpec, list[Factor]]:
@@ -184,20 +155,30 @@ def graph_of(measured: Measured, registry: Any, files: Sequence[str] = ()) -> Gr
     if not (source.endswith(".py") or "/" in source or "\\" in source):
         return api.graph_for_plan(plan, registry)  # an algorithm by name
     builtin = [plan.graph.name] if plan.graph.name in registry.names("algorithms") else []
+    failed = []
     for file in [*builtin, *files]:  # the built-in algorithm of that name, if it builds the graph the run ran
+        if file in files and not Path(file).is_file():
+            failed.append(f"--graph '{file}' does not exist")
+            continue
         try:
             return api.graph_for_plan(plan, registry, source=file)
-        except FlowRLError:
-            continue
+        except FlowRLError as exc:
+            if file in files:
+                failed.append(f"--graph '{file}': {exc}")
+    tried = f" ({'; '.join(failed)})" if failed else ""
     raise ConfigError(
         f"run '{measured.run}' ran the graph file '{source}', which is Python code and not a built-in "
-        f"algorithm's; name it to rebuild the graph: `flowrl calibrate {measured.run} --graph {source}`."
+        f"algorithm's; name it to rebuild the graph: `flowrl calibrate {measured.run} --graph {source}`{tried}."
     )
 
 
 def replay_of(measured: Measured, registry: Any, files: Sequence[str] = ()) -> Replay:
     """The run's plan, graph and workload, with the response lengths its rollouts produced."""
     plan = measured.plan
+    if plan.layout is None or (plan.target.workload is None and plan.layout.predicted is None):
+        raise ConfigError(
+            f"run '{measured.run}': its plan.yaml has no placed layout to replay; it cannot be calibrated."
+        )
     graph = graph_of(measured, registry, files)
     workload = plan.target.workload or plan.workload
     lengths = list(measured.response_length.values())
@@ -234,7 +215,10 @@ def read_runs(paths: Sequence[str], registry: Any, files: Sequence[str] = ()) ->
     """Each run folder, read and made replayable; all of one cluster."""
     if not paths:
         raise ConfigError("flowrl calibrate needs at least one run folder (runs/NAME).")
-    replays = [replay_of(read_run(path), registry, files) for path in paths]
+    unique: dict[Path, str] = {}
+    for path in paths:  # a folder named twice (runs/A and runs/A/) is one run
+        unique.setdefault(Path(path).resolve(), str(path).rstrip("/\\") or str(path))
+    replays = [replay_of(read_run(path), registry, files) for path in unique.values()]
     keys = {cluster_key(r.measured.plan.target.cluster) for r in replays}
     if len(keys) > 1:
         where = ", ".join(f"{r.measured.run} ({r.measured.plan.target.cluster.label})" for r in replays)
@@ -269,8 +253,8 @@ def fit_factors(
     measured_by: dict[str, list[str]] = {}
     for f in factors:
         for r, b, r0 in zip(replays, bases, start):
-            value = get(b, f.path)
-            moved = with_values(b, {f.path: min(value * 3, f.hi) if value > 0 else f.typical})
+            value = get(b, f.path)  # probed at 3x, or its typical size where an earlier fit left it near 0
+            moved = with_values(b, {f.path: min(max(value * 3, f.typical), f.hi)})
             if np.max(np.abs(r.residuals(moved) - r0)) > SENSITIVE:
                 measured_by.setdefault(f.path, []).append(r.measured.run)
     chosen = [f for f in factors if f.path in measured_by]
@@ -293,13 +277,18 @@ def fit_factors(
     lo = np.array([f.lo for f in chosen]) / scale
     hi = np.array([f.hi for f in chosen]) / scale
     start = np.clip(np.where(measured, x0, 1.0), lo, hi)  # off the bound: a factor at 0 starts at its typical size
-    solution = least_squares(residuals, start, bounds=(lo, hi), x_scale=1.0, diff_step=1e-3, max_nfev=60)
+    solution = least_squares(residuals, start, bounds=(lo, hi), x_scale=1.0, diff_step=1e-3, max_nfev=200)
     return values(solution.x), {f.path: measured_by[f.path] for f in chosen}
+
+
+def _cited(run: str, factors: dict[str, list[str]]) -> bool:
+    return any(run in runs for runs in factors.values())
 
 
 def fit(replays: Sequence[Replay], *, progress: Callable[[str], None] = lambda s: None) -> Fit:
     """Fit the factors the runs measure, starting from the hardware the first run was costed on."""
     base = replays[0].measured.plan.target.cluster.hardware
+    earlier = base.calibration  # an earlier fit the runs were costed with: kept for the factors not refitted
     base = msgspec.structs.replace(base, calibration=None)
     engines = {r.measured.plan.config.generation.engine for r in replays}
     base, factors = candidates(base, engines)
@@ -308,9 +297,11 @@ def fit(replays: Sequence[Replay], *, progress: Callable[[str], None] = lambda s
     before = {r.measured.run: r.predict(base).iteration_s for r in replays}
     after = {r.measured.run: r.predict(fitted).iteration_s for r in replays}
     measured = {r.measured.run: r.measured.iteration_s for r in replays}
+    kept = {k: v for k, v in (earlier.factors if earlier else {}).items() if k not in measured_by}
+    runs = [r.measured.run for r in replays]
     provenance = Calibrated(
-        runs=[r.measured.run for r in replays],
-        factors=measured_by,
+        runs=[*runs, *(run for run in (earlier.runs if earlier else []) if run not in runs and _cited(run, kept))],
+        factors={**measured_by, **kept},
         when=datetime.date.today().isoformat(),
         fit={run: (round(before[run], 6), round(after[run], 6), round(measured[run], 6)) for run in measured},
     )

@@ -492,14 +492,59 @@ def calibration_path(cluster: ClusterSpec) -> Path:
 
 
 def with_calibration(cluster: ClusterSpec) -> ClusterSpec:
-    """``cluster`` costed with the factors `flowrl calibrate` fitted for it, where it has (its device
-    memory stays the one measured or given now); else as it is."""
+    """``cluster`` costed with the factors `flowrl calibrate` fitted for it, where it has: those factors
+    replace the spec's own (every other field, its memory too, stays as given or measured now)."""
     path = calibration_path(cluster)
     if not path.is_file():
         return cluster
     fitted = load_hardware(path)
-    hardware = msgspec.structs.replace(fitted, memory_bytes=cluster.hardware.memory_bytes)
-    return msgspec.structs.replace(cluster, hardware=hardware)
+    if fitted.calibration is None:
+        return cluster
+    hardware = cluster.hardware
+    factors = [f for f in fitted.calibration.factors if _has(hardware, f) or f.startswith("efficiency.")]
+    if any(f.startswith("efficiency.") for f in factors) and hardware.efficiency is None:
+        hardware = msgspec.structs.replace(hardware, efficiency=fitted.efficiency)
+    hardware = with_values(hardware, {f: get(fitted, f) for f in factors if _has(fitted, f)})
+    return msgspec.structs.replace(cluster, hardware=msgspec.structs.replace(hardware, calibration=fitted.calibration))
+
+
+def _has(hw: HardwareSpec, path: str) -> bool:
+    try:
+        get(hw, path)
+    except (AttributeError, KeyError, TypeError):
+        return False
+    return True
+
+
+def get(hw: HardwareSpec, path: str) -> float:
+    """The factor at ``path`` (``kernel_overhead``, ``efficiency.e_max``, ``generation.vllm.kernel_overhead``)."""
+    obj: Any = hw
+    for part in _parts(path):
+        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+    return float(obj)
+
+
+def with_values(hw: HardwareSpec, values: dict[str, float]) -> HardwareSpec:
+    """``hw`` with the factors at ``path: value`` replaced."""
+    changes: dict[str, Any] = {}
+    curve, engines = hw.efficiency, dict(hw.generation)
+    for path, value in values.items():
+        parts = _parts(path)
+        if parts[0] == "efficiency":
+            curve = msgspec.structs.replace(curve, **{parts[1]: value})
+        elif parts[0] == "generation":
+            engines[parts[1]] = msgspec.structs.replace(engines[parts[1]], **{parts[2]: value})
+        else:
+            changes[path] = int(value) if isinstance(getattr(hw, path), int) else value
+    return msgspec.structs.replace(hw, efficiency=curve, generation=engines, **changes)
+
+
+def _parts(path: str) -> list[str]:
+    head, _, rest = path.partition(".")
+    if head == "generation":
+        engine, _, field = rest.rpartition(".")
+        return [head, engine, field]
+    return [head, *([rest] if rest else [])]
 
 
 def save_hardware(spec: HardwareSpec, path: str | Path) -> Path:
@@ -547,6 +592,9 @@ def parse_cluster(
         raise ConfigError("cluster: empty; give e.g. '8xA100-80G', '2x8xH100-80G', 'local' or a cluster file.")
     if spec.lower() == "local":
         path = Path(local_path) if local_path is not None else default_profile_path()
+        calibrated = default_profile_path().parent / "calibrated" / "local.yaml"
+        if not path.is_file() and local_path is None and calibrated.is_file():  # `flowrl calibrate` fitted it
+            return ClusterSpec(nodes=1, devices_per_node=1, hardware=load_hardware(calibrated))
         if not path.is_file():
             raise ConfigError(
                 f"cluster 'local': no hardware profile at '{path}'. Run `flowrl profile` first to measure this "

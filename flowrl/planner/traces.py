@@ -9,6 +9,7 @@ checkpoints or evaluates: the steady state is the median over the iterations aft
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,20 +39,44 @@ def steady(iterations: list[int]) -> list[int]:
     return ordered[max(2, len(ordered) // 10) :]
 
 
-def _driver_spans(trace: dict, where: str) -> list[tuple[str, int, float, float]]:
+def _number(value: object) -> float | None:
+    return (
+        float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        else None
+    )
+
+
+def _driver_spans(trace: object, where: str) -> list[tuple[str, int, float, float]]:
     """(task, iteration, start, end) of every task the driver ran, once per task (a task on several
-    groups has one event per group)."""
+    groups has one event per group). Chrome's bare-array format is read too; malformed events are skipped."""
+    events = trace.get("traceEvents") if isinstance(trace, dict) else trace
+    if not isinstance(events, list):
+        raise ConfigError(f"{where}: 'traceEvents' is not a list of events; is it a trace a flowrl run wrote?")
     seen, out = set(), []
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") != "X" or e.get("pid") != 0 or "iteration" not in (e.get("args") or {}):
+    for e in events:
+        if not isinstance(e, dict) or e.get("ph") != "X" or e.get("pid") != 0:
             continue
-        key = (e["name"], e["args"]["iteration"], e["ts"])
+        args = e.get("args") if isinstance(e.get("args"), dict) else {}
+        it, ts, dur = args.get("iteration"), _number(e.get("ts")), _number(e.get("dur"))
+        if (
+            not isinstance(it, int)
+            or isinstance(it, bool)
+            or ts is None
+            or dur is None
+            or not isinstance(e.get("name"), str)
+        ):
+            continue
+        key = (e["name"], it, ts)
         if key in seen:
             continue
         seen.add(key)
-        out.append((e["name"], int(e["args"]["iteration"]), e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6))
+        out.append((e["name"], it, ts / 1e6, (ts + max(dur, 0.0)) / 1e6))
     if not out:
-        raise ConfigError(f"{where} has no task spans of the driver (pid 0 events with an iteration).")
+        raise ConfigError(
+            f"{where} has no task spans of the driver (complete events of pid 0 with an iteration), as runs before "
+            "flowrl recorded them do not; run the graph again to calibrate from it."
+        )
     return out
 
 
@@ -72,7 +97,9 @@ def read_run(path: str | Path) -> Measured:
         trace = json.loads((folder / "trace.json").read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{where}: trace.json cannot be read: {exc}.") from None
-    spans = _driver_spans(trace, f"{where}'s trace.json")
+    spans = _driver_spans(trace, f"{where}: trace.json")
+    # an evaluation runs between two iterations (its record's step counts the updates before it): not their time
+    evaluated = _eval_steps(folder / "metrics.jsonl")
     keep = set(steady([it for _, it, _, _ in spans]))
     if len(keep) < 2:
         raise ConfigError(
@@ -81,6 +108,7 @@ def read_run(path: str | Path) -> Measured:
         )
     durations: dict[str, dict[int, float]] = {}
     ends: dict[int, float] = {}
+    starts: dict[int, float] = {}
     sampling = {n.node for n in plan.nodes if n.kind == "generate"}
     for name, it, start, end in spans:
         if it not in keep:
@@ -89,10 +117,18 @@ def read_run(path: str | Path) -> Measured:
         per_it[it] = per_it.get(it, 0.0) + (end - start)  # a task run in parts (streaming) sums its parts
         if name not in sampling:
             ends[it] = max(ends.get(it, 0.0), end)
-    ordered = [ends[it] for it in sorted(ends)]
-    gaps = [b - a for a, b in zip(ordered, ordered[1:])]
+            starts[it] = min(starts.get(it, math.inf), start)
+    order = sorted(ends)
+    # from one iteration's end to the next one's; across an evaluation, the iteration's own span
+    gaps = [
+        ends[b] - (ends[a] if not {a, b} & evaluated else starts[b]) for a, b in zip(order, order[1:]) if b == a + 1
+    ]
     if not gaps:
         raise ConfigError(f"{where}: too few iterations with training-side tasks to measure an iteration.")
+    if statistics.median(gaps) <= 0:
+        raise ConfigError(
+            f"{where}: trace.json's iterations take no time (every span at one instant); is it a real trace?"
+        )
     lengths = _response_lengths(folder / "metrics.jsonl", sampling, keep)
     return Measured(
         run=str(path),
@@ -104,20 +140,34 @@ def read_run(path: str | Path) -> Measured:
     )
 
 
-def _response_lengths(path: Path, generators: set[str], keep: set[int]) -> dict[str, float]:
-    """Mean ``<node>/response_length`` over the kept steps, per generate node (metrics.jsonl)."""
+def _records(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl; lines that are not JSON objects (a crash's cut line, damage) are skipped."""
     if not path.is_file():
-        return {}
-    sums: dict[str, list[float]] = {}
-    for line in path.read_text().splitlines():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
         try:
             record = json.loads(line)
         except ValueError:
-            continue  # a line cut by a crash
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+def _eval_steps(path: Path) -> set[int]:
+    """The steps after which the run evaluated (``kind: eval`` records)."""
+    return {r["step"] for r in _records(path) if r.get("kind") == "eval" and isinstance(r.get("step"), int)}
+
+
+def _response_lengths(path: Path, generators: set[str], keep: set[int]) -> dict[str, float]:
+    """Mean ``<node>/response_length`` over the kept steps, per generate node (metrics.jsonl)."""
+    sums: dict[str, list[float]] = {}
+    for record in _records(path):
         if record.get("kind") not in (None, "train") or record.get("step") not in keep:
             continue
         for node in generators:
-            value = record.get(f"{node}/response_length")
-            if isinstance(value, (int, float)):
-                sums.setdefault(node, []).append(float(value))
+            value = _number(record.get(f"{node}/response_length"))
+            if value is not None and value > 0:
+                sums.setdefault(node, []).append(value)
     return {node: statistics.fmean(v) for node, v in sums.items() if v}

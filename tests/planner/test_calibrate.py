@@ -108,22 +108,26 @@ def test_calibrate_then_plan_uses_the_fit_and_says_so(runs, home, capsys):
     assert abs(predicted / measured - 1) < 0.15 or abs(predicted - measured) < 0.01  # the plan prints 2 decimals
 
 
+def _err(capsys) -> str:
+    return " ".join(capsys.readouterr().err.split())
+
+
 def test_calibrate_refuses_what_it_cannot_read(runs, home, tmp_path, capsys):
     assert cli.main(["calibrate", str(tmp_path / "nowhere")]) == 2
-    assert "no such folder" in capsys.readouterr().err
+    assert "no such folder" in _err(capsys)
     empty = tmp_path / "empty"
     empty.mkdir()
     assert cli.main(["calibrate", str(empty)]) == 2
-    assert "no plan.yaml" in capsys.readouterr().err
+    assert "no plan.yaml" in _err(capsys)
     short = _run(tmp_path, "short", RUNS["a"], steps=3)
     assert cli.main(["calibrate", str(short)]) == 2
-    assert "Run more steps" in capsys.readouterr().err
+    assert "Run more steps" in _err(capsys)
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "plan.yaml").write_text((runs["a"] / "plan.yaml").read_text())
     (broken / "trace.json").write_text("{not json")
     assert cli.main(["calibrate", str(broken)]) == 2
-    assert "trace.json cannot be read" in capsys.readouterr().err
+    assert "trace.json cannot be read" in _err(capsys)
 
 
 def test_a_graph_file_is_built_only_when_named(home, tmp_path, capsys):
@@ -150,7 +154,8 @@ def test_runs_of_two_clusters_are_refused(runs, tmp_path):
     plan = load_plan(runs["a"] / "plan.yaml")
     hw = msgspec.structs.replace(plan.target.cluster.hardware, name="someone-elses-gpu")
     cluster = msgspec.structs.replace(plan.target.cluster, hardware=hw)
-    dump_plan(msgspec.structs.replace(plan, target=msgspec.structs.replace(plan.target, cluster=cluster)), other / "plan.yaml")
+    edited = msgspec.structs.replace(plan, target=msgspec.structs.replace(plan.target, cluster=cluster))
+    dump_plan(edited.sealed(), other / "plan.yaml")
     with pytest.raises(ConfigError, match="different clusters"):
         read_runs([str(runs["a"]), str(other)], registry())
 
@@ -171,12 +176,18 @@ def test_a_calibration_is_found_by_its_cluster_and_keeps_todays_memory(home):
     )
     two = cpu_cluster(machine, 2)
     assert cluster_key(two) == "cpu-2" and with_calibration(two) is two
-    fitted = msgspec.structs.replace(two.hardware, task_overhead=0.004, memory_bytes=123)
+    from flowrl.planner.hardware import Calibrated
+
+    provenance = Calibrated(runs=["runs/x"], factors={"task_overhead": ["runs/x"]})
+    fitted = msgspec.structs.replace(
+        two.hardware, task_overhead=0.004, kernel_overhead=0.5, memory_bytes=123, calibration=provenance
+    )
     path = calibration_path(two)
     path.parent.mkdir(parents=True)
     path.write_bytes(msgspec.yaml.encode(fitted))
     used = with_calibration(two)
     assert used.hardware.task_overhead == 0.004 and used.hardware.memory_bytes == two.hardware.memory_bytes
+    assert used.hardware.kernel_overhead == two.hardware.kernel_overhead  # only the fitted factors are applied
     one = msgspec.structs.replace(two, devices_per_node=1, hardware=machine)
     assert cluster_key(one) == "local" and with_calibration(one).hardware.task_overhead == 0.0
 
@@ -196,7 +207,9 @@ def test_lengths_are_scaled_to_what_the_run_produced():
     assert scaled(Fixed(value=4), 60.0, 8) == Fixed(value=8)  # never past the budget
     lengths = scaled(Histogram(lengths=[2, 4], weights=[1.0, 1.0]), 6.0, 16)
     assert mean_length(lengths) == pytest.approx(6.0)
-    tail = scaled(LogNormal(median=100, sigma=0.5, max=4096), 2 * mean_length(LogNormal(median=100, sigma=0.5, max=4096)), 4096)
+    tail = scaled(
+        LogNormal(median=100, sigma=0.5, max=4096), 2 * mean_length(LogNormal(median=100, sigma=0.5, max=4096)), 4096
+    )
     assert tail.median == pytest.approx(200)
 
 
