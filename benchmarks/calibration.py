@@ -72,7 +72,7 @@ def main() -> None:
     replays = read_runs([run for _, run, _ in runs], registry())
     fitted = fit(replays[:CALIBRATE_ON], progress=lambda s: print(f"  {s}", flush=True))
     rows = []
-    for (name, run, summary), replay in zip(runs, replays):
+    for (name, _run, summary), replay in zip(runs, replays):
         measured = replay.measured.iteration_s
         before = replay.measured.plan.layout.predicted.iteration_s
         after = replay.predict(fitted.hardware).iteration_s

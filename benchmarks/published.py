@@ -200,7 +200,8 @@ def main_() -> int:
         if r["free_s"] is not None:
             gain = r["predicted_s"] / r["free_s"] - 1 if r["free_s"] else 0.0
             print(
-                f"    free pick: {r['free_s']:.1f} s ({gain:+.0%} faster than the published layout, as predicted): {r['free_plan']}"
+                f"    free pick: {r['free_s']:.1f} s ({gain:+.0%} faster than the published layout, as predicted): "
+                f"{r['free_plan']}"
             )
     errors = [r["error"] for r in results if "error" in r]
     # cases whose response lengths were published (the others rest on an assumed mean response)
