@@ -5,8 +5,13 @@ required (`--require`), and the predicted step and phases are set beside the pub
     python benchmarks/published.py [--budget S] [CASE ...]
 
 Prints a table per case and a final JSON line with the median and max error of the step time,
-over every case and over those whose response lengths were published (the others rest on an
-assumed mean response). For each case it also prints the MFU the published train phase implies
+over every case, over those whose response lengths were published (the others rest on an
+assumed mean response), and per system family (``family:`` in each case file). Each case is
+planned a second time without its requirements: the planner's free pick is printed beside the
+published layout, and the JSON line's ``free_pick_speedup`` is the predicted published-layout time
+over the free pick's. Generation is costed as a serving engine (``generation.engine`` vllm, or
+the case's ``generation_engine``); a case's ``layout.train.micro_batch`` is its published micro-batch.
+For each case it also prints the MFU the published train phase implies
 for the workload as costed: above ~80% the assumed workload cannot be what that run trained on.
 Cases whose workload is not published (null prompts or samples) are skipped and listed.
 """

@@ -148,12 +148,10 @@ def scaled(dist: Any, mean: float, top: int) -> Any:
 def graph_of(measured: Measured, registry: Any, files: Sequence[str] = ()) -> Graph:
     """The graph a run ran. A graph *file* is code: it is built only when named in ``files``
     (``--graph``), or when it is a built-in algorithm's (``graphs/grpo.py`` is algorithm ``grpo``)."""
-    from flowrl import api
-
     plan = measured.plan
     source = plan.graph.source
     if not (source.endswith(".py") or "/" in source or "\\" in source):
-        return api.graph_for_plan(plan, registry)  # an algorithm by name
+        return _rebuilt(plan, registry, source)  # an algorithm by name
     builtin = [plan.graph.name] if plan.graph.name in registry.names("algorithms") else []
     failed = []
     for file in [*builtin, *files]:  # the built-in algorithm of that name, if it builds the graph the run ran
@@ -161,7 +159,7 @@ def graph_of(measured: Measured, registry: Any, files: Sequence[str] = ()) -> Gr
             failed.append(f"--graph '{file}' does not exist")
             continue
         try:
-            return api.graph_for_plan(plan, registry, source=file)
+            return _rebuilt(plan, registry, file)
         except FlowRLError as exc:
             if file in files:
                 failed.append(f"--graph '{file}': {exc}")
@@ -170,6 +168,20 @@ def graph_of(measured: Measured, registry: Any, files: Sequence[str] = ()) -> Gr
         f"run '{measured.run}' ran the graph file '{source}', which is Python code and not a built-in "
         f"algorithm's; name it to rebuild the graph: `flowrl calibrate {measured.run} --graph {source}`{tried}."
     )
+
+
+def _rebuilt(plan: Any, registry: Any, source: str) -> Graph:
+    """The graph ``source`` builds with the plan's config; refused when it is not the graph the plan was made for."""
+    from flowrl.graph.loading import build_graph, find_graph
+
+    algorithms = {e.name: e.obj for e in registry.entries("algorithms")}
+    graph = build_graph(find_graph(source, algorithms, registry), plan.config)
+    if graph.fingerprint() != plan.graph.fingerprint:
+        raise ConfigError(
+            f"'{source}' builds graph '{graph.name}' {graph.fingerprint()}, not the run's '{plan.graph.name}' "
+            f"{plan.graph.fingerprint}"
+        )
+    return graph
 
 
 def replay_of(measured: Measured, registry: Any, files: Sequence[str] = ()) -> Replay:
