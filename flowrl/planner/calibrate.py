@@ -261,10 +261,10 @@ def fit_factors(
     its own ``bases`` spec with the shared values), and the runs that measured each one."""
     from scipy.optimize import least_squares
 
-    start = [r.residuals(b) for r, b in zip(replays, bases)]
+    now = [r.residuals(b) for r, b in zip(replays, bases)]
     measured_by: dict[str, list[str]] = {}
     for f in factors:
-        for r, b, r0 in zip(replays, bases, start):
+        for r, b, r0 in zip(replays, bases, now):
             value = get(b, f.path)  # probed at 3x, or its typical size where an earlier fit left it near 0
             moved = with_values(b, {f.path: min(max(value * 3, f.typical), f.hi)})
             if np.max(np.abs(r.residuals(moved) - r0)) > SENSITIVE:

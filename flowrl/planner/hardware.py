@@ -488,7 +488,12 @@ def cluster_key(cluster: ClusterSpec) -> str:
 def calibration_path(cluster: ClusterSpec) -> Path:
     """Where ``flowrl calibrate`` saves the factors fitted for ``cluster``:
     ``$FLOWRL_HOME/hardware/calibrated/<cluster_key>.yaml``."""
-    return default_profile_path().parent / "calibrated" / f"{cluster_key(cluster)}.yaml"
+    return calibration_file(cluster_key(cluster))
+
+
+def calibration_file(key: str) -> Path:
+    """The calibration of the cluster named ``key`` (`cluster_key`)."""
+    return default_profile_path().parent / "calibrated" / f"{key}.yaml"
 
 
 def with_calibration(cluster: ClusterSpec) -> ClusterSpec:
@@ -592,7 +597,7 @@ def parse_cluster(
         raise ConfigError("cluster: empty; give e.g. '8xA100-80G', '2x8xH100-80G', 'local' or a cluster file.")
     if spec.lower() == "local":
         path = Path(local_path) if local_path is not None else default_profile_path()
-        calibrated = default_profile_path().parent / "calibrated" / "local.yaml"
+        calibrated = calibration_file("local")
         if not path.is_file() and local_path is None and calibrated.is_file():  # `flowrl calibrate` fitted it
             return ClusterSpec(nodes=1, devices_per_node=1, hardware=load_hardware(calibrated))
         if not path.is_file():

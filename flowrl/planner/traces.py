@@ -98,8 +98,9 @@ def read_run(path: str | Path) -> Measured:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{where}: trace.json cannot be read: {exc}.") from None
     spans = _driver_spans(trace, f"{where}: trace.json")
+    records = _records(folder / "metrics.jsonl")
     # an evaluation runs between two iterations (its record's step counts the updates before it): not their time
-    evaluated = _eval_steps(folder / "metrics.jsonl")
+    evaluated = _eval_steps(records)
     keep = set(steady([it for _, it, _, _ in spans]))
     if len(keep) < 2:
         raise ConfigError(
@@ -129,7 +130,7 @@ def read_run(path: str | Path) -> Measured:
         raise ConfigError(
             f"{where}: trace.json's iterations take no time (every span at one instant); is it a real trace?"
         )
-    lengths = _response_lengths(folder / "metrics.jsonl", sampling, keep)
+    lengths = _response_lengths(records, sampling, keep)
     return Measured(
         run=str(path),
         plan=plan,
@@ -155,15 +156,15 @@ def _records(path: Path) -> list[dict]:
     return out
 
 
-def _eval_steps(path: Path) -> set[int]:
+def _eval_steps(records: list[dict]) -> set[int]:
     """The steps after which the run evaluated (``kind: eval`` records)."""
-    return {r["step"] for r in _records(path) if r.get("kind") == "eval" and isinstance(r.get("step"), int)}
+    return {r["step"] for r in records if r.get("kind") == "eval" and isinstance(r.get("step"), int)}
 
 
-def _response_lengths(path: Path, generators: set[str], keep: set[int]) -> dict[str, float]:
-    """Mean ``<node>/response_length`` over the kept steps, per generate node (metrics.jsonl)."""
+def _response_lengths(records: list[dict], generators: set[str], keep: set[int]) -> dict[str, float]:
+    """Mean ``<node>/response_length`` over the kept steps, per generate node (metrics.jsonl's records)."""
     sums: dict[str, list[float]] = {}
-    for record in _records(path):
+    for record in records:
         if record.get("kind") not in (None, "train") or record.get("step") not in keep:
             continue
         for node in generators:
