@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from flowrl import api
 from flowrl.cli import main
 from flowrl.specs import read_document
@@ -68,6 +70,46 @@ def test_an_unknown_option_is_refused_naming_the_config_field(capsys) -> None:
 def test_a_node_option_outside_nodes_is_an_unknown_field_that_says_where_it_goes(capsys) -> None:
     code, _, err = run_cli(capsys, "plan", "grpo", "--set", "advantages.eps=1e-3")
     assert code == 2 and "unknown field 'advantages'" in err and "--set nodes.advantages.OPTION=VALUE" in err, err
+
+
+@pytest.mark.parametrize(
+    ("graph", "setting"),
+    [("dapo", "nodes.dynamic_sampling.max_rounds=5"), ("tool_use", "nodes.episodes.turns=3")],
+)
+def test_a_nodes_graph_field_is_named_as_such_not_as_an_unknown_option(capsys, tmp_path, graph, setting) -> None:
+    """A node's own graph fields (a filter's ``max_rounds``, a generate node's ``turns``), which the graph
+    file sets and `flowrl show` prints, are refused as part of the graph, not as unknown options."""
+    code, _, err = run_cli(capsys, "plan", graph, "--set", setting, "--out", str(tmp_path / "p.yaml"))
+    field = setting.split(".")[2].split("=")[0]
+    assert code == 2 and field in err, err
+    assert "unknown option" not in err and "graph" in err, err
+
+
+def test_an_algo_field_out_of_range_is_refused_config_wide(capsys, tmp_path: Path) -> None:
+    small = ["--set", "rollout.prompts_per_step=2", "--set", "rollout.samples_per_prompt=2"]
+    out = str(tmp_path / "p.yaml")
+    code, _, err = run_cli(capsys, "plan", "grpo", *small, "--set", "algo.clip_low=5", "--out", out)
+    assert code == 2 and "algo.clip_low' must be in (0, 1)" in err, err
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "nodes.train_actor.clip_low=5",
+        "nodes.train_actor.dual_clip=0.5",
+        "nodes.train_actor.is_cap=0",
+        "nodes.advantages.clip_high=-1",
+    ],
+)
+def test_an_algo_field_out_of_range_for_one_node_is_refused_naming_the_node(capsys, tmp_path: Path, setting) -> None:
+    """`--set nodes.NAME.FIELD=VALUE` for an algo field meets the checks of `--set algo.FIELD=VALUE`."""
+    small = ["--set", "rollout.prompts_per_step=2", "--set", "rollout.samples_per_prompt=2"]
+    out = tmp_path / "p.yaml"
+    code, _, err = run_cli(capsys, "plan", "grpo", *small, "--set", setting, "--out", str(out))
+    node, field = setting.split(".")[1], setting.split(".")[2].split("=")[0]
+    assert code == 2 and "Traceback" not in err, err
+    assert node in err and field in err, err
+    assert not out.exists()
 
 
 SPY = """

@@ -126,3 +126,20 @@ def test_draw_png_writes_a_png(tmp_path: Path) -> None:
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data) > 1000
+
+
+def _raft(by_row: bool) -> Graph:
+    """Rejection SFT (graphs/rejection_sft.py) with a filter keeping single rows or whole groups."""
+    g = Graph("raft")
+    g.model("actor", "actor")
+    g.generate("rollout", model="actor", reads="prompts", writes="responses", n=4)
+    g.reward("reward", fn="task", reads="prompts responses", writes="rewards")
+    g.filter("select", fn="threshold", reads="rewards responses", by_row=by_row, min_reward=1.0)
+    g.train("train_actor", model="actor", loss="sft", reads="responses")
+    return g
+
+
+def test_node_line_tells_a_row_filter_from_a_group_filter() -> None:
+    rows, groups = (node_line(_raft(b).nodes["select"]) for b in (True, False))
+    assert rows != groups
+    assert "row" in rows.replace("(rows)", ""), rows  # '(rows)' is the effect column every filter shows
