@@ -1,8 +1,8 @@
-"""Issue 21: a plan whose config was edited after `resolve` wrote its 'models' and 'options'
-sections must be refused (README: "delete the 'id' line to accept the edit"), not run with the
-resolved values while the config says otherwise. Today `_check_resolved` compares only engines,
-seed, model and sampling fields: an edited optimizer field (train.lr, grad_clip, ...), algo field,
-train.epochs / mini_batches or node option runs silently with the old value."""
+"""`api.check` (`PlanExecutor.check`), the one place a plan is checked on its way in, before any model
+is built: a plan whose config was edited after `resolve` wrote its 'models' and 'options' sections is
+refused naming the edited field (README: "delete the 'id' line to accept the edit"), never run with
+the resolved values while the config says otherwise; a plan whose 'models' section lacks a graph
+model, or resolves a model the graph does not have, is refused naming that model."""
 
 from __future__ import annotations
 
@@ -34,7 +34,6 @@ def edited(plan: Any, section: str, **change: Any) -> Any:
 
 
 def test_an_edited_sampling_field_is_refused(planned) -> None:
-    """The part that works: a sampling field is compared with the resolved model run."""
     graph, plan = planned
     with pytest.raises(FlowRLError, match="rollout.top_p"):
         api.check(graph, edited(plan, "rollout", top_p=0.5))
@@ -61,3 +60,18 @@ def test_an_edited_field_that_resolve_copied_is_refused_naming_it(planned, secti
     assert changed.options == plan.options
     with pytest.raises(FlowRLError, match=field.replace(".", r"\.")):
         api.check(graph, changed)
+
+
+def test_a_plan_missing_a_models_resolved_spec_is_refused(planned) -> None:
+    graph, plan = planned
+    models = {k: v for k, v in plan.models.items() if k != "ref"}
+    with pytest.raises(FlowRLError, match="ref"):
+        api.check(graph, msgspec.structs.replace(plan, models=models).sealed())
+
+
+def test_a_plan_resolving_a_model_the_graph_lacks_is_refused(planned) -> None:
+    graph, plan = planned
+    ghost = msgspec.structs.replace(plan.models["ref"], model="ghost", training_engine="local")
+    models = {**plan.models, "ghost": ghost}
+    with pytest.raises(FlowRLError, match="ghost"):
+        api.check(graph, msgspec.structs.replace(plan, models=models).sealed())
