@@ -1,8 +1,6 @@
-"""Issue 21: engines now receive `EngineContext.spec`, never the plan. Every engine plugin written
-against the earlier API reads ``ctx.plan`` in its factory; it then fails with a bare
-``AttributeError: 'EngineContext' object has no attribute 'plan'`` that names neither the engine nor
-its plugin (the CLI shows a traceback). An engine factory's failure should be a flowrl error naming
-the engine, its plugin and the model, as a node function's failure names the node."""
+"""An engine factory's failure is a flowrl error naming the engine, its plugin and the model, as a
+node function's failure names the node: e.g. a plugin written against the earlier engine API, which
+reads ``ctx.plan`` (engines receive `EngineContext.spec`, never the plan)."""
 
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ class EngineWrittenForTheOldContext:
     @hookimpl
     def register_generation_engines(self, register: Any) -> None:
         def factory(ctx: Any) -> Any:
-            temperature = ctx.plan.config.rollout.temperature  # the engine API before issue 21
+            temperature = ctx.plan.config.rollout.temperature  # the earlier engine API
             raise AssertionError(f"unreachable ({temperature})")
 
         register("old_gen", factory)

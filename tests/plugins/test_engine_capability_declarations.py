@@ -1,14 +1,10 @@
-"""Issue 21: engines declare what they can compute at registration, composed with the executor's.
+"""Engines declare what they can compute at registration, composed with the executor's.
 
-- A generation engine that declares model parallelism (vLLM does, for tp replicas) must give a run
-  generation tp > 1 when the training engine is another one: `compose` says so, but `for_run` folds
-  the training engine's declaration into the generation engine's, so a local trainer with such a
-  generation engine gets ``generation_parallel=False`` (the Ray executor can no longer be planned
-  with vLLM at generation tp 2; before the change it could).
+- A generation engine that declares model parallelism (vLLM does, for tp replicas) gives a run
+  generation tp > 1 beside another training engine (`for_run` keeps each engine's declaration).
 - An engine registered with ``capabilities=`` something other than an `EngineCapabilities` (the
-  executor's `Capabilities`, a dict) is silently treated as declaring nothing; the plan is then
-  refused with "the training engine does not declare it". Executors' capabilities are checked at
-  registration; engines' should be too."""
+  executor's `Capabilities`, a dict) is refused at registration, as executors' capabilities are.
+- Requiring pipeline stages of an engine that declares none names the engine, not divisibility."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Issue 21 item 8: a train node that reads a key its loss does not use is refused at plan time
-(computing it would be wasted work). `gspo` reading ``ref_logprobs`` is refused; the built-in `sft`
-loss, which declares that it reads nothing but the responses (``needs=()``, ``optional=()``), is
-not checked at all (`_check_unused` treats an empty declaration as no declaration), so rejection
-SFT reading ``ref_logprobs`` silently runs the reference forward for nothing."""
+"""A train node that reads a key its loss does not use is refused at plan time (computing it would be
+wasted work), also for a loss that declares it reads nothing but the responses (the built-in `sft`:
+``needs=()``, ``optional=()``), which is a declaration, not the absence of one."""
 
 from __future__ import annotations
 

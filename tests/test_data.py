@@ -1,9 +1,6 @@
-"""Issue 21: `flowrl.data.Sequences` is the public typed batch of responses (losses, filters and
-plugins index it). `select` takes a row index tensor or a slice and slices the tensors with torch
-indexing, but takes the texts by ``idx.tolist()``: with a boolean mask (the usual torch idiom for
-"the rows a filter kept") the tensors hold the kept rows while ``texts`` holds texts[False] /
-texts[True] for every row, the wrong texts and the wrong count; rewards would score other
-responses. `Rollout.select` inherits it."""
+"""The typed batches that cross layers (`flowrl.data`): `Sequences.select` and `Rollout.select` keep
+each row's tensors and text together, whether rows are picked by number or by a boolean mask (the
+torch idiom for "the rows a filter kept")."""
 
 from __future__ import annotations
 
@@ -32,7 +29,7 @@ def test_select_with_row_numbers_keeps_rows_and_texts_together() -> None:
 def test_select_with_a_boolean_mask_keeps_rows_and_texts_together() -> None:
     s = sequences(("a", "b", "c")).select(torch.tensor([False, True, True]))
     assert s.response_ids.flatten().tolist() == [11, 12]
-    assert s.texts == ("b", "c")  # today ('a', 'b', 'b'): three texts for two rows
+    assert s.texts == ("b", "c")  # not ('a', 'b', 'b'): texts indexed by the mask's values
 
 
 def test_rollout_select_with_a_boolean_mask_keeps_rows_and_texts_together() -> None:

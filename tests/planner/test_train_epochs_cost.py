@@ -1,8 +1,6 @@
-"""Issue 21: a train node's epochs and mini-batches are resolved into the plan (`plan.options`),
-from `train.epochs` or the node's own option (`--set nodes.train_actor.epochs=4`). The cost model
-reads only the workload, derived from `train.epochs`: the same 4 epochs set for the node are run
-but not costed (predicted train time and the workload's ppo_epochs as for 1 epoch), so the plan's
-prediction, --explain and the tuner's choice are off by the factor."""
+"""A train node's epochs are costed as they run: from `train.epochs` or from the node's own option
+(`--set nodes.train_actor.epochs=4`), resolved into the plan (`plan.options`), the predicted train
+time grows with them, so the plan's prediction, --explain and the tuner's choice see them."""
 
 from __future__ import annotations
 
