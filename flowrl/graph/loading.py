@@ -107,10 +107,26 @@ def _import_file(path: Path, registry: Any = None) -> ModuleType:
         seen.add((kind, fn_name))
     if registered:
         _pickle_by_value(module)
-        if registry is not None:
-            for kind, fn_name, obj, meta in registered:
-                registry.add(kind, f"graph file {path}", fn_name, obj, again=True, **meta)
+    if registry is not None:
+        _register_own(registry, path, registered)
     return module
+
+
+def _register_own(registry: Any, path: Path, registered: list[tuple[str, str, Any, dict[str, Any]]]) -> None:
+    """What graph file ``path`` registers goes into ``registry`` under the file as its plugin. Its own
+    function wins inside this graph over a built-in of the same name (a built-in added after the file
+    was written must not break it), with a one-line notice the first time; the built-ins another graph
+    file shadowed are given back first."""
+    plugin = f"graph file {path}"
+    registry.release(plugin)
+    for kind, fn_name, obj, meta in registered:
+        if registry.add_own(kind, plugin, fn_name, obj, **meta) is not None:
+            print(
+                f"flowrl: note: {path} registers {registry.singular(kind)} '{fn_name}', which shadows the built-in "
+                "of that name in this graph.",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _pickle_by_value(module: ModuleType) -> None:

@@ -65,6 +65,8 @@ class Registry:
     def __init__(self) -> None:
         self._items: dict[str, dict[str, Entry]] = {k.name: {} for k in KINDS}
         self.plugins: list[PluginInfo] = []
+        # (kind, name) -> the built-in entry a graph file's own function of that name stands in for
+        self._shadowed: dict[tuple[str, str], Entry] = {}
 
     def add(self, kind: str, plugin: str, name: str, obj: Any, *, again: bool = False, **meta: Any) -> None:
         """Register ``obj``; ``again``: the same plugin may replace its own entry (a graph file
@@ -82,6 +84,47 @@ class Registry:
         if problem:
             raise PluginError(f"plugin '{plugin}' registered {what} '{name}', but {problem}.")
         table[name] = Entry(name=name, obj=obj, plugin=plugin, meta=meta)
+
+    def add_own(self, kind: str, graph_file: str, name: str, obj: Any, **meta: Any) -> Entry | None:
+        """Register a graph file's own function. Inside the graph it wins over a built-in of the same
+        name (the built-in is kept aside, and comes back when another graph file is loaded: `release`),
+        so that a built-in added later never breaks a graph written before it; any other name held by
+        a plugin or another graph file is refused as by `add`. Returns the built-in it newly shadows,
+        if it does (what the loader tells the user, once)."""
+        kind = canonical(kind)
+        held = self._items[kind].get(name)
+        shadows = held is not None and held.plugin in BUILTIN_MODULES
+        if shadows:
+            assert held is not None
+            del self._items[kind][name]
+        try:
+            self.add(kind, graph_file, name, obj, again=True, **meta)
+        except PluginError:
+            if shadows:
+                assert held is not None
+                self._items[kind][name] = held
+            raise
+        if not shadows:
+            return None
+        assert held is not None
+        self._shadowed[(kind, name)] = held
+        return held
+
+    def release(self, graph_file: str) -> None:
+        """Give back the built-ins that graph files other than ``graph_file`` shadow: one graph's own
+        functions never stand in for a built-in in another graph."""
+        for (kind, name), builtin in list(self._shadowed.items()):
+            if self._items[kind][name].plugin != graph_file:
+                self._items[kind][name] = builtin
+                del self._shadowed[(kind, name)]
+
+    def singular(self, kind: str) -> str:
+        """How messages name one entry of ``kind`` ("loss", "compute function")."""
+        return SINGULAR[canonical(kind)]
+
+    def shadowed(self, kind: str, name: str) -> Entry | None:
+        """The built-in entry a graph file's own ``name`` of ``kind`` stands in for, if one does."""
+        return self._shadowed.get((canonical(kind), name))
 
     def entry(self, kind: str, name: str, *, field: str | None = None) -> Entry:
         """The entry ``name`` of ``kind``; ``field``: the config field that named it (a ConfigError then)."""
