@@ -84,7 +84,7 @@ WORKER = textwrap.dedent(
         rank = int(os.environ["RANK"])
         dist.init_process_group("gloo", rank=rank, world_size=2)
         torch.set_num_threads(1)
-        from flowrl.backends.local.engine import LocalModel, training_engine
+        from flowrl.backends.local.factories import local_model, training_engine
         from flowrl.backends.local.models import build_causal_lm, load_tokenizer, model_config
         from flowrl.data import Sequences
         from flowrl.runtime.batch import StepBatch
@@ -100,7 +100,7 @@ WORKER = textwrap.dedent(
                 cfg = model_config(spec.checkpoint, spec.tiny, tok)
                 module = build_causal_lm(spec.checkpoint, cfg, spec.seed)
                 module.model.register_buffer("probe", torch.arange(4.0), persistent=True)
-                eng = LocalModel(decl, module, tok, cfg, spec, torch.device("cpu"), rank, 2, dist.group.WORLD)
+                eng = local_model(decl, module, tok, cfg, spec, torch.device("cpu"), rank, 2, dist.group.WORLD)
             else:
                 eng = training_engine(ctx)
             rep = {"sharded": eng.sharded}

@@ -9,9 +9,8 @@ sequence-classification checkpoint (``LlamaForSequenceClassification``, ``num_la
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +19,12 @@ from torch import Tensor, nn
 
 from flowrl.errors import BackendError
 from flowrl.planner.modelspec import check_model_dir
-from flowrl.specs import LoraConfig, TinyModelConfig
+from flowrl.specs import TinyModelConfig
 
 VALUE_HEAD_FILE = "value_head.safetensors"
+
+# LoRA lives with the other transforms (`flowrl.backends.local.parallelize.lora`); these names stay importable here
+from flowrl.backends.local.parallelize.lora import ADAPTER_FILE, adapters_off, add_lora, merge_lora  # noqa: E402,F401
 
 
 def _quiet_transformers() -> None:
@@ -223,81 +225,15 @@ def _weight_names(folder: Path) -> set[str]:
 
 
 def apply_numerics(module: nn.Module, attention: str, recompute: bool, name: str = "") -> None:
-    """Make ``module`` (a causal LM or a `ValueModel`) compute with the ``attention`` kernel (sdpa,
-    eager, flash_attention_2) and, with ``recompute``, recompute each decoder layer's activations in
-    the backward pass (non-reentrant checkpointing) instead of keeping them."""
-    lm = module.backbone if isinstance(module, ValueModel) else module
-    try:
-        lm.set_attn_implementation(attention)
-    except Exception as exc:  # flash-attn missing, or an architecture without that kernel
-        raise BackendError(
-            f"model '{name}': train.attention={attention} is not available here ({type(exc).__name__}: {exc}). "
-            "Use train.attention=sdpa or eager."
-        ) from None
+    """Make ``module`` (a causal LM or a `ValueModel`) compute with the ``attention`` kernel and, with
+    ``recompute``, recompute each decoder layer's activations in the backward pass
+    (`parallelize.precision.set_attention`, `parallelize.recompute.apply`)."""
+    from flowrl.backends.local.parallelize import precision
+    from flowrl.backends.local.parallelize import recompute as recomputation
+
+    precision.set_attention(module, attention, name)
     if recompute:
-        if not getattr(lm, "supports_gradient_checkpointing", False):
-            raise BackendError(
-                f"model '{name}' ({type(lm).__name__}) cannot recompute its layers' activations; set "
-                "train.recompute=false."
-            )
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-#: Where a LoRA-trained model's checkpoint keeps what trained (the adapters, and a value head).
-ADAPTER_FILE = "adapter.safetensors"
-
-
-def add_lora(module: nn.Module, lora: LoraConfig, seed: int, name: str = "") -> None:
-    """Inject LoRA adapters (peft) into ``module``'s ``lora.target_modules`` linear layers, in place and
-    seeded; afterwards only the adapters (and a `ValueModel`'s head) require gradients."""
-    from peft import LoraConfig as PeftLora
-    from peft import inject_adapter_in_model
-
-    lm = module.backbone if isinstance(module, ValueModel) else module
-    present = {n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if isinstance(m, nn.Linear)}
-    missing = [t for t in lora.target_modules if t not in present]
-    if missing:
-        raise BackendError(
-            f"model '{name}': train.lora.target_modules names {missing}, which it does not have; its linear "
-            f"layers: {', '.join(sorted(present))}."
-        )
-    config = PeftLora(
-        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)
-    )
-    torch.manual_seed(seed)  # the adapters' A matrices are drawn (B starts at zero: no change at first)
-    inject_adapter_in_model(config, lm)
-    for key, param in module.named_parameters():
-        param.requires_grad_(".lora_" in key or key.startswith("head."))
-
-
-@contextlib.contextmanager
-def adapters_off(module: nn.Module) -> Iterator[None]:
-    """``module``'s LoRA adapters switched off for the duration: it computes as its base model."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
-    for layer in layers:
-        layer.enable_adapters(False)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.enable_adapters(True)
-
-
-def merge_lora(weights: Mapping[str, Tensor], scaling: float) -> dict[str, Tensor]:
-    """A LoRA model's state dict as the plain model's: every adapted weight W + scaling * B @ A under
-    its own key, the adapters gone (what generation engines and HF checkpoints take)."""
-    out = {}
-    for key, value in weights.items():
-        if ".lora_" in key:
-            continue
-        if key.endswith(".base_layer.weight"):
-            stem = key[: -len(".base_layer.weight")]
-            a, b = weights[f"{stem}.lora_A.default.weight"], weights[f"{stem}.lora_B.default.weight"]
-            value = value + (scaling * (b.float() @ a.float())).to(value.dtype)
-        out[key.replace(".base_layer.", ".")] = value
-    return out
+        recomputation.apply(module, name)
 
 
 def build_model(path: str | None, config: Any, seed: int, scalar_head: bool, name: str = "") -> nn.Module:

@@ -1,0 +1,132 @@
+"""One home for parallelism in the torch engine, torchtitan-style: one device mesh per model
+(`mesh.ParallelDims`, `mesh.build_mesh`) and `parallelize`, which applies every transform to a model's
+module, per decoder layer, in one order. A new parallelism is one module here plus its tests.
+
+The order, and why (each step needs what the ones before it left):
+
+1. **LoRA** (`lora`): adapters are new parameters of their decoder layers, so they come before anything
+   splits the layers (the torch engine refuses LoRA with tensor parallelism).
+2. **Tensor parallelism** (`tensor`): each decoder layer's projections become DTensor slices over the
+   tensor mesh (Megatron's split), the embedding and LM head over the vocabulary.
+3. **Pipeline stages**: the hook point where a model would be cut into stages over the pipeline mesh
+   (after tensor slicing, before FSDP2 wraps the stage's layers); `mesh.ParallelDims.check_built`
+   refuses pipeline > 1 until a module here builds them.
+4. **Recomputation** (`recompute`): each decoder layer recomputes its activations in the backward.
+5. **Numerics** (`precision.set_attention`): the attention kernel.
+6. **FSDP2** (`fsdp`): a trainable model over several data ranks is sharded per decoder layer and at
+   the root, with mixed precision (`precision.fsdp_policy`) and host offload (`offload.fsdp_policy`)
+   as its policies.
+7. **Mixed precision in one process** (`precision.autocast`) and **optimizer offload in one process**
+   (`offload.host_step`): what FSDP2 does not do for a model, the engine does per pass and per step;
+   `Parallelized` says which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+from torch import nn
+
+from flowrl.backends.local.parallelize import fsdp, lora, offload, precision, recompute, tensor
+from flowrl.backends.local.parallelize.mesh import Mesh, ParallelDims, build_mesh
+from flowrl.specs import LoraConfig
+
+__all__ = ["Mesh", "ParallelDims", "ParallelSpec", "Parallelized", "build_mesh", "parallelize"]
+
+
+class ParallelSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """What `parallelize` applies to one model, from its resolved spec: the model's ``name`` (for
+    messages), whether it ``trainable``, its ``lora`` adapters (None: none), the precision it computes
+    in (``dtype``: float32 or bfloat16), its ``attention`` kernel, ``recompute``, and ``offload`` (the
+    optimizer states in host memory between steps), ``seed`` (LoRA's initial adapters)."""
+
+    name: str
+    trainable: bool = False
+    lora: LoraConfig | None = None
+    dtype: str = "float32"
+    attention: str = "eager"
+    recompute: bool = False
+    offload: bool = False
+    seed: int = 0
+
+    @classmethod
+    def of(cls, decl: Any, run: Any, offload: bool = False) -> ParallelSpec:
+        """The spec of graph model ``decl`` resolved as ``run`` (a `ModelRun`); ``offload`` from its layout.
+        A frozen model takes no adapters, recomputes nothing and offloads nothing."""
+        numerics = run.numerics
+        trainable = bool(decl.trainable)
+        return cls(
+            name=decl.name,
+            trainable=trainable,
+            lora=run.lora if trainable else None,
+            dtype=numerics.dtype,
+            attention=numerics.attention,
+            recompute=bool(numerics.recompute and trainable),
+            offload=bool(offload and trainable),
+            seed=run.seed,
+        )
+
+
+@dataclass(frozen=True)
+class Parallelized:
+    """A module `parallelize` made ready, and what the engine must do around it: ``autocast`` (forward
+    passes under bfloat16 autocast), ``host_optimizer`` (optimizer states to host memory between steps),
+    ``sharded`` (FSDP2 shards it over ``dims.data`` ranks), ``distributed`` (its weights are DTensors:
+    whole state dicts are gathered)."""
+
+    module: nn.Module
+    dims: ParallelDims
+    spec: ParallelSpec
+    mesh: Mesh
+    sharded: bool
+    distributed: bool
+    autocast: bool
+    host_optimizer: bool
+
+
+def parallelize(
+    module: nn.Module,
+    dims: ParallelDims,
+    spec: ParallelSpec,
+    *,
+    device: torch.device,
+    group: Any = None,
+    hf_config: Any = None,
+) -> Parallelized:
+    """Apply LoRA, tensor parallelism, (pipeline stages), recomputation, the attention kernel, FSDP2,
+    mixed precision and offload to ``module`` on ``device``, in that order (the module docstring), over
+    ``group``'s ranks as ``dims`` split them. ``hf_config``: the model's HF config (tensor parallelism
+    checks that it splits)."""
+    module = module.to(device)
+    lora.check_split(spec.lora, dims.tensor, spec.name)
+    if spec.lora is not None:
+        lora.add_lora(module, spec.lora, spec.seed, spec.name)
+    dims.check_built()
+    if dims.tensor > 1:
+        tensor.check_splits(hf_config if hf_config is not None else module.config, dims.tensor, spec.name)
+    grid = build_mesh(dims, group, device.type, spec.trainable)
+    if grid.tensor is not None:
+        tensor.parallelize(module, grid.tensor)
+    # pipeline stages: cut the tensor-sliced module into stages over the pipeline mesh here, before
+    # FSDP2 wraps each stage's layers (mesh.ParallelDims.check_built refuses pipeline > 1 until then)
+    if spec.recompute:
+        recompute.apply(module, spec.name)
+    precision.set_attention(module, spec.attention, spec.name)
+    sharded = dims.sharded(spec.trainable)
+    if sharded:
+        policy = offload.fsdp_policy(device) if spec.offload else None
+        fsdp.apply(module, grid.data, precision.fsdp_policy(spec.dtype), policy)
+    half = precision.half(spec.dtype)
+    return Parallelized(
+        module=module,
+        dims=dims,
+        spec=spec,
+        mesh=grid,
+        sharded=sharded,
+        distributed=dims.distributed(spec.trainable),
+        autocast=half and not sharded,
+        host_optimizer=spec.offload and not sharded and device.type != "cpu",
+    )
