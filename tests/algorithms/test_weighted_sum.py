@@ -164,6 +164,8 @@ def test_a_graph_combines_two_rewards_with_weights(tmp_path, writes, ports):
         assert 0.0 <= record["correct/exact"] <= 1.0
         assert record["short/reward"] == pytest.approx(float(seen["r_len"].mean()), abs=1e-5)
         assert record["total/reward"] == pytest.approx(float(seen["rewards"].mean()), abs=1e-5)
+        if writes == "rewards":  # the headline reward is the weighted sum's, not a part's
+            assert record["reward"] == record["total/reward"]
 
 
 def test_weights_naming_a_key_the_node_does_not_read_stop_the_run_naming_node_and_key(tmp_path):

@@ -207,3 +207,26 @@ def test_rollout_stop_strings_end_every_response_and_reach_the_plan(tmp_path):
     assert len(rows) == 16
     ended = [r["response"] for r in rows if "b" in r["response"] or "|" in r["response"]]
     assert ended and all(min(r.find(c) for c in "b|" if c in r) == len(r) - 1 for r in ended)  # cut after it
+
+
+def test_a_resume_after_the_training_data_changed_is_refused(tmp_path, monkeypatch, capsys):
+    rows = [{"prompt": f"{c}>", "answer": c} for c in "abcdab"]
+    write(tmp_path / "r.jsonl", rows)
+    monkeypatch.chdir(tmp_path)
+    small = ["--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=2", "--quiet"]
+    first = ["run", "grpo", "--data", "r.jsonl", "--set", "data.verifier=exact", "--steps", "2", "--save-every", "1"]
+    assert cli.main([*first, "--out", "runs", *small]) == 0
+    write(tmp_path / "r.jsonl", rows + rows)  # the file grew since the checkpoint
+    capsys.readouterr()
+    assert cli.main(["run", "--resume", "runs/grpo", "--steps", "3", "--quiet"]) == 2
+    assert "data" in capsys.readouterr().err
+
+
+def test_a_plan_keeps_the_data_files_absolute_like_the_model_folder(tmp_path, monkeypatch):
+    write(tmp_path / "train.jsonl", [{"prompt": "a>", "answer": "a"}])
+    write(tmp_path / "val.jsonl", [{"prompt": "b>", "answer": "b"}])
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", "grpo", "--data", "train.jsonl", "--set", "data.val=val.jsonl", "--out", "plan.yaml"]
+    assert cli.main(args) == 0
+    data = load_plan(tmp_path / "plan.yaml").config.data
+    assert [Path(f).is_absolute() for f in data.files("train") + data.files("val")] == [True, True]

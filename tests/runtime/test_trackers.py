@@ -71,6 +71,8 @@ def test_flatten_and_key_rules():
     assert mlflow_key("eval/mean@4") == "eval/mean_at_4"
     assert mlflow_key("kl(μ)#2:x") == "kl_28_u03bc_29_232_3ax"
     assert mlflow_key("spans/gen-1.a b") == "spans/gen-1.a b"
+    distinct = [f"eval/{source}/greedy" for source in ("日本", "中国", "a:b", "a;b")]
+    assert len({mlflow_key(k) for k in distinct}) == len(distinct)
 
 
 def test_unknown_logger_names_the_option_and_the_known_ones(tmp_path):
