@@ -234,3 +234,11 @@ def test_math_leaves_a_pending_timer_alone():
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert v._timeout() == v.MATH_VERIFY_TIMEOUT_S and not fired
+
+
+@pytest.mark.parametrize(
+    "response",
+    ["The answer is 18 dollars.", "The answer is **18**.", "#### 18 dollars", "So the answer is 18, since 9*2=18."],
+)
+def test_the_math_verifier_reads_a_stated_number_followed_by_words(response):
+    assert v.verify("math", response, "18") == 1.0
