@@ -13,18 +13,20 @@ from typing import Any
 
 import msgspec
 
+from flowrl.contract.capabilities import Capabilities, of_config
+from flowrl.contract.hardware import ClusterSpec, HardwareSpec
+from flowrl.contract.model import ModelSpec, for_config
+from flowrl.contract.plan import ClusterTarget, ExecutionPlan
+from flowrl.contract.protocols import Executor, RunResult
 from flowrl.errors import FlowRLError, PlanError, PluginError
 from flowrl.graph.ir import Graph
 from flowrl.graph.loading import build_graph, find_graph
-from flowrl.planner.capabilities import Capabilities, of_config
-from flowrl.planner.hardware import ClusterSpec, HardwareSpec, cpu_cluster, with_calibration
+from flowrl.planner.hardware import cpu_cluster, with_calibration
 from flowrl.planner.manager import initial_plan, run_passes
-from flowrl.planner.modelspec import ModelSpec, for_config
 from flowrl.planner.passes import PIPELINE, PlanContext
-from flowrl.planner.plan import ClusterTarget, ExecutionPlan
+from flowrl.planner.predict import Simulator
 from flowrl.plugins.manager import Entry, Registry
 from flowrl.plugins.manager import registry as default_registry
-from flowrl.runtime.protocols import Executor, RunResult
 from flowrl.specs import RunConfig, build_config, nested, parse_override
 
 
@@ -186,13 +188,14 @@ def run(
     from flowrl.runtime.checkpoint import latest
     from flowrl.runtime.executor import run_dir
 
-    ex = executor or check(graph, p, registry)
+    reg = registry or default_registry()
+    ex = executor or check(graph, p, reg)
     if resume and out_dir is None:
         raise PlanError("resume needs the run folder to continue (out_dir).")
     out = out_dir or run_dir(p.config.out, p.config.name or graph.name)
     before = latest(out) if resume else None
     try:
-        return ex.run(graph, p, out, on_step=on_step, resume=resume)
+        return ex.run(graph, p, out, on_step=on_step, resume=resume, predictor=Simulator(reg))
     except BaseException as exc:
         metrics = out / "metrics.jsonl"
         now = latest(out)

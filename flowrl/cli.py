@@ -198,7 +198,7 @@ def _resume(args: argparse.Namespace) -> tuple[Any, Any, Path]:
     """The graph, plan and folder of ``--resume DIR`` (``--steps`` may extend the run)."""
     import msgspec
 
-    from flowrl.planner.plan import load_plan
+    from flowrl.contract.plan import load_plan
 
     folder = Path(args.resume)
     if args.plan:
@@ -275,7 +275,7 @@ def _dotted(key: str, value: Any) -> list[str]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from flowrl import api
-    from flowrl.planner.plan import load_plan
+    from flowrl.contract.plan import load_plan
 
     folder = None
     if args.resume:
@@ -467,9 +467,9 @@ def _progress(total: int, enabled: bool, initial: int = 0) -> _Progress:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from flowrl import api
-    from flowrl.planner.capabilities import unsupported
+    from flowrl.contract.capabilities import unsupported
+    from flowrl.contract.plan import dump_plan, encode_plan
     from flowrl.planner.hardware import cpu_devices
-    from flowrl.planner.plan import dump_plan, encode_plan
     from flowrl.plugins.manager import registry
 
     target, cache = None, {}
@@ -548,9 +548,9 @@ def _cluster_target(args: argparse.Namespace, load_kwargs: dict[str, Any], for_r
     a run on a named cluster trains the run config's model too. Otherwise --model names the
     planned model (and is no longer a local checkpoint) and --workload its workload."""
     from flowrl import api
+    from flowrl.contract.plan import ClusterTarget
     from flowrl.planner.hardware import cpu_devices, parse_cluster, with_calibration
     from flowrl.planner.modelspec import DEFAULT_ROLE, load_model_specs
-    from flowrl.planner.plan import ClusterTarget
     from flowrl.planner.workload import WorkloadSpec, load_workload
     from flowrl.plugins.manager import registry
 

@@ -82,7 +82,7 @@ class TrainConfig(Spec):
     # how the training engine computes (master weights and optimizer states stay float32): the precision
     # the model computes in, the attention kernel, and recomputing each decoder layer's activations in
     # the backward pass instead of keeping them. auto: bfloat16 + sdpa on a GPU, float32 + eager on a
-    # CPU (faster there for the models a CPU trains: benchmarks/numerics.py)
+    # CPU (faster there for the models a CPU trains)
     dtype: Literal["auto", "float32", "bfloat16"] = AUTO
     attention: Literal["auto", "sdpa", "eager", "flash_attention_2"] = AUTO
     recompute: bool = False

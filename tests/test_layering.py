@@ -1,7 +1,12 @@
-"""The layers import one way (DESIGN.md): a test walks every import statement, including the
-ones inside functions and ``from flowrl import api`` forms, and fails when a forbidden edge comes
-back. No core package imports a plugin package (flowrl_ray, flowrl_vllm, flowrl_example): plugins
-reach the core through pluggy hooks only."""
+"""The layers import one way (the design notes' "layers", docs/ for users): a test walks every
+import statement, including the ones inside functions and ``from flowrl import api`` forms, and
+fails when a forbidden edge comes back. No core package imports a plugin package (flowrl_ray,
+flowrl_vllm, flowrl_example): plugins reach the core through pluggy hooks only.
+
+The contract (``flowrl.contract``: the plan's types, the resolved specs, the engine and executor
+protocols, capabilities, the typed data) sits below the planner and the runtime and imports
+neither; the runtime never imports the planner (what a run reports about predictions comes
+through a `Predictor` its caller passes); a generation engine plugin imports only the contract."""
 
 from __future__ import annotations
 
@@ -12,12 +17,27 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "flowrl"
+REPO = Path(__file__).resolve().parents[1]
+ROOT = REPO / "flowrl"
 
 PLUGIN_PACKAGES = ("flowrl_ray", "flowrl_vllm", "flowrl_example")
 
 # package (relative to flowrl/) -> module prefixes it must never import
 FORBIDDEN = {
+    # the contract imports only the standard library, msgspec, pluggy, torch and numpy (lazily), and
+    # flowrl.errors, flowrl.specs and flowrl.graph: CONTRACT_MAY_IMPORT checks that allow-list
+    "contract": (
+        "flowrl.planner",
+        "flowrl.runtime",
+        "flowrl.backends",
+        "flowrl.plugins",
+        "flowrl.algorithms",
+        "flowrl.tasks",
+        "flowrl.data",
+        "flowrl.api",
+        "flowrl.cli",
+        "transformers",
+    ),
     "graph": (
         "flowrl.plugins",
         "flowrl.planner",
@@ -37,8 +57,16 @@ FORBIDDEN = {
         "flowrl.api",
         "flowrl.cli",
     ),
-    # the runtime reaches plugins through the registry (flowrl.plugins.manager) only: see ALLOWED
-    "runtime": ("flowrl.algorithms", "flowrl.backends", "flowrl.api", "flowrl.cli", "flowrl.plugins"),
+    # the runtime reaches plugins through the registry (flowrl.plugins.manager) only: see ALLOWED; it
+    # reads plans through the contract and never calls the planner
+    "runtime": (
+        "flowrl.algorithms",
+        "flowrl.backends",
+        "flowrl.api",
+        "flowrl.cli",
+        "flowrl.plugins",
+        "flowrl.planner",
+    ),
     # backends execute a plan: they may use the plan, the runtime, memory/hardware models and specs,
     # never the planning passes, the tuner, the algorithms or the user-facing entry points
     "backends": (
@@ -74,7 +102,22 @@ KNOWN = {
     ("flowrl/backends/local/profile.py", "flowrl.api"): (
         "calibrating a generation engine plans a GRPO run through api.plan/api.check to build its engines"
     ),
+    # a type-only import of the plan from its old home (a re-export of flowrl.contract.plan until it goes)
+    ("flowrl/runtime/worker.py", "flowrl.planner.plan"): "ExecutionPlan, to be read from flowrl.contract",
+    ("flowrl/runtime/worker.py", "flowrl.planner.plan.ExecutionPlan"): "ExecutionPlan, to be read from flowrl.contract",
 }
+
+
+# what the contract may import of flowrl, and what each plugin may (first-party plugins, by folder)
+CONTRACT_MAY_IMPORT = ("flowrl.contract", "flowrl.errors", "flowrl.specs", "flowrl.graph")
+PLUGIN_MAY_IMPORT = {
+    # a generation engine plugin imports one module of flowrl: the contract
+    "plugins/flowrl-vllm": ("flowrl.contract",),
+    # an executor plugin builds on the runtime (and the local backend's devices); the plan, capability
+    # and protocol types it reads from the contract, never from the planner or the old homes
+    "plugins/flowrl-ray": ("flowrl.contract", "flowrl.runtime", "flowrl.backends.local"),
+}
+PLUGIN_MUST_NOT_IMPORT = ("flowrl.runtime.protocols", "flowrl.runtime.responses")
 
 
 def imports(path: Path) -> list[tuple[int, str]]:
@@ -123,6 +166,69 @@ def test_no_forbidden_imports(where):
         for line in lines
     ]
     assert not bad, "layering broken:\n" + "\n".join(bad)
+
+
+def _outside(path: Path, allowed: tuple[str, ...], banned: tuple[str, ...] = ()) -> list[str]:
+    """``path``'s imports of flowrl modules outside ``allowed`` (or inside ``banned``), as messages."""
+    return [
+        f"{path.relative_to(REPO)}:{line} imports {module}"
+        for line, module in imports(path)
+        if under(module, "flowrl")
+        and module != "flowrl"
+        and (not any(under(module, ok) for ok in allowed) or any(under(module, no) for no in banned))
+    ]
+
+
+def test_the_contract_imports_only_errors_specs_and_the_graph():
+    bad = [msg for path in files("contract") for msg in _outside(path, CONTRACT_MAY_IMPORT)]
+    assert not bad, "the contract imports above itself:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("plugin", sorted(PLUGIN_MAY_IMPORT))
+def test_first_party_plugins_import_flowrl_through_the_contract(plugin):
+    bad = [
+        msg
+        for path in sorted((REPO / plugin).rglob("*.py"))
+        if "tests" not in path.relative_to(REPO / plugin).parts
+        for msg in _outside(path, PLUGIN_MAY_IMPORT[plugin], PLUGIN_MUST_NOT_IMPORT)
+    ]
+    assert not bad, f"{plugin} imports flowrl outside the contract:\n" + "\n".join(bad)
+
+
+def test_the_contract_loads_no_torch_planner_or_runtime():
+    code = (
+        "import sys\n"
+        "import flowrl.contract\n"
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('flowrl.planner', 'flowrl.runtime', "
+        "'flowrl.backends', 'flowrl.plugins'))]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_plugin_hook_marker_from_the_contract_registers_like_the_hookspecs_one():
+    import pluggy
+
+    from flowrl.contract import hookimpl
+    from flowrl.plugins import hookspecs
+
+    pm = pluggy.PluginManager("flowrl")
+    pm.add_hookspecs(hookspecs)
+
+    class Plugin:
+        @hookimpl
+        def register_executors(self, register):
+            register("x", object)
+
+    pm.register(Plugin())
+    seen = []
+    pm.hook.register_executors(register=lambda name, obj, **meta: seen.append(name))
+    assert seen == ["x"]
+
+
+def test_the_runtime_never_imports_the_planner():
+    assert forbidden("runtime", "flowrl.planner.passes") and forbidden("runtime", "flowrl.planner.plan")
+    assert not forbidden("runtime", "flowrl.contract.reading")
 
 
 def test_every_known_exception_is_still_needed():

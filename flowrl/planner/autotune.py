@@ -22,10 +22,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from flowrl.contract.capabilities import Capabilities, rollout_conflict, supports, supports_layout
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Forward, Graph, Train
 from flowrl.planner import memory as mem
-from flowrl.planner.capabilities import Capabilities, rollout_conflict, supports, supports_layout
 from flowrl.planner.constraints import Constraints
 from flowrl.planner.cost import CostModel
 from flowrl.planner.hardware import ClusterSpec, cost_provenance

@@ -17,320 +17,42 @@ share of the node's NICs).
 
 from __future__ import annotations
 
-import math
 import os
 import re
-import types
-import typing
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
-import numpy as np
-from msgspec import Meta
 
+from flowrl.contract.checked import (  # noqa: F401 (re-exported: the planner's specs are built on them)
+    CheckedSpec,
+    Count,
+    Fraction,
+    GiB,
+    NonNegative,
+    Positive,
+    SpecFieldError,
+    coerce_numbers,
+)
+from flowrl.contract.hardware import (  # noqa: F401 (re-exported: the planner's names for the contract's specs)
+    CONTROLLER_ROW_SECONDS,
+    CPU_DEVICES,
+    DENSE_PER_LAYER,
+    LOCAL_CPU,
+    MAX_DEVICES,
+    NOMINAL,
+    TP_OP_OVERHEAD,
+    Calibrated,
+    ClusterSpec,
+    EfficiencyCurve,
+    GenerationCalibration,
+    HardwareSpec,
+    is_cpu,
+)
 from flowrl.errors import ConfigError, did_you_mean
-from flowrl.specs import Spec, convert, read_document
-
-GiB = 1024**3
-
-Positive = Annotated[float, Meta(gt=0)]
-NonNegative = Annotated[float, Meta(ge=0)]
-Fraction = Annotated[float, Meta(gt=0, le=1)]
-Count = Annotated[int, Meta(ge=1)]
-
-
-# ------------------------------------------------------------------ checked specs
-
-
-class SpecFieldError(ConfigError, ValueError):
-    """A field is out of range. A ConfigError for callers; a ValueError so that msgspec, when it
-    raises this from ``__post_init__`` while converting a document, reports the field's path."""
-
-
-class CheckedSpec(Spec):
-    """Base of the planner specs: ``msgspec.Meta`` bounds are enforced on direct construction too.
-
-    msgspec checks ``Annotated[..., Meta(ge=...)]`` bounds only when decoding/converting; this
-    ``__post_init__`` applies the same bounds (also to list items) when code builds a spec.
-    Subclasses with cross-field rules override ``__post_init__`` and call ``super()``.
-    """
-
-    def __post_init__(self) -> None:
-        kind = type(self).__name__
-        for name, bounds, item_bounds in _bounds(type(self)):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if bounds:
-                _check_bounds(value, bounds, f"{kind} field '{name}'")
-            if item_bounds and isinstance(value, (list, tuple)):
-                for i, item in enumerate(value):
-                    _check_bounds(item, item_bounds, f"{kind} field '{name}[{i}]'")
-
-
-def _check_bounds(value: Any, bounds: dict[str, float], where: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return  # a type error; msgspec reports those when converting
-    ops = {
-        "gt": (lambda v, b: v > b, ">"),
-        "ge": (lambda v, b: v >= b, ">="),
-        "lt": (lambda v, b: v < b, "<"),
-        "le": (lambda v, b: v <= b, "<="),
-    }
-    for key, bound in bounds.items():
-        ok, sign = ops[key]
-        if not ok(value, bound) or (isinstance(value, float) and math.isnan(value)):
-            raise SpecFieldError(f"{where} must be {sign} {bound:g}, got {value!r}")
-
-
-def _meta_bounds(tp: Any) -> dict[str, float]:
-    out: dict[str, float] = {}
-    if typing.get_origin(tp) is Annotated:
-        for meta in tp.__metadata__:
-            if isinstance(meta, Meta):
-                out.update({k: getattr(meta, k) for k in ("gt", "ge", "lt", "le") if getattr(meta, k) is not None})
-    return out
-
-
-def _strip_optional(tp: Any) -> Any:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
-
-
-@cache
-def _bounds(cls: type) -> list[tuple[str, dict[str, float], dict[str, float]]]:
-    hints = typing.get_type_hints(cls, include_extras=True)
-    out = []
-    for name in cls.__struct_fields__:
-        tp = _strip_optional(hints[name])
-        item = None
-        base = typing.get_args(tp)[0] if typing.get_origin(tp) is Annotated else tp
-        if typing.get_origin(base) in (list, tuple) and typing.get_args(base):
-            item = typing.get_args(base)[0]
-        bounds, item_bounds = _meta_bounds(tp), _meta_bounds(item) if item is not None else {}
-        if bounds or item_bounds:
-            out.append((name, bounds, item_bounds))
-    return out
-
-
-def coerce_numbers(data: Any, tp: Any) -> Any:
-    """Read number-like strings in a document as the numbers a spec field wants.
-
-    YAML 1.1 reads ``312e12`` (no dot) as a string and users write ``memory_bytes: 80e9``; both
-    are meant as numbers. Only values whose target field is an int/float are touched; integral
-    floats become ints for int fields. Recurses into struct fields and tagged unions.
-    """
-    base = typing.get_args(tp)[0] if typing.get_origin(tp) is Annotated else tp
-    base = _strip_optional(base)
-    if base in (int, float) and not isinstance(data, bool):
-        number = data
-        if isinstance(data, str):
-            try:
-                number = float(data.strip().replace("_", ""))
-            except ValueError:
-                return data
-        if base is int and isinstance(number, float):
-            return int(number) if number.is_integer() else data
-        return number if isinstance(number, (int, float)) else data
-    if isinstance(data, list) and typing.get_origin(base) is list and typing.get_args(base):
-        return [coerce_numbers(v, typing.get_args(base)[0]) for v in data]
-    if isinstance(data, dict):
-        if typing.get_origin(base) in (typing.Union, types.UnionType):
-            for member in typing.get_args(base):
-                info = _struct_info(member)
-                if info and info.tag_field and data.get(info.tag_field) == info.tag:
-                    return coerce_numbers(data, member)
-            return data
-        if isinstance(base, type) and issubclass(base, msgspec.Struct):
-            hints = typing.get_type_hints(base, include_extras=True)
-            return {k: coerce_numbers(v, hints[k]) if k in hints else v for k, v in data.items()}
-    return data
-
-
-def _struct_info(tp: Any) -> Any:
-    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
-        return tp.__struct_config__
-    return None
-
-
-# ------------------------------------------------------------------ specs
-
-
-#: Dense matmul FLOPs per token and layer, in units of hidden**2, against which attention's share is taken.
-DENSE_PER_LAYER = 12.0
-
-
-class EfficiencyCurve(CheckedSpec, kw_only=True):
-    """Matmul efficiency as a function of the work, for one device (formula, fit and data: `efficiency.py`)."""
-
-    e_max: Fraction  # efficiency of large dense matmuls
-    k_w: NonNegative  # cost of streaming the weights once per call, per unit of ridge / tokens
-    k_a: NonNegative  # cost of activation traffic, per unit of ridge * tp / hidden
-    e_attn: Fraction  # efficiency of attention FLOPs
-    ridge: Positive | None = None  # the device's peak FLOP/s / memory bytes/s (None: its hardware's)
-
-    def at(self, tokens: Any, hidden: int, seq_len: Any = 0, *, tp: int = 1) -> Any:
-        """Fraction of peak in (0, 1] for work of ``tokens`` per device per call (floats or numpy arrays;
-        an array in gives an array out). Fewer than one token is read as one."""
-        if hidden < 1 or tp < 1:
-            raise ValueError(f"EfficiencyCurve.at: hidden and tp must be >= 1, got hidden={hidden}, tp={tp}")
-        if self.ridge is None:
-            raise ValueError("EfficiencyCurve.at: the curve has no ridge; take it from its hardware (with_ridge)")
-        t = np.maximum(np.asarray(tokens, dtype=float), 1.0)
-        length = np.maximum(np.asarray(seq_len, dtype=float), 0.0)
-        a = length / (length + DENSE_PER_LAYER * hidden)
-        dense = 1.0 / self.e_max + self.k_w * self.ridge / t + self.k_a * self.ridge * tp / hidden
-        eff = 1.0 / ((1.0 - a) * dense + a / self.e_attn)
-        return float(eff) if eff.ndim == 0 else eff
-
-    def tokens_half(self, hidden: int, *, tp: int = 1) -> float:
-        """Tokens per call at which a pass without attention reaches half its ceiling at this hidden."""
-        ceiling = 1.0 / (1.0 / self.e_max + self.k_a * self.ridge * tp / hidden)
-        return self.k_w * self.ridge * ceiling
-
-    def with_ridge(self, ridge: float) -> EfficiencyCurve:
-        """These parameters on a device with another ridge (peak FLOP/s / memory bytes/s)."""
-        return msgspec.structs.replace(self, ridge=ridge)
-
-
-class GenerationCalibration(CheckedSpec, kw_only=True):
-    """How fast one generation engine decodes on this hardware, as `flowrl profile` measured it
-    through the engine itself (the cost model's decode factors, for that engine)."""
-
-    kernel_overhead: NonNegative  # s per layer per decode step
-    matmul_efficiency: Fraction
-    load_bandwidth: Positive  # bytes/s of an in-place weight load into the running engine
-    head_sizes: tuple[int, ...] = ()  # attention head sizes it runs here (empty: any)
-
-
-#: Seconds of host-side work per tensor-parallel module call on a GPU host (DTensor's Python dispatch).
-TP_OP_OVERHEAD = 3e-5
-#: Seconds of controller work per row (rule rewards, advantages, the batch's bookkeeping; ~1 ms / 512 here).
-CONTROLLER_ROW_SECONDS = 2e-6
-
-
-class Calibrated(CheckedSpec, kw_only=True):
-    """Where a spec's factors came from: `flowrl calibrate` fitted ``factors`` (factor -> the runs whose
-    measured spans constrained it) to the traces of ``runs``; the others are the spec's own."""
-
-    runs: list[str]
-    factors: dict[str, list[str]]
-    when: str = ""  # ISO date of the fit
-    # run -> (predicted s/iteration before, after, measured)
-    fit: dict[str, tuple[float, float, float]] = msgspec.field(default_factory=dict)
-
-
-class HardwareSpec(CheckedSpec, kw_only=True):
-    """One accelerator (or a CPU socket) and the links around it."""
-
-    name: str
-    peak_flops_bf16: Positive  # dense FLOP/s
-    peak_flops_fp32: Positive
-    memory_bytes: Count  # usable device memory
-    memory_bandwidth: Positive  # HBM bytes/s
-    intra_node_bandwidth: Positive  # bytes/s per device, one direction (NVLink)
-    intra_node_latency: NonNegative = 5e-6  # s
-    inter_node_bandwidth: Positive  # bytes/s per device (its share of the IB/RoCE NICs)
-    inter_node_latency: NonNegative = 1e-5  # s
-    devices_per_node: Count = 8
-    host_bandwidth: Positive = 25e9  # device<->host (PCIe) bytes/s, for offload
-    # efficiency factors the cost model multiplies peaks by; `flowrl profile` fits them
-    matmul_efficiency: Fraction = 0.55
-    bandwidth_efficiency: Fraction = 0.75
-    comm_efficiency: Fraction = 0.8
-    kernel_overhead: NonNegative = 2e-5  # s per layer per forward step (launch/sync overhead)
-    # s of host-side work per tensor-parallel module call per pass (DTensor's wrapping and redistribution
-    # around each split projection, embedding and head), beside its collectives
-    tp_op_overhead: NonNegative = TP_OP_OVERHEAD
-    # s per weight tensor to hand new weights to a separate generation engine (IPC handle, the engine's
-    # load call); 0 for an engine that shares the trainer's tensors. Presets: fitted to published refit
-    # times (benchmarks/published); `flowrl profile` measures an engine's own load rate instead
-    engine_tensor_overhead: NonNegative = 0.0
-    # s of host-side work per task a device group runs: the controller's dispatch, moving the task's batch
-    # in and out, the engine's bookkeeping around its kernels (`flowrl calibrate` fits it from a run's trace)
-    task_overhead: NonNegative = 0.0
-    # a generation engine's host-side work per decode step beside its kernels: per step (its scheduler, the
-    # sampler's launch) and per live sequence per step (sampling, stop checks, detokenisation, bookkeeping)
-    decode_step_overhead: NonNegative = 0.0
-    decode_row_overhead: NonNegative = 0.0
-    # s per generation call of a replica beside its steps: setting up the batch (its KV cache, the prompts'
-    # padding and positions) and handing the responses back
-    generate_overhead: NonNegative = 0.0
-    # s of host-side work per weight tensor per optimizer step (zeroing, clipping and updating it tensor by tensor)
-    optimizer_tensor_overhead: NonNegative = 0.0
-    controller_row_overhead: NonNegative = CONTROLLER_ROW_SECONDS  # s per row of controller work
-    # s of host-side work per weight tensor a weight sync moves (its handle, the copy call into the generation
-    # layout's parameter), beside the bytes and the link's latency
-    sync_tensor_overhead: NonNegative = 0.0
-    # the work-dependent matmul efficiency `flowrl profile` fitted on this device (None: the curve fitted to
-    # published runs of its GPU family, `efficiency.py`; on this machine's CPU, matmul_efficiency)
-    efficiency: EfficiencyCurve | None = None
-    # generation engines measured here by `flowrl profile` (by engine name); others decode with the factors above
-    generation: dict[str, GenerationCalibration] = msgspec.field(default_factory=dict)
-    calibration: Calibrated | None = None  # the factors `flowrl calibrate` fitted to runs here (None: none)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.name.strip():
-            raise SpecFieldError("HardwareSpec field 'name' must not be empty")
-        if self.efficiency is not None and self.efficiency.ridge is None:  # the curve's ridge is this hardware's
-            ridge = self.peak_flops_bf16 / self.memory_bandwidth
-            msgspec.structs.force_setattr(self, "efficiency", self.efficiency.with_ridge(ridge))
-
-
-#: Devices beyond which a cluster is a typo (the largest published RL runs use a few thousand).
-MAX_DEVICES = 1 << 20
-
-
-class ClusterSpec(CheckedSpec, kw_only=True):
-    """``nodes`` x ``devices_per_node`` identical devices."""
-
-    nodes: Count
-    devices_per_node: Count
-    hardware: HardwareSpec
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.nodes * self.devices_per_node > MAX_DEVICES:
-            raise SpecFieldError(
-                f"the cluster has {self.nodes * self.devices_per_node:.3g} devices ({self.nodes} nodes x "
-                f"{self.devices_per_node}), more than the {MAX_DEVICES:,} the planner models; check the counts for a "
-                "typo"
-            )
-
-    @property
-    def devices(self) -> int:
-        return self.nodes * self.devices_per_node
-
-    @property
-    def label(self) -> str:
-        """``2x8xA100-80G``: the cluster string that names this cluster's shape (``cpu:N`` for this machine's CPU)."""
-        if self.hardware.name == CPU_DEVICES:
-            return f"cpu:{self.devices}"
-        return f"{self.nodes}x{self.devices_per_node}x{self.hardware.name}"
-
-    @property
-    def on_cpu(self) -> bool:
-        """Whether this is this machine's CPU (``cpu:N``, or the local CPU device), not accelerators."""
-        return is_cpu(self.hardware)
-
-
-#: The hardware name of one device of ``cpu:N``.
-CPU_DEVICES = "cpu"
-
-
-#: How this machine's CPU is named as one device (the local backend, `flowrl profile`).
-LOCAL_CPU = "local-cpu"
-
-
-#: The suffix of a local device's name when nothing has measured it (nominal speeds).
-NOMINAL = "-nominal"
+from flowrl.specs import convert, read_document
 
 
 def cost_provenance(hw: HardwareSpec) -> str:
@@ -363,11 +85,6 @@ def cost_provenance(hw: HardwareSpec) -> str:
         "published runs (flowrl/planner/data/efficiency.yaml) and default engine overheads. After a run on it, "
         "`flowrl calibrate runs/NAME` fits them to what the run measured."
     )
-
-
-def is_cpu(hw: HardwareSpec) -> bool:
-    """Whether ``hw`` is this machine's CPU (``cpu:N``, or the local CPU device), not an accelerator."""
-    return hw.name == CPU_DEVICES or hw.name.startswith(LOCAL_CPU)
 
 
 #: Seconds per tensor-parallel module call on this kind of CPU (measured here: the tiny model's forward

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from flowrl.contract.plan import ClusterTarget, ExecutionPlan, GraphRef, encode_plan
 from flowrl.errors import FlowRLError, PlanError
 from flowrl.graph.ir import Graph
 from flowrl.planner.passes import PIPELINE, PlanContext, verify_plan
-from flowrl.planner.plan import ClusterTarget, ExecutionPlan, GraphRef, encode_plan
 from flowrl.specs import RunConfig
 
 if TYPE_CHECKING:

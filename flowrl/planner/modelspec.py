@@ -6,88 +6,21 @@ grouped-query attention, a SwiGLU MLP (gate, up, down) and RMSNorm.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from flowrl.contract.model import (  # noqa: F401 (re-exported: the planner's names for the contract's model shape)
+    ModelSpec,
+    _from_hf_config,
+    base_folder,
+    check_model_dir,
+    check_model_keys,
+    for_config,
+    from_model_dir,
+    from_tiny,
+)
 from flowrl.errors import ConfigError, did_you_mean
-from flowrl.planner.hardware import CheckedSpec, Count, SpecFieldError
-from flowrl.specs import TinyModelConfig, convert, model_folders, named_entries, read_document
-
-
-class ModelSpec(CheckedSpec, kw_only=True):
-    name: str
-    layers: Count
-    hidden: Count
-    heads: Count
-    kv_heads: Count
-    intermediate: Count
-    vocab: Count
-    tied_embeddings: bool = False
-    head_dim: Count | None = None  # None: hidden // heads
-    qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.heads % self.kv_heads:
-            raise SpecFieldError(f"ModelSpec field 'kv_heads' ({self.kv_heads}) must divide 'heads' ({self.heads})")
-        if self.head_dim is None and self.hidden % self.heads:
-            raise SpecFieldError(
-                f"ModelSpec field 'heads' ({self.heads}) must divide 'hidden' ({self.hidden}) unless "
-                "'head_dim' is given"
-            )
-
-    @property
-    def dim_per_head(self) -> int:
-        """``head_dim``, or ``hidden // heads`` when unset."""
-        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
-
-    def layer_parameters(self) -> int:
-        """One decoder layer: q, k, v, o projections (+ q/k/v biases), gate/up/down, 2 RMSNorms."""
-        h, hd = self.hidden, self.dim_per_head
-        q, kv = self.heads * hd, self.kv_heads * hd
-        attention = h * q + 2 * h * kv + q * h
-        bias = q + 2 * kv if self.qkv_bias else 0
-        return attention + bias + 3 * h * self.intermediate + 2 * h
-
-    def lora_parameters(self, rank: int, targets: Iterable[str]) -> int:
-        """LoRA adapters of ``rank`` on ``targets``: rank x (inputs + outputs) for each adapted projection
-        of each decoder layer (q_proj ... down_proj), and once for the model's ``lm_head`` or
-        ``embed_tokens`` (vocabulary x hidden)."""
-        h, hd, i = self.hidden, self.dim_per_head, self.intermediate
-        q, kv = self.heads * hd, self.kv_heads * hd
-        shapes = {
-            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
-        }  # fmt: skip
-        once = {"lm_head": (h, self.vocab), "embed_tokens": (self.vocab, h)}
-        layers = self.layers * sum(rank * sum(shapes[t]) for t in targets if t in shapes)
-        return layers + sum(rank * sum(once[t]) for t in targets if t in once)
-
-    def parameters(self) -> int:
-        """Exact count: embeddings V*H (+ lm_head V*H unless tied) + layers + final norm H."""
-        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return embeddings + self.layers * self.layer_parameters() + self.hidden
-
-    def flops_per_token(self, context: int) -> float:
-        """Forward FLOPs for one token attending to ``context`` tokens.
-
-        ``2 * N + 4 * layers * context * heads * head_dim`` where N = ``parameters()`` less the
-        input embedding (a lookup, no FLOPs) but with the lm_head counted once even when tied
-        (its matmul still runs): every weight costs a multiply-add per token. The second term is
-        QK^T and attention-times-V (2 FLOPs per multiply-add each). ``context`` is the number of
-        keys a token sees: for a causal pass over a sequence of length L, pass the average
-        (about L / 2); for decoding, the current length. Backward is about 2x forward.
-        """
-        if context < 0:
-            raise ConfigError(f"flops_per_token: context must be >= 0, got {context}.")
-        matmul_params = self.parameters() - self.vocab * self.hidden * (0 if self.tied_embeddings else 1)
-        attention = 4 * self.layers * context * self.heads * self.dim_per_head
-        return float(2 * matmul_params + attention)
-
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """KV-cache bytes per token: ``2 (K and V) * layers * kv_heads * head_dim * dtype_bytes``."""
-        return 2 * self.layers * self.kv_heads * self.dim_per_head * dtype_bytes
+from flowrl.specs import convert, named_entries, read_document
 
 
 def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int) -> ModelSpec:
@@ -129,13 +62,6 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 }
 
 # HF config.json key -> ModelSpec field; all required
-_HF_REQUIRED = {
-    "num_hidden_layers": "layers",
-    "hidden_size": "hidden",
-    "num_attention_heads": "heads",
-    "intermediate_size": "intermediate",
-    "vocab_size": "vocab",
-}
 
 
 def load_model_spec(text: str) -> ModelSpec:
@@ -231,113 +157,3 @@ def role_models(given: dict[str, ModelSpec], models: dict[str, str]) -> dict[str
             )
         out[name] = spec
     return out
-
-
-def check_model_keys(keys: Iterable[str], models: Mapping[str, str], what: str) -> None:
-    """Refuse a per-model key that names neither a graph model nor one of the graph's roles.
-    ``models``: graph model name -> role; ``what``: the flag or field that gave the keys."""
-    roles = set(models.values())
-    unknown = [k for k in keys if k not in models and k not in roles]
-    if unknown:
-        raise ConfigError(
-            f"{what} names {', '.join(repr(k) for k in unknown)}, which is neither a model of this graph "
-            f"({', '.join(models)}) nor one of its roles ({', '.join(sorted(roles))})."
-        )
-
-
-def base_folder(model: str | None) -> str | None:
-    """The folder of a run's base model from config field ``model``: a single folder, else the
-    ``actor=`` entry, else the bare (default) entry; None (the fresh tiny model) when neither is
-    given (``reward=RM`` alone: the actor is the tiny model). The planner costs every model of a
-    run with this shape."""
-    default, named = model_folders(model)
-    return named.get("actor", default)
-
-
-def from_model_dir(path: str) -> ModelSpec:
-    """The shape of the HF model in directory ``path`` (its ``config.json``; no weights are read)."""
-    check_model_dir(path)
-    return _from_hf_config(Path(path) / "config.json")
-
-
-def check_model_dir(path: str) -> None:
-    """Refuse, saying how to fix it, a ``--model`` that is not an HF model directory."""
-    p = Path(path)
-    if not p.is_dir():
-        raise ConfigError(
-            f"model directory '{path}' does not exist. Pass --model with a directory holding an HF "
-            "config.json, weights and a tokenizer "
-            "(e.g. a runs/<name>/checkpoint from an earlier run)."
-        )
-    if not (p / "config.json").is_file():
-        raise ConfigError(f"model directory '{path}' has no config.json; it is not an HF-format model.")
-
-
-def for_config(model: str | None, tiny: TinyModelConfig, tokenizer_vocab: int) -> ModelSpec:
-    """The base model of a run: the HF model directory ``model``, or the tiny model built from scratch.
-    Per-model folders (``actor=DIR,reward=DIR2``: `flowrl.specs.model_folders`) are each checked;
-    the shape is `base_folder`'s."""
-    default, named = model_folders(model)
-    entries = {**({"(default)": default} if named and default is not None else {}), **named}
-    for key, folder in entries.items():
-        try:
-            check_model_dir(folder)
-        except ConfigError as exc:
-            raise ConfigError(f"config field 'model', entry '{key}': {exc}") from None
-    base = base_folder(model)
-    return from_model_dir(base) if base is not None else from_tiny(tiny, tokenizer_vocab)
-
-
-def from_tiny(cfg: TinyModelConfig, tokenizer_vocab: int) -> ModelSpec:
-    """The shape of the tiny Llama built from scratch when no model directory is given."""
-    vocab = cfg.vocab_size or tokenizer_vocab
-    if vocab < tokenizer_vocab:
-        raise ConfigError(
-            f"config field 'tiny_model.vocab_size' ({vocab}) is smaller than the tokenizer ({tokenizer_vocab} tokens)."
-        )
-    try:
-        return ModelSpec(
-            name="tiny-llama",
-            layers=cfg.num_layers,
-            hidden=cfg.hidden_size,
-            heads=cfg.num_heads,
-            kv_heads=cfg.num_kv_heads,
-            intermediate=cfg.intermediate_size,
-            vocab=vocab,
-        )
-    except ConfigError as exc:
-        raise ConfigError(f"config field 'tiny_model': {exc}") from None
-
-
-def _from_hf_config(path: Path) -> ModelSpec:
-    if path.suffix.lower() != ".json":
-        raise ConfigError(f"model config '{path}' must be a JSON file (an HF config.json).")
-    data = read_document(path)
-    what = f"model config '{path}'"
-    if "num_hidden_layers" not in data and isinstance(data.get("text_config"), dict):
-        data = {**data["text_config"], "model_type": data["text_config"].get("model_type", data.get("model_type"))}
-    fields: dict[str, Any] = {}
-    for key, field in _HF_REQUIRED.items():
-        if data.get(key) is None:
-            raise ConfigError(f"{what}: missing required field '{key}' (needed for the model's {field}).")
-        fields[field] = _int(data[key], key, what)
-    kv = data.get("num_key_value_heads")
-    fields["kv_heads"] = fields["heads"] if kv is None else _int(kv, "num_key_value_heads", what)
-    head_dim = data.get("head_dim")
-    fields["head_dim"] = None if head_dim is None else _int(head_dim, "head_dim", what)
-    tied = data.get("tie_word_embeddings", False)
-    if not isinstance(tied, bool):
-        raise ConfigError(f"{what}: field 'tie_word_embeddings' must be true or false, got {tied!r}.")
-    model_type = str(data.get("model_type") or "")
-    fields.update(tied_embeddings=tied, qkv_bias=model_type.lower().startswith("qwen2"))
-    fields["name"] = path.parent.name or model_type or path.stem
-    try:
-        return ModelSpec(**fields)
-    except ConfigError as exc:
-        raise ConfigError(f"{what}: {exc}") from None
-
-
-def _int(value: Any, key: str, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{what}: field '{key}' must be an integer, got {value!r}.")
-    return value

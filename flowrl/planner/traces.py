@@ -14,8 +14,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from flowrl.contract.plan import ExecutionPlan, load_plan
+from flowrl.contract.predict import steady
 from flowrl.errors import ConfigError
-from flowrl.planner.plan import ExecutionPlan, load_plan
 
 #: What the run's trace calls a task the simulator names otherwise: a weight sync is ``sync:<train node>``.
 SYNC_PREFIX = "sync:"
@@ -31,12 +32,6 @@ class Measured:
     iteration_s: float  # median time from one iteration's end to the next one's
     iterations: int  # how many iterations the medians are over
     response_length: dict[str, float]  # generate node -> mean response tokens over those iterations
-
-
-def steady(iterations: list[int]) -> list[int]:
-    """The iterations past warm-up, in order."""
-    ordered = sorted(set(iterations))
-    return ordered[max(2, len(ordered) // 10) :]
 
 
 def _number(value: object) -> float | None:

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from flowrl.contract.layout import RolloutPolicy
+from flowrl.contract.plan import ExecutionPlan
 from flowrl.graph.ir import Filter, Generate, Graph
-from flowrl.planner.plan import ExecutionPlan
-from flowrl.planner.space import RolloutPolicy
 from flowrl.runtime.batch import pad_id
 from flowrl.runtime.groups import GenerationGroup, TrainingGroup, Transport, publish
 from flowrl.runtime.nodes import NodeRuntime, filter_groups, run_node

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flowrl.data import Sequences, StepBatch
+from flowrl.contract.data import Sequences, StepBatch
+from flowrl.contract.responses import padded_rows, ragged  # noqa: F401 (re-exported: runtime modules use them)
 
 
 def by_length(seqs: Sequences, rows: Tensor | None = None) -> Tensor:
@@ -47,37 +48,6 @@ def trim(batch: dict[str, Any], key: str) -> dict[str, Any]:
 def _like(batch: Any, out: dict[str, Any]) -> Any:
     """``out`` as the same kind of batch as ``batch`` (a `StepBatch` keeps its step facts)."""
     return batch.with_columns(out) if isinstance(batch, StepBatch) else out
-
-
-def padded_rows(
-    prompts: list[list[int]], responses: list[list[int]], pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token rows as `Sequences` holds them: (prompt_ids, prompt_mask) left-padded and
-    (response_ids, response_mask) right-padded, each to its longest row."""
-    p_width = max((len(p) for p in prompts), default=0)
-    r_width = max((len(r) for r in responses), default=0)
-    return (
-        ragged(prompts, p_width, pad_id, torch.long, left=True),
-        ragged([[1] * len(p) for p in prompts], p_width, 0, torch.long, left=True),
-        ragged(responses, r_width, pad_id, torch.long),
-        ragged([[1.0] * len(r) for r in responses], r_width, 0.0, torch.float32),
-    )
-
-
-def ragged(values: list[list[Any]], width: int, fill: float, dtype: torch.dtype, left: bool = False) -> torch.Tensor:
-    """Ragged rows as one [len(values), width] tensor (right-padded, or left-padded), built in one go."""
-    n = len(values)
-    out = torch.full((n, width), fill, dtype=dtype)
-    lengths = torch.tensor([len(v) for v in values], dtype=torch.long)
-    total = int(lengths.sum())
-    if total:
-        rows = torch.repeat_interleave(torch.arange(n), lengths)
-        starts = torch.cumsum(lengths, 0) - lengths
-        cols = torch.arange(total) - torch.repeat_interleave(starts, lengths)
-        if left:
-            cols = cols + torch.repeat_interleave(width - lengths, lengths)
-        out[rows, cols] = torch.tensor([x for v in values for x in v], dtype=dtype)
-    return out
 
 
 def position_ids(attention_mask: Tensor) -> Tensor:

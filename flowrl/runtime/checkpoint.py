@@ -31,7 +31,7 @@ STATE = "state.json"  # the last file written into a checkpoint folder (its mani
 
 
 def _types() -> dict[str, type]:
-    from flowrl.data import GenerateResult, Part, Prompt, Sequences, ToolCall, Turn
+    from flowrl.contract.data import GenerateResult, Part, Prompt, Sequences, ToolCall, Turn
     from flowrl.runtime.rollout import RolloutBuffer, Row
 
     types = (Sequences, Prompt, Part, GenerateResult, Row, RolloutBuffer, Turn, ToolCall)

@@ -35,7 +35,7 @@ from typing import Any
 import msgspec
 import torch
 
-from flowrl.data import Prompt, Sequences, Turn
+from flowrl.contract.data import Prompt, Sequences, Turn
 from flowrl.errors import FlowRLError, GraphError
 from flowrl.runtime.batch import pad_id
 from flowrl.runtime.rewardpool import run_coroutine

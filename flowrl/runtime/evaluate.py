@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from flowrl.data import Prompt
+from flowrl.contract.data import Prompt
 from flowrl.specs import RunConfig
 
 
@@ -198,7 +198,7 @@ def sample_rows(step: int, kind: str, rows: Sequence[Scored], count: int) -> lis
 def training_samples(step: int, batch: dict[str, Any], count: int) -> list[dict[str, Any]]:
     """Up to ``count`` (prompt, response, reward) rows of a training step's batch: its first prompt
     list, first responses and its ``rewards`` (when the graph writes that key)."""
-    from flowrl.data import Sequences
+    from flowrl.contract.data import Sequences
 
     prompts = next((v for v in batch.values() if isinstance(v, list) and v and isinstance(v[0], Prompt)), None)
     seqs = next((v for v in batch.values() if isinstance(v, Sequences)), None)

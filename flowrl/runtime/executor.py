@@ -24,18 +24,19 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from flowrl.contract.capabilities import Capabilities, for_run, rollout_conflict, unsupported
+from flowrl.contract.plan import ExecutionPlan, dump_plan
+from flowrl.contract.protocols import RunResult
+from flowrl.contract.reading import verify_plan
 from flowrl.errors import ConfigError, PlanError, plain_name
 from flowrl.graph.ir import Graph
-from flowrl.planner.capabilities import Capabilities, for_run, rollout_conflict, unsupported
-from flowrl.planner.passes import verify_plan
-from flowrl.planner.plan import ExecutionPlan, dump_plan
-from flowrl.runtime.protocols import RunResult
 from flowrl.runtime.trace import Trace
 from flowrl.runtime.worker import Worker
 
 # The modules that import torch load when a plan runs, not with this module: a backend's executor
 # class (a subclass) is registered, and its capabilities read, by every CLI call and plan.
 if TYPE_CHECKING:
+    from flowrl.contract.predict import Predictor
     from flowrl.plugins.manager import Registry
     from flowrl.runtime.groups import Transport
     from flowrl.runtime.schedule import Schedule
@@ -113,7 +114,7 @@ class PlanExecutor:
                 f"this plan is a forecast for {plan.target.cluster.label} (planned with --cluster and no --executor); "
                 f"executor '{backend}' runs only plans made for it. {replan}"
             )
-        from flowrl.planner.modelspec import for_config
+        from flowrl.contract.model import for_config
         from flowrl.tasks.tokenizer import vocab
 
         cfg = plan.config
@@ -176,11 +177,13 @@ class PlanExecutor:
         *,
         on_step: Callable[[dict[str, Any]], None] | None = None,
         resume: bool = False,
+        predictor: Predictor | None = None,
     ) -> RunResult:
         """Run the plan in ``out_dir``, writing a checkpoint after every ``save_every`` steps; with
         ``resume``, continue the run in ``out_dir`` from its newest usable checkpoint. Ctrl-C or
         SIGTERM stops after the current step, with a checkpoint (``RunResult.stopped``); during
-        setup they interrupt at once. One process at a time holds a run folder."""
+        setup they interrupt at once. One process at a time holds a run folder. ``predictor``: what
+        the run's timeline is drawn against (None: what it measured alone)."""
         from flowrl.runtime import runstate
         from flowrl.runtime.compute import serial_here
 
@@ -190,10 +193,10 @@ class PlanExecutor:
         with runstate.holding(out_dir), stop.installed(), serial_here():
             if resume and not runstate.resumable(out_dir, cfg.checkpoint):
                 # killed before its first checkpoint: nothing to keep, start over
-                result = self._run(graph, plan, out_dir, on_step, stop, False)
+                result = self._run(graph, plan, out_dir, on_step, stop, False, predictor)
                 result.resumed_from = 0
                 return result
-            return self._run(graph, plan, out_dir, on_step, stop, resume)
+            return self._run(graph, plan, out_dir, on_step, stop, resume, predictor)
 
     def _run(
         self,
@@ -203,6 +206,7 @@ class PlanExecutor:
         on_step: Callable[[dict[str, Any]], None] | None,
         stop: _StopRequest,
         resume: bool,
+        predictor: Predictor | None = None,
     ) -> RunResult:
         import torch
 
@@ -298,7 +302,7 @@ class PlanExecutor:
             ran = result.resumed_from is None or result.resumed_from < cfg.steps
             if ran:  # a resumed run keeps the trace of the session before it
                 runstate.archive_trace(out_dir, result.resumed_from)
-                trace.write(out_dir, plan, graph, schedule)
+                trace.write(out_dir, plan, graph, schedule, predictor)
         if result.metrics:
             from flowrl.runtime.report import plot_rewards
 
@@ -312,7 +316,7 @@ def _check_resolved(graph: Graph, plan: ExecutionPlan) -> None:
     """The plan's resolved sections (each model's run, each node's options: what runs) agree with the
     config they were resolved from: a config field edited in a plan file afterwards would otherwise
     be ignored. This compares what `resolve` copied; it re-derives nothing."""
-    from flowrl.planner.passes import episode_budget, model_checkpoints
+    from flowrl.contract.reading import episode_budget, model_checkpoints
 
     cfg = plan.config
     folders = model_checkpoints(graph, cfg.model)  # config field 'model': one folder, or one per model

@@ -14,12 +14,12 @@ from typing import IO, TYPE_CHECKING, Any
 
 import msgspec
 
-from flowrl.planner.plan import ExecutionPlan, dump_plan
+from flowrl.contract.plan import ExecutionPlan, dump_plan
 
 if TYPE_CHECKING:
+    from flowrl.contract.protocols import RunResult
     from flowrl.graph.ir import Graph
     from flowrl.runtime.pipeline import StepState
-    from flowrl.runtime.protocols import RunResult
     from flowrl.runtime.schedule import Schedule
     from flowrl.runtime.trace import Trace
     from flowrl.runtime.trackers import Trackers

@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from flowrl.data import Sequences, StepBatch
+from flowrl.contract.data import Sequences, StepBatch
+from flowrl.contract.protocols import GenerationEngine, TrainingEngine, TrainStep
 from flowrl.errors import BackendError, FlowRLError, GraphError
 from flowrl.graph.ir import Compute, Filter, Forward, Generate, Graph, Reward, Train
 from flowrl.runtime.batch import sequences_in
 from flowrl.runtime.dispatch import draw_seed
-from flowrl.runtime.protocols import GenerationEngine, TrainingEngine, TrainStep
 from flowrl.runtime.rewardpool import RewardRunner, split_result
 from flowrl.specs import AlgoConfig, loss_unit
 
@@ -125,7 +125,7 @@ def _read(rt: NodeRuntime, node: Any, batch: Mapping[str, Any]) -> dict[str, Any
 
 def own_keys(rt: NodeRuntime, name: str) -> set[str]:
     """The keys train node ``name`` computes in its own forward: the outputs of the forward nodes
-    the plan fuses into it (`flowrl.planner.passes.fused_forwards`)."""
+    the plan fuses into it (`flowrl.contract.reading.fusable`)."""
     return {rt.graph.nodes[f].writes[0] for f, t in rt.fused.items() if t == name}
 
 

@@ -28,7 +28,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from flowrl.data import GenerateResult, Part
+from flowrl.contract.data import GenerateResult, Part
 from flowrl.errors import FlowRLError
 from flowrl.graph.ir import streamed_nodes
 from flowrl.runtime.compute import thread_count

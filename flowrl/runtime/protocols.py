@@ -1,182 +1,23 @@
-"""The runtime boundary: what a backend implements.
+"""Moved to `flowrl.contract.protocols`; this name stays until every importer uses the contract."""
 
-- A **training engine** holds one graph model (actor, critic, reference, reward model) and
-  runs its forward passes (token log-probs, token values, sequence scores) and train steps;
-  it exports and imports weights and saves its state.
-- A **generation engine** samples ``n`` responses per prompt with per-token log-probs, takes
-  new weights after a train step, and can stop early and resume unfinished sequences from
-  the tokens generated so far. An engine holding processes or shared memory of its own may
-  define ``close()``; the run calls it once at the end, before its workers stop.
-- An **executor** runs a plan. It says up front (``check``) whether it can: what it cannot run
-  is a `PlanError` naming the feature, raised before any model is built.
+from flowrl.contract.protocols import (
+    Batch,
+    EngineContext,
+    Executor,
+    GenerationEngine,
+    LossFn,
+    RunResult,
+    TrainingEngine,
+    TrainStep,
+)
 
-Engines are chosen per role in the run config (``generation.engine``, ``train.engine``), so a
-plugin may supply only generation. Plugins register them through the hooks
-``register_executors``, ``register_generation_engines`` and ``register_training_engines``.
-"""
-
-from __future__ import annotations
-
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
-
-if TYPE_CHECKING:
-    import torch
-    from torch import Tensor
-
-    from flowrl.data import Prompt, Rollout, Sequences, StepBatch
-    from flowrl.graph.ir import Graph, ModelDecl
-    from flowrl.planner.capabilities import Capabilities
-    from flowrl.planner.plan import ExecutionPlan, ModelRun
-    from flowrl.specs import AlgoConfig
-
-Batch = Mapping[str, Any]
-#: ``loss(outputs, batch, algo) -> (loss tensor, stats)``; outputs are the model's log-probs or values.
-LossFn = Callable[["Tensor", Batch, "AlgoConfig"], "tuple[Tensor, dict[str, float]]"]
-
-
-@dataclass(frozen=True)
-class EngineContext:
-    """What an engine factory receives: the model, what the planner resolved for it, where it runs.
-
-    ``spec``: the model's resolved `ModelRun` (checkpoint or tiny shape, seed, sampling, optimizer,
-    numerics). ``source``: for a training engine, the engine whose weights it starts from
-    (``init_from``), None for the base checkpoint or a fresh tiny model; for a generation engine,
-    the training engine of the same model, whose ``tokenizer``, ``hf_config`` and
-    ``export_weights()`` it starts from.
-    """
-
-    decl: ModelDecl
-    spec: ModelRun
-    device: str
-    source: Any = None
-    rank: int = 0  # rank among the ranks of the model's device group
-    world: int = 1  # ranks of that group; a training engine with world > 1 shards the model
-    group: Any = None  # the group's torch.distributed process group (None: one rank)
-    # the model's tensor-parallel size in its training layout, or a generation engine's in its replica, whose
-    # ranks are then ``group``'s (for engines that declare model_parallel)
-    tp: int = 1
-    # the layout keeps the model's optimizer states in host memory between steps (for engines that
-    # declare optimizer_offload)
-    offload: bool = False
-
-
-@dataclass(frozen=True)
-class TrainStep:
-    """How one train node updates its model: PPO-style epochs x mini-batches, each mini-batch
-    one optimizer step accumulated over micro-batches."""
-
-    node: str
-    sequences_key: str
-    output: str  # "logprobs" or "values": what the loss consumes
-    micro_batch: int
-    epochs: int
-    mini_batches: int
-    algo: AlgoConfig
-    generator: torch.Generator = field(repr=False)
-    # what the loss is a mean over (flowrl.specs.LOSS_UNITS): the engine weighs each micro-batch's
-    # loss by its share of the mini-batch's tokens or rows (or by 1, a sum)
-    unit: str = "token-mean"
-    # ports the step computes itself: the model's outputs of each micro-batch, detached, under these
-    # names in the batch the loss reads (the old log-probs of one update per batch, fused by the planner
-    # only for an engine declaring `EngineCapabilities.own_outputs`; `flowrl.planner.passes.fused_forwards`)
-    own: tuple[str, ...] = ()
-
-
-@runtime_checkable
-class TrainingEngine(Protocol):
-    decl: ModelDecl
-    tokenizer: Any
-    hf_config: Any
-    version: int  # train steps taken
-
-    def forward(self, seqs: Sequences, output: str, micro_batch: int) -> Tensor:
-        """[B, R] log-probs or values aligned with response tokens, or [B] scores."""
-        ...
-
-    def train(self, loss: LossFn, batch: StepBatch, step: TrainStep) -> dict[str, float]:
-        """Update the model; returns mean stats (loss, grad_norm and the loss's own). A batch may
-        hold no rows (a filter that keeps rows kept none): take no optimizer step, but count the
-        version as a step, like every other train call."""
-        ...
-
-    def export_weights(self) -> dict[str, Tensor]: ...
-
-    def import_weights(self, weights: Mapping[str, Tensor]) -> None: ...
-
-    def save_state(self, path: Path) -> None:
-        """Everything needed to resume into folder ``path`` (safetensors and JSON, no pickle): the
-        HF checkpoint, optimizer state, version. Every rank of the group calls it."""
-        ...
-
-    def load_state(self, path: Path) -> int:
-        """Restore what `save_state` wrote (each rank its shard); returns the version."""
-        ...
-
-    def save(self, path: Path) -> None:
-        """An HF-format checkpoint (model and tokenizer) a later run can start from."""
-        ...
-
-
-@runtime_checkable
-class GenerationEngine(Protocol):
-    version: int  # the weight version it samples with
-    resumable: bool  # whether `resume` continues unfinished rows
-
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        *,
-        n: int,
-        greedy: bool,
-        generator: torch.Generator,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-    ) -> Rollout:
-        """``n`` samples per prompt (rows grouped by prompt); stops after ``max_new_tokens``
-        (default: the run's budget), leaving rows without EOS unfinished. ``temperature`` (given only
-        by evaluation, and only when it differs from the run's) replaces the sampling temperature."""
-        ...
-
-    def resume(self, rollout: Rollout, *, generator: torch.Generator, max_new_tokens: int | None = None) -> Rollout:
-        """Continue the unfinished rows of ``rollout`` from the tokens generated so far."""
-        ...
-
-    def load_weights(self, weights: Mapping[str, Tensor], version: int) -> None:
-        """Take new weights (after a train step); later samples use them."""
-        ...
-
-
-@dataclass
-class RunResult:
-    out_dir: Path
-    metrics: list[dict[str, Any]] = field(default_factory=list)
-    evals: list[dict[str, Any]] = field(default_factory=list)  # evaluation records (eval.every), by step
-    checkpoints: dict[str, Path] = field(default_factory=dict)  # model -> its final HF checkpoint
-    last_checkpoint: Path | None = None  # the newest step checkpoint (what --resume continues from)
-    resumed_from: int | None = None  # the first step this invocation ran, when it resumed
-    stopped: int | None = None  # the last step run when Ctrl-C / SIGTERM stopped the run early
-
-
-@runtime_checkable
-class Executor(Protocol):
-    capabilities: Capabilities
-
-    def check(self, graph: Graph, plan: ExecutionPlan) -> None:
-        """Raise PlanError naming what this executor cannot run; builds nothing."""
-        ...
-
-    def run(
-        self,
-        graph: Graph,
-        plan: ExecutionPlan,
-        out_dir: Path,
-        *,
-        on_step: Callable[[dict[str, Any]], None] | None = None,
-        resume: bool = False,
-    ) -> RunResult:
-        """Run a plan that passed ``check`` in ``out_dir``; with ``resume``, continue the run there
-        from its newest checkpoint."""
-        ...
+__all__ = [
+    "Batch",
+    "EngineContext",
+    "Executor",
+    "GenerationEngine",
+    "LossFn",
+    "RunResult",
+    "TrainStep",
+    "TrainingEngine",
+]

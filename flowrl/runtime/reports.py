@@ -18,8 +18,8 @@ from typing import IO, Any
 
 import msgspec
 
+from flowrl.contract.reading import generating_models
 from flowrl.errors import ConfigError
-from flowrl.planner.passes import generating_models
 from flowrl.runtime.evaluate import Evaluator, sample_rows, training_samples
 
 SAMPLES = "samples.jsonl"

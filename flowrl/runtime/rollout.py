@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from flowrl.data import GenerateResult, Part, Prompt, Rollout, Sequences, Turn
+from flowrl.contract.data import GenerateResult, Part, Prompt, Rollout, Sequences, Turn
+from flowrl.contract.layout import RolloutPolicy
 from flowrl.errors import BackendError
-from flowrl.planner.space import RolloutPolicy
 from flowrl.runtime.batch import padded_rows, ragged, select_rows
 from flowrl.runtime.dispatch import concat_parts, weighted_metrics
 

@@ -14,9 +14,9 @@ the plan.
 
 from __future__ import annotations
 
+from flowrl.contract.plan import ExecutionPlan
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Compute, Forward, Generate, Graph, Reward, Train
-from flowrl.planner.plan import ExecutionPlan
 from flowrl.specs import Spec
 
 

@@ -1,6 +1,7 @@
 """Run traces: every task the driver ran (on which groups, when) and every span each worker
 recorded, merged into one Chrome trace (``trace.json``, which Perfetto and chrome://tracing
-open) and drawn as ``timeline.png`` beside the planner's predicted timeline."""
+open) and drawn as ``timeline.png`` beside the predicted timeline of the run's `Predictor` (the
+planner's, handed in by whoever started the run)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flowrl.contract.predict import Forecast, steady
+
 if TYPE_CHECKING:
+    from flowrl.contract.plan import ExecutionPlan
+    from flowrl.contract.predict import Predictor
     from flowrl.graph.ir import Graph
-    from flowrl.planner.plan import ExecutionPlan
     from flowrl.runtime.schedule import Schedule
 
 
@@ -52,9 +56,11 @@ class Trace:
             events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {"name": r}})
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
-    def write(self, out_dir: Path, plan: ExecutionPlan, graph: Graph, schedule: Schedule) -> None:
+    def write(
+        self, out_dir: Path, plan: ExecutionPlan, graph: Graph, schedule: Schedule, predictor: Predictor | None = None
+    ) -> None:
         (out_dir / "trace.json").write_text(json.dumps(self.chrome(schedule)))
-        draw_measured_vs_predicted(self, plan, graph, out_dir / "timeline.png")
+        draw_measured_vs_predicted(self, plan, graph, out_dir / "timeline.png", predictor)
 
 
 def _span(name: str, pid: int, tid: int, start: float, end: float, args: dict[str, Any]) -> dict[str, Any]:
@@ -69,31 +75,21 @@ def _span(name: str, pid: int, tid: int, start: float, end: float, args: dict[st
     }
 
 
-def predicted_spans(
-    plan: ExecutionPlan, graph: Graph
-) -> tuple[list[tuple[str, tuple[str, ...], float, float, int]], float]:
-    """The planner's simulated timeline of ``plan`` (task, groups, start, end, iteration) and its s/iteration."""
-    from flowrl.planner.passes import replay
-    from flowrl.plugins.manager import registry
-
-    if plan.layout is None or plan.target.workload is None:
-        return [], 0.0
-    result = replay(graph, plan, registry())
-    spans = [(s.task, s.groups or ("controller",), s.start, s.end, s.iteration) for s in result.spans]
-    return spans, result.iteration_s
-
-
-def draw_measured_vs_predicted(trace: Trace, plan: ExecutionPlan, graph: Graph, path: Path) -> None:
-    """Two timelines on one time axis each: what ran (per device group) and what the planner predicted."""
+def draw_measured_vs_predicted(
+    trace: Trace, plan: ExecutionPlan, graph: Graph, path: Path, predictor: Predictor | None = None
+) -> None:
+    """Two timelines on one time axis each: what ran (per device group) and what ``predictor`` predicted
+    (without one, the measured timeline alone)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     try:
-        predicted, pred_iter = predicted_spans(plan, graph)
+        forecast = predictor.predict(graph, plan) if predictor is not None else Forecast()
     except Exception:  # a plan the simulator cannot replay still gets its measured timeline
-        predicted, pred_iter = [], 0.0
+        forecast = Forecast()
+    predicted, pred_iter = forecast.spans, forecast.iteration_s
     rows = [g.name for g in plan.layout.groups] + ["controller"] if plan.layout else ["controller"]
     names = sorted({_legend(t[0]) for t in trace.tasks + predicted})
     cmap = plt.get_cmap("tab20")
@@ -151,8 +147,6 @@ def steady_window(
 ) -> list[tuple[str, tuple[str, ...], float, float, int]]:
     """The tasks of ``count`` consecutive iterations from the middle of the run's steady state (past
     warm-up): the measured panel then spans as many iterations as the predicted one, on its time scale."""
-    from flowrl.planner.traces import steady
-
     iterations = steady([t[4] for t in tasks]) or sorted({t[4] for t in tasks})
     if not iterations:
         return []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flowrl.plugins.hookspecs import hookimpl
+from flowrl.contract import hookimpl
 
 
 @hookimpl

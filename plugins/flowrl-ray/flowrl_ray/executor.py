@@ -26,17 +26,13 @@ import msgspec
 
 from flowrl.backends.local.device import machine as local_machine
 from flowrl.backends.local.executor import LOCAL_NUMERICS
-from flowrl.errors import BackendError, FlowRLError
-from flowrl.planner.capabilities import Capabilities
+from flowrl.contract import BackendError, Capabilities, FlowRLError
 from flowrl.runtime.executor import PlanExecutor
 from flowrl.runtime.worker import Worker
 
 if TYPE_CHECKING:
-    from flowrl.graph.ir import Graph
-    from flowrl.planner.hardware import HardwareSpec
-    from flowrl.planner.plan import ExecutionPlan
+    from flowrl.contract import ExecutionPlan, Graph, HardwareSpec, RunConfig
     from flowrl.runtime.schedule import Schedule
-    from flowrl.specs import RunConfig
 
 #: Seconds to wait for the cluster to grant a placement group before saying it lacks the devices.
 PLACEMENT_TIMEOUT_S = 60.0

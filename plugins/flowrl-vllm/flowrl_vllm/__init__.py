@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flowrl.plugins.hookspecs import hookimpl
+from flowrl.contract import EngineCapabilities, hookimpl
 
 
 def vllm_engine(ctx: Any) -> Any:
@@ -20,8 +20,6 @@ def vllm_engine(ctx: Any) -> Any:
 
 @hookimpl
 def register_generation_engines(register: Any) -> None:
-    from flowrl.planner.capabilities import EngineCapabilities
-
     register(
         "vllm",
         vllm_engine,

