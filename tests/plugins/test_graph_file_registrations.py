@@ -83,6 +83,31 @@ def test_a_graph_file_registering_a_builtin_name_loads_with_its_own_function_and
     )
 
 
+OWN_REWARD = """
+@register.reward("task")
+def own(prompts, responses, task):
+    return [0.0] * len(responses)
+"""
+
+OWN_COMPUTE = """
+@register.compute("grpo", needs=("rewards",), gives=("advantages",))
+def own(inputs, algo):
+    return {}
+"""
+
+
+@pytest.mark.parametrize(
+    ("body", "kind", "name"), [(OWN_REWARD, "reward_functions", "task"), (OWN_COMPUTE, "compute_functions", "grpo")]
+)
+def test_each_kind_a_graph_file_registers_may_shadow_a_builtin(tmp_path, capsys, body, kind, name):
+    src = _file(tmp_path, "own", body + USES_BUILTIN_SFT)
+    reg = _registry()
+    api.load(src, registry=reg)
+    assert reg.entry(kind, name).plugin == f"graph file {src}" and reg.shadowed(kind, name) is not None
+    (notice,) = _notices(capsys.readouterr().err)
+    assert f"registers {reg.singular(kind)} '{name}'" in notice
+
+
 def test_a_graph_shadowing_a_builtin_runs_and_trains_with_its_own_loss(tmp_path, capsys):
     src = _file(tmp_path, "old_sft", OWN_SFT)
     reg = _registry()
