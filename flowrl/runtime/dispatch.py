@@ -1,24 +1,112 @@
-"""Dispatch and collect by data-parallel rank, defined once (`flowrl.runtime.groups` applies them
-by the kind of call):
+"""Dispatch and collect by data-parallel rank, defined once and declared on the worker's methods.
 
-- ``rows``: the rows of a call (prompts to generate from, sequences to score) are cut into
-  contiguous, near-equal shards, one per rank; results are concatenated in rank order.
-- ``replicate``: every rank receives the whole call (a train step: each rank takes its own
-  share of every mini-batch, see `rank_rows`), and stats are averaged over ranks.
-- ``driver``: the task runs on the controller (rewards, advantages).
-- ``sync``: a weight sync; every rank of the trainer's and the generation's groups takes part.
+Every method a driver calls on a group's ranks (`flowrl.runtime.worker.Worker`) carries a `Dispatch`
+mode (`dispatch(...)`, in the spirit of verl's ``@register(dispatch_mode=...)``), which
+`flowrl.runtime.groups` reads to send the call and collect its results:
+
+- split ``rows``: the rows of a call (prompts to generate from, sequences to score) are cut into
+  contiguous, near-equal shards, one per data shard of the group (`DataRank`: the ranks of one
+  shard, e.g. a model's tensor-parallel ranks, take the same rows); the first rank of each shard
+  answers, and the answers are concatenated in row order. ``even``: every shard padded to the same
+  number of rows (ranks that run collectives in step); else shards without rows are not called.
+- split ``all``: every rank receives the whole call (a train step: each rank takes its own share
+  of every mini-batch, see `rank_rows`); collected as the first rank's result, the ranks' stats
+  averaged, every rank's result, or nothing.
+
+Tasks that run on the controller (rewards, advantages) are not dispatched; a weight sync is a call
+of every rank of the trainer's and the generation's groups (``all``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar
 
+import msgspec
 import torch
 from torch import Tensor
 
 from flowrl.data import Sequences, _pad
 from flowrl.runtime.batch import by_length
+
+
+class Dispatch(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How a call reaches a group's ranks (``split``) and how their results come back (``collect``):
+    ``first`` (the first rank's), ``mean`` (stats averaged over ranks), ``each`` (every rank's, in rank
+    order), ``rows`` (each shard's first rank's, in row order) or ``none``. ``even``: see the module."""
+
+    split: Literal["all", "rows"]
+    collect: Literal["first", "mean", "each", "rows", "none"]
+    even: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.split == "rows") != (self.collect == "rows"):
+            raise ValueError(f"dispatch: split {self.split!r} cannot collect {self.collect!r}.")
+        if self.even and self.split != "rows":
+            raise ValueError("dispatch: only split 'rows' pads shards evenly.")
+
+
+#: every rank the same call, the first rank's result (all ranks hold the same answer)
+ALL_FIRST = Dispatch(split="all", collect="first")
+#: every rank the same call, their stats averaged
+ALL_MEAN = Dispatch(split="all", collect="mean")
+#: every rank the same call, every rank's result
+ALL_EACH = Dispatch(split="all", collect="each")
+#: every rank the same call, nothing returned
+ALL_NONE = Dispatch(split="all", collect="none")
+#: the rows cut by data shard, padded so every rank takes the same steps
+ROWS_EVEN = Dispatch(split="rows", collect="rows", even=True)
+#: the rows cut by data shard, only the shards with rows called
+ROWS = Dispatch(split="rows", collect="rows")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def dispatch(mode: Dispatch) -> Callable[[F], F]:
+    """Declare how a worker method is dispatched to a group's ranks and collected (read by `mode_of`)."""
+
+    def declare(method: F) -> F:
+        method.__flowrl_dispatch__ = mode  # type: ignore[attr-defined]
+        return method
+
+    return declare
+
+
+def mode_of(owner: type, method: str) -> Dispatch:
+    """The `Dispatch` declared on ``owner.method``; a method without one is refused by name."""
+    mode = getattr(getattr(owner, method, None), "__flowrl_dispatch__", None)
+    if not isinstance(mode, Dispatch):
+        raise TypeError(f"{owner.__name__}.{method} declares no dispatch mode (@dispatch(...)); groups cannot call it.")
+    return mode
+
+
+def collect(mode: Dispatch, results: Sequence[Any]) -> Any:
+    """The results of an ``all`` call collected as ``mode`` says."""
+    if mode.collect == "first":
+        return results[0]
+    if mode.collect == "mean":
+        return mean_stats(results)
+    if mode.collect == "each":
+        return list(results)
+    if mode.collect == "none":
+        return None
+    raise ValueError(f"dispatch: collect {mode.collect!r} is not an 'all' collection.")
+
+
+def shard_ranks(ranks: Sequence[int], data: Sequence[Any]) -> list[tuple[int, ...]]:
+    """A group's ``ranks`` by data shard (``data[i]``: rank ``ranks[i]``'s `DataRank`), shards in index
+    order, each shard's ranks in group order (its first rank answers); a shard no rank computes is
+    refused (the group could not cover its rows)."""
+    count = data[0].count if data else 1
+    out: list[list[int]] = [[] for _ in range(count)]
+    for rank, d in zip(ranks, data):
+        if d.count != count or not 0 <= d.index < count:
+            raise ValueError(f"dispatch: rank {rank} says data shard {d.index} of {d.count}; others say of {count}.")
+        out[d.index].append(rank)
+    empty = [i for i, s in enumerate(out) if not s]
+    if empty:
+        raise ValueError(f"dispatch: no rank of {list(ranks)} computes data shard(s) {empty} of {count}.")
+    return [tuple(s) for s in out]
 
 
 def draw_seed(generator: torch.Generator) -> int:

@@ -2,7 +2,7 @@
 
 A `TrainingGroup` is a `TrainingEngine` and a `GenerationGroup` a `GenerationEngine`; each
 dispatches a call to the ranks of its device group through a `Transport` and collects the
-results by data-parallel rank (see `flowrl.runtime.dispatch`). The local backend's transport
+results by data shard, as the worker's method declares (`flowrl.runtime.dispatch`). The local backend's transport
 calls one worker in this process; the Ray backend's calls Ray actors.
 """
 
@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from flowrl.data import Rollout
+from flowrl.contract.data import Rollout
 from flowrl.runtime import dispatch
+from flowrl.runtime.worker import Worker
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -61,9 +62,72 @@ class InProcessTransport:
         self.worker.close_engines()
 
 
+class _Dispatcher:
+    """A group's ranks and how each call reaches them: the `Dispatch` mode declared on the worker's method
+    (`flowrl.runtime.dispatch`), rows cut by the data shards the ranks declare (`Worker.data_rank`, asked
+    once, only when the group has several ranks)."""
+
+    side = "train"
+
+    def __init__(self, model: str, ranks: Sequence[int], transport: Transport) -> None:
+        self.model, self.ranks, self.transport = model, tuple(ranks), transport
+        self._shards: list[tuple[int, ...]] | None = None
+
+    @property
+    def shards(self) -> list[tuple[int, ...]]:
+        """The group's ranks by data shard (each shard's ranks compute the same rows; its first answers)."""
+        if self._shards is None:
+            if len(self.ranks) == 1:
+                self._shards = [self.ranks]
+            else:
+                args = [(self.model, self.side)] * len(self.ranks)
+                data = self.transport.call(self.ranks, "data_rank", args, CURRENT_TASK.get())
+                self._shards = dispatch.shard_ranks(self.ranks, data)
+        return self._shards
+
+    def all(self, method: str, *args: Any, tag: str | None = None) -> Any:
+        """``method`` on every rank with the same arguments, collected as it declares."""
+        mode = dispatch.mode_of(Worker, method)
+        assert mode.split == "all", f"Worker.{method} is dispatched by rows"
+        call = [(self.model, *args)] * len(self.ranks)
+        return dispatch.collect(
+            mode, self.transport.call(self.ranks, method, call, CURRENT_TASK.get() if tag is None else tag)
+        )
+
+    def rows(self, method: str, n: int, args_of: Any) -> tuple[list[Any], list[slice]]:
+        """``method`` with the rows ``[0, n)`` cut into one shard per data shard of the group: shard
+        ``i``'s ranks each receive ``args_of(i, rows)`` (``rows``: a slice, or with ``even`` a list of
+        row indices padded to the widest shard by repeating its last row); returns the first rank's result
+        of each shard called, and the slices they computed."""
+        mode = dispatch.mode_of(Worker, method)
+        assert mode.split == "rows", f"Worker.{method} is dispatched to all ranks"
+        shards = self.shards
+        cuts = dispatch.shards(n, len(shards))
+        if mode.even:
+            width = max(s.stop - s.start for s in cuts)
+            used = list(range(len(shards)))
+        else:
+            used = [i for i, s in enumerate(cuts) if s.stop > s.start] or [0]
+        ranks, calls = [], []
+        for k, i in enumerate(used):
+            rows: Any = cuts[i]
+            if mode.even:
+                rows = list(range(cuts[i].start, cuts[i].stop)) or [n - 1]
+                rows += [rows[-1]] * (width - len(rows))
+            ranks += list(shards[i])
+            calls += [(self.model, *args_of(k, rows))] * len(shards[i])
+        out = self.transport.call(ranks, method, calls, CURRENT_TASK.get())
+        firsts, at = [], 0
+        for i in used:
+            firsts.append(out[at])
+            at += len(shards[i])
+        return firsts, [cuts[i] for i in used]
+
+
 class TrainingGroup:
-    """A model's training engine on the ranks of its device group: data parallel over rows of ``tp``
-    ranks, each row one copy of the model split tensor-parallel (the ranks of a row compute the same rows)."""
+    """A model's training engine on the ranks of its device group: the rows of a call split by the data
+    shards its ranks declare (an engine split tensor-parallel says which ranks compute the same rows).
+    ``tp``: unused, kept so that callers written before ranks declared their shards keep working."""
 
     def __init__(
         self,
@@ -76,56 +140,50 @@ class TrainingGroup:
     ) -> None:
         self.decl, self.ranks, self.transport = decl, tuple(ranks), transport
         self.tokenizer, self.hf_config = tokenizer, hf_config
-        self.tp = tp
         self.version = 0
-
-    def _all(self, method: str, *args: Any) -> list[Any]:
-        return self.transport.call(self.ranks, method, [(self.decl.name, *args)] * len(self.ranks), CURRENT_TASK.get())
+        self._to = _Dispatcher(decl.name, ranks, transport)
 
     def forward(self, seqs: Sequences, output: str, micro_batch: int) -> Tensor:
-        """Rows in equal shards, one per data-parallel row of ranks (the last real row repeated where a
-        shard is short, so that every rank takes the same steps), results concatenated and the padding
-        dropped."""
-        n, world = len(seqs), len(self.ranks)
-        if world == 1:
-            return self.transport.call(
-                self.ranks, "forward", [(self.decl.name, seqs, output, micro_batch)], CURRENT_TASK.get()
-            )[0]
-        cuts = dispatch.shards(n, world // self.tp)
-        width = max(s.stop - s.start for s in cuts)
-        args = []
-        for s in cuts:
-            rows = list(range(s.start, s.stop)) or [n - 1]
-            rows += [rows[-1]] * (width - len(rows))
-            args += [(self.decl.name, seqs.select(torch.tensor(rows)), output, micro_batch)] * self.tp
-        parts = self.transport.call(self.ranks, "forward", args, CURRENT_TASK.get())[:: self.tp]
+        """Rows in equal shards, one per data shard (the last real row repeated where a shard is short, so
+        that every rank takes the same steps), results concatenated and the padding dropped."""
+        n = len(seqs)
+        if len(self.ranks) == 1:
+            call = [(self.decl.name, seqs, output, micro_batch)]
+            return self.transport.call(self.ranks, "forward", call, CURRENT_TASK.get())[0]
+        parts, cuts = self._to.rows(
+            "forward", n, lambda _, rows: (seqs.select(torch.tensor(rows)), output, micro_batch)
+        )
         return dispatch.concat_rows([p[: s.stop - s.start] for p, s in zip(parts, cuts)])
 
     def train(self, loss: LossFn, batch: Batch, step: TrainStep) -> dict[str, float]:
-        stats = dispatch.mean_stats(self._all("train", loss, batch, step))
+        stats = self._to.all("train", loss, batch, step)
         self.version += 1
         return stats
 
     def export_weights(self) -> dict[str, Tensor]:
-        return self._all("export_weights")[0]
+        return self._to.all("export_weights")
 
     def import_weights(self, weights: Mapping[str, Tensor]) -> None:
-        self._all("import_weights", dict(weights))
+        self._to.all("import_weights", dict(weights))
 
     def save_state(self, path: Path) -> None:
-        self._all("save_state", path)
+        self._to.all("save_state", path)
 
     def load_state(self, path: Path) -> None:
-        self.version = self._all("load_state", path)[0]
+        self.version = self._to.all("load_state", path)
 
     def save(self, path: Path) -> None:
-        self._all("save", path)
+        self._to.all("save", path)
+
+
+class _GenerationDispatcher(_Dispatcher):
+    side = "generate"
 
 
 class GenerationGroup:
     """A model's generation replicas on the ranks of its generation group: prompts in shards, one per
-    replica (``tp`` consecutive ranks, which a replica split tensor-parallel takes the same call on;
-    its first rank's result is the replica's)."""
+    replica (the ranks of a replica split over several, as they declare, take the same call; its first
+    rank's result is the replica's). ``tp``: unused, kept for callers written before ranks declared it."""
 
     def __init__(
         self,
@@ -139,14 +197,12 @@ class GenerationGroup:
         self.model, self.ranks, self.transport, self.pad_id = model, tuple(ranks), transport, pad_id
         self.version = 0
         self.resumable = resumable
-        self.tp = tp
-        self.replicas = dispatch.replicas(self.ranks, tp)
+        self._to = _GenerationDispatcher(model, ranks, transport)
 
-    def _call(self, method: str, args: list[tuple[Any, ...]], first: Sequence[int]) -> list[Any]:
-        """``method`` on every rank of the replicas whose first ranks are ``first`` (each its args)."""
-        ranks = [r for f in first for r in next(rep for rep in self.replicas if rep[0] == f)]
-        parts = self.transport.call(ranks, method, [a for a in args for _ in range(self.tp)], CURRENT_TASK.get())
-        return parts[:: self.tp]
+    @property
+    def replicas(self) -> list[tuple[int, ...]]:
+        """The group's ranks by replica."""
+        return self._to.shards
 
     def generate(
         self,
@@ -159,33 +215,23 @@ class GenerationGroup:
         temperature: float | None = None,
     ) -> Rollout:
         seed = dispatch.draw_seed(generator)
-        firsts = [rep[0] for rep in self.replicas]
-        cuts = dispatch.shards(len(prompts), len(firsts))
-        used = [(r, s) for r, s in zip(firsts, cuts) if s.stop > s.start] or [(firsts[0], cuts[0])]
-        args = [
-            (self.model, list(prompts[s]), n, greedy, seed + i, max_new_tokens, *([temperature] if temperature else []))
-            for i, (_, s) in enumerate(used)
-        ]
-        parts = self._call("generate", args, [r for r, _ in used])
-        return Rollout.concat(parts, self.pad_id, [s.start for _, s in used])
+        extra = (temperature,) if temperature else ()
+        parts, cuts = self._to.rows(
+            "generate", len(prompts), lambda i, s: (list(prompts[s]), n, greedy, seed + i, max_new_tokens, *extra)
+        )
+        return Rollout.concat(parts, self.pad_id, [s.start for s in cuts])
 
     def resume(self, rollout: Rollout, *, generator: torch.Generator, max_new_tokens: int | None = None) -> Rollout:
         seed = dispatch.draw_seed(generator)
-        firsts = [rep[0] for rep in self.replicas]
-        cuts = dispatch.shards(len(rollout.sequences), len(firsts))
-        used = [(r, s) for r, s in zip(firsts, cuts) if s.stop > s.start]
-        if not used:  # no row to continue
+        if len(rollout.sequences) == 0:  # no row to continue
             return rollout
-        args = []
-        for i, (_, s) in enumerate(used):
-            args.append((self.model, rollout.select(s), seed + i, max_new_tokens))
-        parts = self._call("resume", args, [r for r, _ in used])
+        parts, _ = self._to.rows(
+            "resume", len(rollout.sequences), lambda i, s: (rollout.select(s), seed + i, max_new_tokens)
+        )
         return Rollout.concat(parts, self.pad_id, [0] * len(parts))
 
     def load_weights(self, weights: Mapping[str, Tensor], version: int) -> None:
-        self.transport.call(
-            self.ranks, "load_weights", [(self.model, dict(weights), version)] * len(self.ranks), "load"
-        )
+        self._to.all("load_weights", dict(weights), version, tag="load")
         self.version = version
 
 
@@ -198,6 +244,9 @@ def publish(trainer: TrainingGroup, generator: GenerationGroup, strategy: str | 
         generator.version = trainer.version
         return {}
     ranks = sorted({*trainer.ranks, *generator.ranks})
-    stats = trainer.transport.call(ranks, "sync", [(trainer.decl.name, strategy, trainer.version)] * len(ranks), tag)
+    stats = dispatch.collect(
+        dispatch.mode_of(Worker, "sync"),
+        trainer.transport.call(ranks, "sync", [(trainer.decl.name, strategy, trainer.version)] * len(ranks), tag),
+    )
     generator.version = trainer.version
     return {"bytes": max(s["bytes"] for s in stats), "strategy": strategy}

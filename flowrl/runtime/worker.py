@@ -18,8 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from flowrl.contract.protocols import (
+    DataRank,
+    EngineContext,
+    GenerationEngine,
+    ShardedGenerationEngine,
+    ShardedTrainingEngine,
+    TrainingEngine,
+)
 from flowrl.errors import BackendError
-from flowrl.runtime.protocols import EngineContext, GenerationEngine, TrainingEngine
+from flowrl.runtime.dispatch import ALL_EACH, ALL_FIRST, ALL_MEAN, ALL_NONE, ROWS, ROWS_EVEN, dispatch
 
 if TYPE_CHECKING:
     from flowrl.graph.ir import ModelDecl
@@ -121,6 +129,8 @@ class Worker:
         self.buffers: dict[str, dict[str, Any]] = {}
         # model -> (process group, rank in it, tp) of this rank's generation replica, where it is split tp > 1
         self.replicas: dict[str, tuple[Any, int, int]] = {}
+        # model -> (which replica of its generation group this rank is in, how many there are)
+        self.replica_of: dict[str, tuple[int, int]] = {}
         self.schedule: Schedule | None = None
         self._spans: list[tuple[str, float, float]] = []
 
@@ -185,10 +195,11 @@ class Worker:
                 if self.rank in g.ranks:
                     self.dp_groups[g.name] = pg
             for model, replica in _split_replicas(plan, schedule).items():  # generation replicas split tp > 1
-                for ranks in replica:
+                for i, ranks in enumerate(replica):
                     pg = dist.new_group(list(ranks))
                     if self.rank in ranks:
                         self.replicas[model] = (pg, ranks.index(self.rank), len(ranks))
+                        self.replica_of[model] = (i, len(replica))
             for model, ranks in channels.items():
                 if len(ranks) > 1:
                     pg = dist.new_group(ranks, backend="gloo")  # weights travel host to host
@@ -267,12 +278,15 @@ class Worker:
         )
 
     # ------------------------------------------------------------ engine calls
+    @dispatch(ROWS_EVEN)
     def forward(self, model: str, seqs: Any, output: str, micro: int) -> Any:
         return self.trainers[model].forward(seqs, output, micro)
 
+    @dispatch(ALL_MEAN)
     def train(self, model: str, loss: Any, batch: dict[str, Any], step: Any) -> dict[str, float]:
         return self.trainers[model].train(loss, batch, step)
 
+    @dispatch(ROWS)
     def generate(
         self,
         model: str,
@@ -291,27 +305,34 @@ class Worker:
             prompts, n=n, greedy=greedy, generator=g, max_new_tokens=max_new, **extra
         )
 
+    @dispatch(ROWS)
     def resume(self, model: str, rollout: Any, seed: int, max_new: int | None) -> Any:
         import torch
 
         g = torch.Generator().manual_seed(seed)
         return self.generators[model].resume(rollout, generator=g, max_new_tokens=max_new)
 
+    @dispatch(ALL_NONE)
     def load_weights(self, model: str, weights: Mapping[str, Any], version: int) -> None:
         self.generators[model].load_weights(weights, version)
 
+    @dispatch(ALL_FIRST)
     def export_weights(self, model: str) -> dict[str, Any]:
         return self.trainers[model].export_weights()
 
+    @dispatch(ALL_NONE)
     def import_weights(self, model: str, weights: Mapping[str, Any]) -> None:
         self.trainers[model].import_weights(weights)
 
+    @dispatch(ALL_NONE)
     def save_state(self, model: str, path: Any) -> None:
         self.trainers[model].save_state(path)
 
+    @dispatch(ALL_FIRST)
     def load_state(self, model: str, path: Any) -> int:
         return self.trainers[model].load_state(path)
 
+    @dispatch(ALL_NONE)
     def save(self, model: str, path: Any) -> None:
         self.trainers[model].save(path)
 
@@ -324,6 +345,7 @@ class Worker:
         return export()
 
     # ------------------------------------------------------------ weight sync
+    @dispatch(ALL_EACH)
     def sync(self, model: str, strategy: str, version: int) -> dict[str, float]:
         """Move ``model``'s trained weights into its generation replicas by ``strategy``. Every rank of
         the model's group and of its generation group calls this."""
@@ -333,8 +355,10 @@ class Worker:
         t0 = time.perf_counter()
         trainer_ranks = self.schedule.ranks_of(model)
         if strategy == "reshard" and self._same_split(model):  # colocated, split alike: each rank its own slices
-            shards = self.trainers[model].export_local_shards()  # type: ignore[attr-defined]
-            self.generators[model].load_local_shards(shards, version)  # type: ignore[attr-defined]
+            trainer, engine = self.trainers[model], self.generators[model]
+            assert isinstance(trainer, ShardedTrainingEngine) and isinstance(engine, ShardedGenerationEngine)
+            shards = trainer.export_local_shards()
+            engine.load_local_shards(shards, version)
             return {"bytes": weightsync.state_bytes(shards), "seconds": time.perf_counter() - t0}
         weights = self.trainers[model].export_weights() if self.rank in trainer_ranks else None
         sent = 0
@@ -364,19 +388,39 @@ class Worker:
         return {"bytes": sent, "seconds": time.perf_counter() - t0}
 
     def _same_split(self, model: str) -> bool:
-        """Whether ``model``'s generation replica on this rank is split as its training engine is (the same
-        tp, over the same ranks, no LoRA to merge): then a sync moves each rank's own slices."""
+        """Whether ``model``'s generation replica on this rank is cut as its training engine's weights are
+        (both declare the same `shard_layout`, over the same ranks): then a sync moves each rank's own pieces."""
         assert self.schedule is not None
         trainer, engine = self.trainers.get(model), self.generators.get(model)
         place = self.schedule.placement(model)
-        return (
-            model in self.replicas
-            and place.generation_group == place.group
-            and getattr(trainer, "tp", 1) == self.replicas[model][2]
-            and getattr(trainer, "lora", None) is None
-            and hasattr(trainer, "export_local_shards")
-            and hasattr(engine, "load_local_shards")
-        )
+        if place.generation_group != place.group or not isinstance(trainer, ShardedTrainingEngine):
+            return False
+        if not isinstance(engine, ShardedGenerationEngine):
+            return False
+        layout = trainer.shard_layout()
+        return layout is not None and layout == engine.shard_layout()
+
+    @dispatch(ALL_EACH)
+    def data_rank(self, model: str, side: str) -> DataRank:
+        """Which share of a call's rows this rank computes for ``model``'s training engine (``side``
+        "train") or its generation replica ("generate"): what the engine declares
+        (`ShardedTrainingEngine.data_rank`); a generation replica split over several ranks, its replica;
+        otherwise this rank is a shard of its own."""
+        assert self.schedule is not None
+        if side == "train":
+            trainer = self.trainers[model]
+            if isinstance(trainer, ShardedTrainingEngine):
+                return trainer.data_rank()
+            ranks = self.schedule.ranks_of(model)
+            return DataRank(index=list(ranks).index(self.rank), count=len(ranks))
+        engine = self.generators[model]
+        if model in self.replica_of:
+            index, count = self.replica_of[model]
+            return DataRank(index=index, count=count)
+        if engine is self.trainers.get(model) and isinstance(engine, ShardedTrainingEngine):  # sampling in place
+            return engine.data_rank()
+        ranks = list(self.schedule.generation_ranks(model))
+        return DataRank(index=ranks.index(self.rank), count=len(ranks))
 
     def close_engines(self) -> None:
         """Release what engines hold outside this process (an engine's own processes, shared memory):
