@@ -1,4 +1,4 @@
-"""HF reward models and a folder per graph model (issue 22, item 3).
+"""HF reward models and a folder per graph model.
 
 A reward/cost model (or a critic) saved as a sequence-classification checkpoint loads with its
 trained ``score`` head; flowrl's own save of a scalar-head model loads back with the same head; a

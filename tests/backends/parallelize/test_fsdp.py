@@ -1,5 +1,5 @@
 """FSDP2 (`parallelize.fsdp`): each decoder layer one unit, then the root; sharding itself runs over
-two gloo ranks in tests/backends/test_sharded_export_review.py and the tensor-parallel tests."""
+two gloo ranks in test_fsdp_sharded.py and the tensor-parallel tests."""
 
 from __future__ import annotations
 

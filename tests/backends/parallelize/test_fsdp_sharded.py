@@ -1,4 +1,4 @@
-"""Review of the torch engine as a sharded (FSDP2, two ranks over gloo) model: what a train step and
+"""The torch engine as a sharded (FSDP2, two ranks over gloo) model: what a train step and
 a forward-only pass really hold unsharded (the planner's `Numerics.gather_whole` prices it), and the
 sharded export (`LocalModel._state`), which returns the tensors `get_model_state_dict` gathered
 without a second host copy: none of them may share storage with the live module (weight syncs and
@@ -235,7 +235,7 @@ def test_what_a_sharded_train_step_holds_is_what_gather_whole_prices(probe):
 def test_a_lora_model_accumulates_only_its_adapters_gradients(probe):
     """Verified: sharded with LoRA, FSDP2 gathers the whole model but the gradients it accumulates over
     micro-steps are the adapters' alone (the base weights do not require gradients); the planner
-    prices the whole model's (tests/planner/test_gather_whole_review.py)."""
+    prices the whole model's."""
     rep = probe["lora"]
     first, second = rep["before_backward"]
     assert rep["trained"] < rep["params"] / 5
@@ -245,7 +245,7 @@ def test_a_lora_model_accumulates_only_its_adapters_gradients(probe):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="BUG: _fully_shard's reshard_after_forward=False leaves a sharded model gathered whole after a "
+    reason="BUG: parallelize.fsdp's reshard_after_forward=False leaves a sharded model gathered whole after a "
     "forward-only pass returns (until its next backward or state dict), but the planner's memory pass "
     "prices gathered parameters only inside each node's own peak: in a two-rank Ray PPO plan the critic, "
     "gathered by the 'values' forward, is still whole while train_actor runs (or the actor, gathered by "

@@ -1,4 +1,4 @@
-"""Tensor parallelism on models beyond the policy (issue 24's review): a critic split tp 2 over two
+"""Tensor parallelism on models beyond the policy: a critic split tp 2 over two
 gloo processes computes the one-process values, with no stray LM-head plan; a LoRA model split tp 2 is
 refused by name."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "progress=false", "checkpoint=false"]
 
 
@@ -76,7 +76,7 @@ _SPLITS = textwrap.dedent(
 @pytest.fixture(scope="module")
 def splits(tmp_path_factory):
     """The two-process comparisons of `_SPLITS` (gloo, one thread each), run once for the module."""
-    folder = tmp_path_factory.mktemp("tp-review")
+    folder = tmp_path_factory.mktemp("tp-models")
     script, out = folder / "splits.py", folder / "result.json"
     script.write_text(_SPLITS)
     with socket.socket() as s:

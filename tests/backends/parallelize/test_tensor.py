@@ -1,4 +1,4 @@
-"""Tensor parallelism in the torch engine (flowrl/backends/local/tensor_parallel.py): a model split
+"""Tensor parallelism in the torch engine (flowrl/backends/local/parallelize/tensor.py): a model split
 tp=2 over two gloo processes (and tp=4 over four: fewer key/value heads than ranks, a vocabulary
 tp does not divide) computes what one process computes -- log-probs from vocabulary shards that are
 never gathered, a train step's loss, gradient norm and update, greedy generation token for token --
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-WORKER = Path(__file__).with_name("tp_worker.py")
+WORKER = Path(__file__).with_name("tensor_worker.py")
 
 
 def _spawn(tmp_path_factory, world: int) -> dict:

@@ -1,9 +1,9 @@
-"""Run by test_tensor_parallel.py as WORLD processes (the ranks of a gloo group): the same model
+"""Run by test_tensor.py as WORLD processes (the ranks of a gloo group): the same model
 built whole in this process and split tp=WORLD over them; its log-probs, one train step, greedy
 generation and every way weights reach a generation replica split the same way are compared.
 Rank 0 writes the comparison as JSON to the file it is given.
 
-    python tests/backends/tp_worker.py RANK PORT OUT [WORLD]
+    python tests/backends/parallelize/tensor_worker.py RANK PORT OUT [WORLD]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Review of the training engine options (issue 23) as a new user meets them: numerics, token-budget
+"""The training engine options as a new user meets them: numerics, token-budget
 micro-batches, packing, LoRA, loss aggregation, out-of-memory splits and the plan's memory estimate.
 Tests marked xfail(strict=True) show a bug; the others pin down behaviour that works."""
 
