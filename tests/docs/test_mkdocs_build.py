@@ -85,3 +85,10 @@ def test_the_config_reference_lists_every_field_with_its_default(site):
     for key in keys:
         assert key in text, f"config field {key} is not in the config reference"
     assert "0: no adapters, the whole model trains" in text  # a field's comment is its documentation
+
+
+def test_the_generated_references_name_only_files_that_exist(site):
+    for page in ("cli", "config"):
+        text = _text(site / "reference" / page / "index.html")
+        for path in re.findall(r"\b((?:flowrl|graphs|examples|benchmarks|plugins|tests)/[\w/-]+\.\w+)", text):
+            assert (ROOT / path).exists(), f"the {page} reference names {path}, which does not exist"
