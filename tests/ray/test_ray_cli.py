@@ -1,5 +1,7 @@
 """The README's cluster commands, as a user types them (each `flowrl run` starts and stops its own Ray,
-in a subprocess; `flowrl plan` runs in the test's process)."""
+in a subprocess; `flowrl plan` runs in the test's process), and tensor parallelism through the CLI: a
+tp2 policy samples in place with no sync; a sparse sync and partial rollouts reach a tp2 replica on a
+group of its own."""
 
 from __future__ import annotations
 
@@ -70,3 +72,37 @@ def test_cluster_mistakes_exit_2_naming_the_problem(tmp_path, monkeypatch, capsy
     assert rc == 2 and "16 GPUs" in err
     rc, err = cli("run", "--plan", "nope.yaml", "--address", "auto", "--cluster", "cpu:2")
     assert rc == 2 and "--plan runs a plan exactly as planned" in err
+
+
+# ------------------------------------------------------------ tensor parallelism through the CLI
+
+
+def _plan_and_run_grpo(tmp_path, *plan_args: str) -> list[dict]:
+    plan = tmp_path / "p.yaml"
+    made = flowrl(
+        "plan", "graphs/grpo.py", *plan_args, "--steps", "3", "--out", str(plan), "--budget", "2",
+        "--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=2",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr[-3000:]
+    out = tmp_path / "run"
+    ran = flowrl("run", "graphs/grpo.py", "--plan", str(plan), "--out", str(out), "--set", "progress=false")
+    assert ran.returncode == 0, (ran.stdout[-2000:], ran.stderr[-3000:])
+    return [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_tp2_policy_samples_in_place_with_no_sync(tmp_path):
+    rows = _plan_and_run_grpo(tmp_path, "--cluster", "cpu:2", "--require", "actor.tp=2", "--require", "generation.tp=2")
+    assert len(rows) == 3
+    assert not any(k.startswith("sync:") for r in rows for k in r)  # nothing moves: the trainer samples
+    assert max(r["logprob_gap"] for r in rows if "logprob_gap" in r) < 1e-4
+
+
+def test_a_sparse_sync_and_partial_rollouts_reach_a_tp2_replica_of_its_own(tmp_path):
+    rows = _plan_and_run_grpo(
+        tmp_path, "--cluster", "cpu:3", "--require", "generation.tp=2", "--placement", "disaggregated",
+        "--sync", "sparse",
+    )  # fmt: skip
+    assert {r.get("sync:train_actor/strategy") for r in rows} == {"sparse"}
+    assert any(r.get("rollout/carried", 0) > 0 for r in rows)  # partial rows resumed on the tp2 replica
+    # the sampler's log-probs are the trainer's: the replica holds the synced weights
+    assert max(r["logprob_gap"] for r in rows if "logprob_gap" in r) < 1e-4
