@@ -1,9 +1,9 @@
-"""Review of `Numerics.gather_whole` and `memory.micro_steps` (a Ray plan's actor FSDP2-sharded by the
-torch engine over two ranks): the micro-steps the planner prices against those the engine takes
+"""`Numerics.gather_whole` and `memory.micro_steps` (a Ray plan's actor FSDP2-sharded by the torch
+engine over two ranks): the micro-steps the planner prices against those the engine takes
 (`LocalModel.train`: ``order.chunk(mini_batches)``, then `flowrl.runtime.dispatch.micro_batches` per
-rank, every rank taking as many as the rank with the most), LoRA, bfloat16, the tuner's score, the
-memory breakdown, and plan ids. What the engine really holds is measured in
-tests/backends/test_sharded_export_review.py (a two-rank gloo run)."""
+rank, every rank taking as many as the rank with the most), uneven mini-batches, token budgets, a
+node's own mini-batches in the tuner, LoRA, bfloat16, the memory breakdown, and plan ids. What the
+engine really holds is measured in tests/backends (a two-rank gloo run of sharded export)."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def _engine_steps(plan, seqs: Sequences | None = None) -> int:
     return most
 
 
-# ---------------------------------------------------------------------------- verified sound
+# ---------------------------------------------------------------------------- even splits, dtypes, plan content
 
 
 @pytest.mark.parametrize(
@@ -147,7 +147,7 @@ def test_gather_whole_is_plan_content_when_set():
     assert off.content_id() != plan.content_id()
 
 
-# ---------------------------------------------------------------------------- bugs
+# ---------------------------------------------------------------------------- uneven splits, token budgets, known gaps
 
 
 def test_uneven_mini_batches_price_the_micro_steps_the_engine_takes():
@@ -274,7 +274,7 @@ def _hashed_bodies(plan) -> list:
     import hashlib
     import json
 
-    from flowrl.planner import plan as plan_module
+    from flowrl.contract import plan as plan_module
 
     seen = []
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism, planner against runtime (issue 24's review): the planner's in-place decision
+"""Tensor parallelism, planner against runtime: the planner's in-place decision
 agrees with the schedule, memory and simulator; the generation group deals one shard per tp replica;
 the worker moves each rank's own slices when the splits match, never the whole model; the planner
 offers only tp sizes the engine splits."""
