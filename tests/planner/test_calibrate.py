@@ -1,11 +1,18 @@
-"""`flowrl calibrate`: the cost model fitted to what runs measured (issue 26).
+"""`flowrl calibrate`: the cost model fitted to what runs measured.
 
 Real runs of the tiny model on the local backend write their plans and traces; the fit moves
-the factors those runs measure, and later plans for the same machine are costed with them."""
+the factors those runs measure, and later plans for the same machine are costed with them. Then the
+user's path (the CLI's exit statuses and messages, calibrate, plan, run and resume an older run) and
+the edges of reading a run back (corrupted files, evaluations between iterations, runs given twice,
+plans without a layout), of refitting a spec an earlier calibration made, and of finding the
+calibration for a cluster. Each test that plans or calibrates has a FLOWRL_HOME of its own; the runs
+are shared (module fixtures)."""
 
 from __future__ import annotations
 
 import json
+import math
+import shutil
 from pathlib import Path
 
 import msgspec
@@ -14,15 +21,20 @@ import pytest
 
 from flowrl import cli
 from flowrl.errors import ConfigError
-from flowrl.planner.calibrate import fit, read_runs, scaled
+from flowrl.planner.calibrate import fit, read_runs, scaled, sync_names, with_values
 from flowrl.planner.hardware import (
+    Calibrated,
     HardwareSpec,
     calibration_path,
     cluster_key,
     cost_provenance,
     cpu_cluster,
+    load_hardware,
+    parse_cluster,
+    save_hardware,
     with_calibration,
 )
+from flowrl.planner.plan import dump_plan, load_plan
 from flowrl.planner.traces import read_run, steady
 from flowrl.planner.workload import Fixed, Histogram, LogNormal, mean_length
 from flowrl.plugins.manager import registry
@@ -249,3 +261,335 @@ def test_simulated_tasks_pay_the_fitted_overheads():
     assert CostModel(spec, cpu).for_engine("vllm", captured=True).decode_step(batch, context, 4)[0] == pytest.approx(
         CostModel(spec, cpu).decode_step(batch, context, 4)[0]
     )
+
+
+# ------------------------------------------------------------------ the user's runs
+
+# the user's runs: fixed-length responses, a small batch: each run takes a few seconds
+SMALL = [
+    "rollout.prompts_per_step=8",
+    "rollout.samples_per_prompt=4",
+    "rollout.ignore_eos=true",
+    "rollout.max_new_tokens=8",
+]
+
+
+def _sets(settings: list[str]) -> list[str]:
+    return [a for s in settings for a in ("--set", s)]
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """Exit status, stdout and stderr of `flowrl ARGV`; a raw exception out of the CLI fails the test."""
+    capsys.readouterr()
+    try:
+        rc = cli.main([str(a) for a in argv])
+    except Exception as exc:  # what a user sees as a traceback
+        pytest.fail(
+            f"`flowrl {' '.join(map(str, argv))}` raised {type(exc).__name__}: {exc}; expected exit status 2 "
+            "and a message naming the file or field at fault"
+        )
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def user_runs(tmp_path_factory) -> dict[str, Path]:
+    """``base``: grpo, 6 steps, checkpointed (resumable); ``eval``: the same with an evaluation after every
+    step. Both planned uncalibrated (an empty FLOWRL_HOME)."""
+    out = tmp_path_factory.mktemp("user-runs")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLOWRL_HOME", str(out / "home"))
+        argv = ["run", "grpo", "--steps", "6", "--out", str(out), "--quiet", *_sets(SMALL)]
+        assert cli.main([*argv, "--name", "base"]) == 0
+        evals = ["checkpoint=false", "eval.every=1", "eval.prompts=64", "eval.samples=4"]
+        assert cli.main([*argv, "--name", "eval", *_sets(evals)]) == 0
+    return {"base": out / "base", "eval": out / "eval"}
+
+
+@pytest.fixture(scope="module")
+def fitted(user_runs):
+    """The fit of the base run (a HardwareSpec with its provenance), computed once."""
+    (replay,) = read_runs([str(user_runs["base"])], registry())
+    return fit([replay]).hardware
+
+
+def _copy(run: Path, dst: Path, *, plan=None) -> Path:
+    """A copy of a run folder's plan, trace and metrics (``plan``: a changed plan, given its new id)."""
+    dst.mkdir(parents=True)
+    for name in ("plan.yaml", "trace.json", "metrics.jsonl"):
+        shutil.copy(run / name, dst / name)
+    if plan is not None:
+        dump_plan(msgspec.structs.replace(plan, id=plan.content_id()), dst / "plan.yaml")
+    return dst
+
+
+def _with_hardware(plan, **fields):
+    hw = msgspec.structs.replace(plan.target.cluster.hardware, **fields)
+    cluster = msgspec.structs.replace(plan.target.cluster, hardware=hw)
+    return msgspec.structs.replace(plan, target=msgspec.structs.replace(plan.target, cluster=cluster))
+
+
+# ------------------------------------------------------------------ the user's path, end to end
+
+
+def test_calibrate_plan_run_and_resume_an_older_run(user_runs, home, tmp_path, capsys):
+    import matplotlib.image
+
+    base = user_runs["base"]
+    older = _copy(base, tmp_path / "older")  # a run planned before the calibration, resumed after it
+    shutil.copytree(base / "checkpoints", older / "checkpoints")
+    assert matplotlib.image.imread(base / "timeline.png").shape[0] > 100
+
+    rc, out, err = _cli(capsys, "calibrate", base)
+    assert rc == 0, err
+    assert "calibrating cluster 'local'" in out
+    spec = load_hardware(home / "hardware" / "calibrated" / "local.yaml")  # valid YAML that loads
+    before, after, measured = spec.calibration.fit[str(base)]
+    assert abs(math.log(after / measured)) <= abs(math.log(before / measured))  # the fit is no worse
+
+    # --out: an existing file is kept without --force, replaced with it
+    existing = tmp_path / "fit.yaml"
+    existing.write_text("keep me\n")
+    rc, _, err = _cli(capsys, "calibrate", base, "--out", existing)
+    assert rc == 2 and "--force" in err and existing.read_text() == "keep me\n"
+    rc, _, err = _cli(capsys, "calibrate", base, "--out", existing, "--force")
+    assert rc == 0, err
+    assert load_hardware(existing).calibration is not None
+
+    rc, out, err = _cli(capsys, "plan", "grpo", "--explain", *_sets(SMALL))
+    assert rc == 0, err
+    assert "cost model: calibrated by `flowrl calibrate`" in out and str(base) in out
+    rc, out, err = _cli(capsys, "plan", "grpo", "--cluster", "8xH100-80G", "--model", "llama3-8b", "--explain")
+    assert rc == 0, err
+    assert "uncalibrated for this cluster" in out
+
+    # a new run is planned with the calibration, and still runs
+    argv = ["run", "grpo", "--steps", "5", "--out", tmp_path, "--name", "after", "--quiet"]
+    rc, out, err = _cli(capsys, *argv, *_sets([*SMALL, "checkpoint=false"]))
+    assert rc == 0, err
+    assert "calibrated prediction" in out and "uncalibrated" not in out
+    assert load_plan(tmp_path / "after" / "plan.yaml").target.cluster.hardware.calibration is not None
+    assert matplotlib.image.imread(tmp_path / "after" / "timeline.png").shape[0] > 100
+
+    # the older run resumes with its own (uncalibrated) plan
+    rc, out, err = _cli(capsys, "run", "--resume", older, "--steps", "8", "--quiet")
+    assert rc == 0, err
+    resumed = load_plan(older / "plan.yaml")
+    assert resumed.config.steps == 8 and resumed.target.cluster.hardware.calibration is None
+
+
+def test_cluster_local_picks_up_the_local_calibration(user_runs, fitted, home, capsys):
+    """`flowrl calibrate` says "plans for 'local' now use it"; `--cluster local` is refused instead
+    ("no hardware profile ... Run `flowrl profile` first") when no `flowrl profile` has run, although the
+    machine the run ran on (its nominal speeds) has just been calibrated."""
+    cluster = read_run(user_runs["base"]).plan.target.cluster
+    save_hardware(fitted, calibration_path(cluster))
+    rc, out, err = _cli(capsys, "plan", "grpo", "--explain", *_sets(SMALL))
+    assert rc == 0 and "calibrated by `flowrl calibrate`" in out  # no --cluster: the calibration is used
+    rc, out, err = _cli(capsys, "plan", "grpo", "--cluster", "local", "--explain", *_sets(SMALL))
+    assert rc == 0, f"--cluster local after `flowrl calibrate` of this machine: {err}"
+    assert "calibrated by `flowrl calibrate`" in out
+
+
+# ------------------------------------------------------------------ reading a run back
+
+
+def test_evaluations_between_iterations_are_not_iteration_time(user_runs):
+    """With eval.every=1 each gap between two iterations' ends also holds an evaluation (it is not a task
+    in trace.json): the measured iteration is then ~4x the sum of its tasks, though the plan runs every
+    task one after another on one device group, and the fit makes training look 4x slower than it is."""
+    m = read_run(user_runs["eval"])
+    assert m.plan.layout.placement == "colocate" and m.plan.layout.rollout.mode == "sync"
+    tasks = sum(m.tasks.values())
+    assert m.iteration_s < 1.5 * tasks, (
+        f"measured {m.iteration_s:.3f} s/iteration from tasks taking {tasks:.3f} s: the evaluations after "
+        "each step are counted as training time"
+    )
+
+
+def test_a_run_folder_given_twice_is_one_run(user_runs, home, capsys):
+    """`flowrl calibrate R R/` fitted "2 run(s)", weighting the one run twice against the prior, and
+    recorded it twice in the provenance (--explain: "to 2 run(s)")."""
+    base = str(user_runs["base"])
+    rc, out, err = _cli(capsys, "calibrate", base, base + "/")
+    if rc == 2:  # refusing the repeat is fine too, if it says which folder
+        assert base in err and "twice" in err
+        return
+    assert rc == 0, err
+    assert "from 1 run(s)" in out
+    runs_in_fit = load_hardware(home / "hardware" / "calibrated" / "local.yaml").calibration.runs
+    assert len(runs_in_fit) == 1, runs_in_fit
+
+
+def _bad_metrics(folder: Path, kind: str) -> None:
+    path = folder / "metrics.jsonl"
+    if kind == "not-an-object":
+        path.write_text(path.read_text() + "[1, 2]\n")
+    elif kind == "not-utf8":
+        path.write_bytes(path.read_bytes() + b"\xff\xfe garbage\n")
+    elif kind == "nan-length":
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        for record in lines:
+            if "rollout/response_length" in record:
+                record["rollout/response_length"] = float("nan")
+        path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+@pytest.mark.parametrize("kind", ["not-an-object", "not-utf8", "nan-length"])
+def test_a_corrupted_metrics_file_is_a_user_error(user_runs, home, tmp_path, capsys, kind):
+    """A metrics.jsonl line that is JSON but not an object, bytes that are not UTF-8, or a NaN response
+    length: tracebacks (AttributeError, UnicodeDecodeError, 'cannot convert float NaN to integer')."""
+    folder = _copy(user_runs["base"], tmp_path / "run")
+    _bad_metrics(folder, kind)
+    rc, _, err = _cli(capsys, "calibrate", folder, "--out", tmp_path / "fit.yaml")
+    assert rc in (0, 2)  # skipping what cannot be read is fine; so is refusing it, naming the file
+    if rc == 2:
+        assert "metrics.jsonl" in err
+
+
+def _bad_trace(folder: Path, kind: str) -> None:
+    path = folder / "trace.json"
+    trace = json.loads(path.read_text())
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    if kind == "old-no-iterations":  # a trace from before iterations were recorded
+        for e in spans:
+            e.get("args", {}).pop("iteration", None)
+    elif kind == "array-format":  # Chrome's other trace format: a bare list of events
+        trace = trace["traceEvents"]
+    elif kind == "no-dur":
+        for e in spans:
+            e.pop("dur")
+    elif kind == "iteration-null":
+        for e in spans:
+            if "iteration" in e.get("args", {}):
+                e["args"]["iteration"] = None
+    elif kind == "events-not-a-list":
+        trace = {"traceEvents": 5}
+    elif kind == "all-at-one-instant":  # zero-duration spans, every one at the same time
+        for e in spans:
+            e["ts"], e["dur"] = 1000.0, 0.0
+    path.write_text(json.dumps(trace))
+
+
+@pytest.mark.parametrize(
+    "kind", ["old-no-iterations", "array-format", "no-dur", "iteration-null", "events-not-a-list", "all-at-one-instant"]
+)
+def test_a_malformed_trace_is_a_user_error(user_runs, home, tmp_path, capsys, kind):
+    """Only an old trace (no iteration args) got a message; the others raised AttributeError, KeyError,
+    TypeError, or ZeroDivisionError (a zero-second iteration) out of the CLI."""
+    folder = _copy(user_runs["base"], tmp_path / "run")
+    _bad_trace(folder, kind)
+    rc, _, err = _cli(capsys, "calibrate", folder, "--out", tmp_path / "fit.yaml")
+    if kind == "array-format" and rc == 0:  # reading Chrome's array format is fine too
+        return
+    assert rc == 2
+    assert "trace.json" in err
+
+
+def test_a_plan_without_a_layout_names_the_run(user_runs, home, tmp_path, capsys):
+    """The error was "plan 6e4e... has no layout to simulate (it was not placed)": it names neither the
+    run folder nor its plan.yaml."""
+    plan = load_plan(user_runs["base"] / "plan.yaml")
+    folder = _copy(user_runs["base"], tmp_path / "unplaced", plan=msgspec.structs.replace(plan, layout=None))
+    rc, _, err = _cli(capsys, "calibrate", folder, "--out", tmp_path / "fit.yaml")
+    assert rc == 2
+    assert str(folder) in err.replace("\n  ", " ") or "plan.yaml" in err
+
+
+def test_a_wrong_graph_file_is_named_in_the_error(user_runs, home, tmp_path, capsys):
+    """A run of a graph file of the user's own, calibrated with `--graph` naming a file that is not there:
+    the error told the user to add `--graph <the run's file>`, as if no --graph had been given, and never
+    said that the file given does not exist."""
+    from flowrl.graph.loading import build_graph, find_graph
+
+    mine = tmp_path / "mine.py"
+    source = Path(__file__).parents[2] / "graphs" / "grpo.py"
+    mine.write_text(source.read_text().replace('Graph("grpo")', 'Graph("mine")'))
+    plan = load_plan(user_runs["base"] / "plan.yaml")
+    graph = build_graph(find_graph(str(mine), {}, registry()), plan.config)
+    ref = msgspec.structs.replace(plan.graph, name=graph.name, source=str(mine), fingerprint=graph.fingerprint())
+    folder = _copy(user_runs["base"], tmp_path / "mine-run", plan=msgspec.structs.replace(plan, graph=ref))
+    assert _cli(capsys, "calibrate", folder, "--graph", mine, "--out", tmp_path / "a.yaml")[0] == 0
+    missing = tmp_path / "nothere.py"
+    rc, _, err = _cli(capsys, "calibrate", folder, "--graph", missing, "--out", tmp_path / "b.yaml")
+    assert rc == 2
+    assert "nothere.py" in err, err
+
+
+# ------------------------------------------------------------------ refitting, provenance, lookup
+
+
+def test_a_factor_an_earlier_fit_drove_to_almost_zero_is_fitted_again(user_runs, home, tmp_path):
+    """A factor counts as measured when tripling it moves a residual; one an earlier fit left at 1e-13
+    (the first fit here left decode_step_overhead at 7.7e-14) moves nothing when tripled, so a run planned
+    on that calibrated spec never fits it again, though the same run fits it from 0."""
+    plan = load_plan(user_runs["base"] / "plan.yaml")
+    (replay,) = read_runs([str(user_runs["base"])], registry())
+    assert "task_overhead" in fit([replay]).factors  # the run measures it (fitted from 0)
+    folder = _copy(user_runs["base"], tmp_path / "refit", plan=_with_hardware(plan, task_overhead=1e-13))
+    (replay,) = read_runs([str(folder)], registry())
+    assert "task_overhead" in fit([replay]).factors
+
+
+def test_a_refit_keeps_where_the_factors_it_does_not_fit_came_from(user_runs, home, tmp_path):
+    """A run planned on a calibrated spec, calibrated: the factors it cannot measure keep the earlier fit's
+    values, but the new provenance forgets the earlier runs and says "every other factor is the spec's own"."""
+    plan = load_plan(user_runs["base"] / "plan.yaml")
+    earlier = Calibrated(
+        runs=["runs/tp2"],
+        factors={"tp_op_overhead": ["runs/tp2"]},
+        when="2026-01-01",
+        fit={"runs/tp2": (1.0, 1.0, 1.0)},
+    )
+    plan = _with_hardware(plan, tp_op_overhead=5e-4, calibration=earlier)
+    folder = _copy(user_runs["base"], tmp_path / "on-calibrated", plan=plan)
+    (replay,) = read_runs([str(folder)], registry())
+    result = fit([replay])
+    assert result.hardware.tp_op_overhead == pytest.approx(5e-4)  # not measured by one device: kept
+    assert "runs/tp2" in cost_provenance(result.hardware), cost_provenance(result.hardware)
+
+
+def test_a_cluster_file_keeps_its_own_hardware_beside_a_calibration(home, tmp_path):
+    """A calibration of 8xH100-80G replaced the whole hardware of every cluster labelled 1x8xH100-80G,
+    so a cluster file's own `host_bandwidth` (a field no calibration fits) was silently dropped."""
+    preset = parse_cluster("8xH100-80G")
+    mark = Calibrated(runs=["runs/h100"], factors={"task_overhead": ["runs/h100"]}, when="2026-01-01")
+    save_hardware(
+        msgspec.structs.replace(preset.hardware, task_overhead=0.01, calibration=mark), calibration_path(preset)
+    )
+    assert with_calibration(preset).hardware.task_overhead == 0.01
+    file = tmp_path / "pcie.yaml"
+    file.write_text("nodes: 1\ndevices_per_node: 8\nhardware:\n  preset: H100-80G\n  host_bandwidth: 1.0e9\n")
+    used = with_calibration(parse_cluster(str(file)))
+    assert used.hardware.host_bandwidth == 1e9
+
+
+def test_two_policies_with_their_own_generators_and_syncs_are_fitted(home, tmp_path, capsys):
+    """two_agent (generate nodes `propose` and `solve`, syncs `sync:train_proposer` / `sync:train_solver`):
+    a trace made of the simulator's own spans under other factors is read with every task and fitted."""
+    out = tmp_path / "ta"
+    rc, _, err = _cli(
+        capsys, "plan", "two_agent", "--cluster", "2xH100-80G", "--model", "llama3-8b", "--placement",
+        "disaggregated", "--budget", "2", "--out", out / "plan.yaml",
+    )  # fmt: skip
+    assert rc == 0, err
+    (out / "metrics.jsonl").write_text("")
+    plan = load_plan(out / "plan.yaml")
+    from flowrl import api
+    from flowrl.planner.passes import replay
+
+    graph = api.graph_for_plan(plan, registry())
+    truth = with_values(plan.target.cluster.hardware, {"sync_tensor_overhead": 2e-2, "kernel_overhead": 1e-4})
+    target = msgspec.structs.replace(plan.target, cluster=msgspec.structs.replace(plan.target.cluster, hardware=truth))
+    result = replay(graph, plan, registry(), target)
+    back = {v: f"sync:{k}" for k, v in sync_names(graph).items()}
+    events = [
+        {"name": back.get(s.task, s.task), "ph": "X", "pid": 0, "tid": 0, "ts": s.start * 1e6,
+         "dur": (s.end - s.start) * 1e6, "args": {"iteration": s.iteration}}
+        for s in result.spans if s.end > s.start
+    ]  # fmt: skip
+    (out / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    (r,) = read_runs([str(out)], registry())
+    assert {"propose", "solve", "weight_sync", "weight_sync:solver"} <= set(r.measured.tasks)
+    fitted = fit([r])
+    assert abs(fitted.after[str(out)] / fitted.measured[str(out)] - 1) < 0.05
