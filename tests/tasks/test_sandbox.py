@@ -6,6 +6,7 @@ huge output, memory, killing its parent, and exiting early to fake a pass."""
 from __future__ import annotations
 
 import os
+import random
 import time
 
 import pytest
@@ -81,3 +82,29 @@ def test_a_prompt_without_tests_is_an_error_naming_it():
 def test_the_code_of_a_response_is_its_fenced_block():
     assert code_of("x = 1") == "x = 1"
     assert code_of("Here:\n```python\ndef f():\n    return 1\n```\nDone.") == "def f():\n    return 1\n"
+
+
+def test_the_code_reward_scores_expr_answers_in_the_sandbox():
+    from flowrl.algorithms.ops import code_reward
+    from flowrl.tasks.builtin import Expr
+
+    task = Expr()
+    p = task.sample(random.Random(0))
+    responses = [p.answer, "x", "import os; os._exit(0)", "(lambda: [0]*10**10)()"]
+    scores, metrics = code_reward([p] * 4, responses, task, template=task.TEMPLATE)
+    assert scores[0] == 1.0 and 0 < scores[1] < 1 and scores[2] == 0.0 and scores[3] == 0.0
+    assert metrics["sandbox_runs"] == 4 and metrics["all_passed"] == 0.25
+    assert task.score(p, p.answer) == 1.0
+
+
+def test_the_expr_task_scores_a_fenced_answer_as_the_code_reward_does():
+    """The expr task's own score reads a response's fenced block as the code reward does."""
+    from flowrl.algorithms.ops import code_reward
+    from flowrl.tasks.builtin import Expr
+
+    task = Expr(ops=("add",))
+    p = task.sample(random.Random(1))
+    fenced = f"```python\n{p.answer}\n```"
+    scores, _ = code_reward([p], [fenced], task, template=task.TEMPLATE)
+    assert scores == [1.0]
+    assert task.score(p, fenced) == scores[0]

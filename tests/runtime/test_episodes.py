@@ -1,9 +1,9 @@
-"""Review of multi-turn environment episodes, tool results, EpisodeText rewards and the code reward.
+"""Multi-turn environment episodes (flowrl.runtime.episodes), tool results and EpisodeText rewards.
 
 Most tests drive `Episodes` / `StepRollout` directly with the char-level tokenizer and a fake
 engine (every model turn is fixed or drawn from a seeded RNG), so they are exact and quick; two
 whole runs on the local backend (the default tiny char model, task calc) check the masks, the
-turns and the errors end to end. A test that fails here marks a bug (see each docstring)."""
+turns and the errors end to end, and a CLI run resumes episodes in flight."""
 
 from __future__ import annotations
 
@@ -144,13 +144,12 @@ def turn_view(turns):
     return [(t.role, t.text, t.tokens) for t in turns]
 
 
-# ------------------------------------------------------------------ bugs
+# ------------------------------------------------------------------ episodes, turns and budgets
 
 
 def test_a_greedy_generate_node_with_an_environment_decodes_greedily_in_sync_mode():
-    """Review finding, fixed: `StepRollout._sample` calls `Episodes.run`, which hard-codes greedy=False for the first
-    call and every resume, so `g.generate(..., greedy=True, env=...)` samples in sync and
-    one_step_off modes (the chunked modes do pass the node's greedy)."""
+    """A greedy generate node with an environment decodes greedily in every mode: its episodes' first
+    call and every resume too."""
     sr = step_rollout(lambda ep, t: Step(text="ab"), greedy=True, mode="async")
     drive(sr, 0, P)
     assert {g for _, g in sr.generator.calls} == {True}  # chunked modes: greedy, as asked
@@ -160,12 +159,9 @@ def test_a_greedy_generate_node_with_an_environment_decodes_greedily_in_sync_mod
 
 
 def test_an_episode_restored_from_a_checkpoint_keeps_its_own_environment_episode():
-    """Review finding, fixed: a row keeps its episode number (`Row.episode`) in the checkpoint, but the resumed run's
-    `Episodes.serial` starts again at 0. The fresh rows of the first chunk after the resume take
-    numbers 0, 1, ...; a restored in-flight row whose old number is among them is found in
-    `Episodes.live` and is answered by *another row's* environment episode (another prompt's), instead
-    of getting its own replayed one. Here the env writes its prompt's first two characters and its
-    step count: the restored row of '11*12:' gets '151|', written by the episode of prompt '15*16:'."""
+    """A row restored from a checkpoint keeps its episode number (`Row.episode`), and the resumed run's
+    fresh rows never take it: the env writes its prompt's first two characters and its step count, so a
+    row answered by another prompt's episode shows."""
     from flowrl.runtime import checkpoint
 
     stream = iter([Prompt(text=f"{a}*{a + 1}:", answer="") for a in range(10, 60)])
@@ -195,10 +191,8 @@ def test_an_episode_restored_from_a_checkpoint_keeps_its_own_environment_episode
 
 
 def test_a_final_text_with_done_that_exactly_fills_the_environment_budget_is_written():
-    """Review finding, fixed (off by one): with env_tokens=E the response budget is turns * turn_tokens + E
-    (`Graph.generate`), but `_apply` writes only when ``len(tokens) + len(text) < budget``. A last
-    reply with done=True (nothing follows it) that fills the budget exactly is dropped and counted
-    as env_truncated, though its E tokens were reserved for it."""
+    """With env_tokens=E the response budget is turns * turn_tokens + E (`Graph.generate`): a last reply
+    with done=True that fills the budget exactly is written, not counted as env_truncated."""
     eps = episodes(
         lambda ep, t: Step(text="abc", reward=1.0, done=True), turns=1, budget=7, turn_tokens=4, env_tokens=3
     )
@@ -215,18 +209,16 @@ def test_a_final_text_with_done_that_exactly_fills_the_environment_budget_is_wri
     ids=["text-int", "reward-none", "reward-str"],
 )
 def test_a_step_with_wrongly_typed_fields_is_a_graph_error_naming_node_and_environment(step):
-    """Review finding, fixed: `Step` is a msgspec Struct, which does not check types when built; `_steps` only checks
-    ``isinstance(s, Step)``. Step(text=5) then fails in the tokenizer with a raw ValueError and
-    Step(reward=None) with a raw TypeError from float(), with no node or environment named."""
+    """`Step` is a msgspec Struct, unchecked when built: its fields' types are checked where the episode
+    takes it, naming the node and the environment (not a raw error from the tokenizer or float())."""
     eps = episodes(lambda ep, t: step)
     with pytest.raises(GraphError, match=r"node 'gen'.*environment 'probe'"):
         eps.advance([row("12", eos=True)], lambda r: P[0], 0)
 
 
 def test_tool_results_given_as_one_string_are_not_split_into_a_message_per_character():
-    """Review finding, fixed: Step(tool_results="42") (a str, not a tuple) is iterated character by character:
-    the template renders two tool messages, '4' and '2', and the model reads a wrong result.
-    It should be refused (a GraphError naming the environment) or taken as one result."""
+    """Step(tool_results="42") (a str, not a tuple) is refused naming the environment or taken as one
+    result, never rendered as one tool message per character."""
     prompt = Prompt(text="x", answer="42", templated=True, messages=({"role": "user", "content": "6*7"},))
     eps = episodes(lambda ep, t: Step(tool_results="42"), template=CHAR_TOOL_TEMPLATE, budget=200, turn_tokens=8)
     r = row("12", eos=True)
@@ -236,14 +228,12 @@ def test_tool_results_given_as_one_string_are_not_split_into_a_message_per_chara
         assert "probe" in str(exc)
         return
     tool = [t.text for t in r.turns if t.role == "tool"]
-    assert tool == ["|tool:42|assistant:"], tool  # one result; now: '|tool:4|tool:2|assistant:'
+    assert tool == ["|tool:42|assistant:"], tool  # one result, not '|tool:4|tool:2|assistant:'
 
 
 def test_an_async_environment_works_when_the_caller_already_runs_an_event_loop():
-    """Review finding, fixed: `Episodes._steps` awaits async steps with asyncio.run, which raises RuntimeError
-    ("cannot be called from a running event loop") when the run is driven from a thread with a
-    running loop (a notebook, an async driver). The reward pool handles exactly this case
-    (`rewardpool.run_async`: a thread of its own); episodes should too."""
+    """Async steps are awaited on a thread of their own when the caller runs an event loop (a notebook, an
+    async driver), as the reward pool does (`rewardpool.run_async`)."""
 
     async def later(ep, turn):
         await asyncio.sleep(0)
@@ -260,10 +250,8 @@ def test_an_async_environment_works_when_the_caller_already_runs_an_event_loop()
 
 
 def test_env_truncated_counts_only_text_the_budget_refused():
-    """Review finding, fixed (metric): after the last allowed model turn the environment's text is never written (no
-    turn would read it), yet when it would not fit the budget it is counted as ``env_truncated``:
-    here a one-turn episode at the end of its budget counts 1, though no budget refused anything
-    (the same text with room left counts 0). In every whole run the metric is inflated so."""
+    """``env_truncated`` counts only text a budget refused: after the last allowed model turn the
+    environment's text is not written (no turn would read it) and not counted."""
     roomy = episodes(lambda ep, t: Step(text="ab"), turns=1, budget=20, turn_tokens=4)
     roomy.advance([row("1234", finished=False)], lambda r: P[0], 0)
     full = episodes(lambda ep, t: Step(text="ab"), turns=1, budget=4, turn_tokens=4)
@@ -273,10 +261,8 @@ def test_env_truncated_counts_only_text_the_budget_refused():
 
 
 def test_a_step_with_no_text_that_is_not_done_lets_the_model_take_its_next_turn():
-    """Review finding, fixed (contract): `Step.done` "ends the episode"; a step that gives only a turn reward
-    (Step(reward=...), done=False) -- or a reply() that returns "" (text, not None) -- silently ends
-    the episode too (`_apply`: ``more and write`` needs written text), so the remaining turns are
-    lost with no metric saying why. The model should get its next turn (the reward kept on the turn)."""
+    """A step that gives only a turn reward (done=False, no text) lets the model take its next turn, the
+    reward kept on the turn; only `Step.done` ends the episode."""
     sr = step_rollout(lambda ep, t: Step(reward=0.5), turns=3, budget=30)
     seqs, _ = sr._sample(P, torch.Generator())
     roles = [t.role for t in seqs.episodes[0]]
@@ -285,10 +271,8 @@ def test_a_step_with_no_text_that_is_not_done_lets_the_model_take_its_next_turn(
 
 
 def test_a_replay_restart_leaves_no_environment_episode_behind():
-    """Review finding, fixed (leak): when a restored row's replay answers differently, `_open` calls
-    ``row.restart`` (episode = -1) without dropping the replayed episode (``live[0]`` here), then
-    stores a fresh one under ``live[row.episode]``, i.e. ``live[-1]``: two environment episodes
-    nobody uses, kept until the run ends (the row opens a third on its next advance)."""
+    """When a restored row's replay answers differently, the row restarts and the replayed environment
+    episode is dropped: no episode is left behind under -1 or its old number."""
     eps = episodes(lambda ep, t: Step(text="zz"))
     r = row("12", eos=True)
     r.tokens += ids("ab") + ids("5")
@@ -303,24 +287,6 @@ def test_a_replay_restart_leaves_no_environment_episode_behind():
     eps.advance([r], lambda r: P[0], 0)
     assert eps.counts.get("replay_restarts") == 1 and r.tokens == []
     assert -1 not in eps.live and len(eps.live) <= 1, eps.live
-
-
-def test_the_expr_task_scores_a_fenced_answer_as_the_code_reward_does():
-    """BUG (docstring: "the built-in code reward with template=... scores alike"): the code reward
-    takes a response's fenced block (`sandbox.code_of`), `Expr.score` execs the response as it is,
-    so '```python\\nx+2\\n```' scores 1.0 under the code reward and 0.0 as the task's score."""
-    from flowrl.algorithms.ops import code_reward
-    from flowrl.tasks.builtin import Expr
-
-    task = Expr(ops=("add",))
-    p = task.sample(random.Random(1))
-    fenced = f"```python\n{p.answer}\n```"
-    scores, _ = code_reward([p], [fenced], task, template=task.TEMPLATE)
-    assert scores == [1.0]
-    assert task.score(p, fenced) == scores[0]
-
-
-# ------------------------------------------------------------------ correct behaviour (pinned)
 
 
 def test_budgets_of_multi_turn_episodes_need_an_environment_and_are_refused_by_name():
@@ -495,19 +461,7 @@ def test_an_environment_that_raises_in_a_whole_run_is_a_graph_error_naming_node_
         whole_run(tmp_path, "streaming", "raise", steps=1)
 
 
-def test_the_code_reward_scores_expr_answers_in_the_sandbox():
-    from flowrl.algorithms.ops import code_reward
-    from flowrl.tasks.builtin import Expr
-
-    task = Expr()
-    p = task.sample(random.Random(0))
-    responses = [p.answer, "x", "import os; os._exit(0)", "(lambda: [0]*10**10)()"]
-    scores, metrics = code_reward([p] * 4, responses, task, template=task.TEMPLATE)
-    assert scores[0] == 1.0 and 0 < scores[1] < 1 and scores[2] == 0.0 and scores[3] == 0.0
-    assert metrics["sandbox_runs"] == 4 and metrics["all_passed"] == 0.25
-    assert task.score(p, p.answer) == 1.0
-
-
+@pytest.mark.slow  # two `flowrl run` subprocesses
 def test_the_cli_resumes_a_partial_tool_use_run_with_episodes_in_flight(tmp_path):
     """`flowrl run graphs/tool_use.py --save-every 1 --set rollout.mode=partial`, then `--resume`:
     every step once, each with its full batch of episodes."""
