@@ -21,6 +21,9 @@ from collections.abc import Callable
 import pytest
 from hypothesis import HealthCheck, settings
 
+# tests/helpers.py, shared by test modules (imported as ``helpers``)
+sys.path.insert(0, os.path.dirname(__file__))
+
 os.environ["FLOWRL_PLUGINS"] = ""
 # this machine's `flowrl profile` calibration (~/.flowrl) must not steer a test's plan (generation.engine=auto)
 os.environ["FLOWRL_HOME"] = tempfile.mkdtemp(prefix="flowrl-test-home-")

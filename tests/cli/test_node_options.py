@@ -7,28 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import SMALL_RUN, run_cli
 
 from flowrl import api
-from flowrl.cli import main
 from flowrl.specs import read_document
 
-SMALL = [
-    "rollout.prompts_per_step=2",
-    "rollout.samples_per_prompt=2",
-    "rollout.max_new_tokens=2",
-    "train.mini_batches=1",
-    "progress=false",
-]
+SMALL = SMALL_RUN
 
 
 def quiet(_: str) -> None:
     pass
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, " ".join(err.split())
 
 
 def test_set_nodes_name_option_is_resolved_into_the_plan() -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from helpers import SMALL_RUN, run_cli
 
 from flowrl import api
-from flowrl.cli import main
 from flowrl.errors import ConfigError
 from flowrl.planner.plan import ExecutionPlan, dump_plan, load_plan
 
@@ -20,19 +20,7 @@ DATA = Path(__file__).parent / "data"
 #: plans held resolved node options and model specs): grpo, 2 steps, save_every 1
 LEGACY = DATA / "plan_v1_backend.yaml"
 LEGACY_V0 = DATA / "plan_v0_backend.yaml"
-SMALL = [
-    "rollout.prompts_per_step=2",
-    "rollout.samples_per_prompt=2",
-    "rollout.max_new_tokens=2",
-    "train.mini_batches=1",
-    "progress=false",
-]
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, " ".join(err.split())
+SMALL = SMALL_RUN
 
 
 @pytest.fixture(scope="module")

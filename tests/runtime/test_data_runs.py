@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+from helpers import write_jsonl
 
 from flowrl import api, cli
 from flowrl.data import Prompt
@@ -25,11 +26,6 @@ def copy_rows(n: int, seed: int = 0) -> list[dict]:
         s = "".join(rng.choice("abcd") for _ in range(rng.randint(1, 3)))
         rows.append({"prompt": f"{s}>", "answer": s, "source": "one" if len(s) == 1 else "more", "id": i})
     return rows
-
-
-def write(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 def _records(folder: Path) -> list[dict]:
@@ -68,8 +64,8 @@ def test_pass_at_k_is_the_unbiased_estimate_and_majority_reads_final_answers():
 
 @pytest.mark.slow
 def test_a_resume_mid_epoch_equals_the_uninterrupted_run_with_evaluations_and_samples(tmp_path):
-    train = write(tmp_path / "train.jsonl", copy_rows(9))
-    val = write(tmp_path / "val.jsonl", copy_rows(6, seed=1))
+    train = write_jsonl(tmp_path / "train.jsonl", copy_rows(9))
+    val = write_jsonl(tmp_path / "val.jsonl", copy_rows(6, seed=1))
     overrides = [
         "progress=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "save_every=2",
         f"data.val={val}", "data.verifier=exact", "eval.every=3", "eval.samples=2", "log.samples_every=2",
@@ -114,8 +110,8 @@ def test_the_readme_command_runs_as_written(tmp_path, chat_model, monkeypatch, c
         for a in range(6)
         for b in range(3)
     ]
-    write(tmp_path / "train.jsonl", problems[:12])
-    write(tmp_path / "val.jsonl", problems[12:])
+    write_jsonl(tmp_path / "train.jsonl", problems[:12])
+    write_jsonl(tmp_path / "val.jsonl", problems[12:])
     monkeypatch.chdir(tmp_path)
     code = cli.main(
         [
@@ -211,20 +207,20 @@ def test_rollout_stop_strings_end_every_response_and_reach_the_plan(tmp_path):
 
 def test_a_resume_after_the_training_data_changed_is_refused(tmp_path, monkeypatch, capsys):
     rows = [{"prompt": f"{c}>", "answer": c} for c in "abcdab"]
-    write(tmp_path / "r.jsonl", rows)
+    write_jsonl(tmp_path / "r.jsonl", rows)
     monkeypatch.chdir(tmp_path)
     small = ["--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=2", "--quiet"]
     first = ["run", "grpo", "--data", "r.jsonl", "--set", "data.verifier=exact", "--steps", "2", "--save-every", "1"]
     assert cli.main([*first, "--out", "runs", *small]) == 0
-    write(tmp_path / "r.jsonl", rows + rows)  # the file grew since the checkpoint
+    write_jsonl(tmp_path / "r.jsonl", rows + rows)  # the file grew since the checkpoint
     capsys.readouterr()
     assert cli.main(["run", "--resume", "runs/grpo", "--steps", "3", "--quiet"]) == 2
     assert "data" in capsys.readouterr().err
 
 
 def test_a_plan_keeps_the_data_files_absolute_like_the_model_folder(tmp_path, monkeypatch):
-    write(tmp_path / "train.jsonl", [{"prompt": "a>", "answer": "a"}])
-    write(tmp_path / "val.jsonl", [{"prompt": "b>", "answer": "b"}])
+    write_jsonl(tmp_path / "train.jsonl", [{"prompt": "a>", "answer": "a"}])
+    write_jsonl(tmp_path / "val.jsonl", [{"prompt": "b>", "answer": "b"}])
     monkeypatch.chdir(tmp_path)
     args = ["plan", "grpo", "--data", "train.jsonl", "--set", "data.val=val.jsonl", "--out", "plan.yaml"]
     assert cli.main(args) == 0

@@ -9,17 +9,12 @@ import json
 import textwrap
 from pathlib import Path
 
+from helpers import SMALL_RUN
+
 from flowrl import api
 from flowrl.runtime.executor import run_dir
 
-SMALL = [
-    "rollout.prompts_per_step=2",
-    "rollout.samples_per_prompt=2",
-    "rollout.max_new_tokens=2",
-    "train.mini_batches=1",
-    "progress=false",
-    "checkpoint=false",
-]
+SMALL = [*SMALL_RUN, "checkpoint=false"]
 
 NOTHING_KEPT = """
 from flowrl.graph import Graph

@@ -3,10 +3,8 @@ equal, greedy-only evaluation, and generation batches no larger than a training 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
+from helpers import write_jsonl
 
 from flowrl import api
 from flowrl.data import Prompt
@@ -14,11 +12,6 @@ from flowrl.runtime.evaluate import Scored, eval_prompts, summarize
 from flowrl.runtime.executor import run_dir
 from flowrl.specs import build_config
 from flowrl.tasks.dataset import load
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 def test_without_data_val_evaluation_takes_each_training_row_at_most_once(tmp_path):

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+from helpers import write_jsonl
 
 from flowrl.errors import ConfigError
 from flowrl.specs import build_config
@@ -22,11 +23,6 @@ ROWS = [
     }
     for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (9, 10), (11, 12), (13, 14)]
 ]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 def task(tmp_path: Path, model: str | None = None, rows: list[dict] | None = None, **data) -> DataTask:

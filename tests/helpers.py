@@ -1,0 +1,33 @@
+"""What several test modules share: a small run's settings, the CLI run in this process, a jsonl file.
+(tests/conftest.py puts this folder on sys.path: ``from helpers import ...``.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+#: a run of two prompts, two samples each, two new tokens, one update a step and no progress bar
+SMALL_RUN = [
+    "rollout.prompts_per_step=2",
+    "rollout.samples_per_prompt=2",
+    "rollout.max_new_tokens=2",
+    "train.mini_batches=1",
+    "progress=false",
+]
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Exit status, stdout and stderr (its white space folded to single spaces) of `flowrl ARGV`."""
+    from flowrl.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, " ".join(err.split())
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    """``rows`` as a jsonl file at ``path``; returns the path as a string (what a config takes)."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
