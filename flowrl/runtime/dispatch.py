@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from flowrl.data import Sequences, _pad
+from flowrl.errors import BackendError
 from flowrl.runtime.batch import by_length
 
 
@@ -101,11 +102,17 @@ def shard_ranks(ranks: Sequence[int], data: Sequence[Any]) -> list[tuple[int, ..
     out: list[list[int]] = [[] for _ in range(count)]
     for rank, d in zip(ranks, data):
         if d.count != count or not 0 <= d.index < count:
-            raise ValueError(f"dispatch: rank {rank} says data shard {d.index} of {d.count}; others say of {count}.")
+            raise BackendError(
+                f"rank {rank} of group {list(ranks)} says it computes data shard {d.index} of {d.count}; its first "
+                f"rank says of {count}. The engines of one model must agree on how their rows are shared (data_rank)."
+            )
         out[d.index].append(rank)
     empty = [i for i, s in enumerate(out) if not s]
     if empty:
-        raise ValueError(f"dispatch: no rank of {list(ranks)} computes data shard(s) {empty} of {count}.")
+        raise BackendError(
+            f"no rank of group {list(ranks)} computes data shard(s) {empty} of {count}: those rows would be lost. "
+            "The engines' data_rank must give every shard a rank."
+        )
     return [tuple(s) for s in out]
 
 

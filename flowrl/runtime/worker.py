@@ -59,7 +59,7 @@ def checked(engine: Any, protocol: type, entry: Entry, model: str) -> Any:
     missing = sorted({m for m in members if not hasattr(engine, m)})
     raise BackendError(
         f"{entry.name!r} (plugin '{entry.plugin}') built {type(engine).__name__} for model '{model}', which is not "
-        f"a {protocol.__name__}: it lacks {', '.join(missing) or 'the protocol'} (see flowrl/runtime/protocols.py)."
+        f"a {protocol.__name__}: it lacks {', '.join(missing) or 'the protocol'} (see flowrl/contract/protocols.py)."
     )
 
 
@@ -77,7 +77,7 @@ def built_by(entry: Entry, ctx: EngineContext) -> Any:
         if isinstance(exc, AttributeError) and "'plan'" in str(exc):
             hint = (
                 " Engines no longer receive the plan: ctx.spec holds what the planner resolved for the model "
-                "(checkpoint, seed, sampling, optimizer, numerics; see flowrl/runtime/protocols.py EngineContext)."
+                "(checkpoint, seed, sampling, optimizer, numerics; see flowrl/contract/protocols.py EngineContext)."
             )
         raise BackendError(
             f"engine '{entry.name}' (plugin '{entry.plugin}') failed to build model '{ctx.decl.name}': "

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from flowrl.contract.protocols import DataRank, ShardedGenerationEngine, ShardedTrainingEngine
+from flowrl.errors import BackendError
 from flowrl.runtime import dispatch
 from flowrl.runtime.groups import GenerationGroup, TrainingGroup
 from flowrl.runtime.worker import Worker
@@ -42,6 +43,11 @@ def test_every_method_a_group_calls_declares_how_it_is_dispatched():
 def test_a_method_without_a_dispatch_mode_is_refused_by_name():
     with pytest.raises(TypeError, match=r"Worker.setup declares no dispatch mode"):
         dispatch.mode_of(Worker, "setup")
+
+
+def test_ranks_disagreeing_on_the_number_of_shards_are_refused():
+    with pytest.raises(BackendError, match=r"rank 1 of group \[0, 1\] says it computes data shard 0 of 1"):
+        dispatch.shard_ranks((0, 1), [DataRank(index=0, count=2), DataRank(index=0, count=1)])
 
 
 def test_a_mode_that_splits_rows_must_collect_rows():
@@ -112,7 +118,7 @@ def test_a_forward_pads_every_data_shard_to_the_same_rows_and_keeps_each_shards_
 
 
 def test_ranks_declaring_shards_that_do_not_cover_the_rows_are_refused():
-    with pytest.raises(ValueError, match=r"no rank of \[0, 1\] computes data shard"):
+    with pytest.raises(BackendError, match=r"no rank of group \[0, 1\] computes data shard\(s\) \[1\] of 2"):
         dispatch.shard_ranks((0, 1), [DataRank(index=0, count=2), DataRank(index=0, count=2)])
 
 
