@@ -33,7 +33,7 @@ from flowrl.contract.data import (
     Turn,
     adds_special_tokens,
 )
-from flowrl.contract.hardware import ClusterSpec, HardwareSpec
+from flowrl.contract.hardware import ClusterSpec, GenerationCalibration, HardwareSpec, load_hardware, save_hardware
 from flowrl.contract.hooks import hookimpl
 from flowrl.contract.layout import (
     ClusterPlan,
@@ -112,6 +112,7 @@ __all__ = [
     "FlowRLError",
     "Forecast",
     "GenerateResult",
+    "GenerationCalibration",
     "GenerationEngine",
     "GenerationLayout",
     "Graph",
@@ -161,6 +162,7 @@ __all__ = [
     "fusable",
     "generating_models",
     "hookimpl",
+    "load_hardware",
     "load_plan",
     "model_checkpoints",
     "padded_rows",
@@ -168,6 +170,7 @@ __all__ = [
     "ragged",
     "responses_of",
     "rollout_conflict",
+    "save_hardware",
     "steady",
     "to_rollout",
     "unsupported",

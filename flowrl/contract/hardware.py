@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from flowrl.contract.checked import CheckedSpec, Count, Fraction, NonNegative, Positive, SpecFieldError
+from flowrl.contract.checked import CheckedSpec, Count, Fraction, NonNegative, Positive, SpecFieldError, coerce_numbers
+from flowrl.errors import ConfigError
+from flowrl.specs import convert, read_document
 
 #: Dense matmul FLOPs per token and layer, in units of hidden**2, against which attention's share is taken.
 DENSE_PER_LAYER = 12.0
@@ -185,3 +189,28 @@ NOMINAL = "-nominal"
 def is_cpu(hw: HardwareSpec) -> bool:
     """Whether ``hw`` is this machine's CPU (``cpu:N``, or the local CPU device), not an accelerator."""
     return hw.name == CPU_DEVICES or hw.name.startswith(LOCAL_CPU)
+
+
+def default_profile_path() -> Path:
+    """Where ``flowrl profile`` saves this machine's spec: ``$FLOWRL_HOME/hardware/local.yaml``."""
+    return Path(os.environ.get("FLOWRL_HOME", Path.home() / ".flowrl")) / "hardware" / "local.yaml"
+
+
+def save_hardware(spec: HardwareSpec, path: str | Path) -> Path:
+    """Write ``spec`` as YAML (creating parent folders); returns the path."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(msgspec.yaml.encode(spec))
+    except OSError as exc:
+        raise ConfigError(f"cannot write hardware file '{path}': {exc.strerror or exc}.") from None
+    return path
+
+
+def load_hardware(path: str | Path) -> HardwareSpec:
+    """Read a HardwareSpec from a YAML/TOML/JSON file; errors name the file and field."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"hardware file '{path}' does not exist.")
+    data = read_document(path)
+    return convert(coerce_numbers(data, HardwareSpec), HardwareSpec, f"hardware file '{path}'")

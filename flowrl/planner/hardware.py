@@ -49,7 +49,10 @@ from flowrl.contract.hardware import (  # noqa: F401 (re-exported: the planner's
     EfficiencyCurve,
     GenerationCalibration,
     HardwareSpec,
+    default_profile_path,
     is_cpu,
+    load_hardware,
+    save_hardware,
 )
 from flowrl.errors import ConfigError, did_you_mean
 from flowrl.specs import convert, read_document
@@ -189,11 +192,6 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
 # ------------------------------------------------------------------ files
 
 
-def default_profile_path() -> Path:
-    """Where ``flowrl profile`` saves this machine's spec: ``$FLOWRL_HOME/hardware/local.yaml``."""
-    return Path(os.environ.get("FLOWRL_HOME", Path.home() / ".flowrl")) / "hardware" / "local.yaml"
-
-
 def cluster_key(cluster: ClusterSpec) -> str:
     """The name a cluster's calibration is saved under: ``local`` (this machine as one device), ``cpu-2``
     (``cpu:2``), else the cluster's label (``2x8xH100-80G``)."""
@@ -267,26 +265,6 @@ def _parts(path: str) -> list[str]:
         engine, _, field = rest.rpartition(".")
         return [head, engine, field]
     return [head, *([rest] if rest else [])]
-
-
-def save_hardware(spec: HardwareSpec, path: str | Path) -> Path:
-    """Write ``spec`` as YAML (creating parent folders); returns the path."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(msgspec.yaml.encode(spec))
-    except OSError as exc:
-        raise ConfigError(f"cannot write hardware file '{path}': {exc.strerror or exc}.") from None
-    return path
-
-
-def load_hardware(path: str | Path) -> HardwareSpec:
-    """Read a HardwareSpec from a YAML/TOML/JSON file; errors name the file and field."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"hardware file '{path}' does not exist.")
-    data = read_document(path)
-    return convert(coerce_numbers(data, HardwareSpec), HardwareSpec, f"hardware file '{path}'")
 
 
 # ------------------------------------------------------------------ cluster strings
