@@ -549,9 +549,10 @@ def _cluster_target(args: argparse.Namespace, load_kwargs: dict[str, Any], for_r
     planned model (and is no longer a local checkpoint) and --workload its workload."""
     from flowrl import api
     from flowrl.contract.plan import ClusterTarget
+    from flowrl.contract.workload import WorkloadSpec
     from flowrl.planner.hardware import cpu_devices, parse_cluster, with_calibration
     from flowrl.planner.modelspec import DEFAULT_ROLE, load_model_specs
-    from flowrl.planner.workload import WorkloadSpec, load_workload
+    from flowrl.planner.workload import load_workload
     from flowrl.plugins.manager import registry
 
     devices = cpu_devices(args.cluster)
@@ -610,8 +611,9 @@ def _timeline(path: str, tune: Any, name: str) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    from flowrl.contract.hardware import save_hardware
     from flowrl.planner.calibrate import fit, read_runs
-    from flowrl.planner.hardware import calibration_path, cluster_key, save_hardware
+    from flowrl.planner.hardware import calibration_path, cluster_key
     from flowrl.plugins.manager import registry
 
     replays = read_runs(args.runs, registry(), args.graph)

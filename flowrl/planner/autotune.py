@@ -23,26 +23,18 @@ import msgspec
 import numpy as np
 
 from flowrl.contract.capabilities import Capabilities, rollout_conflict, supports, supports_layout
+from flowrl.contract.hardware import ClusterSpec
+from flowrl.contract.layout import ClusterPlan, ModelLayout, Prediction, RolloutPolicy, samples_in_place
+from flowrl.contract.model import ModelSpec
+from flowrl.contract.workload import WorkloadSpec, mean_length, sample_lengths
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Forward, Graph, Train
 from flowrl.planner import memory as mem
 from flowrl.planner.constraints import Constraints
 from flowrl.planner.cost import CostModel
-from flowrl.planner.hardware import ClusterSpec, cost_provenance
-from flowrl.planner.modelspec import ModelSpec
+from flowrl.planner.hardware import cost_provenance
 from flowrl.planner.simulate import SimResult, padded_length, simulate
-from flowrl.planner.space import (
-    ClusterPlan,
-    ModelLayout,
-    Prediction,
-    Roles,
-    RolloutPolicy,
-    Skeleton,
-    layouts,
-    samples_in_place,
-    skeletons,
-)
-from flowrl.planner.workload import WorkloadSpec, mean_length, sample_lengths
+from flowrl.planner.space import Roles, Skeleton, layouts, skeletons
 
 RAW_FACTOR = 25  # exhaustive search checks at most this many combinations per fitting plan it may keep
 QUICK = {"iterations": 3, "max_replicas": 8}  # first pass over every candidate

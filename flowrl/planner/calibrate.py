@@ -27,13 +27,14 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from flowrl.contract.hardware import Calibrated, HardwareSpec
+from flowrl.contract.workload import Fixed, Histogram, LogNormal, WorkloadSpec, mean_length
 from flowrl.errors import ConfigError, FlowRLError
 from flowrl.graph.ir import Graph
 from flowrl.planner.autotune import roles_of
 from flowrl.planner.efficiency import curve_for
-from flowrl.planner.hardware import Calibrated, HardwareSpec, cluster_key, get, with_values
+from flowrl.planner.hardware import cluster_key, get, with_values
 from flowrl.planner.traces import SYNC_PREFIX, Measured, read_run
-from flowrl.planner.workload import Fixed, Histogram, LogNormal, WorkloadSpec, mean_length
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from flowrl.contract.hardware import GenerationCalibration, HardwareSpec, is_cpu
 from flowrl.contract.layout import ModelLayout
+from flowrl.contract.model import ModelSpec
 from flowrl.planner.efficiency import EfficiencyCurve, curve_for
-from flowrl.planner.hardware import GenerationCalibration, HardwareSpec, is_cpu
-from flowrl.planner.modelspec import ModelSpec
 
 BF16 = 2
 FP32 = 4

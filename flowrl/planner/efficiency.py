@@ -81,20 +81,10 @@ import numpy as np
 import yaml
 from msgspec import Meta
 
+from flowrl.contract.checked import CheckedSpec, Count, Fraction, Positive, coerce_numbers
+from flowrl.contract.hardware import CPU_DEVICES, DENSE_PER_LAYER, LOCAL_CPU, EfficiencyCurve, HardwareSpec
 from flowrl.errors import ConfigError, did_you_mean
-from flowrl.planner.hardware import (
-    CPU_DEVICES,
-    DENSE_PER_LAYER,
-    HARDWARE_PRESETS,
-    LOCAL_CPU,
-    CheckedSpec,
-    Count,
-    EfficiencyCurve,
-    Fraction,
-    HardwareSpec,
-    Positive,
-    coerce_numbers,
-)
+from flowrl.planner.hardware import HARDWARE_PRESETS
 from flowrl.specs import Spec, convert, read_document
 
 #: The measured points shipped with flowrl.

@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from flowrl.contract.checked import gib  # noqa: F401 (re-exported: the planner formats bytes with it)
+from flowrl.contract.hardware import HardwareSpec
 from flowrl.contract.layout import GenerationLayout, ModelLayout
+from flowrl.contract.model import ModelSpec
 from flowrl.contract.numerics import Numerics
-from flowrl.planner.hardware import HardwareSpec
-from flowrl.planner.modelspec import ModelSpec
 
 GiB = 1024**3
 REPLICATED_HIDDEN = 5  # of a layer's working set (16 x hidden, below), the hidden-sized tensors tp does not split

@@ -17,11 +17,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flowrl.contract.layout import ClusterPlan
+from flowrl.contract.numerics import Numerics
+from flowrl.contract.workload import WorkloadSpec, mean_length, sample_lengths
 from flowrl.graph.ir import Forward, Graph, streamed_nodes
 from flowrl.planner.cost import CostModel
-from flowrl.planner.memory import Numerics, kv_capacity
-from flowrl.planner.space import ClusterPlan, Roles
-from flowrl.planner.workload import WorkloadSpec, mean_length, sample_lengths
+from flowrl.planner.memory import kv_capacity
+from flowrl.planner.space import Roles
 
 STREAM_PARTS = 4  # streaming: parts a step's responses reach the scoring nodes in
 

@@ -31,7 +31,6 @@ from flowrl.contract.reading import verify_plan
 from flowrl.errors import ConfigError, PlanError, plain_name
 from flowrl.graph.ir import Graph
 from flowrl.runtime.trace import Trace
-from flowrl.runtime.worker import Worker
 
 # The modules that import torch load when a plan runs, not with this module: a backend's executor
 # class (a subclass) is registered, and its capabilities read, by every CLI call and plan.
@@ -40,6 +39,7 @@ if TYPE_CHECKING:
     from flowrl.plugins.manager import Registry
     from flowrl.runtime.groups import Transport
     from flowrl.runtime.schedule import Schedule
+    from flowrl.runtime.worker import Worker
 
 
 def run_dir(base: str, name: str) -> Path:
@@ -150,6 +150,8 @@ class PlanExecutor:
     def _worker(self, graph: Graph, plan: ExecutionPlan, schedule: Schedule) -> tuple[Worker, dict[str, Any]]:
         if schedule.world != 1:
             raise PlanError(f"the in-process executor runs one rank; the plan has {schedule.world}.")
+        from flowrl.runtime.worker import Worker  # torch loads with the first worker, not with the registry
+
         worker = Worker(0, 1, self.registry, threads=plan.config.threads, device=self.device(plan))
         return worker, worker.setup(graph.models, plan, schedule, None)
 
