@@ -20,8 +20,18 @@ user's own data (GSM8K-format arithmetic word problems), validation accuracy bef
    benchmarks/trl_grpo.py for its venv) on the same model, data, prompts/samples/tokens, learning
    rate and reward (the math verifier), and evaluates its model with the same flowrl evaluation.
 
+5. ``--lora-vs-full`` trains the same job twice, side by side in one run -- LoRA adapters
+   (``--lora-rank``, ``--lora-lr``) and full fine-tuning (``--lr``) -- each ``flowrl run`` in a process
+   of its own, with a reference policy (``--kl``, default 0.04 here: a LoRA model's reference is its
+   own base with the adapters off, a full fine-tune's a frozen copy) and no evaluation, and prints
+   one JSON line: each variant's median seconds per step after ``--warmup`` steps, its median seconds
+   per graph node (rollout, old log-probs, reference, train), its peak RSS (the process's high-water
+   mark, from ``os.wait4``), and the ratios LoRA / full. ``--threads`` sets the torch threads of each
+   run (one core by default: on a shared 2-core box OpenMP threads that lose their core spin).
+
     python benchmarks/real_model.py --steps 30            # ~15 min on 2 CPU cores
     python benchmarks/real_model.py --steps 30 --trl /work/trl-venv/bin/python
+    python benchmarks/real_model.py --lora-vs-full        # 4 steps each (1 warm-up), ~5 min on one core
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -170,12 +181,14 @@ def _eval_numbers(record: dict, k: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, help="training steps (default 30; 4 with --lora-vs-full)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("--samples", type=int, default=4, help="samples per prompt")
     p.add_argument("--tokens", type=int, default=48, help="max new tokens")
     p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--kl", type=float, default=0.0)
+    p.add_argument(
+        "--kl", type=float, help="KL coefficient: a reference pass when > 0 (default 0; 0.04 with --lora-vs-full)"
+    )
     p.add_argument("--train", type=int, default=1000, help="train problems")
     p.add_argument("--val", type=int, default=64, help="validation problems")
     p.add_argument("--k", type=int, default=4, help="validation samples per problem (mean@K)")
@@ -191,7 +204,22 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--trl-bf16", action="store_true", help="TRL in bfloat16 autocast (bf16=True)")
     p.add_argument("--trl-attention", default="sdpa", help="the attention TRL's model loads with (sdpa, eager)")
+    p.add_argument("--lora-vs-full", action="store_true", help="time LoRA against full fine-tuning (no evaluation)")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=int, default=1, help="--lora-vs-full: first steps left out of the medians")
+    p.add_argument("--threads", type=int, default=1, help="--lora-vs-full: torch threads of each run")
     args = p.parse_args()
+    if args.steps is None:
+        args.steps = 4 if args.lora_vs_full else 30
+    if args.kl is None:
+        args.kl = 0.04 if args.lora_vs_full else 0.0
+    if args.lora_vs_full:
+        if args.steps <= args.warmup:
+            sys.exit(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): no step would be timed")
+        train, _ = write_data(args.out / "data", args.train, args.val)
+        print(json.dumps(lora_vs_full(args, model_folder(args.cache), train)))
+        return
 
     started = time.perf_counter()
     model = model_folder(args.cache)
@@ -218,6 +246,78 @@ def main() -> None:
     result["greedy_gain"] = round(f["after"]["greedy"] - f["before"]["greedy"], 4)
     result[f"mean@{args.k}_gain"] = round(f["after"][f"mean@{args.k}"] - f["before"][f"mean@{args.k}"], 4)
     print(json.dumps(result))
+
+
+def lora_vs_full(args: argparse.Namespace, model: Path, train: Path) -> dict:
+    """The same job trained with LoRA adapters and trained whole, one after the other, each ``flowrl run``
+    in a process of its own: seconds per step, per graph node, peak RSS, and LoRA / full."""
+    job = {
+        "model": "SmolLM2-135M-Instruct", "steps": args.steps, "warmup": args.warmup, "prompts": args.prompts,
+        "samples": args.samples, "tokens": args.tokens, "kl": args.kl, "threads": args.threads,
+        "settings": args.flowrl_set,
+    }  # fmt: skip
+    variants = {
+        "lora": [f"train.lora.rank={args.lora_rank}", f"train.lr={args.lora_lr}"],
+        "full": ["train.lora.rank=0", f"train.lr={args.lr}"],
+    }
+    out: dict = {"job": job}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for name, settings in variants.items():
+        out[name] = timed_run(args, model, train, f"{name}-{stamp}", settings)
+        print(json.dumps({name: out[name]}), file=sys.stderr, flush=True)
+    lora, full = out["lora"], out["full"]
+    out["lora_over_full"] = {
+        "s_per_step": round(lora["s_per_step"] / full["s_per_step"], 3),
+        "peak_rss": round(lora["peak_rss_mb"] / full["peak_rss_mb"], 3),
+        **{
+            node: round(lora["node_s"][node] / full["node_s"][node], 3)
+            for node in full["node_s"]
+            if node in lora["node_s"] and full["node_s"][node] > 0
+        },
+    }
+    return out
+
+
+def timed_run(args: argparse.Namespace, model: Path, train: Path, name: str, settings: list[str]) -> dict:
+    """One ``flowrl run`` of the job with ``settings``, no evaluation and no checkpoints: the median step
+    and node seconds after the warm-up, and the process's peak RSS (its own, by ``os.wait4``)."""
+    cmd = [
+        sys.executable, "-m", "flowrl", "run", str(ROOT / "graphs" / "grpo.py"),
+        "--model", str(model), "--data", str(train), "--steps", str(args.steps), "--seed", str(args.seed),
+        "--out", str(args.out), "--name", name,
+        "--set", "data.prompt_key=question", "--set", "data.answer_key=answer",
+        "--set", "data.verifier=math", "--set", f"data.system_prompt={SYSTEM}", "--set", "progress=false",
+        "--set", f"rollout.prompts_per_step={args.prompts}", "--set", f"rollout.samples_per_prompt={args.samples}",
+        "--set", f"rollout.max_new_tokens={args.tokens}", "--set", "train.mini_batches=1",
+        "--set", f"algo.kl_coef={args.kl}", "--set", "checkpoint=false",
+    ]  # fmt: skip
+    for option in [*settings, *args.flowrl_set]:
+        cmd += ["--set", option]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    log = args.out / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own resource use (ru_maxrss: KiB on Linux)
+    wall = time.perf_counter() - started
+    if status != 0:
+        sys.exit(f"flowrl run ({name}) failed (wait status {status}):\n{log.read_text()[-3000:]}")
+    records = [json.loads(line) for line in (args.out / name / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r.get("kind") is None][args.warmup :]
+    nodes = sorted({node for r in steps for node in r.get("spans", {})})
+    return {
+        "s_per_step": round(statistics.median(r["step_seconds"] for r in steps), 2),
+        "s_per_step_min_max": [
+            round(min(r["step_seconds"] for r in steps), 2),
+            round(max(r["step_seconds"] for r in steps), 2),
+        ],
+        "node_s": {n: round(statistics.median(r["spans"].get(n, 0.0) for r in steps), 2) for n in nodes},
+        "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
+        "wall_s": round(wall, 1),
+        "settings": settings,
+        "run": str(args.out / name),
+    }
 
 
 def trl_run(args: argparse.Namespace, model: Path, train: Path, val: Path) -> dict:
