@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from flowrl.data import Prompt
+from flowrl.contract.data import Prompt
 from flowrl.specs import AlgoConfig
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from flowrl.data import Sequences
+    from flowrl.contract.data import Sequences
 else:  # the planner resolves these annotations (typing.get_type_hints) to check node options, without torch
     Tensor = Sequences = Any
 
@@ -239,7 +239,7 @@ def weighted_sum_op(
     Metric ``reward``: the mean of the sum (each part's reward node reports its own)."""
     import torch
 
-    from flowrl.data import Sequences
+    from flowrl.contract.data import Sequences
     from flowrl.errors import GraphError
 
     parts = {k: v for k, v in inputs.items() if not isinstance(v, Sequences)}

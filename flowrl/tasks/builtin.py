@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import msgspec
 
-from flowrl.data import Prompt
+from flowrl.contract.data import Prompt
 from flowrl.errors import TaskError
 from flowrl.specs import Spec
 

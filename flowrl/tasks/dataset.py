@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from flowrl.data import Prompt
+from flowrl.contract.data import Prompt
 from flowrl.errors import ConfigError
 from flowrl.specs import DATA_TASK, DataConfig, RunConfig, model_folders
 

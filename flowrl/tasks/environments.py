@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from flowrl.data import Prompt, Turn
+from flowrl.contract.data import Prompt, Turn
 from flowrl.errors import TaskError
 
 

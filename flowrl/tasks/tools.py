@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from flowrl.data import Prompt, ToolCall, Turn
+from flowrl.contract.data import Prompt, ToolCall, Turn
 from flowrl.errors import ConfigError
 
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
