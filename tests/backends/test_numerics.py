@@ -131,14 +131,14 @@ def test_bfloat16_computes_in_bfloat16_keeps_float32_masters_and_samples_what_it
 
 
 def test_auto_takes_bfloat16_on_a_cpu_with_native_bfloat16_for_a_model_of_10m_parameters_or_more(monkeypatch):
-    from flowrl.planner import passes
+    from flowrl.planner.passes import numerics
 
     cpu = plan_for()[1].target.cluster.hardware  # this machine's CPU
-    monkeypatch.setattr(passes, "cpu_has_bf16", lambda: True)
-    small = resolve_numerics(TrainConfig(), cpu, passes.CPU_BF16_PARAMETERS - 1)
-    large = resolve_numerics(TrainConfig(), cpu, passes.CPU_BF16_PARAMETERS)
+    monkeypatch.setattr(numerics, "cpu_has_bf16", lambda: True)
+    small = resolve_numerics(TrainConfig(), cpu, numerics.CPU_BF16_PARAMETERS - 1)
+    large = resolve_numerics(TrainConfig(), cpu, numerics.CPU_BF16_PARAMETERS)
     assert (small.dtype, small.attention) == ("float32", "eager")
     assert (large.dtype, large.attention) == ("bfloat16", "eager")
-    monkeypatch.setattr(passes, "cpu_has_bf16", lambda: False)  # no native bfloat16: emulated, slower
+    monkeypatch.setattr(numerics, "cpu_has_bf16", lambda: False)  # no native bfloat16: emulated, slower
     assert resolve_numerics(TrainConfig(), cpu, 10**9).dtype == "float32"
     assert resolve_numerics(TrainConfig(dtype="float32"), cpu, 10**9).dtype == "float32"  # as configured

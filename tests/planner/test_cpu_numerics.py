@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from flowrl import api
-from flowrl.planner import passes
+from flowrl.planner.passes import numerics
 
 TINY = ["progress=false", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4"]
 
@@ -17,11 +17,11 @@ def plan(graph: str, *sets: str):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_cpu_auto_numerics_follow_the_models_size(monkeypatch, native):
-    monkeypatch.setattr(passes, "cpu_has_bf16", lambda: native)
+    monkeypatch.setattr(numerics, "cpu_has_bf16", lambda: native)
     big = ["tiny_model.hidden_size=512", "tiny_model.intermediate_size=1024", "tiny_model.num_layers=6"]
     _, small = plan("grpo")
     _, large = plan("grpo", *big)
-    assert large.target.model.parameters() >= passes.CPU_BF16_PARAMETERS > small.target.model.parameters()
+    assert large.target.model.parameters() >= numerics.CPU_BF16_PARAMETERS > small.target.model.parameters()
     assert {m.numerics.dtype for m in small.models.values()} == {"float32"}
     assert {m.numerics.dtype for m in large.models.values()} == {"bfloat16" if native else "float32"}
     assert {m.numerics.attention for m in large.models.values()} == {"eager"}

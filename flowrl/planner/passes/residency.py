@@ -1,0 +1,110 @@
+"""What one device of a placed group holds: resident model states, LoRA bases that hold no weights,
+models that sample in place or with a kept replica, and a micro-batch's pass bytes. Read by
+`micro_batch` (fitting micro-batches in `place`) and `memory`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from flowrl.contract.layout import ClusterPlan, ModelLayout
+from flowrl.contract.plan import ExecutionPlan
+from flowrl.errors import PlanError
+from flowrl.graph.ir import Graph
+from flowrl.planner import memory as mem
+
+if TYPE_CHECKING:
+    pass
+
+
+def sequence_length(plan: ExecutionPlan) -> int:
+    return plan.workload.max_sequence()
+
+
+def placed_layout(plan: ExecutionPlan) -> ClusterPlan:
+    if plan.layout is None:
+        raise PlanError("the plan has no placement yet; run the 'place' pass first.")
+    return plan.layout
+
+
+def trainable_models(graph: Graph) -> set[str]:
+    return {m for m, d in graph.models.items() if d.trainable}
+
+
+def group_states(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan, group: str) -> dict[str, int]:
+    """The resident model states on one device of ``group``, by model."""
+    t, trainable = plan.target, trainable_models(graph)
+
+    def trained(model: str) -> int | None:  # LoRA: the adapters' parameters train, the rest is held
+        lora = plan.models[model].lora if model in plan.models else None
+        return None if lora is None else t.spec(model).lora_parameters(lora.rank, lora.target_modules)
+
+    out = {}
+    for m in layout.models:
+        if m.group != group:
+            continue
+        base_of = lora_base(graph, plan, layout, m.model)
+        if base_of is not None:  # held once, in its LoRA model's weights
+            out[f"model {m.model} (the base of {base_of}'s LoRA: its weights)"] = 0
+            continue
+        kind = "weights+grads+optimizer" if m.model in trainable else "weights"
+        out[f"model {m.model} ({kind})"] = mem.state_bytes(
+            t.spec(m.model), t.numerics, m, m.model in trainable, trained(m.model)
+        )
+    return out
+
+
+def budgeted_rows(rows: int, seq_len: int, max_tokens: int | None) -> int:
+    """The rows of a micro-batch of ``rows`` under a token budget (``train.max_tokens_per_micro_batch``):
+    as many rows of ``seq_len`` tokens as the budget holds, at least one (a longer row is computed alone)."""
+    return rows if max_tokens is None else max(1, min(rows, max_tokens // max(seq_len, 1)))
+
+
+def generates_in_place(plan: ExecutionPlan, layout: ClusterPlan, model: str | None, group: str) -> bool:
+    """Whether ``model`` samples on ``group`` with the weights its training engine holds there (the
+    training engine generating, colocated, on one device): no second copy of its weights."""
+    run = plan.models.get(model or "")
+    if not plan.target.numerics.generation_in_place or run is None or run.generation_engine != run.training_engine:
+        return False
+    # a model sharded over several devices samples with a replica per generation replica (as `lower` runs it),
+    # unless its tp ranks are the generation layout's
+    return layout.generation_of(model or "").group == group and layout.trains_as_it_generates(model or "")
+
+
+def resident_replica(plan: ExecutionPlan, layout: ClusterPlan, model: str | None) -> bool:
+    """Whether ``model`` generates with a replica an engine that otherwise samples in place (the torch
+    engine: `Numerics.generation_in_place`) builds beside its sharded training engine and keeps."""
+    run = plan.models.get(model or "")
+    trained = next((m for m in layout.models if m.model == model), None)
+    return (
+        plan.target.numerics.generation_in_place
+        and run is not None
+        and trained is not None
+        and run.generation_engine == run.training_engine
+        and trained.group == layout.generation_of(model or "").group
+    )
+
+
+def lora_base(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan, model: str) -> str | None:
+    """The LoRA-trained model whose base ``model`` is -- a frozen LM initialised from it, from the same
+    folder, both on one device of one group -- and so holds no weights of its own (the torch engine
+    runs it as that model with its adapters switched off); None otherwise."""
+    decl = graph.models.get(model)
+    if decl is None or decl.trainable or decl.scalar_head or decl.init_from is None:
+        return None
+    run, source = plan.models.get(model), plan.models.get(decl.init_from)
+    if run is None or source is None or source.lora is None or run.checkpoint != source.checkpoint:
+        return None
+    mine, theirs = layout.layout(model), layout.layout(decl.init_from)
+    alone = all(lay.parallel.dp * lay.parallel.tp * lay.parallel.pp == 1 for lay in (mine, theirs))
+    return decl.init_from if alone and mine.group == theirs.group else None
+
+
+def pass_bytes(plan: ExecutionPlan, lay: ModelLayout, size: int, seq_len: int, trainable: bool) -> int:
+    """`memory.model_pass_bytes` of ``lay`` with micro-batches of ``size`` rows."""
+    t = plan.target
+    return mem.model_pass_bytes(
+        t.spec(lay.model), t.numerics, msgspec.structs.replace(lay, micro_batch=size), seq_len, trainable
+    )

@@ -1,0 +1,119 @@
+"""The ``resolve`` pass. Reads the graph, the registry and the plan's config and target; writes the
+resolved config (response budget, loss_norm), the target's per-role models, workload and memory
+numerics, each node's options, each model's run (`ModelRun`) and the fused forwards. Fails with
+the node, key or field at fault when a task, function, loss, engine or option does not exist or fit.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from flowrl.contract.plan import ExecutionPlan
+from flowrl.contract.resolved import NodeOptions
+from flowrl.contract.workload import WorkloadSpec
+from flowrl.errors import PlanError
+from flowrl.graph.ir import Compute, Filter, Generate, Reward, Train
+from flowrl.planner.modelspec import role_models
+from flowrl.planner.passes.lengths import episode_lengths, task_lengths
+from flowrl.planner.passes.numerics import engine_memory, resolve_numerics
+from flowrl.planner.passes.options import node_plan_options
+from flowrl.planner.passes.ports import check_keys, check_unused, inputs_only
+from flowrl.planner.passes.rows import node_rows
+from flowrl.planner.passes.runs import fused_forwards, model_runs
+from flowrl.specs import AGGREGATES, AUTO
+
+if TYPE_CHECKING:
+    from flowrl.planner.passes.context import PlanContext
+
+
+def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
+    """Check every task, function, loss, engine and node option the plan names.
+
+    Fills the response budget from the task and, unless one was given, the workload from the config."""
+    from flowrl.tasks.builtin import task_for
+
+    reg, graph, cfg = ctx.registry, ctx.graph, plan.config
+    task = task_for(cfg, registry={e.name: e.obj for e in reg.entries("tasks")})
+    budget = cfg.rollout.max_new_tokens if cfg.rollout.max_new_tokens is not None else task.max_new_tokens()
+    cfg = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, max_new_tokens=budget))
+    if cfg.algo.loss_norm is None:  # Dr. GRPO's constant (seq-mean-token-sum-norm): the response budget
+        cfg = msgspec.structs.replace(cfg, algo=msgspec.structs.replace(cfg.algo, loss_norm=budget))
+    rows = node_rows(graph, cfg.rollout.prompts_per_step)
+    seqs = graph.sequence_keys()
+    resolved: dict[str, NodeOptions] = {}
+    for node in graph.nodes.values():
+        if isinstance(node, Reward):
+            reg.entry("reward_functions", node.fn)
+        elif isinstance(node, Compute):
+            entry = reg.entry("compute_functions", node.fn)
+            check_keys(node, f"compute function '{node.fn}'", entry.meta, seqs, node.updates)
+        elif isinstance(node, Filter):
+            entry = reg.entry("filters", node.fn)
+            check_keys(node, f"filter function '{node.fn}'", inputs_only(entry.meta), seqs)
+        elif isinstance(node, Generate) and node.env is not None:
+            reg.entry("environments", node.env)
+        elif isinstance(node, Train):
+            entry = reg.entry("losses", node.loss)
+            check_keys(node, f"loss '{node.loss}'", inputs_only(entry.meta), seqs)
+            check_unused(node, f"loss '{node.loss}'", entry.meta, seqs)
+            decl = graph.models[node.model]
+            want = "values" if decl.scalar_head else "logprobs"
+            if entry.meta.get("output", "logprobs") != want:
+                raise PlanError(
+                    f"node '{node.name}': loss '{node.loss}' trains on {entry.meta.get('output')}, but model "
+                    f"'{decl.name}' (role {decl.role}) produces {want}."
+                )
+            if entry.meta.get("aggregate", "token-mean") not in AGGREGATES:
+                raise PlanError(
+                    f"node '{node.name}': loss '{node.loss}' is registered with aggregate="
+                    f"{entry.meta.get('aggregate')!r}; valid: {', '.join(AGGREGATES)} (what the loss is a mean over)."
+                )
+        resolved[node.name] = node_plan_options(graph, node.name, cfg, reg)
+        if isinstance(node, Train):
+            mini_batches = resolved[node.name].options["mini_batches"]
+            where = (
+                "the node's mini_batches option"
+                if "mini_batches" in {**node.options, **cfg.nodes.get(node.name, {})}
+                else "train.mini_batches"
+            )
+            if mini_batches > rows[node.name]:
+                raise PlanError(
+                    f"node '{node.name}': {mini_batches} mini-batches but only {rows[node.name]} rows per "
+                    f"step; lower {where}."
+                )
+    for kind, name, field_ in (
+        ("executors", cfg.executor, "executor"),
+        ("generation_engines", cfg.generation.engine, "generation.engine"),
+        ("training_engines", cfg.train.engine, "train.engine"),
+    ):
+        if name != AUTO:  # an 'auto' generation engine is chosen by `place`
+            reg.entry(kind, name, field=field_)
+    target = plan.target
+    if target.models:  # per-role models: every graph model's own shape, the first actor's as the base
+        models = role_models(target.models, {m: d.role for m, d in graph.models.items()})
+        first = next(m for m, d in graph.models.items() if d.role == "actor") if graph.models else None
+        target = msgspec.structs.replace(target, models=models, model=models.get(first or "", target.model))
+    if target.workload is None:
+        prompt_length, lengths = task_lengths(task, cfg.rollout.max_new_tokens, cfg.rollout.ignore_eos)
+        turns = max((n.turns for n in graph.nodes.values() if isinstance(n, Generate) and n.env), default=1)
+        if turns > 1:
+            lengths = episode_lengths(graph, lengths, budget, cfg.rollout.ignore_eos)
+        workload = WorkloadSpec(
+            turns=turns,
+            prompts_per_step=cfg.rollout.prompts_per_step,
+            samples_per_prompt=cfg.rollout.samples_per_prompt,
+            prompt_length=prompt_length,
+            response_length=lengths,
+            ppo_epochs=cfg.train.epochs,
+            mini_batches=min(cfg.train.mini_batches, cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt),
+        )
+        target = msgspec.structs.replace(target, workload=workload)
+    largest = max([target.spec(m).parameters() for m in graph.models] or [target.model.parameters()])
+    numerics = resolve_numerics(cfg.train, target.cluster.hardware, largest)
+    if target.capabilities is not None:  # a plan for an executor: its memory as the engine computes
+        target = msgspec.structs.replace(target, numerics=engine_memory(target.numerics, numerics))
+    runs = model_runs(graph, cfg, budget, numerics)
+    fused = fused_forwards(graph, resolved, reg, cfg.train.engine)
+    return msgspec.structs.replace(plan, config=cfg, target=target, options=resolved, models=runs, fused=fused)
