@@ -150,8 +150,7 @@ def test_top_p_sampler_logprobs_match_the_trainer(short_model_top_p_run):
 PROBE = """
 import json, torch
 from flowrl import api
-from flowrl.runtime.protocols import EngineContext
-from flowrl.data import Prompt
+from flowrl.contract import EngineContext, Prompt
 from flowrl_vllm.engine import VLLMEngine
 graph, plan = api.plan("grpo", overrides=%r, emit=lambda s: None)
 trainers, _ = api.check(graph, plan).engines(graph, plan)

@@ -21,8 +21,7 @@ pytestmark = pytest.mark.slow  # vLLM engines start in seconds; `flowrl profile`
 from flowrl_vllm.engine import VLLMEngine  # noqa: E402
 
 from flowrl import api  # noqa: E402
-from flowrl.runtime.protocols import EngineContext  # noqa: E402
-from flowrl.tasks.builtin import Prompt  # noqa: E402
+from flowrl.contract import EngineContext, Prompt  # noqa: E402
 
 HEADS = ["progress=false", "tiny_model.num_heads=2", "tiny_model.num_kv_heads=1", "rollout.max_new_tokens=8"]
 PROMPTS = [Prompt(text="abc>", answer="abc"), Prompt(text="ba>", answer="ba")]
@@ -88,8 +87,7 @@ BF16_PROBE = """
 import json, torch
 from flowrl_vllm.engine import VLLMEngine
 from flowrl import api
-from flowrl.runtime.protocols import EngineContext
-from flowrl.data import Prompt
+from flowrl.contract import EngineContext, Prompt
 prompts = [Prompt(text="abc>", answer="abc"), Prompt(text="ba>", answer="ba")]
 graph, plan = api.plan("grpo", overrides=%r, emit=lambda s: None)
 trainers, generators = api.check(graph, plan).engines(graph, plan)
