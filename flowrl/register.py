@@ -12,9 +12,9 @@ with a decorator::
 
 They are registered when flowrl loads the file (``flowrl run graphs/mine.py``), under the graph
 file as their plugin (`flowrl plugins` lists them while it runs), exactly as a plugin's hook
-would register them: the same checks of signature and metadata, the same names space. A name a
-plugin or another graph file already uses is refused; a built-in's name is shadowed inside this
-graph (its function wins there), with a one-line notice.
+would register them: the same checks of signature and metadata, the same names space. A name
+another graph file already uses is refused; a built-in's or an installed plugin's name is shadowed
+inside this graph (its function wins there), with a one-line notice.
 """
 
 from __future__ import annotations

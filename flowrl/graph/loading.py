@@ -114,15 +114,17 @@ def _import_file(path: Path, registry: Any = None) -> ModuleType:
 
 def _register_own(registry: Any, path: Path, registered: list[tuple[str, str, Any, dict[str, Any]]]) -> None:
     """What graph file ``path`` registers goes into ``registry`` under the file as its plugin. Its own
-    function wins inside this graph over a built-in of the same name (a built-in added after the file
-    was written must not break it), with a one-line notice the first time; the built-ins another graph
-    file shadowed are given back first."""
+    function wins inside this graph over a built-in's or an installed plugin's of the same name (one added
+    after the file was written must not break it), with a one-line notice the first time; the entries
+    another graph file shadowed are given back first."""
     plugin = f"graph file {path}"
     registry.release(plugin)
     for kind, fn_name, obj, meta in registered:
-        if registry.add_own(kind, plugin, fn_name, obj, **meta) is not None:
+        held = registry.add_own(kind, plugin, fn_name, obj, **meta)
+        if held is not None:
+            whose = "the built-in" if held.plugin.startswith("flowrl.") else f"plugin '{held.plugin}''s entry"
             print(
-                f"flowrl: note: {path} registers {registry.singular(kind)} '{fn_name}', which shadows the built-in "
+                f"flowrl: note: {path} registers {registry.singular(kind)} '{fn_name}', which shadows {whose} "
                 "of that name in this graph.",
                 file=sys.stderr,
                 flush=True,

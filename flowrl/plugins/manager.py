@@ -27,6 +27,8 @@ ENTRY_POINT_GROUP = "flowrl"
 
 #: Modules that implement the hooks for flowrl's own components.
 BUILTIN_MODULES = ("flowrl.plugins.builtin",)
+#: How a graph file's own registrations name their plugin: ``graph file PATH``.
+GRAPH_FILE = "graph file "
 
 
 @dataclass(frozen=True)
@@ -86,14 +88,14 @@ class Registry:
         table[name] = Entry(name=name, obj=obj, plugin=plugin, meta=meta)
 
     def add_own(self, kind: str, graph_file: str, name: str, obj: Any, **meta: Any) -> Entry | None:
-        """Register a graph file's own function. Inside the graph it wins over a built-in of the same
-        name (the built-in is kept aside, and comes back when another graph file is loaded: `release`),
-        so that a built-in added later never breaks a graph written before it; any other name held by
-        a plugin or another graph file is refused as by `add`. Returns the built-in it newly shadows,
-        if it does (what the loader tells the user, once)."""
+        """Register a graph file's own function. Inside the graph it wins over a built-in or an installed
+        plugin's entry of the same name (that entry is kept aside, and comes back when another graph file
+        is loaded: `release`), so that a built-in added or a plugin installed later never breaks a graph
+        written before it; a name another graph file holds, or one this file registers twice, is refused
+        as by `add`. Returns the entry it newly shadows, if it does (what the loader tells the user, once)."""
         kind = canonical(kind)
         held = self._items[kind].get(name)
-        shadows = held is not None and held.plugin in BUILTIN_MODULES
+        shadows = held is not None and not held.plugin.startswith(GRAPH_FILE)
         if shadows:
             assert held is not None
             del self._items[kind][name]
@@ -111,8 +113,8 @@ class Registry:
         return held
 
     def release(self, graph_file: str) -> None:
-        """Give back the built-ins that graph files other than ``graph_file`` shadow: one graph's own
-        functions never stand in for a built-in in another graph."""
+        """Give back the entries that graph files other than ``graph_file`` shadow: one graph's own
+        functions never stand in for a built-in's or a plugin's in another graph."""
         for (kind, name), builtin in list(self._shadowed.items()):
             if self._items[kind][name].plugin != graph_file:
                 self._items[kind][name] = builtin
@@ -123,7 +125,7 @@ class Registry:
         return SINGULAR[canonical(kind)]
 
     def shadowed(self, kind: str, name: str) -> Entry | None:
-        """The built-in entry a graph file's own ``name`` of ``kind`` stands in for, if one does."""
+        """The built-in's or plugin's entry a graph file's own ``name`` of ``kind`` stands in for, if one does."""
         return self._shadowed.get((canonical(kind), name))
 
     def entry(self, kind: str, name: str, *, field: str | None = None) -> Entry:

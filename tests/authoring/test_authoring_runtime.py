@@ -227,32 +227,6 @@ def build(cfg):
 
 
 @pytest.mark.slow
-def test_the_readme_walkthrough_is_the_example_file_and_it_runs_from_the_cli(tmp_path):
-    from pathlib import Path
-
-    example = Path("examples/custom_algorithm.py").read_text()
-    assert example in Path("README.md").read_text()
-    cmd = [
-        sys.executable,
-        "-m",
-        "flowrl",
-        "run",
-        "examples/custom_algorithm.py",
-        "--steps",
-        "3",
-        "--out",
-        str(tmp_path),
-        "--set",
-        "rollout.prompts_per_step=2",
-        "--set",
-        "progress=false",
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert len((tmp_path / "custom" / "metrics.jsonl").read_text().splitlines()) == 3
-
-
-@pytest.mark.slow
 def test_a_runs_plan_yaml_is_a_workload_file_with_its_measured_acceptance(tmp_path):
     from flowrl.planner.workload import load_workload
 

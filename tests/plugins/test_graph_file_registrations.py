@@ -1,9 +1,9 @@
 """What a graph file registers (``flowrl.register``) against what flowrl and plugins register.
 
-A graph file written before flowrl gained a built-in of the same name keeps working: inside that
-graph its own function wins, with a one-line notice. Plugins keep the strict check: two plugins
-(or a plugin and a graph file) registering one name is an error, and so is a graph file
-registering one name twice.
+A graph file written before flowrl gained a built-in (or before a plugin of the same name was
+installed) keeps working: inside that graph its own function wins, with a one-line notice. Plugins
+keep the strict check: two plugins (or a plugin and a built-in) registering one name is an error,
+and so is a graph file registering one name twice, or two graph files one name.
 """
 
 from __future__ import annotations
@@ -160,10 +160,16 @@ def test_a_plugin_registering_a_builtin_name_is_still_refused():
         _registry(("late", _Loss("sft")))
 
 
-def test_a_graph_file_may_not_take_a_name_an_installed_plugin_registers(tmp_path):
-    """Only built-ins give way: a plugin's name stays the plugin's, and the built-in it may shadow stays put."""
+def test_a_graph_file_shadows_an_installed_plugins_name_inside_its_graph(tmp_path, capsys):
+    """Installing a plugin never breaks a graph: the file's own function wins there, with a note naming the
+    plugin, and the plugin's entry comes back for the next graph."""
     reg = _registry(("mine_plugin", _Loss("mine")))
+    plugin_entry = reg.entry("losses", "mine")
     src = _file(tmp_path, "clash", OWN_SFT.replace('register.loss("sft"', 'register.loss("mine"'))
-    with pytest.raises(PluginError, match="loss 'mine' is registered twice: by 'mine_plugin' and by 'graph file"):
-        api.load(src, registry=reg)
-    assert reg.entry("losses", "mine").plugin == "mine_plugin"
+    api.load(src, registry=reg)
+    assert reg.entry("losses", "mine").plugin == f"graph file {src}"
+    assert reg.shadowed("losses", "mine") is plugin_entry
+    err = " ".join(capsys.readouterr().err.split())
+    assert "registers loss 'mine', which shadows plugin 'mine_plugin''s entry of that name in this graph" in err
+    reg.release("graph file elsewhere.py")
+    assert reg.entry("losses", "mine") is plugin_entry
