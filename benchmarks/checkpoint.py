@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from flowrl import api
-from flowrl.planner.plan import load_plan
+from flowrl.contract.plan import load_plan
 from flowrl.runtime import checkpoint, runstate
 
 WRITES: list[float] = []  # seconds of each checkpoint write (runstate.write, timed below)

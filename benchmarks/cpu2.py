@@ -47,8 +47,8 @@ def run_variant(
     responses (EOS ignored), and run the plan on Ray for ``steps`` steps into ``out/runs/NAME``.
     Returns (the plan, the run's result)."""
     from flowrl import api
+    from flowrl.contract.plan import ClusterTarget
     from flowrl.planner.constraints import parse_requirements
-    from flowrl.planner.plan import ClusterTarget
     from flowrl.planner.workload import Fixed, WorkloadSpec
 
     settings = [

@@ -12,7 +12,7 @@ import statistics
 import torch
 
 from flowrl import api
-from flowrl.data import Prompt
+from flowrl.contract.data import Prompt
 
 
 def main() -> None:

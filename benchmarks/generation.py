@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from flowrl import api
-from flowrl.runtime.protocols import EngineContext
+from flowrl.contract.protocols import EngineContext
 from flowrl.tasks.builtin import make_task
 
 

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from published import HERE, _plan, graph_of, plan_argv, required_argv  # noqa: E402
 
 from flowrl import api  # noqa: E402
+from flowrl.contract.plan import load_plan
 from flowrl.planner.calibrate import FACTORS, Replay, fit_factors, get, with_values  # noqa: E402
-from flowrl.planner.plan import load_plan  # noqa: E402
 from flowrl.planner.traces import Measured  # noqa: E402
 from flowrl.plugins.manager import registry  # noqa: E402
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from flowrl import api
 from flowrl.backends.local.profile import profile
+from flowrl.contract.plan import ClusterTarget
 from flowrl.planner.hardware import ClusterSpec
-from flowrl.planner.plan import ClusterTarget
 from flowrl.planner.workload import Fixed, WorkloadSpec
 
 # (name, overrides)

@@ -13,10 +13,10 @@ import json
 import time
 
 from flowrl import api
+from flowrl.contract.plan import ClusterTarget
 from flowrl.errors import PlanError
 from flowrl.planner.hardware import parse_cluster
 from flowrl.planner.modelspec import load_model_spec
-from flowrl.planner.plan import ClusterTarget
 from flowrl.planner.workload import WorkloadSpec
 
 MODELS = ["llama-7b", "llama-13b", "llama-34b", "llama-70b"]

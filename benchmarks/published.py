@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from flowrl.cli import main
-from flowrl.planner.plan import load_plan
+from flowrl.contract.plan import load_plan
 from flowrl.planner.workload import mean_length
 
 HERE = Path(__file__).parent / "published"

@@ -131,7 +131,7 @@ def main() -> None:
     from cpu2 import start
 
     from flowrl import api
-    from flowrl.planner.plan import ClusterTarget
+    from flowrl.contract.plan import ClusterTarget
 
     tmp, hw, cluster = start(args.out, "flowrl-rollout-modes-")
     samples_per_step = args.prompts * args.samples

@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> dict:
     import trl
     from trl import GRPOConfig, GRPOTrainer
 
-    from flowrl.data import Prompt
+    from flowrl.contract.data import Prompt
     from flowrl.errors import TaskError
     from flowrl.specs import TinyModelConfig
     from flowrl.tasks.builtin import make_task

@@ -67,15 +67,9 @@ FORBIDDEN = {
         "flowrl.plugins",
         "flowrl.planner",
     ),
-    # backends execute a plan: they may use the plan, the runtime, memory/hardware models and specs,
-    # never the planning passes, the tuner, the algorithms or the user-facing entry points
-    "backends": (
-        "flowrl.api",
-        "flowrl.cli",
-        "flowrl.planner.autotune",
-        "flowrl.planner.passes",
-        "flowrl.algorithms",
-    ),
+    # backends execute a plan: its types, hardware and model shapes come from the contract; they never
+    # import the planner, the algorithms or the user-facing entry points
+    "backends": ("flowrl.api", "flowrl.cli", "flowrl.planner", "flowrl.algorithms"),
     "algorithms": (
         "flowrl.runtime.executor",
         "flowrl.runtime.nodes",
@@ -102,9 +96,6 @@ KNOWN = {
     ("flowrl/backends/local/profile.py", "flowrl.api"): (
         "calibrating a generation engine plans a GRPO run through api.plan/api.check to build its engines"
     ),
-    # a type-only import of the plan from its old home (a re-export of flowrl.contract.plan until it goes)
-    ("flowrl/runtime/worker.py", "flowrl.planner.plan"): "ExecutionPlan, to be read from flowrl.contract",
-    ("flowrl/runtime/worker.py", "flowrl.planner.plan.ExecutionPlan"): "ExecutionPlan, to be read from flowrl.contract",
 }
 
 

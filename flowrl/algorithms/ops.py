@@ -59,7 +59,7 @@ def gae_op(
 ) -> tuple[dict[str, Tensor], dict[str, float]]:
     """PPO: GAE(gamma, lambda) over token rewards with the KL penalty in the reward."""
     from flowrl.algorithms import advantages as adv
-    from flowrl.runtime.batch import sequences_in
+    from flowrl.contract.data import sequences_in
 
     seqs = sequences_in(inputs, "compute function 'gae'")
     mask = seqs.sampled_mask
@@ -74,7 +74,7 @@ def gae_op(
 def grpo_op(inputs: Batch, algo: AlgoConfig, *, eps: float = 1e-6, scale: bool = True) -> dict[str, Tensor]:
     """GRPO: A_i = (r_i - mean(r_group)) / (std(r_group) + eps), the same for every token."""
     from flowrl.algorithms import advantages as adv
-    from flowrl.runtime.batch import sequences_in
+    from flowrl.contract.data import sequences_in
 
     seqs = sequences_in(inputs, "compute function 'grpo'")
     a = adv.grpo(inputs["rewards"].float(), seqs.prompt_index, eps=eps, scale=scale)
@@ -84,7 +84,7 @@ def grpo_op(inputs: Batch, algo: AlgoConfig, *, eps: float = 1e-6, scale: bool =
 def rloo_op(inputs: Batch, algo: AlgoConfig) -> dict[str, Tensor]:
     """RLOO: A_i = r_i - mean of the other samples of the same prompt."""
     from flowrl.algorithms import advantages as adv
-    from flowrl.runtime.batch import sequences_in
+    from flowrl.contract.data import sequences_in
 
     seqs = sequences_in(inputs, "compute function 'rloo'")
     a = adv.rloo(inputs["rewards"].float(), seqs.prompt_index)
@@ -98,7 +98,7 @@ def remax_op(inputs: Batch, algo: AlgoConfig) -> dict[str, Tensor]:
     independent of the reward scale: early on every r_i - b_i is tiny.
     """
     from flowrl.algorithms import advantages as adv
-    from flowrl.runtime.batch import sequences_in
+    from flowrl.contract.data import sequences_in
 
     seqs = sequences_in(inputs, "compute function 'remax'")
     baseline = inputs["baseline_rewards"].float()[seqs.prompt_index]
@@ -113,7 +113,7 @@ def reinforce_pp_op(
 ) -> tuple[dict[str, Tensor], dict[str, float]]:
     """REINFORCE++: discounted token returns (KL in the reward), whitened over the batch."""
     from flowrl.algorithms import advantages as adv
-    from flowrl.runtime.batch import sequences_in
+    from flowrl.contract.data import sequences_in
 
     seqs = sequences_in(inputs, "compute function 'reinforce_pp'")
     rewards, metrics = _token_rewards(inputs, seqs, algo, kl_coef)
@@ -125,7 +125,7 @@ def overlong_op(inputs: Batch, algo: AlgoConfig, *, max_length: int = 16, cache:
     penalty 0 up to max_length - cache, falling linearly to -1 at max_length, -1 beyond."""
     import torch
 
-    from flowrl.runtime.batch import sequences_in
+    from flowrl.contract.data import sequences_in
 
     seqs = sequences_in(inputs, "compute function 'overlong'")
     length = seqs.sampled_mask.sum(-1).float()
@@ -158,7 +158,7 @@ def group_mean_op(inputs: Batch, algo: AlgoConfig) -> dict[str, Tensor]:
     reward handed back to the proposer whose response made the prompt."""
     import torch
 
-    from flowrl.runtime.batch import sequences_in
+    from flowrl.contract.data import sequences_in
 
     seqs = sequences_in(inputs, "compute function 'group_mean'")
     groups = len(inputs["prompts"])
@@ -172,7 +172,7 @@ def followup_prompts_op(inputs: Batch, algo: AlgoConfig, *, sep: str = "") -> di
     """New prompts from responses: each response appended to the prompt it answered (then
     ``sep``), with that prompt's reference answer; one prompt per response, e.g. a proposer's hint
     that a second policy reads."""
-    from flowrl.runtime.batch import sequences_in
+    from flowrl.contract.data import sequences_in
 
     seqs = sequences_in(inputs, "compute function 'followup_prompts'")
     prompts = inputs["prompts"]
@@ -187,7 +187,7 @@ def judge_prompts_op(inputs: Batch, algo: AlgoConfig, *, template: str = "{promp
     """Prompts for a judge model, one per response: ``template`` filled with ``{prompt}`` (the
     question's text), ``{response}`` (its final turn, for an episode) and ``{answer}`` (the reference).
     The prompt carries the response's number in ``meta["row"]``."""
-    from flowrl.runtime.batch import sequences_in
+    from flowrl.contract.data import sequences_in
 
     seqs = sequences_in(inputs, "compute function 'judge_prompts'")
     prompts = inputs["prompts"]
@@ -209,7 +209,7 @@ def judge_scores_op(
 
     import torch
 
-    from flowrl.runtime.batch import sequences_in
+    from flowrl.contract.data import sequences_in
 
     seqs = sequences_in(inputs, "compute function 'judge_scores'")
     found = re.compile(pattern)
@@ -282,7 +282,7 @@ def nonconstant_filter(inputs: Batch, algo: AlgoConfig, *, min_spread: float = 1
     all-wrong groups have zero advantage and only dilute the batch)."""
     import torch
 
-    from flowrl.runtime.batch import sequences_in
+    from flowrl.contract.data import sequences_in
 
     seqs = sequences_in(inputs, "filter 'nonconstant'")
     rewards = inputs["rewards"].float()
@@ -307,7 +307,7 @@ def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, 
     terms aggregate by ``algo.loss_agg`` (token-mean, seq-mean-token-mean, or Dr. GRPO's
     seq-mean-token-sum-norm over ``algo.loss_norm``)."""
     from flowrl.algorithms import losses
-    from flowrl.runtime.batch import sequences_in
+    from flowrl.contract.data import sequences_in
 
     seqs = sequences_in(batch, "loss 'ppo'")
     mask = seqs.sampled_mask
@@ -352,7 +352,7 @@ def gspo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor,
     the loss)."""
     import torch
 
-    from flowrl.runtime.batch import sequences_in
+    from flowrl.contract.data import sequences_in
 
     mask = sequences_in(batch, "loss 'gspo'").sampled_mask
     tokens = mask.sum(-1).clamp_min(1.0)
@@ -376,7 +376,7 @@ def sft_loss(
     """Supervised fine-tuning on the batch's responses: scale * token-mean of -log pi(token)
     (rejection-sampling SFT trains it on the responses a filter kept)."""
     from flowrl.algorithms import advantages as adv
-    from flowrl.runtime.batch import sequences_in
+    from flowrl.contract.data import sequences_in
 
     nll = adv.masked_mean(-logprobs, sequences_in(batch, "loss 'sft'").sampled_mask)
     return scale * nll, {"nll": float(nll.detach())}
@@ -385,7 +385,7 @@ def sft_loss(
 def value_loss(values: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
     """Clipped value loss, scaled by vf_coef."""
     from flowrl.algorithms import losses
-    from flowrl.runtime.batch import sequences_in
+    from flowrl.contract.data import sequences_in
 
     mask = sequences_in(batch, "loss 'value'").sampled_mask
     loss, stats = losses.value_loss(values, batch["values"], batch["returns"], mask, clip=algo.vf_clip)

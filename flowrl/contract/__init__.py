@@ -32,6 +32,7 @@ from flowrl.contract.data import (
     ToolCall,
     Turn,
     adds_special_tokens,
+    sequences_in,
 )
 from flowrl.contract.hardware import ClusterSpec, GenerationCalibration, HardwareSpec, load_hardware, save_hardware
 from flowrl.contract.hooks import hookimpl
@@ -171,6 +172,7 @@ __all__ = [
     "responses_of",
     "rollout_conflict",
     "save_hardware",
+    "sequences_in",
     "steady",
     "to_rollout",
     "unsupported",

@@ -352,3 +352,16 @@ class StepBatch(Mapping[str, Any]):
 
     def with_columns(self, columns: Mapping[str, Any]) -> StepBatch:
         return replace(self, columns=dict(columns))
+
+
+def sequences_in(batch: dict[str, Any], who: str) -> Sequences:
+    """The one Sequences value in ``batch``; ``who`` (e.g. "node 'gae'", "loss 'ppo'") names the reader."""
+    found = [v for v in batch.values() if isinstance(v, Sequences)]
+    if len(found) != 1:
+        from flowrl.errors import GraphError
+
+        raise GraphError(
+            f"{who} must read exactly one key holding generated responses (found {len(found)}); add "
+            "e.g. 'responses' to its reads."
+        )
+    return found[0]

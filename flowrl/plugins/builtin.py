@@ -109,7 +109,7 @@ def _local_training_engine(ctx: Any) -> Any:
 
 @hookimpl
 def register_generation_engines(register: Register) -> None:
-    from flowrl.planner.capabilities import EngineCapabilities
+    from flowrl.contract.capabilities import EngineCapabilities
 
     register(
         "local",
@@ -121,7 +121,7 @@ def register_generation_engines(register: Register) -> None:
 
 @hookimpl
 def register_training_engines(register: Register) -> None:
-    from flowrl.planner.capabilities import EngineCapabilities
+    from flowrl.contract.capabilities import EngineCapabilities
 
     register(
         "local",

@@ -10,10 +10,10 @@ from typing import Any
 
 import pluggy
 
+from flowrl.contract.hooks import hookimpl  # the one marker (plugins import it from flowrl.contract)
 from flowrl.plugins import kinds
 
 hookspec = pluggy.HookspecMarker("flowrl")
-hookimpl = pluggy.HookimplMarker("flowrl")
 
 Register = Callable[..., None]
 

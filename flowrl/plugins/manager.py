@@ -160,7 +160,7 @@ def _problem(kind: str, name: str, obj: Any, meta: dict[str, Any]) -> str | None
     if kind == "tasks":
         return None if isinstance(obj, type) else f"{obj!r} is not a class"
     if kind in ("generation_engines", "training_engines") and "capabilities" in meta:
-        from flowrl.planner.capabilities import EngineCapabilities
+        from flowrl.contract.capabilities import EngineCapabilities
 
         if not isinstance(meta["capabilities"], EngineCapabilities):
             return (
@@ -189,7 +189,7 @@ def _problem(kind: str, name: str, obj: Any, meta: dict[str, Any]) -> str | None
             return f"for meta '{key}', {problem}"
     problem = _call_problem(obj, CALLS[kind])
     if kind == "executors":
-        from flowrl.planner.capabilities import Capabilities
+        from flowrl.contract.capabilities import Capabilities
 
         if problem is None and not isinstance(getattr(obj, "capabilities", None), Capabilities):
             return (

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flowrl.contract.data import Sequences, StepBatch
+from flowrl.contract.data import Sequences, StepBatch, sequences_in  # noqa: F401 (re-exported)
 from flowrl.contract.responses import padded_rows, ragged  # noqa: F401 (re-exported: runtime modules use them)
 
 
@@ -83,19 +83,6 @@ def select_rows(batch: dict[str, Any], idx: Tensor, n_rows: int) -> dict[str, An
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Tensors and Sequences of a batch on ``device`` (other values unchanged)."""
     return _like(batch, {k: v.to(device) if isinstance(v, (Tensor, Sequences)) else v for k, v in batch.items()})
-
-
-def sequences_in(batch: dict[str, Any], who: str) -> Sequences:
-    """The one Sequences value in ``batch``; ``who`` (e.g. "node 'gae'", "loss 'ppo'") names the reader."""
-    found = [v for v in batch.values() if isinstance(v, Sequences)]
-    if len(found) != 1:
-        from flowrl.errors import GraphError
-
-        raise GraphError(
-            f"{who} must read exactly one key holding generated responses (found {len(found)}); add "
-            "e.g. 'responses' to its reads."
-        )
-    return found[0]
 
 
 def pad_id(tokenizer: Any) -> int:

@@ -20,15 +20,16 @@ of every rank of the trainer's and the generation's groups (``all``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import msgspec
-import torch
-from torch import Tensor
 
-from flowrl.data import Sequences, _pad
+from flowrl.contract.data import Sequences, _pad
 from flowrl.errors import BackendError
-from flowrl.runtime.batch import by_length
+
+if TYPE_CHECKING:  # torch loads when data moves, not when plugins register (Worker's methods declare modes)
+    import torch
+    from torch import Tensor
 
 
 class Dispatch(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -118,6 +119,8 @@ def shard_ranks(ranks: Sequence[int], data: Sequence[Any]) -> list[tuple[int, ..
 
 def draw_seed(generator: torch.Generator) -> int:
     """A seed drawn from ``generator``: what travels to a rank instead of the generator itself."""
+    import torch
+
     return int(torch.randint(0, 2**62, (1,), generator=generator))
 
 
@@ -154,6 +157,10 @@ def micro_batches(
     its size stays within the budget: rows x (longest prompt + longest response) padded, or the sum
     of its rows' tokens ``packed`` (one row without padding, `flowrl.backends.local.packing`); a row
     longer than the budget is a micro-batch of its own."""
+    import torch
+
+    from flowrl.runtime.batch import by_length
+
     if max_tokens is None:
         return [list(by_length(seqs, rank_rows(rows, r, world)).split(max(micro, 1))) for r in range(world)]
     prompts = seqs.prompt_mask[rows].sum(-1).tolist()
@@ -194,6 +201,8 @@ def padding(seqs: Sequences, packed: bool = False) -> tuple[int, int]:
 
 def concat_rows(parts: Sequence[Tensor], fill: float = 0.0) -> Tensor:
     """[B_i] or [B_i, R_i] results of the ranks as one [sum B_i, max R_i] tensor (right-padded)."""
+    import torch
+
     parts = [p for p in parts]
     if parts[0].dim() >= 2:
         width = max(p.shape[1] for p in parts)
@@ -204,6 +213,8 @@ def concat_rows(parts: Sequence[Tensor], fill: float = 0.0) -> Tensor:
 def concat_parts(values: Sequence[Any]) -> Any:
     """Parts of one per-row value (streamed parts, dynamic-sampling rounds) as one, by rows in
     order: Sequences re-padded, tensors and lists concatenated; another value is the last part's."""
+    from torch import Tensor
+
     if isinstance(values[0], Sequences):
         return Sequences.concat(values, 0, [0] * len(values))
     if isinstance(values[0], Tensor) and values[0].dim() > 0:

@@ -22,9 +22,9 @@ from flowrl.runtime.worker import Worker
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from flowrl.data import Sequences
+    from flowrl.contract.data import Sequences
+    from flowrl.contract.protocols import Batch, LossFn, TrainStep
     from flowrl.graph.ir import ModelDecl
-    from flowrl.runtime.protocols import Batch, LossFn, TrainStep
 
 
 #: The schedule task a call belongs to (the executor sets it); workers tag their spans with it.

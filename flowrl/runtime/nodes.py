@@ -16,11 +16,10 @@ from typing import Any
 
 import torch
 
-from flowrl.contract.data import Sequences, StepBatch
+from flowrl.contract.data import Sequences, StepBatch, sequences_in
 from flowrl.contract.protocols import GenerationEngine, TrainingEngine, TrainStep
 from flowrl.errors import BackendError, FlowRLError, GraphError
 from flowrl.graph.ir import Compute, Filter, Forward, Generate, Graph, Reward, Train
-from flowrl.runtime.batch import sequences_in
 from flowrl.runtime.dispatch import draw_seed
 from flowrl.runtime.rewardpool import RewardRunner, split_result
 from flowrl.specs import AlgoConfig, loss_unit

@@ -30,8 +30,8 @@ from flowrl.errors import BackendError
 from flowrl.runtime.dispatch import ALL_EACH, ALL_FIRST, ALL_MEAN, ALL_NONE, ROWS, ROWS_EVEN, dispatch
 
 if TYPE_CHECKING:
+    from flowrl.contract.plan import ExecutionPlan
     from flowrl.graph.ir import ModelDecl
-    from flowrl.planner.plan import ExecutionPlan
     from flowrl.plugins.manager import Entry, Registry
     from flowrl.runtime.schedule import Schedule
 

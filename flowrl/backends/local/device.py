@@ -7,9 +7,9 @@ from pathlib import Path
 
 import msgspec
 
+from flowrl.contract.checked import GiB
+from flowrl.contract.hardware import NOMINAL, HardwareSpec, default_profile_path, load_hardware
 from flowrl.errors import PlanError
-from flowrl.planner.hardware import NOMINAL, HardwareSpec, default_profile_path, load_hardware
-from flowrl.planner.memory import GiB
 from flowrl.specs import RunConfig
 
 

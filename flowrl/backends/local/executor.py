@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from flowrl.backends.local.device import machine, resolve_device
+from flowrl.contract.capabilities import Capabilities
+from flowrl.contract.numerics import Numerics
+from flowrl.contract.plan import ExecutionPlan
 from flowrl.graph.ir import Graph
-from flowrl.planner.capabilities import Capabilities
-from flowrl.planner.memory import Numerics
-from flowrl.planner.plan import ExecutionPlan
 from flowrl.runtime.executor import PlanExecutor
 
 #: fp32 weights, gradients and AdamW moments; activations kept for backward; eager attention;

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from flowrl.contract.model import check_model_dir
 from flowrl.errors import BackendError
-from flowrl.planner.modelspec import check_model_dir
 from flowrl.specs import TinyModelConfig
 
 VALUE_HEAD_FILE = "value_head.safetensors"

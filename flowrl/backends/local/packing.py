@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from flowrl.backends.local.tensor_parallel import token_logprobs
-from flowrl.data import Sequences
+from flowrl.contract.data import Sequences
 
 
 @dataclass(frozen=True)

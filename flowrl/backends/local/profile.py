@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from flowrl.backends.local.device import device_capacity
-from flowrl.planner.hardware import GenerationCalibration, HardwareSpec, save_hardware
-from flowrl.planner.modelspec import ModelSpec, from_tiny
+from flowrl.contract.hardware import GenerationCalibration, HardwareSpec, save_hardware
+from flowrl.contract.model import ModelSpec, from_tiny
 from flowrl.plugins.manager import registry
 from flowrl.specs import RunConfig
 
@@ -126,7 +126,7 @@ def calibrate_engine(
     import random
 
     from flowrl import api
-    from flowrl.data import Prompt
+    from flowrl.contract.data import Prompt
     from flowrl.errors import FlowRLError
     from flowrl.specs import TinyModelConfig
 
@@ -217,7 +217,7 @@ def profile(out: Path, *, progress: Callable[[str], None] = lambda s: None) -> H
 
 
 def run(args: argparse.Namespace) -> int:
-    from flowrl.planner.hardware import default_profile_path
+    from flowrl.contract.hardware import default_profile_path
     from flowrl.specs import writable
 
     out = writable(args.out, args.force, "--out") if args.out else default_profile_path()

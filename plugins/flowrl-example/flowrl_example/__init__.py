@@ -6,8 +6,7 @@ import argparse
 import random
 from typing import Any
 
-from flowrl.graph import Graph
-from flowrl.plugins.hookspecs import hookimpl
+from flowrl.contract import Graph, hookimpl
 
 
 def concise_reward(prompts: list[Any], responses: list[str], task: Any, *, per_char: float = 0.05) -> list[float]:
@@ -23,7 +22,7 @@ def sequence_pg_loss(logprobs: Any, batch: Any, algo: Any) -> tuple[Any, dict[st
     """A sequence-level policy gradient: each response's advantage times the mean log-prob of its
     tokens, averaged over responses (each response weighs the same, whatever its length). Registered
     with ``aggregate="seq-mean"``, so the engine weighs its micro-batches by their rows."""
-    from flowrl.runtime.batch import sequences_in
+    from flowrl.contract import sequences_in
 
     mask = sequences_in(batch, "loss 'sequence_pg'").sampled_mask
     tokens = mask.sum(-1).clamp_min(1.0)
