@@ -23,7 +23,7 @@ from flowrl.graph.ir import Graph
 from flowrl.graph.loading import build_graph, find_graph
 from flowrl.planner.hardware import cpu_cluster, with_calibration
 from flowrl.planner.manager import initial_plan, run_passes
-from flowrl.planner.passes import PIPELINE, PlanContext
+from flowrl.planner.passes import PIPELINE, PassResults, PlanContext
 from flowrl.planner.predict import Simulator
 from flowrl.plugins.manager import Entry, Registry
 from flowrl.plugins.manager import registry as default_registry
@@ -118,7 +118,7 @@ def plan(
     emit: Callable[[str], None] = print,
     target: ClusterTarget | None = None,
     options: dict[str, Any] | None = None,
-    cache: dict[str, Any] | None = None,
+    results: PassResults | None = None,
     for_backend: bool = False,
     **kwargs: Any,
 ) -> tuple[Graph, ExecutionPlan]:
@@ -126,8 +126,8 @@ def plan(
 
     Without a target the plan is for the config's executor on this machine. With one, it is a
     forecast for any backend unless ``for_backend``, which limits it to what the config's
-    executor can run, with its memory numerics. ``cache`` receives pass by-products
-    (``cache["tune"]``: the ranked candidates)."""
+    executor can run, with its memory numerics. ``results`` receives the passes' typed by-products
+    (``results.place.tune``: the ranked candidates)."""
     reg = registry or default_registry()
     graph, cfg = load(source, registry=reg, **kwargs)
     if target is None:
@@ -135,7 +135,7 @@ def plan(
     elif for_backend:
         caps = of_config(executor_entry(cfg, reg).obj.capabilities, reg, cfg)
         target = msgspec.structs.replace(target, numerics=caps.numerics, capabilities=caps)
-    ctx = PlanContext(graph=graph, registry=reg, cache=cache if cache is not None else {}, options=dict(options or {}))
+    ctx = PlanContext(graph=graph, registry=reg, options=dict(options or {}), results=results or PassResults())
     initial = initial_plan(graph, source, cfg, target)
     return graph, run_passes(
         graph, initial, reg, passes=PIPELINE if passes is None else passes, print_after=print_after, emit=emit, ctx=ctx

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -362,7 +362,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_choice(engine: str, predicted: dict[str, float] | None) -> str:
+def _engine_choice(engine: str, predicted: Mapping[str, float]) -> str:
     """Why the plan generates with ``engine``: the candidates' predicted step times, when it chose."""
     if not predicted:
         return f"generation engine: {engine} (configured, or the only one calibrated here)"
@@ -470,9 +470,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from flowrl.contract.capabilities import unsupported
     from flowrl.contract.plan import dump_plan, encode_plan
     from flowrl.planner.hardware import cpu_devices
+    from flowrl.planner.passes import PassResults
     from flowrl.plugins.manager import registry
 
-    target, cache = None, {}
+    target, results = None, PassResults()
     kwargs = _load_kwargs(args)
     if args.cluster:
         target = _cluster_target(args, kwargs)
@@ -500,17 +501,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         emit=print,
         target=target,
         options=options,
-        cache=cache,
+        results=results,
         passes=passes,
         for_backend=_executor_flag(args) is not None
         or (args.cluster is not None and cpu_devices(args.cluster) is not None),
         **kwargs,
     )
-    if args.explain and "tune" in cache:
+    placed = results.place
+    tune = placed.tune if placed is not None else None
+    if args.explain and placed is not None and tune is not None:
         from flowrl.planner.autotune import explain
 
-        print(explain(cache["tune"], plan.target.model, plan.target.cluster, models=plan.target.models))
-        print(_engine_choice(plan.config.generation.engine, cache.get("engines")))
+        print(explain(tune, plan.target.model, plan.target.cluster, models=plan.target.models))
+        print(_engine_choice(plan.config.generation.engine, placed.engines))
         for fwd, train in plan.fused.items():
             print(
                 f"fused: '{fwd}' is computed by '{train}' in its own forward (one update per batch: the old "
@@ -518,12 +521,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             )
         for line in _dynamic_sampling(graph, plan):
             print(line)
-        if "unconstrained" in cache:
-            print(_constraint_cost(options["require"], cache["tune"], cache["unconstrained"]))
-    if args.timeline and "tune" in cache:
+        if placed.unconstrained is not None:
+            print(_constraint_cost(options["require"], tune, placed.unconstrained))
+    if args.timeline and tune is not None:
         writable(args.timeline, args.force, "--timeline")
         writable(Path(args.timeline).with_suffix(".json"), args.force, "--timeline (its .json)")
-        _timeline(args.timeline, cache["tune"], graph.name)
+        _timeline(args.timeline, tune, graph.name)
     if args.out:
         if args.config and Path(args.out).resolve() == Path(args.config).resolve():
             raise ConfigError(f"--out '{args.out}' is the --config file; write the plan to another file.")

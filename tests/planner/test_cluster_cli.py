@@ -14,7 +14,7 @@ from flowrl.errors import PlanError, PluginError
 from flowrl.planner.cost import CostModel
 from flowrl.planner.hardware import HardwareSpec, parse_cluster
 from flowrl.planner.modelspec import MODEL_PRESETS
-from flowrl.planner.passes import PIPELINE
+from flowrl.planner.passes import PIPELINE, PassResults
 from flowrl.planner.plan import ClusterTarget, dump_plan, load_plan
 from flowrl.planner.simulate import timeline_json
 from flowrl.planner.space import RolloutPolicy
@@ -397,13 +397,13 @@ def test_explain_and_timeline_without_cluster_describe_this_machines_one_layout(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and json.loads(png.with_suffix(".json").read_text())["spans"]
 
 
-def test_timeline_spans_from_the_api_cache_match_the_cli_json(tmp_path, capsys):
+def test_timeline_spans_from_the_api_results_match_the_cli_json(tmp_path, capsys):
     """The JSON the CLI writes is timeline_json of the tuner's winning simulation."""
-    cache: dict = {}
+    results = PassResults()
     target = ClusterTarget(
         cluster=parse_cluster("16xA100-80G"), model=MODEL_PRESETS["qwen2.5-1.5b"], workload=WorkloadSpec()
     )
-    _, plan = api.plan("grpo", target=target, cache=cache, options={"budget_s": 1}, emit=lambda s: None)
+    _, plan = api.plan("grpo", target=target, results=results, options={"budget_s": 1}, emit=lambda s: None)
     png = tmp_path / "t.png"
     assert (
         main(
@@ -423,5 +423,5 @@ def test_timeline_spans_from_the_api_cache_match_the_cli_json(tmp_path, capsys):
         == 0
     )
     spans = json.loads(png.with_suffix(".json").read_text())["spans"]
-    assert spans == timeline_json(cache["tune"].ranked[0].result)
+    assert spans == timeline_json(results.place.tune.ranked[0].result)
     assert "timeline written to" in capsys.readouterr().out

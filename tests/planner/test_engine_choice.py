@@ -14,6 +14,7 @@ from flowrl import api
 from flowrl.errors import PlanError
 from flowrl.planner.cost import CostModel
 from flowrl.planner.hardware import GenerationCalibration, load_hardware, save_hardware
+from flowrl.planner.passes import PassResults
 from flowrl.plugins.hookspecs import hookimpl
 from flowrl.plugins.manager import load_plugins, set_registry
 
@@ -44,25 +45,25 @@ def reg():
     set_registry(None)
 
 
-def plan_with(reg, calibrations, *overrides, cache=None):
+def plan_with(reg, calibrations, *overrides, results=None):
     """A local plan of GRPO whose machine carries ``calibrations``."""
     sets = [*HEAD32, *overrides]
     _, cfg = api.load("grpo", overrides=sets)
     target = api.local_target(cfg, reg)
     hw = msgspec.structs.replace(target.cluster.hardware, generation=calibrations)
     target = msgspec.structs.replace(target, cluster=msgspec.structs.replace(target.cluster, hardware=hw))
-    return api.plan("grpo", registry=reg, overrides=sets, target=target, cache=cache, emit=lambda s: None)[1]
+    return api.plan("grpo", registry=reg, overrides=sets, target=target, results=results, emit=lambda s: None)[1]
 
 
 def test_auto_picks_the_engine_it_predicts_fastest_and_says_why(reg):
-    cache = {}
-    plan = plan_with(reg, {"fast": FAST, "slow": SLOW}, cache=cache)
+    results = PassResults()
+    plan = plan_with(reg, {"fast": FAST, "slow": SLOW}, results=results)
     assert plan.config.generation.engine == "fast"
-    predicted = cache["engines"]
+    predicted = results.place.engines
     assert set(predicted) == {"local", "fast", "slow"}
     assert predicted["fast"] < predicted["local"] < predicted["slow"]
     assert plan.layout.predicted.iteration_s == pytest.approx(predicted["fast"])
-    assert cache["tune"].ranked[0].result.iteration_s == pytest.approx(predicted["fast"])
+    assert results.place.tune.ranked[0].result.iteration_s == pytest.approx(predicted["fast"])
 
 
 def test_a_slow_calibration_loses_to_the_training_engines_own_sampler(reg):

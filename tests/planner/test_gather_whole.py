@@ -14,6 +14,7 @@ import torch
 from flowrl import api
 from flowrl.data import Sequences
 from flowrl.planner import memory as mem
+from flowrl.planner.passes import PassResults
 from flowrl.plugins.manager import registry
 from flowrl.runtime.dispatch import micro_batches
 
@@ -26,7 +27,7 @@ def _ray_plugin(monkeypatch):
     monkeypatch.setenv("FLOWRL_PLUGINS", "ray")  # the Ray executor's plugin (plans only: Ray is not started)
 
 
-def _plan(*extra: str, cache: dict | None = None):
+def _plan(*extra: str, results: PassResults | None = None):
     overrides = [*BASE, *extra]
     _, cfg = api.load("grpo", overrides=overrides)
     target = api.local_target(cfg, registry(), devices=2)
@@ -36,7 +37,7 @@ def _plan(*extra: str, cache: dict | None = None):
         target=target,
         for_backend=True,
         options={"placement": "colocate"},
-        cache=cache,
+        results=results,
         emit=lambda s: None,
     )[1]
 
@@ -178,9 +179,9 @@ def test_the_tuner_prices_a_train_nodes_own_mini_batches():
         ("config", ["train.mini_batches=1"]),
         ("node", ["train.mini_batches=4", "nodes.train_actor.mini_batches=1"]),
     ):
-        cache: dict = {}
-        plan = _plan(*SIXTEEN, "train.micro_batch_size=2", *extra, cache=cache)
-        (best,) = [c for c in cache["tune"].ranked[:1]]
+        results = PassResults()
+        plan = _plan(*SIXTEEN, "train.micro_batch_size=2", *extra, results=results)
+        (best,) = [c for c in results.place.tune.ranked[:1]]
         assert [(m.model, m.micro_batch) for m in best.plan.models] == [
             (m.model, m.micro_batch) for m in plan.layout.models
         ]

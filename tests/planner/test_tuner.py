@@ -34,7 +34,7 @@ from flowrl.planner.autotune import FINAL, Tuner, TuneResult, explain, roles_of
 from flowrl.planner.capabilities import Capabilities, of_config, unsupported
 from flowrl.planner.hardware import HARDWARE_PRESETS, ClusterSpec, parse_cluster
 from flowrl.planner.modelspec import MODEL_PRESETS, ModelSpec
-from flowrl.planner.passes import PIPELINE, colocated, engine_memory, verify_plan
+from flowrl.planner.passes import PIPELINE, PassResults, colocated, engine_memory, verify_plan
 from flowrl.planner.plan import ClusterTarget, ExecutionPlan
 from flowrl.planner.space import ClusterPlan, ModelLayout, layouts, skeletons
 from flowrl.planner.workload import Fixed, LogNormal, WorkloadSpec
@@ -493,10 +493,10 @@ def test_planning_for_the_backend_restricts_to_the_local_executor():
 
 def test_a_one_device_cluster_has_the_one_colocated_layout_with_its_prediction():
     target = ClusterTarget(cluster=parse_cluster("1xA100-80G"), model=QWEN, workload=load(16))
-    cache: dict = {}
-    graph, plan = api.plan("grpo", target=target, cache=cache, for_backend=True, emit=quiet)
+    results = PassResults()
+    graph, plan = api.plan("grpo", target=target, results=results, for_backend=True, emit=quiet)
     assert plan.passes == PIPELINE
-    tune = cache["tune"]
+    tune = results.place.tune
     assert tune.considered == 1 and len(tune.ranked) == 1 and tune.ranked[0].plan == plan.layout
     base = colocated(graph, plan.workload)  # the same layout; micro-batches halved until they fit
     fitted = msgspec.structs.replace(plan.layout, predicted=None)

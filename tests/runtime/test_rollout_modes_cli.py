@@ -25,6 +25,7 @@ from flowrl import api
 from flowrl.cli import main
 from flowrl.data import Rollout, Sequences
 from flowrl.errors import ConfigError, PlanError
+from flowrl.planner.passes import PassResults
 from flowrl.planner.space import RolloutPolicy
 from flowrl.plugins.manager import registry, set_registry
 from flowrl.runtime.batch import ragged
@@ -487,13 +488,13 @@ def ray_plugin(monkeypatch):
     set_registry(None)
 
 
-def cluster_plan(graph: str, *extra: str, cache: dict[str, Any] | None = None, **pins: str):
+def cluster_plan(graph: str, *extra: str, results: PassResults | None = None, **pins: str):
     overrides = [*TINY, "backend=ray", "device=cpu", *extra]
     _, cfg = api.load(graph, overrides=overrides)
     target = api.local_target(cfg, registry(), devices=2)
     options = {"budget_s": 1, **pins}
     return api.plan(
-        graph, overrides=overrides, target=target, for_backend=True, options=options, cache=cache, emit=quiet
+        graph, overrides=overrides, target=target, for_backend=True, options=options, results=results, emit=quiet
     )
 
 
@@ -508,11 +509,11 @@ def test_cluster_explain_shows_the_pinned_mode(ray_plugin):
 
 
 def test_the_tuner_only_picks_modes_the_executor_runs(ray_plugin):
-    cache: dict[str, Any] = {}
-    g, plan = cluster_plan("remax", cache=cache, placement="colocate")
+    results = PassResults()
+    g, plan = cluster_plan("remax", results=results, placement="colocate")
     chunked = {
         c.plan.rollout.describe()
-        for c in cache["tune"].ranked
+        for c in results.place.tune.ranked
         if c.plan.rollout.partial or c.plan.rollout.streaming or c.plan.rollout.mode == "async"
     }
     assert not chunked, chunked  # the executor refuses every one of these for remax

@@ -10,9 +10,11 @@ micro_batch -> per node: its rows per step and micro-batch (configured, or the l
 memory      -> per device group: the bytes one device needs; verification refuses a plan
                that does not fit, with the breakdown                                 (memory.py)
 
-Shared helpers: ``context`` (PlanContext), ``options`` (node options), ``ports`` (port bindings),
-``numerics`` (engine numerics), ``lengths`` (workload lengths), ``runs`` (per-model runs), ``rows``
-(rows per node), ``residency`` (what a device holds), ``tuning`` (the tuner for a plan, replay).
+A pass's by-products are typed fields of ``ctx.results`` (`PassResults`; ``place`` leaves a
+`PlaceResult`), never string keys. Shared helpers: ``context`` (PlanContext, the results),
+``options`` (node options), ``ports`` (port bindings), ``numerics`` (engine numerics), ``lengths``
+(workload lengths), ``runs`` (per-model runs), ``rows`` (rows per node), ``residency`` (what a
+device holds), ``tuning`` (the tuner for a plan, replay).
 Plan verification, run after every pass by the manager, is `flowrl.contract.reading.verify_plan`
 (the executor checks plans with it too). Passes are registered as plugins (`register_passes`);
 this module's names are what the rest of flowrl imports.
@@ -21,7 +23,7 @@ this module's names are what the rest of flowrl imports.
 from __future__ import annotations
 
 from flowrl.contract.reading import episode_budget, fusable, generating_models, model_checkpoints, verify_plan
-from flowrl.planner.passes.context import PlanContext
+from flowrl.planner.passes.context import PassResults, PlaceResult, PlanContext
 from flowrl.planner.passes.lengths import episode_lengths, task_lengths
 from flowrl.planner.passes.memory import memory
 from flowrl.planner.passes.micro_batch import fit_micro_batches, micro_batch
@@ -43,6 +45,8 @@ __all__ = [
     "BUILTIN_PASSES",
     "CPU_BF16_PARAMETERS",
     "PIPELINE",
+    "PassResults",
+    "PlaceResult",
     "PlanContext",
     "budgeted_rows",
     "colocated",

@@ -1,12 +1,14 @@
 """The ``place`` pass. Reads the resolved plan (target, workload, config, runs) and the context's
 options (budget_s, seed, cost_model, placement and sync pins, require, compare); writes the
 plan's layout (device groups, parallel sizes, rollout policy, weight sync), the chosen generation
-engine in the config and runs, and the by-products in ``ctx.cache`` (``tune``, ``engines``,
-``unconstrained``). One device: the colocated layout; a cluster: the auto-tuner's best.
+engine in the config and runs, and its by-products as ``ctx.results.place`` (`PlaceResult`: the
+tuner's ranking, each candidate engine's predicted step, the unconstrained ranking).
+One device: the colocated layout; a cluster: the auto-tuner's best.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -27,12 +29,12 @@ from flowrl.contract.workload import WorkloadSpec
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Generate, Graph
 from flowrl.planner.constraints import Constraints
+from flowrl.planner.passes.context import PlaceResult
 from flowrl.planner.passes.micro_batch import fit_micro_batches
 from flowrl.planner.passes.tuning import plan_tuner
 from flowrl.specs import AUTO, RolloutConfig, rollout_parts
 
 if TYPE_CHECKING:
-    from flowrl.planner.autotune import TuneResult
     from flowrl.planner.passes.context import PlanContext
 
 
@@ -109,18 +111,16 @@ def generation_engines(ctx: PlanContext, plan: ExecutionPlan) -> list[str]:
 def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     """Place models on device groups (for a backend's one device: the colocated layout; else: the
     tuner's best), and choose the generation engine when it is ``auto``: the one whose best plan
-    the simulator predicts fastest (``ctx.cache["engines"]``: each candidate's step time)."""
+    the simulator predicts fastest (``ctx.results.place.engines``: each candidate's step time)."""
     rollout = any(isinstance(n, Generate) for n in ctx.graph.nodes.values())
     engines = generation_engines(ctx, plan) if rollout else [plan.config.train.engine]
     tried = {name: _place(ctx, plan, name, share=len(engines)) for name in engines}
-    chosen = engines[0]
+    chosen, predicted = engines[0], {}
     if len(engines) > 1:
-        predicted = {name: result.ranked[0].result.iteration_s for name, (_, result) in tried.items()}
+        predicted = {name: found.tune.ranked[0].result.iteration_s for name, (_, found) in tried.items()}
         chosen = min(engines, key=lambda name: predicted[name])
-        ctx.cache["engines"] = predicted
-    placed, result = tried[chosen]
-    if result is not None:
-        ctx.cache["tune"] = result
+    placed, found = tried[chosen]
+    ctx.results.place = dataclasses.replace(found, engines=predicted)
     cfg = placed.config
     if cfg.generation.engine != chosen:
         placed = msgspec.structs.replace(placed, config=msgspec.structs.replace(cfg, generation=msgspec.structs.replace(
@@ -128,11 +128,9 @@ def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     return _with_generation(placed, chosen)
 
 
-def _place(
-    ctx: PlanContext, plan: ExecutionPlan, engine: str, share: int = 1
-) -> tuple[ExecutionPlan, TuneResult | None]:
+def _place(ctx: PlanContext, plan: ExecutionPlan, engine: str, share: int = 1) -> tuple[ExecutionPlan, PlaceResult]:
     """`place` with generation costed as ``engine`` generates; ``share``: candidates splitting the search
-    budget. Returns the placed plan and the tuner's ranking (None: no rollout, nothing simulated).
+    budget. Returns the placed plan and the tuner's rankings (no tune: no rollout, nothing simulated).
 
     A plan for a backend on one device is the colocated layout with each model's micro-batch the
     mini-batch, halved until it fits; it is still simulated, so --explain shows its prediction.
@@ -147,7 +145,7 @@ def _place(
             ctx.graph, plan, colocated(ctx.graph, plan.workload, plan.config.train.micro_batch_size)
         )
         if not rollout:
-            return msgspec.structs.replace(plan, layout=single), None  # nothing to simulate
+            return msgspec.structs.replace(plan, layout=single), PlaceResult()  # nothing to simulate
     elif not rollout:
         raise PlanError(f"graph '{ctx.graph.name}' has no generate node; the cluster planner needs a rollout.")
     tuner = plan_tuner(ctx, plan, engine)
@@ -176,14 +174,14 @@ def _place(
         result = tuner.single(single)
     else:
         result = tuner.search(budget_s=budget, rollout=policy, chunk_tokens=chunk, **pins)
+    free = None
     if require and opts.get("compare"):  # the unconstrained winner, for --explain to set beside it
         tuner.constraints = Constraints()
         tuner._layout_cache.clear()
         free = tuner.search(budget_s=budget, rollout=free_policy, chunk_tokens=chunk, **pins)
         if result.ranked[0].result.iteration_s < free.ranked[0].result.iteration_s:
             free = result  # the constrained winner is in the unconstrained space: a shorter search missed it
-        ctx.cache["unconstrained"] = free
-    return msgspec.structs.replace(plan, layout=result.best), result
+    return msgspec.structs.replace(plan, layout=result.best), PlaceResult(tune=result, unconstrained=free)
 
 
 def _with_generation(plan: ExecutionPlan, engine: str) -> ExecutionPlan:
