@@ -23,7 +23,7 @@ from flowrl.graph.ir import Graph
 from flowrl.graph.loading import build_graph, find_graph
 from flowrl.planner.hardware import cpu_cluster, with_calibration
 from flowrl.planner.manager import initial_plan, run_passes
-from flowrl.planner.passes import PIPELINE, PassResults, PlanContext
+from flowrl.planner.passes import PIPELINE, PassResults, PlanContext, PlanOptions, plan_options
 from flowrl.planner.predict import Simulator
 from flowrl.plugins.manager import Entry, Registry
 from flowrl.plugins.manager import registry as default_registry
@@ -117,7 +117,7 @@ def plan(
     print_after: Iterable[str] = (),
     emit: Callable[[str], None] = print,
     target: ClusterTarget | None = None,
-    options: dict[str, Any] | None = None,
+    options: PlanOptions | dict[str, Any] | None = None,
     results: PassResults | None = None,
     for_backend: bool = False,
     **kwargs: Any,
@@ -126,8 +126,9 @@ def plan(
 
     Without a target the plan is for the config's executor on this machine. With one, it is a
     forecast for any backend unless ``for_backend``, which limits it to what the config's
-    executor can run, with its memory numerics. ``results`` receives the passes' typed by-products
-    (``results.place.tune``: the ranked candidates)."""
+    executor can run, with its memory numerics. ``options``: how to plan (`PlanOptions`, or a mapping of
+    its fields: budget_s, seed, cost_model, placement, weight_sync, require, compare). ``results``
+    receives the passes' typed by-products (``results.place.tune``: the ranked candidates)."""
     reg = registry or default_registry()
     graph, cfg = load(source, registry=reg, **kwargs)
     if target is None:
@@ -135,7 +136,7 @@ def plan(
     elif for_backend:
         caps = of_config(executor_entry(cfg, reg).obj.capabilities, reg, cfg)
         target = msgspec.structs.replace(target, numerics=caps.numerics, capabilities=caps)
-    ctx = PlanContext(graph=graph, registry=reg, options=dict(options or {}), results=results or PassResults())
+    ctx = PlanContext(graph=graph, registry=reg, options=plan_options(options), results=results or PassResults())
     initial = initial_plan(graph, source, cfg, target)
     return graph, run_passes(
         graph, initial, reg, passes=PIPELINE if passes is None else passes, print_after=print_after, emit=emit, ctx=ctx

@@ -23,7 +23,7 @@ this module's names are what the rest of flowrl imports.
 from __future__ import annotations
 
 from flowrl.contract.reading import episode_budget, fusable, generating_models, model_checkpoints, verify_plan
-from flowrl.planner.passes.context import PassResults, PlaceResult, PlanContext
+from flowrl.planner.passes.context import PassResults, PlaceResult, PlanContext, PlanOptions, plan_options
 from flowrl.planner.passes.lengths import episode_lengths, task_lengths
 from flowrl.planner.passes.memory import memory
 from flowrl.planner.passes.micro_batch import fit_micro_batches, micro_batch
@@ -48,6 +48,7 @@ __all__ = [
     "PassResults",
     "PlaceResult",
     "PlanContext",
+    "PlanOptions",
     "budgeted_rows",
     "colocated",
     "configured_options",
@@ -71,6 +72,7 @@ __all__ = [
     "node_plan_options",
     "node_rows",
     "place",
+    "plan_options",
     "plan_rows",
     "plan_tuner",
     "replay",

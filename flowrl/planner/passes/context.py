@@ -1,5 +1,5 @@
 """What a pass may consult besides the plan (`PlanContext`: the graph, the plugin registry, the
-caller's options) and what a pass learned besides the plan, one typed result per pass that has any
+caller's typed `PlanOptions`) and what a pass learned besides the plan, one typed result per pass that has any
 (`PassResults`; today `place`'s `PlaceResult`, read by ``flowrl plan --explain`` and ``--timeline``).
 """
 
@@ -9,11 +9,38 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
+from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
+from flowrl.planner.constraints import Constraints
 
 if TYPE_CHECKING:
     from flowrl.planner.autotune import TuneResult
     from flowrl.plugins.manager import Registry
+
+
+class PlanOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How the caller asks the passes to plan (``flowrl plan``'s flags; `api.plan`'s ``options``)."""
+
+    budget_s: float = 8.0  # the tuner's search time, split among candidate generation engines
+    seed: int = 0  # the simulator's seed
+    cost_model: str = "analytic"  # a registered cost model
+    placement: str | None = None  # --placement: pin the cluster placement (colocate, separate)
+    weight_sync: str | None = None  # --sync: pin the weight-sync strategy
+    require: Constraints | None = None  # --require: constraints on the cluster plans searched
+    compare: bool = False  # with require: also search unconstrained, for --explain to set beside it
+
+
+def plan_options(given: PlanOptions | Mapping[str, Any] | None) -> PlanOptions:
+    """``given`` as `PlanOptions`; a mapping's unknown or mistyped key is refused, naming it."""
+    if given is None or isinstance(given, PlanOptions):
+        return given or PlanOptions()
+    try:
+        return msgspec.convert(dict(given), PlanOptions)
+    except msgspec.ValidationError as exc:
+        known = ", ".join(PlanOptions.__struct_fields__)
+        raise ConfigError(f"planner options: {exc} (options: {known}).") from None
 
 
 @dataclass(frozen=True)
@@ -42,5 +69,5 @@ class PlanContext:
 
     graph: Graph
     registry: Registry
-    options: dict[str, Any] = field(default_factory=dict)  # budget_s, seed, cost_model, pins, require, compare
+    options: PlanOptions = field(default_factory=PlanOptions)
     results: PassResults = field(default_factory=PassResults)

@@ -149,10 +149,10 @@ def _place(ctx: PlanContext, plan: ExecutionPlan, engine: str, share: int = 1) -
     elif not rollout:
         raise PlanError(f"graph '{ctx.graph.name}' has no generate node; the cluster planner needs a rollout.")
     tuner = plan_tuner(ctx, plan, engine)
-    pins = {k: opts.get(k) for k in ("placement", "weight_sync")}
+    pins = {"placement": opts.placement, "weight_sync": opts.weight_sync}
     if single is not None and any(pins.values()):
         raise PlanError("--placement / --sync choose among cluster plans; this plan is for one device.")
-    require = opts.get("require")
+    require = opts.require
     for key, flag, field_ in (("placement", "--placement", "placement"), ("weight_sync", "--sync", "sync")):
         wanted = getattr(require, key, None) if require else None
         if pins[key] and wanted and pins[key] != wanted:
@@ -168,14 +168,14 @@ def _place(ctx: PlanContext, plan: ExecutionPlan, engine: str, share: int = 1) -
         if conflict:
             raise PlanError(conflict)
         single = msgspec.structs.replace(single, rollout=policy)
-    budget = float(opts.get("budget_s", 8.0)) / share
+    budget = opts.budget_s / share
     chunk = plan.config.rollout.chunk_tokens
     if single is not None:
         result = tuner.single(single)
     else:
         result = tuner.search(budget_s=budget, rollout=policy, chunk_tokens=chunk, **pins)
     free = None
-    if require and opts.get("compare"):  # the unconstrained winner, for --explain to set beside it
+    if require and opts.compare:  # the unconstrained winner, for --explain to set beside it
         tuner.constraints = Constraints()
         tuner._layout_cache.clear()
         free = tuner.search(budget_s=budget, rollout=free_policy, chunk_tokens=chunk, **pins)
