@@ -1,4 +1,9 @@
-"""The pass manager: runs named passes, verifies after each, can print the plan between them."""
+"""The pass manager: runs named passes, verifies after each, can print the plan between them.
+
+A pass is a registered plugin (``register_passes``), a function ``(ctx, plan) -> plan``: it reads the
+plan and `PlanContext` (the graph, the registry, typed `PlanOptions`) and leaves its by-products as
+typed fields of ``ctx.results`` (`PassResults`). The built-in ones live in `flowrl.planner.passes`,
+one module each."""
 
 from __future__ import annotations
 
