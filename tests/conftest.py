@@ -43,15 +43,29 @@ def _ray_module(item: pytest.Item) -> bool:
     return item.path.parent.name == "ray" and item.path.parent.parent.name == "tests"
 
 
+def _e2e_module(item: pytest.Item) -> bool:
+    return item.path.parent.name == "e2e" and item.path.parent.parent.name == "tests"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """How `pytest -n 2` shares the work (pyproject: ``--dist loadfile --no-loadscope-reorder``): a
     module's tests stay together on one worker (its module fixtures are built once), and the longest
-    work is handed out first -- the Ray modules, then the modules with slow tests, then the quick
-    modules, which fill the end -- instead of the modules with the most tests first, which left the
-    long one-test modules to finish alone."""
+    work is handed out first -- the Ray modules taken in turn with the whole-run modules of tests/e2e
+    (Ray modules run one at a time, tests/ray/conftest.py: two in a row would leave the second
+    worker waiting on the first's lock), then the modules with slow tests, then the quick modules,
+    which fill the end."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: 0 if _ray_module(item) else 1 if item.path in slow else 2)
+    modules: dict = {}
+    for item in items:
+        modules.setdefault(item.path, []).append(item)
+    ray = [m for m, its in modules.items() if _ray_module(its[0])]
+    e2e = [m for m, its in modules.items() if _e2e_module(its[0]) and m in slow]
+    first: list = []
+    for i in range(max(len(ray), len(e2e))):
+        first += ray[i : i + 1] + e2e[i : i + 1]
+    rank = {m: i for i, m in enumerate(first)}
+    items.sort(key=lambda item: (0, rank[item.path]) if item.path in rank else (1 if item.path in slow else 2, 0))
 
 
 class PlannerClock:

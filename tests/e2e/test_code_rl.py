@@ -1,0 +1,28 @@
+"""Code RL learns from the sandboxed tests (graphs/code_rl.py): every response runs in bubblewrap, a
+group's repeated answer once, by two reward workers. The longest whole run of the suite, in a module
+of its own so that `pytest -n 2` schedules it beside the other learning runs, not after them."""
+
+from __future__ import annotations
+
+from statistics import mean
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ONE_LAYER = "tiny_model.num_layers=1"
+
+
+def curve(result, key="reward"):
+    values = [m[key] for m in result.metrics]
+    return mean(values[:10]), mean(values[-10:])
+
+
+def test_code_rl_learns_from_the_sandboxed_tests(train):
+    # 8 prompts a step: every response runs in bubblewrap (a group's repeats once), two reward workers
+    result = train("graphs/code_rl.py", 40, "checkpoint=false", ONE_LAYER, "rollout.prompts_per_step=8")
+    first, last = curve(result)
+    runs = [m["reward/sandbox_runs"] for m in result.metrics]
+    print(f"code RL: reward {first:.3f} -> {last:.3f}, sandbox runs a step {runs[0]} -> {runs[-1]}")
+    assert last > first + 0.1
+    assert runs[-1] < runs[0]  # answers converge: a group's repeated answer runs once
