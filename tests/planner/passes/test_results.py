@@ -21,11 +21,6 @@ def quiet(_: str) -> None:
     pass
 
 
-@pytest.fixture(scope="module")
-def registry() -> Registry:
-    return load_plugins(entry_points=False)[1]
-
-
 @pytest.mark.parametrize("name", PIPELINE)
 def test_each_builtin_pass_is_a_module_that_says_what_it_reads_and_writes(name: str) -> None:
     fn = BUILTIN_PASSES[name]
