@@ -133,7 +133,8 @@ def _generate(rt: NodeRuntime, node: Generate, batch: dict[str, Any]) -> tuple[d
 
 
 def _refuse_what_it_does_not_run(graph: Graph, plan: ExecutionPlan) -> None:
-    """The loop is one process, one rank, synchronous rollouts and one generation call per node and step."""
+    """The loop is one process, one rank, synchronous rollouts, the training engine sampling, and one
+    generation call per node and step."""
     policy = plan.layout.rollout if plan.layout is not None else None
     if policy is not None and (policy.mode != "sync" or policy.partial or policy.streaming):
         raise PlanError(
@@ -141,7 +142,21 @@ def _refuse_what_it_does_not_run(graph: Graph, plan: ExecutionPlan) -> None:
             f"{' with partial rollouts' if policy.partial else ''}{' streaming' if policy.streaming else ''}. "
             "Plan it with rollout.mode=sync."
         )
+    for layout in plan.layout.models if plan.layout is not None else ():
+        if layout.parallel.size > 1:
+            raise PlanError(
+                f"model '{layout.model}': the serial reference loop runs every model on one rank; the plan "
+                f"splits it dp {layout.parallel.dp} x tp {layout.parallel.tp} x pp {layout.parallel.pp}. "
+                "Plan it for one device (--cluster local)."
+            )
     for name, node in graph.nodes.items():
+        run = plan.model_run(node.model) if isinstance(node, Generate) else None
+        if run is not None and run.generation_engine not in (None, run.training_engine):
+            raise PlanError(
+                f"node '{name}': the serial reference loop samples with the training engine "
+                f"'{run.training_engine}' itself; the plan generates with '{run.generation_engine}'. "
+                f"Plan it with generation.engine={run.training_engine}."
+            )
         if isinstance(node, Generate) and node.env is not None:
             raise PlanError(f"node '{name}': the serial reference loop does not run multi-turn environments.")
     filters = sorted(graph.filters().values())
