@@ -31,3 +31,15 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
     """``rows`` as a jsonl file at ``path``; returns the path as a string (what a config takes)."""
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
+
+
+#: the whole-run tests' model: a one-layer tiny model, a third faster a step than the default two layers
+ONE_LAYER = "tiny_model.num_layers=1"
+
+
+def curve(result, key: str = "reward") -> tuple[float, float]:
+    """The mean of ``key`` over a run's first ten steps and over its last ten."""
+    from statistics import mean
+
+    values = [m[key] for m in result.metrics]
+    return mean(values[:10]), mean(values[-10:])

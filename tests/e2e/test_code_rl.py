@@ -4,18 +4,10 @@ of its own so that `pytest -n 2` schedules it beside the other learning runs, no
 
 from __future__ import annotations
 
-from statistics import mean
-
 import pytest
+from helpers import ONE_LAYER, curve
 
 pytestmark = pytest.mark.slow
-
-ONE_LAYER = "tiny_model.num_layers=1"
-
-
-def curve(result, key="reward"):
-    values = [m[key] for m in result.metrics]
-    return mean(values[:10]), mean(values[-10:])
 
 
 def test_code_rl_learns_from_the_sandboxed_tests(train):

@@ -13,10 +13,9 @@ from __future__ import annotations
 from statistics import mean
 
 import pytest
+from helpers import ONE_LAYER
 
 pytestmark = pytest.mark.slow
-
-ONE_LAYER = "tiny_model.num_layers=1"
 
 
 def test_ppo_learns(train):

@@ -8,15 +8,9 @@ from statistics import mean
 
 import pytest
 import yaml
+from helpers import ONE_LAYER, curve
 
 pytestmark = pytest.mark.slow
-
-ONE_LAYER = "tiny_model.num_layers=1"
-
-
-def curve(result, key="reward"):
-    values = [m[key] for m in result.metrics]
-    return mean(values[:10]), mean(values[-10:])
 
 
 def test_dapo_learns_with_dynamic_sampling(train):
