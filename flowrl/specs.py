@@ -51,7 +51,7 @@ class RolloutConfig(Spec):
     stream_groups: int = 8  # streaming: prompt groups per micro-batch sent downstream while generation goes on
 
 
-#: ``generation.engine=auto``: the planner picks the engine it predicts fastest (see planner/passes.py:
+#: ``generation.engine=auto``: the planner picks the engine it predicts fastest (see planner/passes/place.py:
 #: place); ``train.dtype`` / ``train.attention`` ``auto``: the device's best (`resolve_numerics`).
 AUTO = "auto"
 

@@ -56,14 +56,14 @@ def plan_for(graph: str, devices: int, *require: str, extra: tuple[str, ...] = (
 def test_the_planner_and_the_schedule_agree_on_sampling_in_place(ray_plugin, devices, require, in_place):
     """`schedule.lower` (what the runtime runs), the planner's memory pass and the simulator (no sync
     priced for a policy sampling in place) take the same in-place decision for tp layouts."""
-    from flowrl.planner.passes import _generates_in_place
+    from flowrl.planner.passes import generates_in_place
 
     graph, plan = plan_for("grpo", devices, *require)
     layout = plan.layout
     sched = lower(graph, plan, same_engine=True)
     gen = layout.generation_of("actor")
     assert sched.placement("actor").in_place is in_place
-    assert _generates_in_place(plan, layout, "actor", gen.group) is in_place
+    assert generates_in_place(plan, layout, "actor", gen.group) is in_place
     sync_s = layout.predicted.breakdown.get("weight_sync", 0.0)
     assert (sync_s == 0.0) is in_place, sync_s
 

@@ -36,8 +36,6 @@ from flowrl.planner.passes.rows import node_rows, plan_rows
 from flowrl.planner.passes.runs import fused_forwards, model_runs
 from flowrl.planner.passes.tuning import plan_tuner, replay
 
-_generates_in_place = generates_in_place  # the name tests/runtime/test_tensor_parallel.py imports
-
 PIPELINE = ("resolve", "place", "micro_batch", "memory")
 BUILTIN_PASSES = {"resolve": resolve, "place": place, "micro_batch": micro_batch, "memory": memory}
 
