@@ -8,11 +8,13 @@ of a run:
   on both sides (`verify_plan`, `generating_models`, `model_checkpoints`, ...);
 - the resolved per-model specs engines receive (`ModelRun`: sampling, optimizer, numerics);
 - the engine and executor protocols (`TrainingEngine`, `GenerationEngine`, `EngineContext`,
-  `TrainStep`, `Executor`) and what a run's timeline is compared with (`Predictor`);
+  `TrainStep`, `Executor`; for engines split over ranks `ShardedTrainingEngine`,
+  `ShardedGenerationEngine` and `DataRank`) and what a run's timeline is compared with (`Predictor`);
 - what an executor and an engine declare they can run (`Capabilities`, `EngineCapabilities`);
 - the typed data that crosses layers (`Prompt`, `Sequences`, `Rollout`, `StepBatch`, ...) and
   the one set of rules for how a response ends (`ResponseRules`, `to_rollout`);
-- the plugin hook marker (`hookimpl`) and the error types (`FlowRLError` and its kinds).
+- the plugin hook marker (`hookimpl`), the ``register`` callback's type (`Register`) and the
+  error types (`FlowRLError` and its kinds).
 
 The planner produces these types; the runtime, the backends and the plugins use them from here.
 This package imports nothing of the planner, the runtime, the backends or the plugins, and no
@@ -35,7 +37,7 @@ from flowrl.contract.data import (
     sequences_in,
 )
 from flowrl.contract.hardware import ClusterSpec, GenerationCalibration, HardwareSpec, load_hardware, save_hardware
-from flowrl.contract.hooks import hookimpl
+from flowrl.contract.hooks import Register, hookimpl
 from flowrl.contract.layout import (
     ClusterPlan,
     DeviceGroup,
@@ -61,11 +63,14 @@ from flowrl.contract.plan import (
 from flowrl.contract.predict import Forecast, Predictor, Span, steady
 from flowrl.contract.protocols import (
     Batch,
+    DataRank,
     EngineContext,
     Executor,
     GenerationEngine,
     LossFn,
     RunResult,
+    ShardedGenerationEngine,
+    ShardedTrainingEngine,
     TrainingEngine,
     TrainStep,
 )
@@ -94,6 +99,10 @@ from flowrl.graph.ir import Graph, ModelDecl
 from flowrl.specs import AlgoConfig, RunConfig
 
 __all__ = [
+    "ShardedTrainingEngine",
+    "ShardedGenerationEngine",
+    "Register",
+    "DataRank",
     "AlgoConfig",
     "BackendError",
     "Batch",

@@ -5,17 +5,14 @@ Built-ins implement these hooks exactly like third-party plugins (entry-point gr
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pluggy
 
-from flowrl.contract.hooks import hookimpl  # the one marker (plugins import it from flowrl.contract)
+from flowrl.contract.hooks import Register, hookimpl  # one marker and type (plugins import them from flowrl.contract)
 from flowrl.plugins import kinds
 
 hookspec = pluggy.HookspecMarker("flowrl")
-
-Register = Callable[..., None]
 
 
 @hookspec
@@ -81,7 +78,7 @@ def register_training_engines(register: Register) -> None:
 
 @hookspec
 def register_passes(register: Register) -> None:
-    """Register planner passes: ``register(name, fn)`` with ``fn(ctx, plan) -> plan``."""
+    """Register planner passes: ``register(name, fn)``, ``fn(ctx: PlanContext, plan) -> plan`` (planner.passes)."""
 
 
 @hookspec

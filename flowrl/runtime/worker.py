@@ -63,6 +63,14 @@ def checked(engine: Any, protocol: type, entry: Entry, model: str) -> Any:
     )
 
 
+def _takes(method: Any, keyword: str) -> bool:
+    """Whether ``method`` accepts the keyword argument ``keyword`` (by name or through ``**kwargs``)."""
+    import inspect
+
+    params = inspect.signature(method).parameters.values()
+    return any(p.name == keyword or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 def built_by(entry: Entry, ctx: EngineContext) -> Any:
     """The engine ``entry``'s factory builds for ``ctx``; what the factory raises (beyond flowrl's own
     errors) becomes a BackendError naming the engine, its plugin and the model."""
@@ -300,10 +308,16 @@ class Worker:
         import torch
 
         g = torch.Generator().manual_seed(seed)
+        engine = self.generators[model]
         extra = {} if temperature is None else {"temperature": temperature}  # engines before it take none
-        return self.generators[model].generate(
-            prompts, n=n, greedy=greedy, generator=g, max_new_tokens=max_new, **extra
-        )
+        if extra and not _takes(engine.generate, "temperature"):
+            raise BackendError(
+                f"model '{model}': eval.temperature {temperature} differs from rollout.temperature, and its "
+                f"generation engine {type(engine).__name__}.generate takes no `temperature` (see "
+                "flowrl/contract/protocols.py: GenerationEngine). Add that keyword to the engine, or evaluate "
+                "at rollout.temperature."
+            )
+        return engine.generate(prompts, n=n, greedy=greedy, generator=g, max_new_tokens=max_new, **extra)
 
     @dispatch(ROWS)
     def resume(self, model: str, rollout: Any, seed: int, max_new: int | None) -> Any:

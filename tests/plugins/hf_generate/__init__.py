@@ -14,15 +14,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flowrl.data import Prompt, Rollout
-from flowrl.plugins.hookspecs import Register, hookimpl
-from flowrl.runtime.protocols import EngineContext
-from flowrl.runtime.responses import Response, ResponseRules, to_rollout
+from flowrl.contract import EngineContext, Prompt, Register, Response, ResponseRules, Rollout, hookimpl, to_rollout
 
 
 class HFGenerateEngine:
     """Samples with ``model.generate``; log-probs under softmax(raw logits / temperature); responses
-    end and decode by flowrl's shared rules (`flowrl.runtime.responses`)."""
+    end and decode by flowrl's shared rules (`flowrl.contract.responses`)."""
 
     resumable = False
 
@@ -56,14 +53,16 @@ class HFGenerateEngine:
         greedy: bool,
         generator: torch.Generator,
         max_new_tokens: int | None = None,
+        temperature: float | None = None,
     ) -> Rollout:
         roll, tok = self.rollout, self.tokenizer
+        temp = roll.temperature if temperature is None else temperature  # evaluation's own, when it differs
         texts = [p.text for p in prompts for _ in range(n)]
         enc = tok(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=True)
         lengths = enc["attention_mask"].sum(-1).tolist()
         rooms = [None if self.context is None else self.context - k for k in lengths]
         budget = max(self.rules.budget(0, max_new_tokens or None, room) for room in rooms)
-        sampling = {} if greedy else {"temperature": roll.temperature, "top_p": roll.top_p, "top_k": 0}
+        sampling = {} if greedy else {"temperature": temp, "top_p": roll.top_p, "top_k": 0}
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))  # transformers samples from the global RNG
         host = self.device.type == "cpu"
         devices, kind = ([], None) if host else ([self.device], self.device.type)
@@ -82,7 +81,7 @@ class HFGenerateEngine:
             )
         tokens = out.sequences[:, enc["input_ids"].shape[1] :].cpu()
         logits = torch.stack(out.logits, 1).float().cpu()  # [B, R, V]: raw, before temperature and top-p
-        logprobs = torch.log_softmax(logits / roll.temperature, -1).gather(-1, tokens[..., None]).squeeze(-1)
+        logprobs = torch.log_softmax(logits / temp, -1).gather(-1, tokens[..., None]).squeeze(-1)
         # generate pads a row after its EOS; the shared rules cut it there (and at stop strings)
         rows = [
             self.rules.extend(Response([], []), ids, lps, room)
