@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from flowrl.contract.reading import lora_on_fresh_weights
 from flowrl.errors import ConfigError, FlowRLError
 from flowrl.specs import DATA_TASK, writable
 
@@ -309,6 +310,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(
         f"flowrl: {doing} {graph.name} ({plan.graph.source}) on task '{cfg.task}' for {cfg.steps} steps, plan {plan.id}"
     )
+    for warning in lora_on_fresh_weights(plan):
+        print(f"flowrl: warning: {warning}", file=sys.stderr)
     if cfg.task == DATA_TASK:  # what was read of the user's files
         from flowrl.tasks.dataset import load as load_data
 

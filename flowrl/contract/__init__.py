@@ -74,7 +74,14 @@ from flowrl.contract.protocols import (
     TrainingEngine,
     TrainStep,
 )
-from flowrl.contract.reading import episode_budget, fusable, generating_models, model_checkpoints, verify_plan
+from flowrl.contract.reading import (
+    episode_budget,
+    fusable,
+    generating_models,
+    lora_on_fresh_weights,
+    model_checkpoints,
+    verify_plan,
+)
 from flowrl.contract.resolved import EngineNumerics, ModelRun, NodeOptions, OptimizerSpec, SamplingSpec
 from flowrl.contract.responses import (
     Response,
@@ -174,6 +181,7 @@ __all__ = [
     "hookimpl",
     "load_hardware",
     "load_plan",
+    "lora_on_fresh_weights",
     "model_checkpoints",
     "padded_rows",
     "prompt_rows",

@@ -69,6 +69,19 @@ def model_checkpoints(graph: Graph, model: str | None) -> dict[str, str | None]:
     return {name: folder(name, ()) for name in graph.models}
 
 
+def lora_on_fresh_weights(plan: ExecutionPlan) -> list[str]:
+    """A warning per model that trains LoRA adapters over a freshly initialised tiny model (no
+    checkpoint): low-rank updates of random weights learn little (the default graph's reward went
+    0.01 -> 0.02 in 200 steps where full training reaches 0.66). LoRA adapts a trained model."""
+    return [
+        f"model '{name}' trains LoRA adapters (train.lora.rank={run.lora.rank}) over a fresh tiny model with random "
+        "weights, which learns little. Train it whole first (train.lora.rank=0) and adapt its checkpoint "
+        "(--model runs/NAME/checkpoint), or give --model a pretrained folder."
+        for name, run in sorted(plan.models.items())
+        if run.lora is not None and run.lora.rank > 0 and run.checkpoint is None and run.optimizer is not None
+    ]
+
+
 def fusable(graph: Graph, options: dict[str, NodeOptions]) -> dict[str, str]:
     """The forward -> train node pairs a fusion may join: a log-prob forward whose output only its
     model's one train node reads (no other update between them), on the sequences that node trains
