@@ -1,4 +1,4 @@
-"""The typed batches that cross layers (`flowrl.data`): `Sequences.select` and `Rollout.select` keep
+"""The typed batches that cross layers (`flowrl.contract.data`): `Sequences.select` and `Rollout.select` keep
 each row's tensors and text together, whether rows are picked by number or by a boolean mask (the
 torch idiom for "the rows a filter kept")."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from flowrl.data import Rollout, Sequences
+from flowrl.contract.data import Rollout, Sequences
 
 
 def sequences(texts: tuple[str, ...]) -> Sequences:

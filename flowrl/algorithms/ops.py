@@ -417,7 +417,7 @@ def episode_reward(
 ) -> tuple[Tensor, dict[str, float]]:
     """A multi-turn episode's reward: the task's score of the model's final turn (not of the text the
     environment wrote, tool results included) plus ``env_weight`` times the rewards the environment
-    gave its turns (`flowrl.data.EpisodeText`). A single-turn response is scored whole. Metrics:
+    gave its turns (`flowrl.contract.EpisodeText`). A single-turn response is scored whole. Metrics:
     ``final_exact`` (the fraction whose final answer scores 1) and ``env_reward`` (their mean)."""
     import torch
 

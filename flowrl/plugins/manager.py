@@ -165,7 +165,7 @@ def _problem(kind: str, name: str, obj: Any, meta: dict[str, Any]) -> str | None
         if not isinstance(meta["capabilities"], EngineCapabilities):
             return (
                 f"meta 'capabilities' is {meta['capabilities']!r}; it must be a "
-                "flowrl.planner.capabilities.EngineCapabilities (what the engine can compute)"
+                "flowrl.contract.EngineCapabilities (what the engine can compute)"
             )
     if kind == "hardware":
         from flowrl.planner.hardware import HardwareSpec  # lazy: the planner is not needed to load plugins
@@ -193,7 +193,7 @@ def _problem(kind: str, name: str, obj: Any, meta: dict[str, Any]) -> str | None
 
         if problem is None and not isinstance(getattr(obj, "capabilities", None), Capabilities):
             return (
-                f"{obj!r} has no 'capabilities' attribute holding a flowrl.planner.capabilities.Capabilities "
+                f"{obj!r} has no 'capabilities' attribute holding a flowrl.contract.Capabilities "
                 "(register the executor class, with what it can run as a class attribute)"
             )
     return problem

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from flowrl.algorithms.ops import http_reward
-from flowrl.data import Prompt
+from flowrl.contract.data import Prompt
 
 
 class Server:

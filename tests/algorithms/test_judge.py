@@ -8,7 +8,7 @@ import torch
 
 from flowrl import api
 from flowrl.algorithms.ops import judge_prompts_op, judge_scores_op
-from flowrl.data import Prompt, Sequences, Turn
+from flowrl.contract.data import Prompt, Sequences, Turn
 from flowrl.errors import GraphError
 from flowrl.graph import Graph
 from flowrl.specs import AlgoConfig

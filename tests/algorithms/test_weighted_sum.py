@@ -12,7 +12,7 @@ import torch
 
 from flowrl import api
 from flowrl.algorithms.ops import COMPUTE_FUNCTIONS, grpo_op, task_reward, weighted_sum_op
-from flowrl.data import Prompt, Sequences
+from flowrl.contract.data import Prompt, Sequences
 from flowrl.errors import GraphError
 from flowrl.graph import Graph
 from flowrl.plugins.hookspecs import hookimpl

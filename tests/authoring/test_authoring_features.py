@@ -33,10 +33,10 @@ import torch
 
 from flowrl import api
 from flowrl.cli import main
-from flowrl.data import Prompt
+from flowrl.contract.data import Prompt
+from flowrl.contract.plan import load_plan
 from flowrl.errors import FlowRLError, GraphError, PlanError, PluginError
 from flowrl.graph import Graph
-from flowrl.planner.plan import load_plan
 from flowrl.planner.workload import load_workload
 from flowrl.runtime.executor import run_dir
 from flowrl.tasks.environments import Calculator

@@ -37,7 +37,7 @@ def test_dynamic_sampling_runs_rounds_until_groups_pass_and_writes_the_acceptanc
 
 def test_the_filter_keeps_only_groups_whose_rewards_differ():
     from flowrl.algorithms.ops import nonconstant_filter
-    from flowrl.data import Sequences
+    from flowrl.contract.data import Sequences
     from flowrl.specs import AlgoConfig
 
     index = torch.tensor([0, 0, 1, 1, 2, 2])
@@ -61,7 +61,7 @@ class Crash(Exception):
 
 @pytest.mark.slow
 def test_graph_state_is_updated_checkpointed_and_resumed_exactly(tmp_path):
-    from flowrl.planner.plan import load_plan
+    from flowrl.contract.plan import load_plan
     from flowrl.runtime.executor import run_dir
 
     over = [*TINY, "rollout.samples_per_prompt=2", "save_every=2", "steps=5"]
@@ -152,7 +152,7 @@ def test_an_in_file_function_with_a_builtin_name_shadows_it_in_that_graph(tmp_pa
 
 
 def test_episodes_train_only_the_model_tokens(tmp_path):
-    from flowrl.data import Prompt
+    from flowrl.contract.data import Prompt
     from flowrl.runtime.episodes import Episodes
     from flowrl.tasks.builtin import Calc
     from flowrl.tasks.environments import calculator
@@ -163,7 +163,7 @@ def test_episodes_train_only_the_model_tokens(tmp_path):
             self.tok = tok
 
         def _rollout(self, prompt_ids, index, tokens):
-            from flowrl.data import Rollout, Sequences
+            from flowrl.contract.data import Rollout, Sequences
             from flowrl.runtime.batch import padded_rows
 
             p, pm, r, rm = padded_rows(prompt_ids, tokens, 0)

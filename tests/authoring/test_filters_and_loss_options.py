@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flowrl import api
-from flowrl.data import Prompt, Sequences
+from flowrl.contract.data import Prompt, Sequences
 from flowrl.errors import FlowRLError, PlanError
 from flowrl.graph.ir import Filter, Graph
 from flowrl.runtime.rollout import _take_groups

@@ -189,7 +189,7 @@ def test_two_policies_get_their_own_generation_layouts_and_syncs():
 @pytest.mark.slow
 def test_the_planner_costs_dynamic_sampling_rounds_from_the_acceptance_rate(tmp_path):
     from flowrl.cli import main
-    from flowrl.planner.plan import load_plan
+    from flowrl.contract.plan import load_plan
 
     rollout = {}
     for rate in (1.0, 0.5, 0.1):

@@ -12,10 +12,10 @@ import torch
 
 from flowrl import api
 from flowrl.backends.local import engine as local_engine
-from flowrl.data import Sequences
+from flowrl.contract.data import Sequences
+from flowrl.contract.protocols import TrainStep
 from flowrl.plugins.manager import registry
 from flowrl.runtime.executor import PlanExecutor
-from flowrl.runtime.protocols import TrainStep
 
 ROWS, PROMPT, RESPONSE = 8, 24, 1000
 

@@ -15,12 +15,12 @@ from flowrl import api
 from flowrl.backends.local.engine import training_engine
 from flowrl.backends.local.models import apply_numerics
 from flowrl.cli import main
+from flowrl.contract.protocols import EngineContext, TrainStep
+from flowrl.contract.resolved import ModelRun
 from flowrl.graph.ir import ModelDecl
-from flowrl.planner.plan import ModelRun
 from flowrl.plugins.manager import registry
 from flowrl.runtime.dispatch import padding
 from flowrl.runtime.executor import PlanExecutor
-from flowrl.runtime.protocols import EngineContext, TrainStep
 from flowrl.tasks.builtin import Copy
 
 SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "task=copy"]

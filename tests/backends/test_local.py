@@ -10,12 +10,12 @@ import torch
 from flowrl import api
 from flowrl.backends.local.generation import sample, top_p_filter
 from flowrl.backends.local.models import build_causal_lm, load_tokenizer, model_config
-from flowrl.data import Prompt, Rollout
+from flowrl.contract.data import Prompt, Rollout
+from flowrl.contract.protocols import GenerationEngine, TrainingEngine, TrainStep
 from flowrl.errors import ConfigError
 from flowrl.plugins.manager import registry
 from flowrl.runtime.batch import pack_left, select_rows
 from flowrl.runtime.executor import PlanExecutor
-from flowrl.runtime.protocols import GenerationEngine, TrainingEngine, TrainStep
 from flowrl.specs import AlgoConfig, TinyModelConfig
 
 SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "task=copy"]

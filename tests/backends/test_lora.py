@@ -12,10 +12,10 @@ import torch
 
 from flowrl import api
 from flowrl.backends.local.models import ADAPTER_FILE, build_causal_lm, load_tokenizer, model_config
+from flowrl.contract.protocols import TrainStep
 from flowrl.errors import BackendError
 from flowrl.plugins.manager import registry
 from flowrl.runtime.executor import PlanExecutor
-from flowrl.runtime.protocols import TrainStep
 from flowrl.specs import TinyModelConfig
 from flowrl.tasks.builtin import Copy
 

@@ -16,9 +16,9 @@ import torch
 from flowrl import api
 from flowrl.algorithms import losses
 from flowrl.algorithms.ops import LOSSES, gspo_loss
+from flowrl.contract.protocols import TrainStep
 from flowrl.plugins.manager import registry
 from flowrl.runtime.executor import PlanExecutor
-from flowrl.runtime.protocols import TrainStep
 from flowrl.specs import AlgoConfig, loss_unit
 from flowrl.tasks.builtin import Copy
 from flowrl_example import sequence_pg_loss
@@ -134,7 +134,7 @@ def test_dr_grpo_aggregation_is_the_mean_over_rows_of_token_sums_over_the_consta
 def test_gspo_clipfrac_counts_only_what_clipping_changed():
     """A batch where no ratio leaves [1 - clip_low, 1 + clip_high] clips nothing; a ratio past 1 + clip_high
     with a negative advantage is not clipped either (the unclipped term is the larger)."""
-    from flowrl.data import StepBatch
+    from flowrl.contract.data import StepBatch
 
     seqs_mask = torch.ones(4, 3)
     algo = AlgoConfig(clip_low=0.2, clip_high=0.28)
@@ -147,7 +147,7 @@ def test_gspo_clipfrac_counts_only_what_clipping_changed():
 
 
 def _seqs(mask):
-    from flowrl.data import Sequences
+    from flowrl.contract.data import Sequences
 
     rows = mask.shape[0]
     return Sequences(

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from flowrl import api
+from flowrl.contract.protocols import TrainStep
 from flowrl.errors import ConfigError
 from flowrl.planner.hardware import HARDWARE_PRESETS
 from flowrl.planner.passes import resolve_numerics
 from flowrl.plugins.manager import registry
 from flowrl.runtime.executor import PlanExecutor
-from flowrl.runtime.protocols import TrainStep
 from flowrl.specs import TrainConfig
 from flowrl.tasks.builtin import Copy
 

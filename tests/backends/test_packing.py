@@ -15,10 +15,10 @@ from flowrl import api
 from flowrl.algorithms.ops import LOSSES
 from flowrl.backends.local.models import apply_numerics
 from flowrl.backends.local.packing import pack
+from flowrl.contract.protocols import TrainStep
 from flowrl.plugins.manager import registry
 from flowrl.runtime.dispatch import micro_batches, padding
 from flowrl.runtime.executor import PlanExecutor
-from flowrl.runtime.protocols import TrainStep
 from flowrl.tasks.builtin import Copy
 
 ROWS = 9

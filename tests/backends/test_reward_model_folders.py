@@ -25,11 +25,11 @@ from flowrl.backends.local.models import (
     scalar_checkpoint,
 )
 from flowrl.cli import main
-from flowrl.data import Prompt
+from flowrl.contract.data import Prompt
+from flowrl.contract.protocols import EngineContext
+from flowrl.contract.resolved import ModelRun
 from flowrl.errors import BackendError
 from flowrl.graph.ir import ModelDecl
-from flowrl.planner.plan import ModelRun
-from flowrl.runtime.protocols import EngineContext
 from flowrl.specs import TinyModelConfig
 from flowrl.tasks.tokenizer import CHARS, build_tokenizer
 

@@ -22,7 +22,9 @@ def test_lora_over_a_fresh_tiny_model_is_warned_about_naming_the_model_and_the_w
 
 def test_full_training_and_lora_over_a_checkpoint_are_not_warned_about(tmp_path):
     assert lora_on_fresh_weights(_plan()) == []
-    base = api.run(*api.plan("graphs/grpo.py", overrides=[*SMALL_RUN, "steps=1", f"out={tmp_path}"], emit=lambda s: None))
+    base = api.run(
+        *api.plan("graphs/grpo.py", overrides=[*SMALL_RUN, "steps=1", f"out={tmp_path}"], emit=lambda s: None)
+    )
     folder = base.checkpoints["actor"]
     assert lora_on_fresh_weights(_plan("train.lora.rank=8", f"model={folder}")) == []
 

@@ -12,8 +12,8 @@ import pytest
 from helpers import SMALL_RUN, run_cli
 
 from flowrl import api
+from flowrl.contract.plan import ExecutionPlan, dump_plan, load_plan
 from flowrl.errors import ConfigError
-from flowrl.planner.plan import ExecutionPlan, dump_plan, load_plan
 
 DATA = Path(__file__).parent / "data"
 #: written by flowrl before `backend` became `executor` (v1: the commit before the rename; v0: before

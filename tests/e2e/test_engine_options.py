@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from flowrl import api
-from flowrl.planner.plan import load_plan
+from flowrl.contract.plan import load_plan
 from flowrl.runtime.executor import run_dir
 
 pytestmark = pytest.mark.slow

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from flowrl import cli
+from flowrl.contract.plan import dump_plan, load_plan
 from flowrl.errors import ConfigError
 from flowrl.planner.calibrate import fit, read_runs, scaled, sync_names, with_values
 from flowrl.planner.hardware import (
@@ -34,7 +35,6 @@ from flowrl.planner.hardware import (
     save_hardware,
     with_calibration,
 )
-from flowrl.planner.plan import dump_plan, load_plan
 from flowrl.planner.traces import read_run, steady
 from flowrl.planner.workload import Fixed, Histogram, LogNormal, mean_length
 from flowrl.plugins.manager import registry
@@ -161,7 +161,7 @@ def test_runs_of_two_clusters_are_refused(runs, tmp_path):
     other.mkdir()
     for name in ("trace.json", "metrics.jsonl"):
         (other / name).write_text((runs["a"] / name).read_text())
-    from flowrl.planner.plan import dump_plan, load_plan
+    from flowrl.contract.plan import dump_plan, load_plan
 
     plan = load_plan(runs["a"] / "plan.yaml")
     hw = msgspec.structs.replace(plan.target.cluster.hardware, name="someone-elses-gpu")

@@ -10,12 +10,12 @@ import pytest
 
 from flowrl import api
 from flowrl.cli import main
+from flowrl.contract.plan import ClusterTarget, dump_plan, load_plan
 from flowrl.errors import PlanError, PluginError
 from flowrl.planner.cost import CostModel
 from flowrl.planner.hardware import HardwareSpec, parse_cluster
 from flowrl.planner.modelspec import MODEL_PRESETS
 from flowrl.planner.passes import PIPELINE, PassResults
-from flowrl.planner.plan import ClusterTarget, dump_plan, load_plan
 from flowrl.planner.simulate import timeline_json
 from flowrl.planner.space import RolloutPolicy
 from flowrl.planner.workload import LogNormal, WorkloadSpec

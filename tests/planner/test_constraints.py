@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from flowrl.cli import main
-from flowrl.planner.plan import load_plan
+from flowrl.contract.plan import load_plan
 
 CLUSTER = ["--cluster", "16xA100-80G", "--model", "llama-7b", "--budget", "2"]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flowrl import api
-from flowrl.data import Sequences
+from flowrl.contract.data import Sequences
 from flowrl.planner import memory as mem
 from flowrl.planner.passes import PassResults
 from flowrl.plugins.manager import registry
@@ -323,7 +323,7 @@ def test_a_plan_file_written_before_gather_whole_loads_with_its_id(tmp_path, mon
     import json
     import zlib
 
-    from flowrl.planner.plan import load_plan
+    from flowrl.contract.plan import load_plan
 
     monkeypatch.setenv("FLOWRL_PLUGINS", "")
     raw = zlib.decompress(base64.b64decode("".join(OLD_PLAN)))

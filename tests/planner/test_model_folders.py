@@ -115,7 +115,7 @@ def test_run_flags_take_name_equals_folder_and_keep_the_planner_meaning_otherwis
     out = tmp_path / "plan.yaml"
     argv = ["plan", "graphs/ppo_rm.py", *(x for s in SMALL for x in ("--set", s)), "--out", str(out)]
     assert main([*argv, "--model", f"actor={dirs['a']},reward={dirs['rm']}"]) == 0, capsys.readouterr().err
-    from flowrl.planner.plan import load_plan
+    from flowrl.contract.plan import load_plan
 
     plan = load_plan(out)
     assert plan.config.model == f"actor={dirs['a'].resolve()},reward={dirs['rm'].resolve()}"

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from flowrl import api
+from flowrl.contract.plan import ExecutionPlan, dump_plan, encode_plan, load_plan
 from flowrl.errors import ConfigError
-from flowrl.planner.plan import ExecutionPlan, dump_plan, encode_plan, load_plan
 from flowrl.plugins.manager import load_plugins
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from flowrl.cli import main
+from flowrl.contract.plan import load_plan
 from flowrl.errors import ConfigError
 from flowrl.planner.modelspec import MODEL_PRESETS, load_model_specs, role_models
-from flowrl.planner.plan import load_plan
 
 PLAN = ["plan", "graphs/ppo_rm.py", "--cluster", "16xH100-80G", "--budget", "2"]
 ROLES = {"actor": "actor", "critic": "critic", "ref": "reference", "rm": "reward"}

@@ -27,13 +27,13 @@ import pytest
 
 from flowrl import api
 from flowrl.cli import main
+from flowrl.contract.plan import ExecutionPlan, dump_plan, encode_plan, load_plan
 from flowrl.planner import autotune
 from flowrl.planner.autotune import Tuner
 from flowrl.planner.cost import CostModel
 from flowrl.planner.hardware import HARDWARE_PRESETS, parse_cluster
 from flowrl.planner.memory import Numerics
 from flowrl.planner.modelspec import MODEL_PRESETS
-from flowrl.planner.plan import ExecutionPlan, dump_plan, encode_plan, load_plan
 from flowrl.planner.simulate import Generator
 from flowrl.planner.space import (
     ClusterPlan,

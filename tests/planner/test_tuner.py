@@ -26,16 +26,16 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from flowrl import api
+from flowrl.contract.capabilities import Capabilities, of_config, unsupported
+from flowrl.contract.plan import ClusterTarget, ExecutionPlan
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Graph
 from flowrl.planner import autotune
 from flowrl.planner import memory as mem
 from flowrl.planner.autotune import FINAL, Tuner, TuneResult, explain, roles_of
-from flowrl.planner.capabilities import Capabilities, of_config, unsupported
 from flowrl.planner.hardware import HARDWARE_PRESETS, ClusterSpec, parse_cluster
 from flowrl.planner.modelspec import MODEL_PRESETS, ModelSpec
 from flowrl.planner.passes import PIPELINE, PassResults, colocated, engine_memory, verify_plan
-from flowrl.planner.plan import ClusterTarget, ExecutionPlan
 from flowrl.planner.space import ClusterPlan, ModelLayout, layouts, skeletons
 from flowrl.planner.workload import Fixed, LogNormal, WorkloadSpec
 

@@ -11,8 +11,8 @@ import msgspec
 import pytest
 
 from flowrl import api
+from flowrl.contract.capabilities import Capabilities, EngineCapabilities, compose, of_config
 from flowrl.errors import PlanError
-from flowrl.planner.capabilities import Capabilities, EngineCapabilities, compose, of_config
 from flowrl.planner.constraints import parse_requirements
 from flowrl.plugins.hookspecs import hookimpl
 from flowrl.plugins.manager import load_plugins

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from flowrl.contract.capabilities import Capabilities, EngineCapabilities, compose, for_run
 from flowrl.errors import PluginError
-from flowrl.planner.capabilities import Capabilities, EngineCapabilities, compose, for_run
 from flowrl.plugins.hookspecs import hookimpl
 from flowrl.plugins.manager import load_plugins
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from flowrl import api
-from flowrl.data import Prompt
+from flowrl.contract.data import Prompt
+from flowrl.contract.protocols import EngineContext, GenerationEngine
 from flowrl.plugins.manager import Registry, load_plugins
-from flowrl.runtime.protocols import EngineContext, GenerationEngine
 
 
 def _load_plugin() -> ModuleType:

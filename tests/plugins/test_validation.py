@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from flowrl.contract.capabilities import Capabilities
 from flowrl.errors import PluginError
-from flowrl.planner.capabilities import Capabilities
 from flowrl.planner.hardware import HARDWARE_PRESETS
 from flowrl.plugins.hookspecs import hookimpl
 from flowrl.plugins.kinds import KINDS

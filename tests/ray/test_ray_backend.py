@@ -16,10 +16,10 @@ import torch
 
 from flowrl import api
 from flowrl.algorithms.ops import LOSSES
+from flowrl.contract.protocols import TrainStep
 from flowrl.plugins.manager import registry
 from flowrl.runtime.executor import PlanExecutor
 from flowrl.runtime.groups import TrainingGroup
-from flowrl.runtime.protocols import TrainStep
 from flowrl.specs import loss_unit
 from flowrl.tasks.builtin import Copy
 from flowrl_example import sequence_pg_loss
@@ -200,7 +200,7 @@ def test_rollout_modes_overlap_generation_with_training_on_two_groups(tmp_path, 
 
 
 def test_a_resumed_fsdp2_run_restores_every_shard_and_equals_the_uninterrupted_run(tmp_path):
-    from flowrl.planner.plan import load_plan
+    from flowrl.contract.plan import load_plan
     from flowrl.runtime.executor import run_dir
 
     g, plan = cpu2_plan("grpo", tmp_path, "steps=4", "save_every=2", "checkpoint=true", placement="colocate")

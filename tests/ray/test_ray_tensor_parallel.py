@@ -16,11 +16,11 @@ import torch
 
 from flowrl import api
 from flowrl.algorithms.ops import LOSSES
+from flowrl.contract.protocols import TrainStep
 from flowrl.planner.constraints import parse_requirements
 from flowrl.plugins.manager import registry
 from flowrl.runtime.executor import PlanExecutor
 from flowrl.runtime.groups import GenerationGroup, TrainingGroup, publish
-from flowrl.runtime.protocols import TrainStep
 from flowrl.specs import loss_unit
 from flowrl.tasks.builtin import Copy
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from flowrl import api
-from flowrl.planner.plan import load_plan
+from flowrl.contract.plan import load_plan
 from flowrl.runtime.compute import on_compute_thread, serial_here, thread_count
 
 TINY = [

@@ -11,8 +11,8 @@ import pytest
 from helpers import write_jsonl
 
 from flowrl import api, cli
-from flowrl.data import Prompt
-from flowrl.planner.plan import load_plan
+from flowrl.contract.data import Prompt
+from flowrl.contract.plan import load_plan
 from flowrl.runtime.evaluate import Scored, pass_at_k, summarize
 from flowrl.runtime.executor import run_dir
 
@@ -137,7 +137,7 @@ def test_a_graph_file_registers_its_own_task(tmp_path, capsys):
         """
 import msgspec
 from flowrl import register
-from flowrl.data import Prompt
+from flowrl.contract import Prompt
 from flowrl.graphs.grpo import build
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flowrl import api
-from flowrl.data import EpisodeText, Prompt, Turn
+from flowrl.contract.data import EpisodeText, Prompt, Turn
 from flowrl.errors import GraphError
 from flowrl.planner.space import RolloutPolicy
 from flowrl.runtime.episodes import Episodes

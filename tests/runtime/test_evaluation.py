@@ -7,7 +7,7 @@ import pytest
 from helpers import write_jsonl
 
 from flowrl import api
-from flowrl.data import Prompt
+from flowrl.contract.data import Prompt
 from flowrl.runtime.evaluate import Scored, eval_prompts, summarize
 from flowrl.runtime.executor import run_dir
 from flowrl.specs import build_config

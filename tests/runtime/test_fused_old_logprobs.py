@@ -14,10 +14,10 @@ import pytest
 from safetensors.torch import load_file
 
 from flowrl import api
+from flowrl.contract.plan import load_plan
 from flowrl.errors import PlanError
 from flowrl.graph import Graph
 from flowrl.planner.passes import verify_plan
-from flowrl.planner.plan import load_plan
 from flowrl.runtime.schedule import lower
 
 TINY = [

@@ -1,4 +1,4 @@
-"""The one set of generation rules (flowrl/runtime/responses.py) on hand-built token rows: EOS in
+"""The one set of generation rules (flowrl/contract/responses.py) on hand-built token rows: EOS in
 the middle and at the budget, the budget, stop strings (within a chunk, across chunks, inside a
 multi-character token, not in text that was already there), special tokens in the text, the
 model's context end, and a response resumed in chunks ending exactly as one sampled at once."""
@@ -10,17 +10,8 @@ import copy
 import pytest
 import torch
 
-from flowrl.planner.plan import SamplingSpec
-from flowrl.runtime.responses import (
-    EOS,
-    LENGTH,
-    STOP,
-    Response,
-    ResponseRules,
-    prompt_rows,
-    responses_of,
-    to_rollout,
-)
+from flowrl.contract.resolved import SamplingSpec
+from flowrl.contract.responses import EOS, LENGTH, STOP, Response, ResponseRules, prompt_rows, responses_of, to_rollout
 from flowrl.tasks.tokenizer import build_tokenizer
 
 TOK = build_tokenizer()

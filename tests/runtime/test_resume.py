@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from flowrl import api
+from flowrl.contract.plan import load_plan
 from flowrl.errors import BackendError, ConfigError, FlowRLError, GraphError
-from flowrl.planner.plan import load_plan
 from flowrl.runtime import checkpoint
 from flowrl.runtime.executor import run_dir
 
@@ -109,7 +109,7 @@ def test_an_interrupted_checkpoint_write_leaves_the_previous_one_latest(tmp_path
 
 
 def test_the_tree_codec_round_trips_and_builds_only_known_types(tmp_path):
-    from flowrl.data import Prompt
+    from flowrl.contract.data import Prompt
 
     tree = {
         0: (torch.arange(3), [1.5, float("nan"), None, "x"]),

@@ -31,9 +31,9 @@ import pytest
 import flowrl.cli as cli_module
 from flowrl import api
 from flowrl.cli import main
+from flowrl.contract.plan import load_plan
 from flowrl.errors import GraphError
 from flowrl.graph import Graph
-from flowrl.planner.plan import load_plan
 from flowrl.runtime import checkpoint
 from flowrl.runtime.executor import run_dir
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from flowrl import api
 from flowrl.algorithms.losses import behaviour_weights
-from flowrl.data import Prompt, Rollout, Sequences
+from flowrl.contract.data import Prompt, Rollout, Sequences
 from flowrl.errors import ConfigError, PlanError
 from flowrl.planner.space import RolloutPolicy
 from flowrl.plugins.manager import registry

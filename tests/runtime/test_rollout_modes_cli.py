@@ -23,7 +23,7 @@ import yaml
 
 from flowrl import api
 from flowrl.cli import main
-from flowrl.data import Rollout, Sequences
+from flowrl.contract.data import Rollout, Sequences
 from flowrl.errors import ConfigError, PlanError
 from flowrl.planner.passes import PassResults
 from flowrl.planner.space import RolloutPolicy

@@ -21,16 +21,16 @@ import yaml
 
 from flowrl import api
 from flowrl.cli import main
-from flowrl.data import Rollout, Sequences
+from flowrl.contract.data import Rollout, Sequences
+from flowrl.contract.plan import ClusterTarget, dump_plan, load_plan
+from flowrl.contract.protocols import EngineContext
 from flowrl.errors import ConfigError, FlowRLError, GraphError, PlanError, PluginError
 from flowrl.graph import Graph
 from flowrl.planner.hardware import HARDWARE_PRESETS, parse_cluster, save_hardware
 from flowrl.planner.modelspec import load_model_spec
 from flowrl.planner.passes import verify_plan
-from flowrl.planner.plan import ClusterTarget, dump_plan, load_plan
 from flowrl.plugins.hookspecs import hookimpl
 from flowrl.plugins.manager import Registry, load_plugins, set_registry
-from flowrl.runtime.protocols import EngineContext
 
 TINY = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "progress=false", "checkpoint=false"]
 SHIPPED = ("grpo", "ppo", "ppo_rm", "remax", "rloo", "reinforce_pp")
@@ -741,7 +741,7 @@ def local_actor():
 
 @pytest.mark.slow
 def test_local_engine_resumes_unfinished_rows_to_the_same_result(local_actor):
-    from flowrl.data import Prompt
+    from flowrl.contract.data import Prompt
 
     prompts = [Prompt(text="ab>", answer="ab"), Prompt(text="dcba>", answer="dcba")]
 
@@ -798,7 +798,7 @@ def test_a_separate_local_generation_engine_tracks_the_trained_weights(tmp_path)
 def test_the_runtime_boundary_and_capabilities_import_no_torch_or_backend():
     code = (
         "import sys\n"
-        "import flowrl.runtime.protocols, flowrl.planner.capabilities, flowrl.planner.memory, flowrl.planner.passes\n"
+        "import flowrl.contract, flowrl.planner.memory, flowrl.planner.passes\n"
         "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('flowrl.backends', 'transformers'))]\n"
         "assert not bad, bad\n"
     )

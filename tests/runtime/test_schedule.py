@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from flowrl import api
-from flowrl.data import Sequences
+from flowrl.contract.capabilities import Capabilities
+from flowrl.contract.data import Sequences
+from flowrl.contract.plan import ClusterTarget
 from flowrl.errors import PlanError
-from flowrl.planner.capabilities import Capabilities
 from flowrl.planner.hardware import HARDWARE_PRESETS, cpu_cluster
-from flowrl.planner.plan import ClusterTarget
 from flowrl.runtime import dispatch
 from flowrl.runtime.schedule import lower
 
@@ -83,7 +83,7 @@ def test_shards_rank_rows_and_micro_batches():
 
 
 def _rows(lengths: list[int], prompt: int = 2):
-    from flowrl.data import Sequences
+    from flowrl.contract.data import Sequences
 
     width = max(lengths)
     mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).float()

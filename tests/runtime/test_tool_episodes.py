@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flowrl import api
-from flowrl.data import EpisodeText, Prompt, ToolCall, Turn
+from flowrl.contract.data import EpisodeText, Prompt, ToolCall, Turn
 from flowrl.errors import ConfigError
 from flowrl.tasks import tools
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from flowrl.algorithms.ops import code_reward
-from flowrl.data import Prompt
+from flowrl.contract.data import Prompt
 from flowrl.tasks.sandbox import Limits, code_of, run_tests
 
 LIMITS = Limits(wall_s=3, cpu_s=2)

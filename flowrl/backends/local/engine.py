@@ -164,7 +164,7 @@ class LocalModel(Training, Weights):
         temperature: float | None = None,
     ) -> Rollout:
         """Sample the unfinished rows on, each within its own budget, and end them by the rules of
-        `flowrl.runtime.responses` (EOS, stop strings, budget, the model's context)."""
+        `flowrl.contract.responses` (EOS, stop strings, budget, the model's context)."""
         if self.decl.scalar_head:
             raise BackendError(f"model '{self.decl.name}' has a scalar head and cannot generate.")
         rules, roll = self.rules, self.sampling

@@ -5,7 +5,7 @@ top-p truncation: the same distribution the training forward computes, so PPO's 
 at the first step (tests bound the difference).
 
 This only samples (a row leaves the batch at EOS, to save work); where a response ends, whether
-it is finished and its text are decided by `flowrl.runtime.responses`, as for every engine.
+it is finished and its text are decided by `flowrl.contract.responses`, as for every engine.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ both engines learn and their final rewards agree within a bound derived from the
 spread (`agreement`: three standard errors of a difference of means). The spread is the larger of
 what the two seeds show and what six more seeds per engine showed at this length (local 0.159 +-
 0.020, vLLM 0.147 +- 0.017). Both engines end responses and decode them by one set of rules
-(flowrl/runtime/responses.py). Skipped where vLLM is not installed."""
+(flowrl/contract/responses.py). Skipped where vLLM is not installed."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ MODELS = {  # the default tiny model: 2 heads sharing one key/value head (each r
 
 def _engine(graph, plan, **dist):
     from flowrl.backends.local.engine import training_engine
-    from flowrl.runtime.protocols import EngineContext
+    from flowrl.contract.protocols import EngineContext
 
     run = plan.model_run("actor")
     torch.manual_seed(run.seed)
@@ -42,7 +42,7 @@ def _engine(graph, plan, **dist):
 
 def _step(plan, micro):
     from flowrl.algorithms.ops import LOSSES
-    from flowrl.runtime.protocols import TrainStep
+    from flowrl.contract.protocols import TrainStep
     from flowrl.specs import loss_unit
 
     fn, meta = LOSSES["ppo"]
@@ -84,7 +84,7 @@ def compare(rank: int, model: str, world: int) -> dict:
 
     from flowrl import api
     from flowrl.backends.local.engine import generation_engine
-    from flowrl.runtime.protocols import EngineContext
+    from flowrl.contract.protocols import EngineContext
     from flowrl.tasks.builtin import Copy
 
     graph, plan = api.plan("grpo", overrides=[*OVERRIDES, *MODELS[world][model]], emit=lambda s: None)

@@ -86,9 +86,9 @@ WORKER = textwrap.dedent(
         torch.set_num_threads(1)
         from flowrl.backends.local.factories import local_model, training_engine
         from flowrl.backends.local.models import build_causal_lm, load_tokenizer, model_config
-        from flowrl.data import Sequences
+        from flowrl.contract.data import Sequences
         from flowrl.runtime.batch import StepBatch
-        from flowrl.runtime.protocols import EngineContext, TrainStep
+        from flowrl.contract.protocols import EngineContext, TrainStep
         from flowrl.specs import AlgoConfig
 
         cases = pickle.load(open(sys.argv[1], "rb"))

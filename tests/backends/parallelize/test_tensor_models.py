@@ -31,7 +31,7 @@ _SPLITS = textwrap.dedent(
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     from flowrl import api
     from flowrl.backends.local.engine import training_engine
-    from flowrl.runtime.protocols import EngineContext
+    from flowrl.contract.protocols import EngineContext
     from flowrl.tasks.builtin import Copy
 
     OV = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "progress=false", "checkpoint=false",

@@ -8,10 +8,10 @@ from typing import Any
 import msgspec
 
 from flowrl import api
+from flowrl.contract.plan import ExecutionPlan
 from flowrl.graph import Graph
 from flowrl.planner import memory as mem
 from flowrl.planner.manager import initial_plan
-from flowrl.planner.plan import ExecutionPlan
 from flowrl.plugins.manager import Registry
 from flowrl.specs import RunConfig
 

@@ -13,11 +13,11 @@ import yaml
 from pass_helpers import QUIET, SMALL, local_plan, plan
 
 from flowrl import api
+from flowrl.contract.plan import ExecutionPlan
 from flowrl.errors import PlanError, PluginError, TaskError
 from flowrl.graph import Graph
 from flowrl.planner.manager import run_passes
 from flowrl.planner.passes import PIPELINE, verify_plan
-from flowrl.planner.plan import ExecutionPlan
 from flowrl.plugins.hookspecs import hookimpl
 from flowrl.plugins.manager import Registry, load_plugins
 

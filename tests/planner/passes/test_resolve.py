@@ -13,11 +13,11 @@ import pytest
 from pass_helpers import QUIET, SMALL, local_plan, plan
 
 from flowrl import api
+from flowrl.contract.plan import ExecutionPlan
 from flowrl.errors import ConfigError, FlowRLError, GraphError, PlanError, TaskError
 from flowrl.graph import Graph
 from flowrl.planner.manager import run_passes
 from flowrl.planner.passes import PIPELINE
-from flowrl.planner.plan import ExecutionPlan
 from flowrl.planner.workload import Fixed, WorkloadSpec
 from flowrl.plugins.manager import Registry
 from flowrl.specs import RunConfig, build_config

@@ -10,9 +10,9 @@ import msgspec
 import pytest
 from pass_helpers import plan
 
+from flowrl.contract.plan import ExecutionPlan
 from flowrl.errors import PlanError
 from flowrl.planner.passes import verify_plan
-from flowrl.planner.plan import ExecutionPlan
 from flowrl.planner.space import DeviceGroup, GenerationLayout, Parallel
 from flowrl.plugins.manager import Registry
 
