@@ -335,6 +335,10 @@ class Graph:
         self.models: dict[str, ModelDecl] = {}
         self.nodes: dict[str, Node] = {}
         self.states: dict[str, StateDecl] = {}
+        # set by the loader for a graph built from a file: (the file as a plugin, what it registers as
+        # (kind, name, fn, meta)); a run puts them back in its registry (`Registry.claim`), so another
+        # graph file loaded since never stands in for this graph's own functions
+        self.file_functions: tuple[str, tuple[tuple[str, str, Any, dict[str, Any]], ...]] | None = None
 
     # ---------------------------------------------------------------- authoring
     def model(

@@ -24,6 +24,8 @@ class GraphSource:
     source: str  # what the user passed (a path, or an algorithm name)
     build: Callable[[Any], Graph]
     defaults: dict[str, Any]
+    # a graph file's own functions: (the file as a plugin, (kind, name, fn, meta) per function); None: a name
+    file_functions: tuple[str, tuple[tuple[str, str, Any, dict[str, Any]], ...]] | None = None
 
 
 class _ImportTimeout(BaseException):
@@ -109,6 +111,7 @@ def _import_file(path: Path, registry: Any = None) -> ModuleType:
         _pickle_by_value(module)
     if registry is not None:
         _register_own(registry, path, registered)
+    module.__dict__["__flowrl_registered__"] = (f"graph file {path}", tuple(registered))
     return module
 
 
@@ -160,6 +163,7 @@ def find_graph(source: str, algorithms: Mapping[str, Callable[[Any], Graph]], re
         if not callable(build):
             raise GraphError(f"graph file '{source}' has no build(cfg) function returning a Graph.")
         defaults = getattr(module, "DEFAULTS", {})
+        file_functions = module.__dict__["__flowrl_registered__"]
     else:
         if source not in algorithms:
             raise GraphError(
@@ -167,10 +171,13 @@ def find_graph(source: str, algorithms: Mapping[str, Callable[[Any], Graph]], re
                 f"{', '.join(sorted(algorithms))}; or pass a graph file (e.g. graphs/grpo.py)."
             )
         build = algorithms[source]
+        file_functions = None
+        if registry is not None:  # a registered algorithm sees the built-ins a graph file loaded before shadowed
+            registry.release("")
         defaults = getattr(sys.modules.get(getattr(build, "__module__", "")), "DEFAULTS", {})
     if not isinstance(defaults, dict):
         raise GraphError(f"graph '{source}': DEFAULTS must be a dict of config overrides.")
-    return GraphSource(source=source, build=build, defaults=defaults)
+    return GraphSource(source=source, build=build, defaults=defaults, file_functions=file_functions)
 
 
 def build_graph(src: GraphSource, cfg: Any) -> Graph:
@@ -188,4 +195,5 @@ def build_graph(src: GraphSource, cfg: Any) -> Graph:
         raise GraphError(f"graph '{src.source}': build(cfg) raised {type(exc).__name__}: {exc}") from None
     if not isinstance(graph, Graph):
         raise GraphError(f"graph '{src.source}': build(cfg) returned {type(graph).__name__}, not a flowrl Graph.")
+    graph.file_functions = src.file_functions
     return graph.verify()

@@ -120,6 +120,14 @@ class Registry:
                 self._items[kind][name] = builtin
                 del self._shadowed[(kind, name)]
 
+    def claim(self, graph_file: str, registered: Iterable[tuple[str, str, Any, dict[str, Any]]]) -> None:
+        """Put graph file ``graph_file``'s own functions (``(kind, name, fn, meta)``, as it registered them)
+        back in force, silently: a run of its graph uses them even when another graph file was loaded after
+        it (which gave back the built-ins it shadowed, or shadowed them with its own)."""
+        self.release(graph_file)
+        for kind, name, obj, meta in registered:
+            self.add_own(kind, graph_file, name, obj, **meta)
+
     def singular(self, kind: str) -> str:
         """How messages name one entry of ``kind`` ("loss", "compute function")."""
         return SINGULAR[canonical(kind)]

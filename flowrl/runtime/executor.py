@@ -76,8 +76,14 @@ class PlanExecutor:
         """The device models are placed on (backends override)."""
         return plan.config.device
 
+    def _claim(self, graph: Graph) -> None:
+        """A graph from a file runs its own functions, whichever graph file was loaded since; any other graph
+        runs the built-ins' and plugins' (none a graph file shadows)."""
+        self.registry.claim(*(graph.file_functions or ("", ())))
+
     def check(self, graph: Graph, plan: ExecutionPlan) -> None:
         """Refuse, naming the feature, what this executor cannot run; builds nothing."""
+        self._claim(graph)
         if plan.graph.fingerprint != graph.fingerprint():
             raise PlanError(
                 f"the plan was made for graph '{plan.graph.name}' {plan.graph.fingerprint}, but "
@@ -189,6 +195,7 @@ class PlanExecutor:
         from flowrl.runtime import runstate
         from flowrl.runtime.compute import serial_here
 
+        self._claim(graph)
         cfg = plan.config
         stop = _StopRequest(cfg.checkpoint)
         # the engines compute on the compute thread; this thread only routes (flowrl.runtime.compute)

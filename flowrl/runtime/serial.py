@@ -57,6 +57,7 @@ def run_serial(
 
     reg, cfg = registry or default_registry(), plan.config
     _refuse_what_it_does_not_run(graph, plan)
+    reg.claim(*(graph.file_functions or ("", ())))  # a graph file's own functions, whichever file was loaded since
     torch.manual_seed(cfg.seed)
     trainers = _training_engines(graph, plan, reg)
     # 7. weight sync: a model generates with its training engine itself, so a train step's weights are the
