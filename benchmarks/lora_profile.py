@@ -17,9 +17,10 @@ Variants (``--variants``): ``full``; ``lora`` (rank 16 on every projection, as t
 keeps their bfloat16 casts for the whole generation instead of casting every weight at every
 decode step -- torch caches an autocast cast only for a leaf that requires grad); ``lora-merged``
 (lora, sampling with the adapters merged into a bfloat16 copy of the weights, no LoRA matmuls while
-decoding). Each variant runs in its own process (``--one``), one after another, and reports its
-peak RSS; the last line is JSON with the per-phase medians (seconds) and each variant's ratio to
-``full``.
+decoding); ``lora-bf16`` (lora, the adapted layers' frozen base weights stored in bfloat16, which
+is what autocast computes them in anyway: no per-pass casts in any phase, same logits). Each variant
+runs in its own process (``--one``), one after another, and reports its peak RSS; the last line
+is JSON with the per-phase medians (wall and CPU seconds) and each variant's ratio to ``full``.
 
     python benchmarks/lora_profile.py                       # 8 x 4 x 48, 2 timed steps each
     python benchmarks/lora_profile.py --reps 3 --variants full,lora
@@ -71,6 +72,12 @@ def one(args: argparse.Namespace) -> dict:
     if lora:
         add_lora(model, LoraConfig(rank=args.rank, alpha=args.alpha), args.seed, "actor")
         reference = None
+        if variant == "lora-bf16":  # the frozen base in the precision autocast computes it in: no casts, less memory
+            from peft.tuners.lora import Linear as LoraLinear
+
+            for layer in model.modules():
+                if isinstance(layer, LoraLinear):
+                    layer.base_layer.to(torch.bfloat16)
     else:
         model.requires_grad_(True)
         import copy
