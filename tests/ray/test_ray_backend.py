@@ -253,3 +253,37 @@ def build(cfg):
     assert [m["step"] for m in result.metrics] == [0, 1]
     for m in result.metrics:
         assert 1 <= m["keep/rounds"] <= 2 and m["train_actor/tokens"] > 0
+
+
+def test_a_graph_files_own_loss_under_a_builtins_name_runs_on_ray_after_another_graph_was_planned(tmp_path):
+    """A graph file's `sft` shadows the built-in inside its graph on Ray too, and keeps doing so when a
+    graph of the built-ins was planned after it in the same process (the run claims the file's functions
+    back)."""
+    src = tmp_path / "old_sft.py"
+    src.write_text(
+        """
+from flowrl import register
+from flowrl.contract import sequences_in
+from flowrl.graph import Graph
+
+
+@register.loss("sft", needs=())
+def sft(logprobs, batch, algo):
+    mask = sequences_in(batch, "sft").sampled_mask
+    return -(logprobs * mask).sum() / mask.sum(), {"own_sft": 1.0}
+
+
+def build(cfg):
+    g = Graph("old_sft")
+    g.model("actor", "actor")
+    g.generate("rollout", model="actor", reads="prompts", writes="responses", n=2)
+    g.train("train_actor", model="actor", loss="sft", reads="responses")
+    return g
+"""
+    )
+    plain = tmp_path / "plain_sft.py"  # the same graph on the built-in sft
+    plain.write_text(src.read_text().split("@register")[0] + "def build" + src.read_text().split("def build")[1])
+    g, plan = cpu2_plan(str(src), tmp_path, "steps=1")
+    cpu2_plan(str(plain), tmp_path / "plain", "steps=1")  # loading it gives the built-in back, for its graph
+    result = api.run(g, plan)
+    assert result.metrics[0]["train_actor/own_sft"] == 1.0
