@@ -72,7 +72,7 @@ def test_the_planner_and_the_schedule_agree_on_sampling_in_place(ray_plugin, dev
 
 
 def test_the_engine_refuses_a_tp_that_does_not_divide_the_mlp_width_naming_the_model():
-    from flowrl.backends.local.tensor_parallel import check_splits
+    from flowrl.backends.local.parallelize.tensor import check_splits
     from flowrl.errors import BackendError
 
     config = SimpleNamespace(num_attention_heads=2, num_key_value_heads=1, intermediate_size=129)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from flowrl.backends.local.tensor_parallel import token_logprobs
+from flowrl.backends.local.parallelize.tensor import token_logprobs
 from flowrl.contract.data import Sequences
 
 
