@@ -145,3 +145,130 @@ def test_the_plan_prices_the_adapters_and_a_base_held_once():
     full, lora = states(), states("train.lora.rank=4")
     assert lora["model actor (weights+grads+optimizer)"] < full["model actor (weights+grads+optimizer)"]
     assert full["model ref (weights)"] > 0 and lora["model ref (the base of actor's LoRA: its weights)"] == 0
+
+
+# --------------------------------------------------------- computing in bfloat16 (autocast, one process)
+@pytest.fixture(scope="module")
+def lora_bf16():
+    return engines("train.lora.rank=4", "train.lora.alpha=8", "train.dtype=bfloat16")
+
+
+def _old_path(actor, prompts, greedy: bool, seed: int):
+    """What generation sampled before the merged copy: the adapted module itself under autocast."""
+    from flowrl.backends.local.generation import sample
+
+    enc = actor.tokenizer([p.text for p in prompts], return_tensors="pt", padding=True)
+    with actor._compute():
+        tokens, logprobs, alive = sample(
+            actor.module, enc["input_ids"], enc["attention_mask"], max_new_tokens=6,
+            eos_id=actor.tokenizer.eos_token_id, pad_id=actor.tokenizer.pad_token_id, greedy=greedy,
+            ignore_eos=True, generator=torch.Generator().manual_seed(seed),
+        )  # fmt: skip
+    return tokens, logprobs
+
+
+def _new_path(actor, prompts, greedy: bool, seed: int):
+    r = actor.generate(prompts, n=1, greedy=greedy, generator=torch.Generator().manual_seed(seed), max_new_tokens=6)
+    width = r.sequences.response_ids.shape[1]
+    return r.sequences.response_ids, r.logprobs[:, :width]
+
+
+def _ignoring_eos(plan, actor):
+    import msgspec
+
+    actor.sampling = msgspec.structs.replace(actor.sampling, ignore_eos=True)
+    actor.rules = type(actor.rules).of(actor.tokenizer, actor.sampling)
+    return actor
+
+
+def test_a_bfloat16_lora_model_stores_its_frozen_base_in_bfloat16_and_exports_float32(lora_bf16):
+    plan, trainers = lora_bf16
+    actor = trainers["actor"]
+    assert actor.autocast and plan.models["actor"].numerics.dtype == "bfloat16"
+    dtypes = {n: p.dtype for n, p in actor.module.named_parameters()}
+    assert {d for n, d in dtypes.items() if ".base_layer." in n} == {torch.bfloat16}
+    assert {d for n, d in dtypes.items() if ".base_layer." not in n} == {torch.float32}  # adapters, embeddings
+    assert {v.dtype for v in actor.export_weights().values()} == {torch.float32}
+    assert {v.dtype for v in trainers["ref"].export_weights().values()} == {torch.float32}
+    # the logits are those of the float32 base under autocast (which computes it in bfloat16)
+    plain = engines("train.lora.rank=4", "train.lora.alpha=8")[1]["actor"]
+    seqs = _batch(actor)["responses"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = plain._forward(seqs, "logprobs").float()
+    assert torch.equal(actor.forward(seqs, "logprobs", 0), want)
+
+
+def test_a_bfloat16_lora_model_samples_from_a_merged_copy_what_the_adapted_module_samples(lora_bf16):
+    plan, trainers = lora_bf16
+    actor = _ignoring_eos(plan, copy.deepcopy(trainers["actor"]))
+    prompts = Copy().prompts(random.Random(1), 4)
+    for greedy in (True, False):  # the adapters are zero at first: the merged copy computes the same logits
+        tokens, logprobs = _new_path(actor, prompts, greedy, 3)
+        old_tokens, old_logprobs = _old_path(actor, prompts, greedy, 3)
+        assert torch.equal(tokens, old_tokens) and torch.equal(logprobs, old_logprobs)
+    assert actor.merged is not None
+    assert {p.dtype for p in actor.merged.module.parameters()} >= {torch.bfloat16}
+    shared = {p.data_ptr() for p in actor.module.parameters()}
+    assert actor.merged.module.model.embed_tokens.weight.data_ptr() in shared  # not a second copy of it
+    assert trainers["ref"].merged is None
+
+
+def test_after_a_train_step_the_merged_copy_samples_the_new_weights(lora_bf16):
+    from flowrl.backends.local.generation import sample
+
+    plan, trainers = lora_bf16
+    actor = _ignoring_eos(plan, copy.deepcopy(trainers["actor"]))
+    prompts = Copy().prompts(random.Random(1), 4)
+    _new_path(actor, prompts, True, 0)  # the merged copy holds the untrained weights
+    _train(actor, plan, _batch(actor))
+    tokens, logprobs = _new_path(actor, prompts, False, 5)
+    # the merge done by hand: a plain model holding the exported weights, its linear layers in bfloat16
+    hand = build_causal_lm(None, actor.hf_config, 0)
+    hand.load_state_dict(actor.export_weights())
+    for m in hand.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.weight = torch.nn.Parameter(m.weight.detach().to(torch.bfloat16), requires_grad=False)
+    enc = actor.tokenizer([p.text for p in prompts], return_tensors="pt", padding=True)
+    with actor._compute():
+        want, want_lp, _ = sample(
+            hand.eval(), enc["input_ids"], enc["attention_mask"], max_new_tokens=6,
+            eos_id=actor.tokenizer.eos_token_id, pad_id=actor.tokenizer.pad_token_id,
+            ignore_eos=True, generator=torch.Generator().manual_seed(5),
+        )  # fmt: skip
+    assert torch.equal(tokens, want) and torch.equal(logprobs, want_lp)
+    # close to what the adapted module samples (the merged weights' rounding to bfloat16 apart)
+    greedy, greedy_lp = _new_path(actor, prompts, True, 0)
+    old_tokens, old_lp = _old_path(actor, prompts, True, 0)
+    assert torch.equal(greedy, old_tokens) and float((greedy_lp - old_lp).abs().max()) < 0.05
+
+
+def test_a_bfloat16_lora_checkpoint_is_float32_and_restores_exactly(lora_bf16, tmp_path):
+    plan, trainers = lora_bf16
+    actor = _ignoring_eos(plan, copy.deepcopy(trainers["actor"]))
+    prompts = Copy().prompts(random.Random(1), 4)
+    _train(actor, plan, _batch(actor))
+    actor.save_state(tmp_path / "actor")
+    tok = load_tokenizer(str(tmp_path / "actor"))
+    hf = build_causal_lm(str(tmp_path / "actor"), model_config(str(tmp_path / "actor"), TinyModelConfig(), tok), 0)
+    merged = actor.export_weights()
+    assert all(hf.state_dict()[k].dtype == torch.float32 and torch.equal(hf.state_dict()[k], merged[k]) for k in merged)
+    fresh = _ignoring_eos(plan, copy.deepcopy(trainers["actor"]))
+    fresh_before = _new_path(fresh, prompts, False, 2)  # its merged copy holds the untrained weights
+    assert fresh.load_state(tmp_path / "actor") == actor.version
+    mine, theirs = dict(actor.module.named_parameters()), dict(fresh.module.named_parameters())
+    assert all(torch.equal(mine[n], theirs[n]) for n in mine)
+    restored = _new_path(fresh, prompts, False, 2)  # merged again from the restored adapters
+    assert all(torch.equal(a, b) for a, b in zip(restored, _new_path(actor, prompts, False, 2)))
+    assert fresh_before[0].shape == restored[0].shape
+
+
+def test_a_float32_lora_model_samples_from_its_module_as_before(lora):
+    plan, trainers = lora
+    actor = _ignoring_eos(plan, copy.deepcopy(trainers["actor"]))
+    prompts = Copy().prompts(random.Random(1), 4)
+    for greedy in (True, False):
+        tokens, logprobs = _new_path(actor, prompts, greedy, 3)
+        old_tokens, old_logprobs = _old_path(actor, prompts, greedy, 3)
+        assert torch.equal(tokens, old_tokens) and torch.equal(logprobs, old_logprobs)
+    assert actor.merged is None and not actor.autocast
+    assert {p.dtype for p in actor.module.parameters()} == {torch.float32}

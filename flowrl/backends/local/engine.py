@@ -15,12 +15,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from flowrl.backends.local.generation import last_logits_only, sample
 from flowrl.backends.local.models import adapters_off, merge_lora
 from flowrl.backends.local.packing import pack, response_logprobs, response_values
 from flowrl.backends.local.parallelize import Parallelized, precision
+from flowrl.backends.local.parallelize.lora import MergedCopy
 from flowrl.backends.local.parallelize.tensor import token_logprobs
 from flowrl.backends.local.threads import _computes, _locked
 from flowrl.backends.local.training import (  # noqa: F401 - importable here as before
@@ -66,6 +67,7 @@ class LocalModel(Training, Weights):
         # optimizer states in host memory between steps (FSDP2's shards live there; one process moves them)
         self.offload, self.host_optimizer = model.spec.offload, model.host_optimizer
         self.autocast = model.autocast  # one process computing in bfloat16: forward passes under autocast
+        self.merged: MergedCopy | None = None  # what a LoRA model under autocast samples from (`_sampling_module`)
         self.tokenizer = tokenizer
         self.hf_config = hf_config
         self.spec = spec
@@ -75,6 +77,7 @@ class LocalModel(Training, Weights):
         self.context = int(getattr(hf_config, "max_position_embeddings", None) or 1 << 30)  # prompt + response
         self.device = device
         self.version = 0
+        self.restores = 0  # checkpoints loaded (`Weights._restore`)
         self.oom_splits, self.warned_oom = 0, False  # micro-batches split after running out of memory
         # sampling draws on the model's device; a CPU generator cannot drive CUDA sampling
         self.sampler = torch.Generator(device=device).manual_seed(spec.seed) if device.type != "cpu" else None
@@ -182,7 +185,7 @@ class LocalModel(Training, Weights):
             mask = ragged([[1] * len(r) for r in rows], width, 0, torch.long, left=True)
             with self._compute():
                 tokens, logprobs, alive = sample(
-                    self.module,
+                    self._sampling_module(),
                     ids.to(self.device),
                     mask.to(self.device),
                     max_new_tokens=max(budgets[i] for i in todo),  # each row is cut at its own budget
@@ -202,6 +205,17 @@ class LocalModel(Training, Weights):
                 responses[i] = rules.extend(responses[i], tokens[j][:k], logprobs[j][:k], rooms[i])
         pad = self.tokenizer.pad_token_id
         return to_rollout(prompt_ids, prompt_mask, responses, index, version=self.version, greedy=greedy, pad_id=pad)
+
+    def _sampling_module(self) -> nn.Module:
+        """What generation samples from: the module, or for a LoRA model computing under bfloat16 autocast in
+        one process its `MergedCopy` (made at the first generation, merged again only after the weights
+        changed), whose linear weights autocast does not cast again at every decode step."""
+        if self.lora is None or not self.autocast or self.sharded or self.distributed or self.decl.scalar_head:
+            return self.module
+        if self.merged is None:
+            self.merged = MergedCopy(self.module, torch.bfloat16)
+        # the weights change only by a train step (the version counts them) or a checkpoint load (`restores`)
+        return self.merged.refresh(self.lora.alpha / self.lora.rank, (self.version, self.restores))
 
     @_locked
     def load_weights(self, weights: Mapping[str, Tensor], version: int) -> None:
@@ -302,6 +316,7 @@ class LoraBase(LocalModel):
         self.decl, self.spec, self.sampling = decl, spec, spec.sampling
         self.rules = ResponseRules.of(self.tokenizer, spec.sampling)
         self.lora, self.optimizer, self.version, self.trained = None, None, 0, source
+        self.merged = None  # it samples from the module itself, its adapters off
 
     def _compute(self) -> Any:
         stack = contextlib.ExitStack()

@@ -30,6 +30,7 @@ class Weights:
     rank: int
     distributed: bool
     version: int
+    restores: int  # checkpoints loaded: what generation's merged copy of a LoRA model keys on with the version
 
     @_computes
     def export_weights(self) -> dict[str, Tensor]:
@@ -175,6 +176,7 @@ class Weights:
         if self.optimizer is not None:  # a trainable model's checkpoint always holds its optimizer state
             self._load_optimizer_state(load_tree(path / "optimizer"))
         self.version = version
+        self.restores += 1
         return version
 
     def _optimizer_state(self) -> dict[str, Any] | None:

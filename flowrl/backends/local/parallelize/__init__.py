@@ -18,7 +18,8 @@ The order, and why (each step needs what the ones before it left):
    as its policies.
 7. **Mixed precision in one process** (`precision.autocast`) and **optimizer offload in one process**
    (`offload.host_step`): what FSDP2 does not do for a model, the engine does per pass and per step;
-   `Parallelized` says which.
+   `Parallelized` says which. A LoRA model's frozen base weights are then stored in bfloat16
+   (`lora.store_base`: autocast computes them so anyway, and would cast them again at every pass).
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ def parallelize(
         policy = offload.fsdp_policy(device) if spec.offload else None
         fsdp.apply(module, grid.data, precision.fsdp_policy(spec.dtype), policy)
     half = precision.half(spec.dtype)
+    if spec.lora is not None and half and not sharded:  # autocast computes the frozen base in bfloat16 anyway
+        lora.store_base(module, torch.bfloat16)
     return Parallelized(
         module=module,
         dims=dims,
