@@ -101,13 +101,14 @@ def parallelize(
     mixed precision and offload to ``module`` on ``device``, in that order (the module docstring), over
     ``group``'s ranks as ``dims`` split them. ``hf_config``: the model's HF config (tensor parallelism
     checks that it splits)."""
-    module = module.to(device)
-    lora.check_split(spec.lora, dims.tensor, spec.name)
-    if spec.lora is not None:
-        lora.add_lora(module, spec.lora, spec.seed, spec.name)
+    # every refusal before the module changes: what cannot be built leaves the caller's module as it was
     dims.check_built()
+    lora.check_split(spec.lora, dims.tensor, spec.name)
     if dims.tensor > 1:
         tensor.check_splits(hf_config if hf_config is not None else module.config, dims.tensor, spec.name)
+    module = module.to(device)
+    if spec.lora is not None:
+        lora.add_lora(module, spec.lora, spec.seed, spec.name)
     grid = build_mesh(dims, group, device.type, spec.trainable)
     if grid.tensor is not None:
         tensor.parallelize(module, grid.tensor)
