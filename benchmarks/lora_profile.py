@@ -18,7 +18,9 @@ keeps their bfloat16 casts for the whole generation instead of casting every wei
 decode step -- torch caches an autocast cast only for a leaf that requires grad); ``lora-merged``
 (lora, sampling with the adapters merged into a bfloat16 copy of the weights, no LoRA matmuls while
 decoding); ``lora-bf16`` (lora, the adapted layers' frozen base weights stored in bfloat16, which
-is what autocast computes them in anyway: no per-pass casts in any phase, same logits). Each variant
+is what autocast computes them in anyway: no per-pass casts in any phase, same logits);
+``lora-engine`` (what the engine does since: lora-bf16's storage, and sampling under autocast from
+`lora.MergedCopy`, the adapters merged into bfloat16 linear weights once per train step). Each variant
 runs in its own process (``--one``), one after another, and reports its peak RSS; the last line
 is JSON with the per-phase medians (wall and CPU seconds) and each variant's ratio to ``full``.
 
@@ -72,12 +74,10 @@ def one(args: argparse.Namespace) -> dict:
     if lora:
         add_lora(model, LoraConfig(rank=args.rank, alpha=args.alpha), args.seed, "actor")
         reference = None
-        if variant == "lora-bf16":  # the frozen base in the precision autocast computes it in: no casts, less memory
-            from peft.tuners.lora import Linear as LoraLinear
+        if variant in ("lora-bf16", "lora-engine"):  # the frozen base in the precision autocast computes it in
+            from flowrl.backends.local.parallelize.lora import store_base
 
-            for layer in model.modules():
-                if isinstance(layer, LoraLinear):
-                    layer.base_layer.to(torch.bfloat16)
+            store_base(model, torch.bfloat16)
     else:
         model.requires_grad_(True)
         import copy
@@ -91,6 +91,8 @@ def one(args: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
     base = [p for n, p in model.named_parameters() if not p.requires_grad]
+    merged = None
+    steps = [0]  # optimizer steps taken: the key of the engine variant's merged copy
 
     def generate():
         with contextlib.ExitStack() as stack:
@@ -98,6 +100,14 @@ def one(args: argparse.Namespace) -> dict:
                 stack.enter_context(_requiring_grad(base))
             if variant == "lora-merged":
                 module = _merged_bf16(model, args.alpha / args.rank)
+            elif variant == "lora-engine":
+                nonlocal merged
+                if merged is None:
+                    from flowrl.backends.local.parallelize.lora import MergedCopy
+
+                    merged = MergedCopy(model, torch.bfloat16)
+                module = merged.refresh(args.alpha / args.rank, steps[0])
+                stack.enter_context(bf16())
             else:
                 module = model
                 stack.enter_context(bf16())
@@ -141,6 +151,7 @@ def one(args: argparse.Namespace) -> dict:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            steps[0] += 1
         if rep:  # the first step warms up (allocations, the first AdamW state)
             for k, (wall, used) in t.items():
                 times[k].append(wall)
