@@ -194,7 +194,7 @@ class CostModel:
         host: bool = True,
     ) -> Any:
         """The tensor-parallel collectives and host work of one pass over ``tokens`` through ``layers`` split
-        ``tp`` ways (Megatron's split, as `flowrl.backends.local.tensor_parallel` runs it). Forward: per layer the
+        ``tp`` ways (Megatron's split, as `flowrl.backends.local.parallelize.tensor` runs it). Forward: per layer the
         attention's and the MLP's row-wise outputs all-reduced, and the embedding's; backward: per layer the
         gradients of the five column-wise inputs (q, k, v, gate, up), and the head's. ``head``: log-probs from
         the vocabulary-sharded logits (three all-reduces of [tokens]); else the logits of ``rows`` (default:

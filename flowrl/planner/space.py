@@ -67,7 +67,7 @@ def _pow2_upto(n: int) -> list[int]:
 
 
 def tp_options(heads: int, kv_heads: int, per_node: int, limit: int, intermediate: int | None = None) -> list[int]:
-    """The tp sizes a model splits into (as the torch engine splits it, `tensor_parallel.check_splits`): they
+    """The tp sizes a model splits into (as the torch engine splits it, `parallelize.tensor.check_splits`): they
     divide its heads and its MLP width, and its key/value heads (or those divide them: held whole)."""
     return [
         t

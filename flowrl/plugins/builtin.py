@@ -96,13 +96,13 @@ def register_executors(register: Register) -> None:
 
 
 def _local_generation_engine(ctx: Any) -> Any:  # torch loads only when an engine is built
-    from flowrl.backends.local.engine import generation_engine
+    from flowrl.backends.local.factories import generation_engine
 
     return generation_engine(ctx)
 
 
 def _local_training_engine(ctx: Any) -> Any:
-    from flowrl.backends.local.engine import training_engine
+    from flowrl.backends.local.factories import training_engine
 
     return training_engine(ctx)
 

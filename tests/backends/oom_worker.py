@@ -11,7 +11,7 @@ import resource
 import torch
 
 from flowrl import api
-from flowrl.backends.local import engine as local_engine
+from flowrl.backends.local import training as local_engine
 from flowrl.contract.data import Sequences
 from flowrl.contract.protocols import TrainStep
 from flowrl.plugins.manager import registry

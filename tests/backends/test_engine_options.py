@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flowrl import api
-from flowrl.backends.local.engine import training_engine
+from flowrl.backends.local.factories import training_engine
 from flowrl.backends.local.models import apply_numerics
 from flowrl.cli import main
 from flowrl.contract.protocols import EngineContext, TrainStep

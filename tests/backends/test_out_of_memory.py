@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flowrl import api
-from flowrl.backends.local.engine import out_of_memory
+from flowrl.backends.local.training import out_of_memory
 from flowrl.errors import BackendError
 from flowrl.plugins.manager import registry
 from flowrl.runtime.executor import PlanExecutor

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.backends.local.engine import training_engine
+from flowrl.backends.local.factories import training_engine
 from flowrl.backends.local.models import (
     ValueModel,
     build_model,

@@ -99,7 +99,7 @@ def test_a_tp2_train_step_on_ray_equals_the_one_process_step_and_whole_replicas_
     """cpu:2, actor tp 2 (the default tiny model: one key/value head, held whole by both ranks), generation
     by whole replicas on the same ranks (tp' = 1). Loss and gradient norm agree within 1e-5 (relative);
     the update within 2 % of lr -- AdamW's first step moves every weight by about lr whatever the size
-    of its gradient, so fp32 rounding of near-zero gradients shows there (tests/backends/test_tensor_parallel.py)."""
+    of its gradient, so fp32 rounding of near-zero gradients shows there (tests/backends/parallelize/test_tensor.py)."""
     g2, plan2 = plan_for(2, tmp_path, "actor.tp=2")
     assert plan2.layout.layout("actor").parallel.tp == 2 and plan2.layout.generation.tp == 1
     sched, transport, built = _launch(g2, plan2, tmp_path)

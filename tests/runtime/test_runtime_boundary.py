@@ -223,7 +223,7 @@ def test_plan_for_backend_on_a_cluster_it_cannot_run_is_refused(capsys):
 
 
 def test_run_plan_for_16_devices_is_refused_before_any_model_is_built(capsys, tmp_path, cluster16_plan, monkeypatch):
-    import flowrl.backends.local.engine as local_engine
+    import flowrl.backends.local.factories as local_engine
 
     def no_build(ctx):
         raise AssertionError("a model was built")

@@ -32,7 +32,7 @@ MODELS = {  # the default tiny model: 2 heads sharing one key/value head (each r
 
 
 def _engine(graph, plan, **dist):
-    from flowrl.backends.local.engine import training_engine
+    from flowrl.backends.local.factories import training_engine
     from flowrl.contract.protocols import EngineContext
 
     run = plan.model_run("actor")
@@ -83,7 +83,7 @@ def compare(rank: int, model: str, world: int) -> dict:
     import torch.distributed as dist
 
     from flowrl import api
-    from flowrl.backends.local.engine import generation_engine
+    from flowrl.backends.local.factories import generation_engine
     from flowrl.contract.protocols import EngineContext
     from flowrl.tasks.builtin import Copy
 

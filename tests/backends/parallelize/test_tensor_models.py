@@ -30,7 +30,7 @@ _SPLITS = textwrap.dedent(
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     from flowrl import api
-    from flowrl.backends.local.engine import training_engine
+    from flowrl.backends.local.factories import training_engine
     from flowrl.contract.protocols import EngineContext
     from flowrl.tasks.builtin import Copy
 
