@@ -32,7 +32,7 @@ import yaml
 
 from flowrl.cli import main
 from flowrl.contract.plan import load_plan
-from flowrl.planner.workload import mean_length
+from flowrl.contract.workload import mean_length
 
 HERE = Path(__file__).parent / "published"
 GRAPHS = {"grpo": "grpo", "dapo": "grpo", "ppo": "ppo"}

@@ -78,7 +78,7 @@ def executor_entry(cfg: RunConfig, reg: Registry) -> Entry:
 
 def model_spec(cfg: RunConfig) -> ModelSpec:
     """The base model's shape: the HF config of ``cfg.model`` (with per-model folders,
-    ``actor=DIR,rm=DIR2``, the actor's or the default's: `modelspec.base_folder`; every folder is
+    ``actor=DIR,rm=DIR2``, the actor's or the default's: `flowrl.contract.model.base_folder`; every folder is
     checked), or the tiny model built from scratch."""
     from flowrl.tasks.tokenizer import vocab
 

@@ -23,6 +23,7 @@ import msgspec
 import numpy as np
 
 from flowrl.contract.capabilities import Capabilities, rollout_conflict, supports, supports_layout
+from flowrl.contract.checked import gib
 from flowrl.contract.hardware import ClusterSpec
 from flowrl.contract.layout import ClusterPlan, ModelLayout, Prediction, RolloutPolicy, samples_in_place
 from flowrl.contract.model import ModelSpec
@@ -549,7 +550,7 @@ class Tuner:
         if self.capacity <= 0:
             return (
                 f"no plan fits: a {hw.name} device has {hw.memory_bytes:,} bytes of memory, none of it usable after "
-                f"what the runtime reserves ({mem.gib(hw.memory_bytes - self.capacity)}); is the cluster's "
+                f"what the runtime reserves ({gib(hw.memory_bytes - self.capacity)}); is the cluster's "
                 "'memory_bytes' in bytes?"
             )
         sized = [i for i in infeasible if i.need > 0]  # the others: no layout divides their group and batch
@@ -590,12 +591,12 @@ class Tuner:
         lean = min(sized, key=lambda i: i.need - self.capacity) if sized else None
         where = ""
         if lean is not None:
-            parts = ", ".join(f"{k} {mem.gib(v)}" for k, v in sorted(lean.breakdown.items(), key=lambda kv: -kv[1]))
+            parts = ", ".join(f"{k} {gib(v)}" for k, v in sorted(lean.breakdown.items(), key=lambda kv: -kv[1]))
             where = (
-                f" The leanest candidate ({lean.skeleton.placement}) needs {mem.gib(lean.need)} per device on "
+                f" The leanest candidate ({lean.skeleton.placement}) needs {gib(lean.need)} per device on "
                 f"group '{lean.group}' "
-                f"but each {hw.name} offers {mem.gib(self.capacity)} usable, short by "
-                f"{mem.gib(lean.need - self.capacity)} ({parts})."
+                f"but each {hw.name} offers {gib(self.capacity)} usable, short by "
+                f"{gib(lean.need - self.capacity)} ({parts})."
             )
         n = self.numerics
         per_trainable = n.weight_bytes + n.grad_bytes + n.optimizer_bytes
@@ -621,7 +622,7 @@ class Tuner:
             )
         return (
             f"no plan fits {self.graph.name} with {self.describe_models()} ({len(self.roles.models)} models) "
-            f"on {self.cluster.devices} x {hw.name}.{where} The model states alone need {mem.gib(states)} "
+            f"on {self.cluster.devices} x {hw.name}.{where} The model states alone need {gib(states)} "
             f"({per_trainable} bytes/parameter per trainable model, {n.weight_bytes} per frozen one), so at "
             f"least {need_devices} of these devices without optimizer offload; "
             f"{advice}"
@@ -660,7 +661,7 @@ def explain(
     lines.append(
         "  device groups: "
         + ", ".join(
-            f"{g}: {u:.0%} busy, {mem.gib(pred.memory_bytes.get(g, 0))}/device" for g, u in pred.utilization.items()
+            f"{g}: {u:.0%} busy, {gib(pred.memory_bytes.get(g, 0))}/device" for g, u in pred.utilization.items()
         )
     )
     roof = result.roofline

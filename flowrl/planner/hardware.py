@@ -26,33 +26,15 @@ from typing import Any
 
 import msgspec
 
-from flowrl.contract.checked import (  # noqa: F401 (re-exported: the planner's specs are built on them)
-    CheckedSpec,
-    Count,
-    Fraction,
-    GiB,
-    NonNegative,
-    Positive,
-    SpecFieldError,
-    coerce_numbers,
-)
-from flowrl.contract.hardware import (  # noqa: F401 (re-exported: the planner's names for the contract's specs)
-    CONTROLLER_ROW_SECONDS,
+from flowrl.contract.checked import Count, GiB, coerce_numbers
+from flowrl.contract.hardware import (
     CPU_DEVICES,
-    DENSE_PER_LAYER,
-    LOCAL_CPU,
-    MAX_DEVICES,
     NOMINAL,
-    TP_OP_OVERHEAD,
-    Calibrated,
     ClusterSpec,
-    EfficiencyCurve,
-    GenerationCalibration,
     HardwareSpec,
     default_profile_path,
     is_cpu,
     load_hardware,
-    save_hardware,
 )
 from flowrl.errors import ConfigError, did_you_mean
 from flowrl.specs import convert, read_document

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from flowrl.contract.checked import gib  # noqa: F401 (re-exported: the planner formats bytes with it)
 from flowrl.contract.hardware import HardwareSpec
 from flowrl.contract.layout import GenerationLayout, ModelLayout
 from flowrl.contract.model import ModelSpec

@@ -9,16 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flowrl.contract.model import (  # noqa: F401 (re-exported: the planner's names for the contract's model shape)
-    ModelSpec,
-    _from_hf_config,
-    base_folder,
-    check_model_dir,
-    check_model_keys,
-    for_config,
-    from_model_dir,
-    from_tiny,
-)
+from flowrl.contract.model import ModelSpec, _from_hf_config, check_model_keys
 from flowrl.errors import ConfigError, did_you_mean
 from flowrl.specs import convert, named_entries, read_document
 

@@ -11,19 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flowrl.contract.layout import (  # noqa: F401 (re-exported: the planner's names for the contract's layout)
-    ClusterPlan,
+from flowrl.contract.layout import (
     DeviceGroup,
     GenerationLayout,
     ModelLayout,
     Parallel,
     Placement,
-    Prediction,
-    RolloutMode,
     RolloutPolicy,
-    SyncStrategy,
     WeightSync,
-    samples_in_place,
 )
 
 # ------------------------------------------------------------------ enumeration

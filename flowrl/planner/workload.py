@@ -19,19 +19,7 @@ from typing import Any
 import msgspec
 
 from flowrl.contract.checked import coerce_numbers
-from flowrl.contract.workload import (  # noqa: F401 (re-exported: the planner's names for the contract's workload)
-    _KINDS,
-    MAX_SEQUENCES,
-    Fixed,
-    Histogram,
-    LengthDistribution,
-    Lengths,
-    LogNormal,
-    WorkloadSpec,
-    max_length,
-    mean_length,
-    sample_lengths,
-)
+from flowrl.contract.workload import _KINDS, Fixed, WorkloadSpec
 from flowrl.errors import ConfigError
 from flowrl.specs import convert, read_document
 

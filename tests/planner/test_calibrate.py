@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 
 from flowrl import cli
+from flowrl.contract.hardware import Calibrated, save_hardware
 from flowrl.contract.plan import dump_plan, load_plan
+from flowrl.contract.workload import Histogram, LogNormal, mean_length
 from flowrl.errors import ConfigError
 from flowrl.planner.calibrate import fit, read_runs, scaled, sync_names, with_values
 from flowrl.planner.hardware import (
-    Calibrated,
     HardwareSpec,
     calibration_path,
     cluster_key,
@@ -32,11 +33,10 @@ from flowrl.planner.hardware import (
     cpu_cluster,
     load_hardware,
     parse_cluster,
-    save_hardware,
     with_calibration,
 )
 from flowrl.planner.traces import read_run, steady
-from flowrl.planner.workload import Fixed, Histogram, LogNormal, mean_length
+from flowrl.planner.workload import Fixed
 from flowrl.plugins.manager import registry
 from flowrl.runtime.trace import steady_window
 
@@ -188,7 +188,7 @@ def test_a_calibration_is_found_by_its_cluster_and_keeps_todays_memory(home):
     )
     two = cpu_cluster(machine, 2)
     assert cluster_key(two) == "cpu-2" and with_calibration(two) is two
-    from flowrl.planner.hardware import Calibrated
+    from flowrl.contract.hardware import Calibrated
 
     provenance = Calibrated(runs=["runs/x"], factors={"task_overhead": ["runs/x"]})
     fitted = msgspec.structs.replace(

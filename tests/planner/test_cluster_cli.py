@@ -11,6 +11,7 @@ import pytest
 from flowrl import api
 from flowrl.cli import main
 from flowrl.contract.plan import ClusterTarget, dump_plan, load_plan
+from flowrl.contract.workload import LogNormal
 from flowrl.errors import PlanError, PluginError
 from flowrl.planner.cost import CostModel
 from flowrl.planner.hardware import HardwareSpec, parse_cluster
@@ -18,7 +19,7 @@ from flowrl.planner.modelspec import MODEL_PRESETS
 from flowrl.planner.passes import PIPELINE, PassResults
 from flowrl.planner.simulate import timeline_json
 from flowrl.planner.space import RolloutPolicy
-from flowrl.planner.workload import LogNormal, WorkloadSpec
+from flowrl.planner.workload import WorkloadSpec
 from flowrl.plugins.hookspecs import hookimpl
 from flowrl.plugins.manager import load_plugins, set_registry
 

@@ -11,9 +11,10 @@ import msgspec
 import pytest
 
 from flowrl import api
+from flowrl.contract.hardware import GenerationCalibration, save_hardware
 from flowrl.errors import PlanError
 from flowrl.planner.cost import CostModel
-from flowrl.planner.hardware import GenerationCalibration, load_hardware, save_hardware
+from flowrl.planner.hardware import load_hardware
 from flowrl.planner.passes import PassResults
 from flowrl.plugins.hookspecs import hookimpl
 from flowrl.plugins.manager import load_plugins, set_registry

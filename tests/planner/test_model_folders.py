@@ -11,8 +11,8 @@ import pytest
 
 from flowrl import api
 from flowrl.cli import main
+from flowrl.contract.model import base_folder, for_config
 from flowrl.errors import ConfigError
-from flowrl.planner.modelspec import base_folder, for_config
 from flowrl.planner.passes import model_checkpoints
 from flowrl.runtime.runstate import manifest
 from flowrl.specs import TinyModelConfig

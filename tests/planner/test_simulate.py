@@ -13,6 +13,8 @@ import msgspec
 import pytest
 
 from flowrl import api
+from flowrl.contract.layout import ClusterPlan
+from flowrl.contract.workload import LogNormal
 from flowrl.planner import memory as mem
 from flowrl.planner.autotune import Tuner
 from flowrl.planner.cost import CostModel
@@ -26,7 +28,6 @@ from flowrl.planner.simulate import (
     timeline_json,
 )
 from flowrl.planner.space import (
-    ClusterPlan,
     DeviceGroup,
     GenerationLayout,
     ModelLayout,
@@ -35,7 +36,7 @@ from flowrl.planner.space import (
     WeightSync,
     skeletons,
 )
-from flowrl.planner.workload import Fixed, LogNormal, WorkloadSpec
+from flowrl.planner.workload import Fixed, WorkloadSpec
 
 MODEL = MODEL_PRESETS["qwen2.5-1.5b"]
 CLUSTER = parse_cluster("16xA100-80G")

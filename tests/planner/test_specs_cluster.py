@@ -10,6 +10,8 @@ import msgspec
 import numpy as np
 import pytest
 
+from flowrl.contract.hardware import save_hardware
+from flowrl.contract.workload import Histogram, LogNormal, mean_length, sample_lengths
 from flowrl.errors import ConfigError
 from flowrl.planner.hardware import (
     HARDWARE_PRESETS,
@@ -18,19 +20,9 @@ from flowrl.planner.hardware import (
     default_profile_path,
     load_hardware,
     parse_cluster,
-    save_hardware,
 )
 from flowrl.planner.modelspec import MODEL_PRESETS, ModelSpec, load_model_spec
-from flowrl.planner.workload import (
-    Fixed,
-    Histogram,
-    LogNormal,
-    WorkloadSpec,
-    load_workload,
-    mean_length,
-    sample_lengths,
-    workload_from_flags,
-)
+from flowrl.planner.workload import Fixed, WorkloadSpec, load_workload, workload_from_flags
 
 # ------------------------------------------------------------------ hardware / cluster
 

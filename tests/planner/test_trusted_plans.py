@@ -27,6 +27,7 @@ import pytest
 
 from flowrl import api
 from flowrl.cli import main
+from flowrl.contract.layout import ClusterPlan
 from flowrl.contract.plan import ExecutionPlan, dump_plan, encode_plan, load_plan
 from flowrl.planner import autotune
 from flowrl.planner.autotune import Tuner
@@ -36,7 +37,6 @@ from flowrl.planner.memory import Numerics
 from flowrl.planner.modelspec import MODEL_PRESETS
 from flowrl.planner.simulate import Generator
 from flowrl.planner.space import (
-    ClusterPlan,
     DeviceGroup,
     GenerationLayout,
     ModelLayout,

@@ -27,7 +27,9 @@ from hypothesis import strategies as st
 
 from flowrl import api
 from flowrl.contract.capabilities import Capabilities, of_config, unsupported
+from flowrl.contract.layout import ClusterPlan
 from flowrl.contract.plan import ClusterTarget, ExecutionPlan
+from flowrl.contract.workload import LogNormal
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Graph
 from flowrl.planner import autotune
@@ -36,8 +38,8 @@ from flowrl.planner.autotune import FINAL, Tuner, TuneResult, explain, roles_of
 from flowrl.planner.hardware import HARDWARE_PRESETS, ClusterSpec, parse_cluster
 from flowrl.planner.modelspec import MODEL_PRESETS, ModelSpec
 from flowrl.planner.passes import PIPELINE, PassResults, colocated, engine_memory, verify_plan
-from flowrl.planner.space import ClusterPlan, ModelLayout, layouts, skeletons
-from flowrl.planner.workload import Fixed, LogNormal, WorkloadSpec
+from flowrl.planner.space import ModelLayout, layouts, skeletons
+from flowrl.planner.workload import Fixed, WorkloadSpec
 
 GiB = 1024**3
 QWEN = MODEL_PRESETS["qwen2.5-0.5b"]

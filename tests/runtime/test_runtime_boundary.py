@@ -22,11 +22,12 @@ import yaml
 from flowrl import api
 from flowrl.cli import main
 from flowrl.contract.data import Rollout, Sequences
+from flowrl.contract.hardware import save_hardware
 from flowrl.contract.plan import ClusterTarget, dump_plan, load_plan
 from flowrl.contract.protocols import EngineContext
 from flowrl.errors import ConfigError, FlowRLError, GraphError, PlanError, PluginError
 from flowrl.graph import Graph
-from flowrl.planner.hardware import HARDWARE_PRESETS, parse_cluster, save_hardware
+from flowrl.planner.hardware import HARDWARE_PRESETS, parse_cluster
 from flowrl.planner.modelspec import load_model_spec
 from flowrl.planner.passes import verify_plan
 from flowrl.plugins.hookspecs import hookimpl

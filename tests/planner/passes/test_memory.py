@@ -10,6 +10,7 @@ import pytest
 from pass_helpers import QUIET, SMALL, activations, local_plan, plan, states_of
 
 from flowrl import api
+from flowrl.contract.checked import gib
 from flowrl.errors import PlanError
 from flowrl.planner import memory as mem
 from flowrl.planner.manager import run_passes
@@ -55,9 +56,9 @@ def test_too_small_memory_limit_is_refused_naming_the_group_and_the_biggest_item
     items = re.search(r"Breakdown: (.*?)\. Use ", message).group(1).split("; ")
     biggest = max(est.breakdown, key=est.breakdown.__getitem__)
     assert biggest == "model actor (weights+grads+optimizer)"
-    assert items[0] == f"{biggest}: {mem.gib(est.breakdown[biggest])}"  # the biggest item first
+    assert items[0] == f"{biggest}: {gib(est.breakdown[biggest])}"  # the biggest item first
     assert len(items) == len(est.breakdown)
-    assert f"needs {mem.gib(est.required_bytes)} per device" in message
+    assert f"needs {gib(est.required_bytes)} per device" in message
     assert f"a {p.target.cluster.hardware.name} device offers 1.0 MiB" in message
 
 

@@ -8,8 +8,8 @@ from pass_helpers import plan, trainable
 
 from flowrl.backends.local import device as local_device
 from flowrl.backends.local.executor import LOCAL_NUMERICS
+from flowrl.contract.model import from_tiny
 from flowrl.planner import memory as mem
-from flowrl.planner.modelspec import from_tiny
 from flowrl.planner.space import DeviceGroup, GenerationLayout, Parallel
 from flowrl.plugins.manager import Registry
 from flowrl.specs import RunConfig
