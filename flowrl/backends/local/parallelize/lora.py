@@ -145,7 +145,7 @@ class MergedCopy:
                     replace(child, f"{path}.")
 
         replace(self.module, "")
-        self.module.requires_grad_(False).eval()
+        self.module.eval()  # (the shared tensors keep their own requires_grad)
         self.seen: object = None  # the key of the weights merged last (None: none yet)
 
     @torch.no_grad()
