@@ -12,15 +12,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from flowrl.contract.layout import RolloutPolicy
 from flowrl.contract.plan import ExecutionPlan
 from flowrl.graph.ir import Filter, Generate, Graph
 from flowrl.runtime.batch import pad_id
 from flowrl.runtime.groups import GenerationGroup, TrainingGroup, Transport, publish
-from flowrl.runtime.nodes import NodeRuntime, filter_groups, run_node
-from flowrl.runtime.rewardpool import RewardRunner
+from flowrl.runtime.nodes import NodeRuntime, filter_groups, node_runtime, run_node
 from flowrl.runtime.rollout import Rounds, StepRollout
 from flowrl.runtime.runstate import PromptStream
 from flowrl.runtime.schedule import Schedule
@@ -57,7 +54,6 @@ class RunParts:
 def assemble(graph: Graph, plan: ExecutionPlan, registry: Registry, schedule: Schedule, launch: Any) -> RunParts:
     """The parts of a run of ``plan``; ``launch(schedule)`` starts the workers and returns the
     transport and each model's (tokenizer, hf_config)."""
-    from flowrl.plugins.manager import node_functions
     from flowrl.tasks.builtin import task_for
 
     cfg = plan.config
@@ -85,21 +81,7 @@ def assemble(graph: Graph, plan: ExecutionPlan, registry: Registry, schedule: Sc
         for m in schedule.models
         if m.generation_group is not None
     }
-    rt = NodeRuntime(
-        graph=graph,
-        functions=node_functions(registry),
-        loss_outputs={e.name: e.meta.get("output", "logprobs") for e in registry.entries("losses")},
-        loss_aggregates={e.name: e.meta.get("aggregate", "token-mean") for e in registry.entries("losses")},
-        task=task,
-        generators=generators,
-        trainers=trainers,
-        options={name: (o.algo, dict(o.options)) for name, o in plan.options.items()},
-        micro_batch={n.node: n.micro_batch_size for n in plan.nodes},
-        seed=cfg.seed,
-        skip_nonfinite=cfg.train.skip_nonfinite,
-        fused=dict(plan.fused),
-        rewards=RewardRunner(**msgspec.structs.asdict(cfg.reward)),
-    )
+    rt = node_runtime(graph, plan, registry, task, generators, trainers)
     policy = plan.layout.rollout if plan.layout is not None else RolloutPolicy()
     sources = {
         t.name: _source(graph, plan, graph.nodes[t.name], generators[t.model], policy, stream, built, rt)

@@ -498,3 +498,37 @@ def _train(
 
 #: How each kind of node runs on the controller: ``runner(rt, node, inputs, algo, options) -> (outputs, metrics)``.
 RUNNERS: dict[type, Any] = {Forward: _forward, Reward: _reward, Compute: _compute, Train: _train}
+
+
+def node_runtime(
+    graph: Graph,
+    plan: Any,
+    registry: Any,
+    task: Any,
+    generators: Mapping[str, GenerationEngine],
+    trainers: Mapping[str, TrainingEngine],
+    fused: bool = True,
+) -> NodeRuntime:
+    """How the nodes of ``graph`` run as ``plan`` resolved them (functions and losses from ``registry``,
+    node options, micro-batches, reward settings); ``fused``: forwards the plan fuses into a train
+    node are computed there (the serial reference loop runs them as their own nodes)."""
+    import msgspec
+
+    from flowrl.plugins.manager import node_functions
+
+    cfg = plan.config
+    return NodeRuntime(
+        graph=graph,
+        functions=node_functions(registry),
+        loss_outputs={e.name: e.meta.get("output", "logprobs") for e in registry.entries("losses")},
+        loss_aggregates={e.name: e.meta.get("aggregate", "token-mean") for e in registry.entries("losses")},
+        task=task,
+        generators=generators,
+        trainers=trainers,
+        options={name: (o.algo, dict(o.options)) for name, o in plan.options.items()},
+        micro_batch={n.node: n.micro_batch_size for n in plan.nodes},
+        seed=cfg.seed,
+        skip_nonfinite=cfg.train.skip_nonfinite,
+        fused=dict(plan.fused) if fused else {},
+        rewards=RewardRunner(**msgspec.structs.asdict(cfg.reward)),
+    )

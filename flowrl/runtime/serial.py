@@ -26,15 +26,13 @@ import zlib
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import torch
 
 from flowrl.contract import EngineContext, ExecutionPlan, GenerationEngine
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Generate, Graph
 from flowrl.runtime.dispatch import draw_seed
-from flowrl.runtime.nodes import NodeRuntime, generate_metrics, run_node
-from flowrl.runtime.rewardpool import RewardRunner
+from flowrl.runtime.nodes import NodeRuntime, generate_metrics, node_runtime, run_node
 from flowrl.runtime.runstate import PromptStream
 
 if TYPE_CHECKING:
@@ -51,7 +49,6 @@ def run_serial(
     graph: Graph, plan: ExecutionPlan, registry: Registry | None = None, steps: int | None = None
 ) -> SerialRun:
     """Run ``steps`` (default: the config's) iterations of ``graph`` as ``plan`` resolved it, serially."""
-    from flowrl.plugins.manager import node_functions
     from flowrl.plugins.manager import registry as default_registry
     from flowrl.tasks.builtin import task_for
 
@@ -71,20 +68,8 @@ def run_serial(
             )
     task = task_for(cfg, registry={e.name: e.obj for e in reg.entries("tasks")})
     prompts = PromptStream(task, random.Random(cfg.seed))
-    rt = NodeRuntime(  # how forward, reward, compute and train nodes run: flowrl.runtime.nodes
-        graph=graph,
-        functions=node_functions(reg),
-        loss_outputs={e.name: e.meta.get("output", "logprobs") for e in reg.entries("losses")},
-        loss_aggregates={e.name: e.meta.get("aggregate", "token-mean") for e in reg.entries("losses")},
-        task=task,
-        generators=generators,
-        trainers=trainers,
-        options={name: (o.algo, dict(o.options)) for name, o in plan.options.items()},
-        micro_batch={n.node: n.micro_batch_size for n in plan.nodes},
-        seed=cfg.seed,
-        skip_nonfinite=cfg.train.skip_nonfinite,
-        rewards=RewardRunner(**msgspec.structs.asdict(cfg.reward)),
-    )
+    # how forward, reward, compute and train nodes run (flowrl.runtime.nodes); a fused forward runs as its own node
+    rt = node_runtime(graph, plan, reg, task, generators, trainers, fused=False)
     records = []
     try:
         for _ in range(cfg.steps if steps is None else steps):
