@@ -62,7 +62,8 @@ def one(args: argparse.Namespace) -> dict:
     import torch
 
     from flowrl.backends.local.generation import last_logits_only, sample
-    from flowrl.backends.local.models import adapters_off, add_lora, build_causal_lm, load_tokenizer
+    from flowrl.backends.local.models import build_causal_lm, load_tokenizer
+    from flowrl.backends.local.parallelize.lora import adapters_off, add_lora
     from flowrl.specs import LoraConfig
 
     torch.set_num_threads(args.threads)
@@ -213,7 +214,8 @@ def _merged_bf16(model, scaling: float):
     """A bfloat16 copy of ``model`` with its adapters merged (a plain Llama, what the lean decoder runs)."""
     import torch
 
-    from flowrl.backends.local.models import build_causal_lm, merge_lora
+    from flowrl.backends.local.models import build_causal_lm
+    from flowrl.backends.local.parallelize.lora import merge_lora
 
     cache = _MERGED.get(id(model))
     if cache is None:

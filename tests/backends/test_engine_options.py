@@ -13,7 +13,8 @@ import torch
 
 from flowrl import api
 from flowrl.backends.local.factories import training_engine
-from flowrl.backends.local.models import apply_numerics
+from flowrl.backends.local.parallelize import precision
+from flowrl.backends.local.parallelize import recompute as recomputation
 from flowrl.cli import main
 from flowrl.contract.protocols import EngineContext, TrainStep
 from flowrl.contract.resolved import ModelRun
@@ -75,7 +76,8 @@ def _train(engine, plan, batch, micro: int = 3, recompute: bool = False, **spec)
     e = copy.deepcopy(engine)
     e.spec = msgspec.structs.replace(e.spec, **spec)
     if recompute:
-        apply_numerics(e.module, "eager", True, "actor")
+        precision.set_attention(e.module, "eager", "actor")
+        recomputation.apply(e.module, "actor")
     stats = e.train(registry().get("losses", "ppo"), batch, _step(plan, micro))
     return {n: p.grad.clone() for n, p in e.module.named_parameters() if p.grad is not None}, stats
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from flowrl import api
-from flowrl.backends.local.models import ADAPTER_FILE, build_causal_lm, load_tokenizer, model_config
+from flowrl.backends.local.models import build_causal_lm, load_tokenizer, model_config
+from flowrl.backends.local.parallelize.lora import ADAPTER_FILE
 from flowrl.contract.protocols import TrainStep
 from flowrl.errors import BackendError
 from flowrl.plugins.manager import registry

@@ -13,8 +13,8 @@ import torch
 
 from flowrl import api
 from flowrl.algorithms.ops import LOSSES
-from flowrl.backends.local.models import apply_numerics
 from flowrl.backends.local.packing import pack
+from flowrl.backends.local.parallelize import precision
 from flowrl.contract.protocols import TrainStep
 from flowrl.plugins.manager import registry
 from flowrl.runtime.dispatch import micro_batches, padding
@@ -48,7 +48,7 @@ def packed(engine, on: bool = True, attention: str | None = None):
     engine = copy.deepcopy(engine)
     engine.spec = msgspec.structs.replace(engine.spec, pack=on)
     if attention:
-        apply_numerics(engine.module, attention, False, engine.decl.name)
+        precision.set_attention(engine.module, attention, engine.decl.name)
     return engine
 
 

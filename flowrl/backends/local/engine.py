@@ -18,20 +18,12 @@ import torch
 from torch import Tensor, nn
 
 from flowrl.backends.local.generation import last_logits_only, sample
-from flowrl.backends.local.models import adapters_off, merge_lora
 from flowrl.backends.local.packing import pack, response_logprobs, response_values
 from flowrl.backends.local.parallelize import Parallelized, precision
-from flowrl.backends.local.parallelize.lora import MergedCopy
+from flowrl.backends.local.parallelize.lora import MergedCopy, adapters_off, merge_lora
 from flowrl.backends.local.parallelize.tensor import token_logprobs
 from flowrl.backends.local.threads import _computes, _locked
-from flowrl.backends.local.training import (  # noqa: F401 - importable here as before
-    Training,
-    _Accumulated,
-    _SplitAndRestart,
-    adamw,
-    out_of_memory,
-    share_of,
-)
+from flowrl.backends.local.training import Training, adamw
 from flowrl.backends.local.weights import Weights
 from flowrl.contract.data import Prompt, Rollout, Sequences, adds_special_tokens
 from flowrl.contract.protocols import DataRank
@@ -364,12 +356,3 @@ def _check_ids(engine: LocalModel, seqs: Sequences) -> None:
             "responses come from a model with another tokenizer. Declare it init_from that model in the graph "
             "(g.model(..., init_from='actor')) so it re-tokenises their text, or give it the actor's tokenizer."
         )
-
-
-def __getattr__(name: str) -> Any:
-    """The engine factories live in `flowrl.backends.local.factories`; importable here as before."""
-    if name in ("training_engine", "generation_engine"):
-        from flowrl.backends.local import factories
-
-        return getattr(factories, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,9 +23,6 @@ from flowrl.specs import TinyModelConfig
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
-# LoRA lives with the other transforms (`flowrl.backends.local.parallelize.lora`); these names stay importable here
-from flowrl.backends.local.parallelize.lora import ADAPTER_FILE, adapters_off, add_lora, merge_lora  # noqa: E402,F401
-
 
 def _quiet_transformers() -> None:
     """flowrl draws its own progress bar; transformers' per-file bars would interleave with it."""
@@ -222,18 +219,6 @@ def _weight_names(folder: Path) -> set[str]:
             return set(fh.keys())
     except Exception:
         return set()
-
-
-def apply_numerics(module: nn.Module, attention: str, recompute: bool, name: str = "") -> None:
-    """Make ``module`` (a causal LM or a `ValueModel`) compute with the ``attention`` kernel and, with
-    ``recompute``, recompute each decoder layer's activations in the backward pass
-    (`parallelize.precision.set_attention`, `parallelize.recompute.apply`)."""
-    from flowrl.backends.local.parallelize import precision
-    from flowrl.backends.local.parallelize import recompute as recomputation
-
-    precision.set_attention(module, attention, name)
-    if recompute:
-        recomputation.apply(module, name)
 
 
 def build_model(path: str | None, config: Any, seed: int, scalar_head: bool, name: str = "") -> nn.Module:

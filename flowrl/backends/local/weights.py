@@ -11,8 +11,9 @@ import msgspec
 import torch
 from torch import Tensor, nn
 
-from flowrl.backends.local.models import ADAPTER_FILE, VALUE_HEAD_FILE, ValueModel, build_causal_lm, merge_lora, save_hf
+from flowrl.backends.local.models import VALUE_HEAD_FILE, ValueModel, build_causal_lm, save_hf
 from flowrl.backends.local.parallelize import tensor
+from flowrl.backends.local.parallelize.lora import ADAPTER_FILE, merge_lora
 from flowrl.backends.local.threads import _computes, _locked
 from flowrl.errors import BackendError
 
