@@ -67,7 +67,7 @@ class Registry:
     def __init__(self) -> None:
         self._items: dict[str, dict[str, Entry]] = {k.name: {} for k in KINDS}
         self.plugins: list[PluginInfo] = []
-        # (kind, name) -> the built-in entry a graph file's own function of that name stands in for
+        # (kind, name) -> the built-in's or plugin's entry a graph file's own function of that name stands in for
         self._shadowed: dict[tuple[str, str], Entry] = {}
 
     def add(self, kind: str, plugin: str, name: str, obj: Any, *, again: bool = False, **meta: Any) -> None:
@@ -95,20 +95,15 @@ class Registry:
         as by `add`. Returns the entry it newly shadows, if it does (what the loader tells the user, once)."""
         kind = canonical(kind)
         held = self._items[kind].get(name)
-        shadows = held is not None and not held.plugin.startswith(GRAPH_FILE)
-        if shadows:
-            assert held is not None
-            del self._items[kind][name]
+        if held is None or held.plugin.startswith(GRAPH_FILE):  # nothing to shadow: `add` decides
+            self.add(kind, graph_file, name, obj, again=True, **meta)
+            return None
+        del self._items[kind][name]
         try:
             self.add(kind, graph_file, name, obj, again=True, **meta)
         except PluginError:
-            if shadows:
-                assert held is not None
-                self._items[kind][name] = held
+            self._items[kind][name] = held
             raise
-        if not shadows:
-            return None
-        assert held is not None
         self._shadowed[(kind, name)] = held
         return held
 
