@@ -233,6 +233,8 @@ class RunConfig(Spec):
     # an HF-format model directory for every model (None: build TinyModelConfig), or per model or
     # role: "actor=DIR,reward=DIR2" (a bare entry is the default); see `model_folders`
     model: str | None = None
+    # run a model folder's own Python (config.json auto_map) -- only for folders you trust (--trust-remote-code)
+    trust_remote_code: bool = False
     tiny_model: TinyModelConfig = TinyModelConfig()
     rollout: RolloutConfig = RolloutConfig()
     train: TrainConfig = TrainConfig()
