@@ -21,6 +21,9 @@ def plot_rewards(
 ) -> Path:
     """reward.png: the reward, KL and response length per step, and the evaluations' overall
     metrics (``eval/greedy``, ``eval/mean@K``, ...) when the run evaluated."""
+    from flowrl.runtime.trackers import cache_dir, default_env
+
+    default_env("MPLCONFIGDIR", cache_dir(path.parent, "matplotlib"))  # its font cache: in the run folder
     import matplotlib
 
     matplotlib.use("Agg")

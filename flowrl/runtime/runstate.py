@@ -14,9 +14,17 @@
       state.json         the manifest, written last
 
 The folder is written under a temporary name and renamed (`checkpoint.atomic_dir`), so a kill
-at any moment leaves the previous checkpoint as the latest. Resuming rebuilds every model as
-the run began (so frozen models, the KL reference among them, are exactly the original), then
-loads the trainable ones, the RNGs and the rollout state: the resumed run continues exactly.
+at any moment leaves the previous checkpoint as the latest.
+
+A checkpoint is read as untrusted input: ``state.json`` is decoded into `Manifest` (typed fields with
+bounds, unknown fields refused, at most `MAX_MANIFEST_BYTES`), ``driver.json`` is checked field by
+field (`check_driver`) before anything is restored, and a checkpoint holding a symbolic link that
+leads out of the run folder is refused (`check_inside`). Each refusal is a ConfigError naming the
+file and the field; `resume` then tries the checkpoint before it, and with none left the CLI exits 2.
+
+Resuming rebuilds every model as the run began (so frozen models, the KL reference among them,
+are exactly the original), then loads the trainable ones, the RNGs and the rollout state: the
+resumed run continues exactly.
 """
 
 from __future__ import annotations
@@ -30,12 +38,12 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import torch
 
-from flowrl.errors import ConfigError, FlowRLError
+from flowrl.errors import ConfigError, FlowRLError, plain_name
 from flowrl.runtime.checkpoint import (
     CHECKPOINTS,
     STATE,
@@ -49,8 +57,29 @@ from flowrl.runtime.checkpoint import (
     step_dir,
 )
 from flowrl.runtime.pipeline import Snapshot
+from flowrl.specs import MAX_STEPS
 
 FORMAT = 1
+#: A larger state.json is not one flowrl wrote (it holds a few numbers and the base model's file list).
+MAX_MANIFEST_BYTES = 16 << 20
+
+_Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
+_FileEntry = tuple[str, _Count, int]  # [name, size, mtime_ns] of a base model weight file
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``state.json``: what a checkpoint holds and which run it belongs to (written last)."""
+
+    format: int
+    step: Annotated[int, msgspec.Meta(ge=0, le=MAX_STEPS)]  # the last step it includes (its folder's NNNNNN)
+    models: list[str]  # the trainable models saved under models/ (plain folder names)
+    graph_state: dict[str, float]  # Lagrange multipliers, adaptive coefficients (also in driver.json)
+    data: dict[str, _Count] | None = None  # a dataset's epoch and index (None: a task that draws prompts)
+    written: Annotated[float, msgspec.Meta(ge=0)]  # time.time() when written
+    plan_graph: str  # the graph's fingerprint
+    model: str  # the planned model's name
+    seed: int
+    base: list[_FileEntry] | dict[str, list[_FileEntry]] | None = None  # the base model's weight files
 
 
 @dataclass
@@ -192,9 +221,11 @@ def resume(run: Path, manifest: Mapping[str, Any], st: RunState, sync: Callable[
     """Restore the newest usable checkpoint of ``run``: one that cannot be read or does not fit is
     reported and the one before it is tried."""
     failures: list[str] = []
-    for _, path in reversed(listed(run)):
+    for step, path in reversed(listed(run)):
         try:
+            check_inside(run, path)
             _, driver = read(path, manifest)
+            check_driver(path, driver, st, step)
             snapshot = restore(path, driver, st, sync)
         except FlowRLError as exc:
             if any(getattr(g.transport, "closed", False) for g in st.trainers.values()):
@@ -226,12 +257,7 @@ def archive_trace(run: Path, resumed_from: int | None) -> None:
 def read(path: Path, manifest: Mapping[str, Any]) -> tuple[Path, dict[str, Any]]:
     """Checkpoint ``path`` and its controller state, checked against ``manifest`` (the plan and
     graph it must come from)."""
-    try:
-        saved = json.loads((path / STATE).read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"checkpoint manifest '{path / STATE}' is unreadable: {exc}.") from None
-    if saved.get("format") != FORMAT:
-        raise ConfigError(f"checkpoint '{path}' has format {saved.get('format')!r}; this flowrl reads {FORMAT}.")
+    saved = msgspec.to_builtins(read_manifest(path))
     for key, want in manifest.items():
         if key == "base" and saved.get(key) != want:
             raise ConfigError(
@@ -245,6 +271,137 @@ def read(path: Path, manifest: Mapping[str, Any]) -> tuple[Path, dict[str, Any]]
                 f"{want!r}; it is not this run's checkpoint."
             )
     return path, load_tree(path / "driver")
+
+
+def read_manifest(path: Path) -> Manifest:
+    """``state.json`` of checkpoint folder ``path`` as a `Manifest`; ConfigError naming the file and
+    field for anything flowrl did not write (not JSON, a mistyped, negative, huge or unknown field, a
+    step that is not the folder's, a model name that is no plain folder name)."""
+    file = path / STATE
+    where = f"checkpoint manifest '{file}'"
+    try:
+        size = file.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise ConfigError(
+                f"{where} is {size} bytes, more than a manifest holds ({MAX_MANIFEST_BYTES}); it is "
+                "not one flowrl wrote. Remove this checkpoint folder to resume from an older one."
+            )
+        raw = json.loads(file.read_bytes())  # json, not msgspec: graph_state may hold NaN or Infinity
+    except ConfigError:
+        raise
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"{where} is unreadable: {type(exc).__name__}: {str(exc)[:200]}.") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} holds a JSON {type(raw).__name__}, not an object; it is not one flowrl wrote.")
+    if raw.get("format") != FORMAT:
+        shown = repr(raw.get("format"))[:40]
+        raise ConfigError(
+            f"checkpoint '{path}' has format {shown} ({where}, field 'format'); this flowrl reads {FORMAT}."
+        )
+    try:
+        saved = msgspec.convert(raw, type=Manifest)
+    except msgspec.ValidationError as exc:
+        field_path = str(exc).rpartition(" - at `$")[2].rstrip("`")
+        named = f", field '{field_path.lstrip('.')}'" if field_path and field_path != str(exc) else ""
+        raise ConfigError(
+            f"{where}{named}: {str(exc).partition(' - at ')[0]}; it is not what flowrl writes (edited or damaged?). "
+            "Remove this checkpoint folder to resume from an older one."
+        ) from None
+    if path.name != f"step-{saved.step:06d}":
+        raise ConfigError(f"{where}, field 'step': {saved.step} is not the step of its folder '{path.name}'.")
+    for name in saved.models:
+        if not plain_name(name):
+            raise ConfigError(f"{where}, field 'models': {name[:60]!r} is not a plain folder name (a model name).")
+    return saved
+
+
+def check_inside(run: Path, path: Path) -> None:
+    """ConfigError when checkpoint folder ``path``, or anything in it, is a symbolic link that leads
+    out of run folder ``run`` (a checkpoint is read, restored and pruned as the run's own)."""
+    root = run.resolve()
+
+    def outside(entry: Path) -> bool:
+        target = entry.resolve()
+        return target != root and root not in target.parents
+
+    entries = [path, *(Path(d) / n for d, dirs, files in os.walk(path) for n in (*dirs, *files))]
+    for entry in entries:
+        if entry.is_symlink() and outside(entry):
+            raise ConfigError(
+                f"checkpoint '{path}': '{entry}' is a symbolic link to '{os.readlink(entry)}', outside the run "
+                f"folder '{run}'; a checkpoint holds its own files. Copy them into the run folder, or remove it."
+            )
+
+
+def check_driver(path: Path, driver: Any, st: RunState, step: int) -> None:
+    """ConfigError naming ``driver.json``'s field that is not what `write` stored (its type, its
+    bounds, a model, node or generate task this run does not have), before anything is restored."""
+    file = path / "driver.json"
+    required = {
+        "torch_rng", "prompt_rng", "prompts_drawn", "data_fingerprint", "node_rngs", "graph_state",
+        "generator_versions", "buffers", "snapshot",
+    }  # fmt: skip
+
+    def bad(key: str, why: str) -> ConfigError:
+        return ConfigError(
+            f"checkpoint file '{file}', field '{key}': {why}; it is not what flowrl writes (edited or damaged?). "
+            "Remove this checkpoint folder to resume from an older one."
+        )
+
+    if not isinstance(driver, dict):
+        raise ConfigError(f"checkpoint file '{file}' holds a {type(driver).__name__}, not the controller's state.")
+    missing, extra = sorted(required - set(driver)), sorted(map(str, set(driver) - required))
+    if missing or extra:
+        key = (missing or extra)[0]
+        raise bad(key[:60], "missing" if missing else "not a field flowrl writes")
+    rng = driver["torch_rng"]
+    if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8 or rng.shape != torch.get_rng_state().shape:
+        raise bad("torch_rng", "not torch's RNG state (a uint8 tensor of its size)")
+    try:
+        random.Random().setstate(driver["prompt_rng"])
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise bad("prompt_rng", f"not a random.Random state ({exc})") from None
+    if not _count(driver["prompts_drawn"]):
+        raise bad("prompts_drawn", "not a count (an int >= 0)")
+    if not isinstance(driver["data_fingerprint"], str):
+        raise bad("data_fingerprint", "not a string")
+    nodes, shape = driver["node_rngs"], torch.Generator().get_state().shape
+    if not isinstance(nodes, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.shape == shape
+        for k, v in nodes.items()
+    ):
+        raise bad("node_rngs", "not {node: a torch.Generator's state}")
+    state = driver["graph_state"]
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in state.items()
+    ):
+        raise bad("graph_state", "not {name: number}")
+    versions = driver["generator_versions"]
+    if not isinstance(versions, dict) or not all(k in st.generators and _count(v) for k, v in versions.items()):
+        raise bad("generator_versions", f"not {{model: version >= 0}} over this run's models {sorted(st.generators)}")
+    buffers = driver["buffers"]
+    from flowrl.runtime.rollout import RolloutBuffer
+
+    if not isinstance(buffers, dict) or not all(
+        k in st.sources and isinstance(v, RolloutBuffer) for k, v in buffers.items()
+    ):
+        raise bad("buffers", f"not {{generate node: rollout buffer}} over this run's nodes {sorted(st.sources)}")
+    snap = driver["snapshot"]
+    names = {f.name for f in fields(Snapshot)}
+    if not isinstance(snap, dict) or set(snap) != names:
+        raise bad("snapshot", f"not the pipeline's snapshot (fields {sorted(names)})")
+    if snap["step"] != step or not _count(snap["next_step"]) or snap["next_step"] <= step:
+        raise bad("snapshot.step", f"not the checkpoint's step {step} (or next_step not after it)")
+    if not isinstance(snap["version0"], dict) or not all(_count(v) for v in snap["version0"].values()):
+        raise bad("snapshot.version0", "not {model: version >= 0}")
+    if not isinstance(snap["steps"], dict) or not all(
+        _count(k) and k > step and isinstance(v, dict) for k, v in snap["steps"].items()
+    ):
+        raise bad("snapshot.steps", "not {later step: its state}")
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1 << 62
 
 
 def restore(path: Path, driver: dict[str, Any], st: RunState, sync: Callable[[], None]) -> Snapshot:
@@ -280,32 +437,41 @@ def restore(path: Path, driver: dict[str, Any], st: RunState, sync: Callable[[],
 # ------------------------------------------------------------------ metrics.jsonl
 
 
+#: Fields of a step record that the CLI's summary and reward.png read: a number (or null where a step may lack it).
+_NUMBERS = {"reward": True, "kl": True, "response_length": True, "step_seconds": False}
+
+
 def completed_metrics(path: Path, last_step: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The step records of steps 0..``last_step`` in ``path`` and the evaluation records up to it,
     the file rewritten without what came after (steps a killed run did after its last checkpoint,
-    or a half-written line)."""
+    or a half-written line). A line before that which is not a record flowrl writes (not JSON, a
+    step out of order, a summary field that is not a number) is a ConfigError naming the line and
+    field, and the file is left as it is."""
     records: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
     kept: list[dict[str, Any]] = []
+    problem = ""
     if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
+        with path.open("rb") as fh:
+            for number, line in enumerate(fh, 1):
+                if len(records) > last_step and _record_problem(line, -1, last_step):
+                    break  # after the checkpoint's steps: dropped, the resumed run does them again
+                problem = _record_problem(line, len(records), last_step)
+                if problem:
+                    problem = f"line {number}: {problem}"
+                    break
                 record = msgspec.json.decode(line)
-            except msgspec.DecodeError:
-                break
-            if isinstance(record, dict) and record.get("kind") == "eval":  # after step-1 updates
-                if isinstance(record.get("step"), int) and record["step"] <= last_step + 1:
-                    evals.append(record)
-                    kept.append(record)
-                continue
-            if len(records) > last_step or not isinstance(record, dict) or record.get("step") != len(records):
-                break
-            records.append(record)
-            kept.append(record)
+                if record.get("kind") == "eval":  # after step-1 updates
+                    if record["step"] <= last_step + 1:
+                        evals.append(record)
+                        kept.append(record)
+                    continue
+                records.append(record)
+                kept.append(record)
     if len(records) != last_step + 1:
         raise ConfigError(
             f"'{path}' holds {len(records)} complete step(s), but the checkpoint is after step {last_step}; "
-            "the run folder is inconsistent."
+            f"the run folder is inconsistent{f' ({problem})' if problem else ''}. The file is left as it is."
         )
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w") as fh:
@@ -314,6 +480,29 @@ def completed_metrics(path: Path, last_step: int) -> tuple[list[dict[str, Any]],
         os.fsync(fh.fileno())
     tmp.replace(path)
     return records, evals
+
+
+def _record_problem(line: bytes, step: int, last_step: int) -> str:
+    """Why ``line`` is not the record of step ``step`` (or an evaluation) of metrics.jsonl; "" when it is."""
+    try:
+        record = msgspec.json.decode(line)
+    except msgspec.DecodeError as exc:
+        return f"not JSON ({exc}; {len(line)} bytes)"
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not a record"
+    seen = record.get("step")
+    if not isinstance(seen, int) or isinstance(seen, bool):
+        return f"field 'step' is {type(seen).__name__}, not an int"
+    if record.get("kind") == "eval":
+        return "" if 0 <= seen else "field 'step' is negative"
+    if seen != step:
+        return f"field 'step' is {seen}, where step {step} comes"
+    for key, optional in _NUMBERS.items():
+        value = record.get(key)
+        if (value is None and optional) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            continue
+        return f"field '{key}' is {type(value).__name__ if key in record else 'missing'}, not a number"
+    return ""
 
 
 def publish_models(run: Path, trainers: Mapping[str, Any], step_checkpoint: Path | None) -> dict[str, Path]:

@@ -80,6 +80,9 @@ def draw_measured_vs_predicted(
 ) -> None:
     """Two timelines on one time axis each: what ran (per device group) and what ``predictor`` predicted
     (without one, the measured timeline alone)."""
+    from flowrl.runtime.trackers import cache_dir, default_env
+
+    default_env("MPLCONFIGDIR", cache_dir(path.parent, "matplotlib"))  # its font cache: in the run folder
     import matplotlib
 
     matplotlib.use("Agg")

@@ -23,6 +23,16 @@ the numbers of each metrics.jsonl record, sent to each tracker at the record's s
   and trackio have no purge: such a step can show twice there (the resumed run repeats its numbers).
 - Each library is imported only when its logger is asked for (``pip install 'flowrl[trackers]'``
   installs all four). trackio fixes its folder when it is imported, so it runs in a child process.
+- **Nothing outside the run folder.** A library's cache, config and log folders default to
+  ``<run>/.cache/<library>`` (`default_env`: ``WANDB_DIR``, ``WANDB_CACHE_DIR``, ``WANDB_CONFIG_DIR``,
+  ``WANDB_DATA_DIR``, ``WANDB_ARTIFACT_DIR``; ``MPLCONFIGDIR`` for the plots; ``HF_HOME`` in trackio's
+  child); a variable the user set wins.
+- **Failures.** A library whose import fails (a broken install, an ``__init__`` that raises or exits)
+  is a ConfigError naming the logger and the package. A tracker that fails while logging or closing is
+  dropped with one warning on stderr and the run goes on: metrics.jsonl and the checkpoints have every
+  step. ``trackers.json`` is read as untrusted input: not JSON, an unknown logger or a run id that is not
+  1-64 letters, digits, ``-`` or ``_`` is a ConfigError naming the file and field (remove the file to
+  start new tracker runs; metrics.jsonl keeps the numbers).
 """
 
 from __future__ import annotations
@@ -40,10 +50,54 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from flowrl.errors import BackendError, ConfigError, did_you_mean
+from flowrl.errors import BackendError, ConfigError, FlowRLError, did_you_mean
 
 IDS = "trackers.json"  # in the run folder: {logger: run id} for the trackers that resume by id
 PROJECT = "flowrl"  # wandb project, MLflow experiment and trackio project
+RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a tracker run id as trackers.json may hold it
+MAX_IDS_BYTES = 64 << 10
+
+#: The variables `default_env` set (to this process's current run folder), so the next run moves them
+#: while a value the user set stays.
+_SET: dict[str, str] = {}
+
+
+def default_env(var: str, value: Path | str) -> str:
+    """Set environment variable ``var`` to ``value`` unless the user set it (a value flowrl set for an
+    earlier run in this process is replaced); the variable's value now."""
+    if var not in os.environ or os.environ[var] == _SET.get(var):
+        os.environ[var] = _SET[var] = str(value)
+    return os.environ[var]
+
+
+def cache_dir(run_dir: Path, library: str) -> Path:
+    """Where ``library`` keeps its caches, config and logs for the run in ``run_dir``."""
+    return (run_dir / ".cache" / library).resolve()
+
+
+def read_ids(run_dir: Path) -> dict[str, str]:
+    """``trackers.json`` of ``run_dir`` ({} when absent): {logger: run id}, checked."""
+    path = run_dir / IDS
+    if not path.exists():
+        return {}
+    fix = "remove it to start new tracker runs (metrics.jsonl keeps every number)"
+    try:
+        if path.stat().st_size > MAX_IDS_BYTES:
+            raise ValueError(f"{path.stat().st_size} bytes, more than flowrl writes")
+        ids = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"'{path}' is unreadable ({type(exc).__name__}: {str(exc)[:200]}); {fix}.") from None
+    if not isinstance(ids, dict):
+        raise ConfigError(f"'{path}' holds a JSON {type(ids).__name__}, not {{logger: run id}}; {fix}.")
+    for name, run_id in ids.items():
+        if name not in TRACKERS:
+            raise ConfigError(f"'{path}', field {name[:60]!r}: not a logger ({', '.join(TRACKERS)}); {fix}.")
+        if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
+            raise ConfigError(
+                f"'{path}', field '{name}': {str(run_id)[:60]!r} is not a run id (1-64 letters, digits, '-' or '_'); "
+                f"{fix}."
+            )
+    return ids
 
 
 def flat_metrics(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -79,6 +133,7 @@ class TensorBoard:
 
     def __init__(self, run_dir: Path, run_name: str, config: dict[str, Any], resume: bool, run_id: str | None):
         self.dir, self.resume, self.config = run_dir / "tensorboard", resume, config
+        _import(self.module, "tensorboard")
         self.writer: Any = None  # made at the first step: a resumed run purges from there on
         self.kept: list[tuple[int, dict[str, float]]] = []
         self.id = None
@@ -116,7 +171,11 @@ class WandB:
     def __init__(self, run_dir: Path, run_name: str, config: dict[str, Any], resume: bool, run_id: str | None):
         if os.environ.get("WANDB_MODE", "offline") in ("offline", "dryrun"):
             os.environ.setdefault("WANDB_ERROR_REPORTING", "false")  # wandb's telemetry, sent even offline
-        import wandb
+        cache = cache_dir(run_dir, "wandb")
+        default_env("WANDB_DIR", run_dir.resolve())
+        for var, sub in (("CACHE", "cache"), ("CONFIG", "config"), ("DATA", "data"), ("ARTIFACT", "artifacts")):
+            default_env(f"WANDB_{var}_DIR", cache / sub)
+        wandb = _import(self.module, "wandb")
 
         self.id = (resume and run_id) or uuid.uuid4().hex[:12]
         self.run = wandb.init(
@@ -150,6 +209,7 @@ class MLflow:
             os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # read when mlflow is imported
             folder.mkdir(parents=True, exist_ok=True)
             uri = f"sqlite:///{folder / 'mlflow.db'}"
+        _import(self.module, "mlflow")
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
@@ -213,7 +273,7 @@ class Trackio:
                 stdin=subprocess.PIPE,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "TRACKIO_DIR": str(folder)},
+                env={**os.environ, "TRACKIO_DIR": str(folder), "HF_HOME": _hf_home(run_dir)},
                 text=True,
                 start_new_session=True,  # Ctrl-C stops the run, not its logger: end of input finishes it
             )
@@ -242,6 +302,28 @@ class Trackio:
     def _failed(self, code: int) -> None:
         tail = self.output.read_text().strip().splitlines()[-1:] if self.output.is_file() else []
         raise BackendError(f"the trackio logger stopped (exit {code}): {' '.join(tail)} (its output: {self.output})")
+
+
+def _hf_home(run_dir: Path) -> str:
+    """trackio's child's Hugging Face folder: the user's ``HF_HOME``, else one in the run folder."""
+    return os.environ.get("HF_HOME") or str(cache_dir(run_dir, "huggingface"))
+
+
+def _import(logger: str, module: str) -> Any:
+    """``module`` imported for ``--logger logger``; ConfigError naming both when its import fails
+    (a broken install, an ``__init__`` that raises or calls sys.exit)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # SystemExit too: a package must not end the run
+        raise ConfigError(
+            f"--logger {logger} (log.loggers): importing the '{module}' package failed ({type(exc).__name__}: "
+            f"{str(exc)[:300]}); its install is broken: reinstall it (pip install --force-reinstall {module}) or "
+            f"drop {logger} from --logger."
+        ) from None
 
 
 #: --logger NAME -> its tracker.
@@ -274,10 +356,14 @@ class Trackers:
         return bool(self.backends)
 
     def log(self, record: dict[str, Any], step: int) -> None:
+        """Each tracker's ``log``; one that raises is warned about and dropped (the run goes on)."""
         metrics = flat_metrics(record)
         if metrics:
-            for backend in self.backends:
-                backend.log(metrics, step)
+            for backend in list(self.backends):
+                try:
+                    backend.log(metrics, step)
+                except Exception as err:
+                    self._drop(backend, f"failed at step {step}", err)
 
     def resumed(self, records: list[dict[str, Any]]) -> None:
         """The records a resumed run keeps (its metrics.jsonl): TensorBoard re-sends those at or after
@@ -288,16 +374,35 @@ class Trackers:
                 backend.resumed(kept)
 
     def close(self) -> None:
-        """Ends every tracker's run, then raises the first error one of them had."""
-        errors = []
-        for backend in self.backends:
+        """Ends every tracker's run; one that fails is warned about (the others still close)."""
+        backends, self.backends = self.backends, []
+        for backend in backends:
             try:
                 backend.close()
-            except Exception as err:  # the others still close
-                errors.append(err)
-        self.backends = []
-        if errors:
-            raise errors[0]
+            except Exception as err:
+                print(f"flowrl: warning: {_logger(backend)} failed to close: {_why(err)}", file=sys.stderr, flush=True)
+
+    def _drop(self, backend: Any, what: str, err: BaseException) -> None:
+        self.backends.remove(backend)
+        try:
+            backend.close()
+        except Exception:  # it failed already: the first error is the one to see
+            pass
+        print(
+            f"flowrl: warning: {_logger(backend)} {what} ({_why(err)}); it is dropped for the rest of the run "
+            "(metrics.jsonl and the checkpoints have every step).",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _logger(backend: Any) -> str:
+    name = next((n for n, cls in TRACKERS.items() if isinstance(backend, cls)), type(backend).__name__)
+    return f"--logger {name}"
+
+
+def _why(err: BaseException) -> str:
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
 
 
 def check_loggers(names: Sequence[str]) -> None:
@@ -325,11 +430,19 @@ def open_trackers(names: Sequence[str], run_dir: Path, run_name: str, config: di
         return Trackers([])
     run_dir.mkdir(parents=True, exist_ok=True)
     ids_path = run_dir / IDS
-    ids: dict[str, str] = json.loads(ids_path.read_text()) if resume and ids_path.is_file() else {}
+    ids = read_ids(run_dir) if resume else {}
     backends: list[Any] = []
     try:
         for name in dict.fromkeys(names):
-            backend = TRACKERS[name](run_dir, run_name, config, resume, ids.get(name))
+            try:
+                backend = TRACKERS[name](run_dir, run_name, config, resume, ids.get(name))
+            except (FlowRLError, KeyboardInterrupt):
+                raise
+            except BaseException as exc:  # SystemExit too: a library must not end the run unexplained
+                raise BackendError(
+                    f"--logger {name} (log.loggers) could not start its run in '{run_dir}': {_why(exc)}. Fix the "
+                    f"'{TRACKERS[name].module}' install or its settings, or drop {name} from --logger."
+                ) from None
             backends.append(backend)
             if backend.id is not None:
                 ids[name] = backend.id
