@@ -141,6 +141,7 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
         "log": {"loggers": [n.strip() for n in args.logger.split(",") if n.strip()]}
         if getattr(args, "logger", None)
         else None,
+        "trust_remote_code": True if getattr(args, "trust_remote_code", False) else None,
     }
 
 
@@ -208,9 +209,11 @@ def _resume(args: argparse.Namespace) -> tuple[Any, Any, Path]:
     if not (folder / "plan.yaml").is_file():
         what = "does not exist" if not folder.exists() else "is not a run folder (it has no plan.yaml)"
         raise ConfigError(f"--resume '{folder}' {what}; name a folder a run wrote, e.g. runs/grpo.")
-    plan = load_plan(folder / "plan.yaml")
-    if settings:
-        plan = plan.with_run_settings(settings)
+    plan = _own_trust(load_plan(folder / "plan.yaml"), settings)
+    if plan.config.log.loggers:  # before any worker starts: a damaged trackers.json is named now
+        from flowrl.runtime.trackers import read_ids
+
+        read_ids(folder)
     graph = _graph_of_plan(args, plan, "--resume", str(folder))
     if args.steps is not None and args.steps != plan.config.steps:
         from flowrl.runtime.checkpoint import latest
@@ -227,13 +230,34 @@ def _resume(args: argparse.Namespace) -> tuple[Any, Any, Path]:
     return graph, plan, folder
 
 
+def _own_trust(plan: Any, settings: dict[str, Any]) -> Any:
+    """``plan`` with the run settings of this command line; ``trust_remote_code`` only as this command
+    line gives it: a plan file or a run folder's plan.yaml never lets a model folder's code run."""
+    settings = {**settings, "trust_remote_code": bool(settings.get("trust_remote_code"))}
+    if plan.config.trust_remote_code == settings["trust_remote_code"]:
+        settings.pop("trust_remote_code")
+    return plan.with_run_settings(settings) if settings else plan
+
+
+def _check_model_code(cfg: Any) -> None:
+    """Refuse, before anything loads, a --model folder with its own Python when the run does not trust it."""
+    from flowrl.specs import check_remote_code, model_folders
+
+    default, named = model_folders(cfg.model)
+    for key, folder in {**({"": default} if default is not None else {}), **named}.items():
+        if Path(folder).is_dir():
+            check_remote_code(folder, cfg.trust_remote_code, f"--model {key + '=' if key else ''}folder")
+
+
 #: What a --plan or --resume run may change besides the plan: where the run goes and how it
 #: checkpoints and reports (specs.RUN_SETTINGS; --resume's folder is the run's own, and --steps extends it).
 _RUN_SETTINGS_HELP = {
     "--plan": "With --plan, only where the run goes and how it checkpoints and reports may change: --out DIR, --name "
-    "NAME, --save-every N, --set keep_checkpoints=N, --set progress=false, --logger NAMES, --set eval.*/log.*.",
+    "NAME, --save-every N, --set keep_checkpoints=N, --set progress=false, --logger NAMES, --set eval.*/log.*, "
+    "--trust-remote-code.",
     "--resume": "With --resume, only --steps N (to extend it) and how the run checkpoints and reports may change: "
-    "--save-every N, --set keep_checkpoints=N, --set progress=false, --logger NAMES, --set eval.*/log.*.",
+    "--save-every N, --set keep_checkpoints=N, --set progress=false, --logger NAMES, --set eval.*/log.*, "
+    "--trust-remote-code.",
 }
 
 
@@ -283,9 +307,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         graph, plan, folder = _resume(args)
     elif args.plan:
         settings = _run_settings(args, "--plan")
-        plan = load_plan(args.plan)
-        if settings:
-            plan = plan.with_run_settings(settings)
+        plan = _own_trust(load_plan(args.plan), settings)
         graph = _graph_of_plan(args, plan, "--plan", args.plan)
     else:
         kwargs = _load_kwargs(args)
@@ -306,6 +328,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
         executor.address = args.address
     cfg = plan.config
+    _check_model_code(cfg)
     doing = f"resuming {folder}" if folder is not None else "running"
     print(
         f"flowrl: {doing} {graph.name} ({plan.graph.source}) on task '{cfg.task}' for {cfg.steps} steps, plan {plan.id}"
@@ -721,6 +744,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _pin_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        dest="trust_remote_code",
+        help="let a --model folder run its own Python (an auto_map in config.json / tokenizer_config.json); only "
+        "for folders you trust. Without it such a folder is refused. A plan or run folder never grants it.",
+    )
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("plan", help="compile a graph into an execution plan")
     _config_args(p, run_out=False)

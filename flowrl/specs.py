@@ -233,7 +233,9 @@ class RunConfig(Spec):
     # an HF-format model directory for every model (None: build TinyModelConfig), or per model or
     # role: "actor=DIR,reward=DIR2" (a bare entry is the default); see `model_folders`
     model: str | None = None
-    # run a model folder's own Python (config.json auto_map) -- only for folders you trust (--trust-remote-code)
+    # run a model folder's own Python (an auto_map in its config.json or tokenizer_config.json): only for
+    # folders you trust. False: such a folder is refused, naming the file (never a question on stdin).
+    # A run setting: a plan file or run folder never grants it; `flowrl run --trust-remote-code` does.
     trust_remote_code: bool = False
     tiny_model: TinyModelConfig = TinyModelConfig()
     rollout: RolloutConfig = RolloutConfig()
@@ -371,6 +373,41 @@ class RunConfig(Spec):
                 raise ConfigError(f"config field '{field}' {why}.")
         if self.rollout.mode is not None:
             rollout_parts(self.rollout.mode)
+
+
+#: The files of an HF model folder whose ``auto_map`` names Python in the folder that transformers runs.
+REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
+
+
+def remote_code(folder: str | Path) -> list[str]:
+    """The files of model folder ``folder`` that ask transformers to run the folder's own Python (an
+    ``auto_map``), by name; [] for a plain model. Read as JSON only (nothing is imported)."""
+    import json
+
+    found = []
+    for name in REMOTE_CODE_FILES:
+        path = Path(folder) / name
+        try:
+            if not path.is_file() or path.stat().st_size > 64 << 20:
+                continue
+            data = json.loads(path.read_bytes())
+        except (OSError, ValueError, RecursionError):  # unreadable: the loader that reads it says so
+            continue
+        if isinstance(data, dict) and data.get("auto_map"):
+            found.append(name)
+    return found
+
+
+def check_remote_code(folder: str | Path, trust: bool, what: str = "model folder") -> None:
+    """ConfigError when ``folder`` holds code transformers would run (`remote_code`) and ``trust`` is off;
+    the message names the folder, the file and ``--trust-remote-code``."""
+    files = [] if trust else remote_code(folder)
+    if files:
+        raise ConfigError(
+            f"{what} '{folder}' holds its own Python code: {' and '.join(files)} has an 'auto_map' that transformers "
+            "would import and run. flowrl runs a model folder's code only when you say so: add --trust-remote-code "
+            "(config trust_remote_code: true) if you trust this folder, or use a folder without auto_map."
+        )
 
 
 def model_folders(model: str | None) -> tuple[str | None, dict[str, str]]:
@@ -605,7 +642,7 @@ OLDER_NAMES = {"backend": "executor"}
 
 #: Where a run goes and how it checkpoints and reports: not plan content. They may change for a
 #: ``--plan`` or ``--resume`` run without changing what is planned (the plan's id leaves them out).
-RUN_SETTINGS = ("out", "name", "save_every", "keep_checkpoints", "progress", "eval", "log")
+RUN_SETTINGS = ("out", "name", "save_every", "keep_checkpoints", "progress", "eval", "log", "trust_remote_code")
 
 #: Config sections and fields (dotted) added after plans were first written: a plan's id leaves
 #: them out while they hold their defaults, so a plan file an earlier flowrl wrote keeps its id.

@@ -66,6 +66,9 @@ class EngineContext:
     # the layout keeps the model's optimizer states in host memory between steps (for engines that
     # declare optimizer_offload)
     offload: bool = False
+    # the run allows a model folder's own Python (config.json / tokenizer_config.json auto_map):
+    # RunConfig.trust_remote_code, set by `flowrl run --trust-remote-code`
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,14 @@ def _training_engines(graph: Graph, plan: ExecutionPlan, reg: Registry) -> dict[
         torch.manual_seed(spec.seed + zlib.crc32(name.encode()))
         factory = reg.entry("training_engines", spec.training_engine, field="train.engine").obj
         source = engines.get(decl.init_from) if decl.init_from is not None else None
-        engines[name] = factory(EngineContext(decl=decl, spec=spec, device=plan.config.device, source=source))
+        ctx = EngineContext(
+            decl=decl,
+            spec=spec,
+            device=plan.config.device,
+            source=source,
+            trust_remote_code=plan.config.trust_remote_code,
+        )
+        engines[name] = factory(ctx)
     return engines
 
 

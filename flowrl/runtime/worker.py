@@ -243,6 +243,7 @@ class Worker:
                 group=self.dp_groups.get(place.group),
                 tp=plan.layout.layout(name).parallel.tp,
                 offload=plan.layout.layout(name).offload_optimizer,
+                trust_remote_code=plan.config.trust_remote_code,
             )
             self.trainers[name] = checked(built_by(train, ctx), TrainingEngine, train, name)
             built[name] = (self.trainers[name].tokenizer, self.trainers[name].hf_config)
@@ -266,7 +267,15 @@ class Worker:
             else:  # split tp > 1 over this rank's replica: each rank takes its slice of the template's weights
                 spec = plan.model_run(name)
                 ctx = EngineContext(
-                    decl=models[name], spec=spec, device=device, source=template, rank=at, world=tp, group=group, tp=tp
+                    decl=models[name],
+                    spec=spec,
+                    device=device,
+                    source=template,
+                    rank=at,
+                    world=tp,
+                    group=group,
+                    tp=tp,
+                    trust_remote_code=plan.config.trust_remote_code,
                 )
                 engine = built_by(gen, ctx)
             self.generators[name] = checked(engine, GenerationEngine, gen, name)
@@ -281,8 +290,12 @@ class Worker:
         """A one-rank, frozen copy of ``decl``'s initial weights (models build deterministically from the seed)."""
         frozen = msgspec.structs.replace(decl, trainable=False, init_from=None)
         spec = msgspec.structs.replace(plan.model_run(decl.name), optimizer=None)
+        trust = plan.config.trust_remote_code
         return checked(
-            built_by(train, EngineContext(decl=frozen, spec=spec, device=device)), TrainingEngine, train, decl.name
+            built_by(train, EngineContext(decl=frozen, spec=spec, device=device, trust_remote_code=trust)),
+            TrainingEngine,
+            train,
+            decl.name,
         )
 
     # ------------------------------------------------------------ engine calls

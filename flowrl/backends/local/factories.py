@@ -61,9 +61,12 @@ def training_engine(ctx: EngineContext) -> LocalModel:
     if source is not None and getattr(getattr(source, "spec", None), "checkpoint", None) != spec.checkpoint:
         writer, source = source.tokenizer, None  # a folder of its own (--model NAME=DIR)
     if source is None:
-        tokenizer = load_tokenizer(spec.checkpoint)
-        hf_config = model_config(spec.checkpoint, spec.tiny, tokenizer)
-        module = build_model(spec.checkpoint, hf_config, spec.seed, ctx.decl.scalar_head, ctx.decl.name)
+        trust = ctx.trust_remote_code
+        tokenizer = load_tokenizer(spec.checkpoint, trust_remote_code=trust)
+        hf_config = model_config(spec.checkpoint, spec.tiny, tokenizer, trust_remote_code=trust)
+        module = build_model(
+            spec.checkpoint, hf_config, spec.seed, ctx.decl.scalar_head, ctx.decl.name, trust_remote_code=trust
+        )
     elif _is_lora_base(ctx, source):
         return LoraBase(ctx.decl, source, spec)
     else:

@@ -2,6 +2,9 @@
 
 Any HF causal LM directory works (transformers + safetensors). With no directory, flowrl
 builds a tiny Llama with random weights and its character tokenizer: nothing is downloaded.
+A folder whose config.json or tokenizer_config.json has an ``auto_map`` (Python of its own) loads
+only with ``trust_remote_code`` (`RunConfig.trust_remote_code`, ``flowrl run --trust-remote-code``);
+without it such a folder is refused naming the file, before transformers could ask on stdin.
 A critic, reward or cost model (a scalar head) loads its trained head from a
 sequence-classification checkpoint (``LlamaForSequenceClassification``, ``num_labels=1``: its
 ``score``) or from flowrl's own save of such a model; from a causal LM its head starts fresh.
@@ -19,7 +22,7 @@ from torch import Tensor, nn
 
 from flowrl.contract.model import check_model_dir
 from flowrl.errors import BackendError
-from flowrl.specs import TinyModelConfig
+from flowrl.specs import TinyModelConfig, check_remote_code
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -35,17 +38,18 @@ def _quiet_transformers() -> None:
 _quiet_transformers()
 
 
-def load_tokenizer(path: str | None) -> Any:
+def load_tokenizer(path: str | None, trust_remote_code: bool = False) -> Any:
     """The tokenizer in ``path``, or flowrl's character tokenizer when ``path`` is None."""
     if path is None:
         from flowrl.tasks.tokenizer import build_tokenizer
 
         return build_tokenizer()
     check_model_dir(path)
+    check_remote_code(path, trust_remote_code)
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as exc:
         files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
         hint = (
@@ -87,15 +91,16 @@ def tiny_llama_config(cfg: TinyModelConfig, tokenizer: Any) -> Any:
     )
 
 
-def model_config(path: str | None, tiny: TinyModelConfig, tokenizer: Any) -> Any:
-    """The HF config of the base model (read from ``config.json``; nothing is loaded)."""
+def model_config(path: str | None, tiny: TinyModelConfig, tokenizer: Any, trust_remote_code: bool = False) -> Any:
+    """The HF config of the base model (read from ``config.json``; no weights are loaded)."""
     if path is None:
         return tiny_llama_config(tiny, tokenizer)
     check_model_dir(path)
+    check_remote_code(path, trust_remote_code)
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise BackendError(f"'{path}/config.json' is not a usable HF model config: {exc}") from None
     vocab = getattr(config, "vocab_size", None)
@@ -107,13 +112,14 @@ def model_config(path: str | None, tiny: TinyModelConfig, tokenizer: Any) -> Any
     return config
 
 
-def build_causal_lm(path: str | None, config: Any, seed: int) -> nn.Module:
+def build_causal_lm(path: str | None, config: Any, seed: int, trust_remote_code: bool = False) -> nn.Module:
     """Load weights from ``path``, or initialise ``config`` randomly (seeded)."""
     from transformers import AutoModelForCausalLM
 
     if path is None:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        # a folder's own config class exists here only if its folder was trusted (`model_config`)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", trust_remote_code=_custom(config))
     else:
         weights = (
             "model.safetensors",
@@ -127,14 +133,25 @@ def build_causal_lm(path: str | None, config: Any, seed: int) -> nn.Module:
                 "(a copy or a checkpoint write that was interrupted?). flowrl's own checkpoints are written whole or "
                 "not at all: use the newest runs/<name>/checkpoints/step-*/models/<model>."
             )
+        check_remote_code(path, trust_remote_code)
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                path, local_files_only=True, dtype=torch.float32, attn_implementation="eager", trust_remote_code=False
+                path,
+                local_files_only=True,
+                dtype=torch.float32,
+                attn_implementation="eager",
+                trust_remote_code=trust_remote_code,
             )
         except Exception as exc:
             raise BackendError(f"could not load a causal LM from '{path}': {type(exc).__name__}: {exc}") from None
     model.generation_config.pad_token_id = config.pad_token_id
     return model
+
+
+def _custom(config: Any) -> bool:
+    """Whether HF config ``config`` is a model folder's own class (its ``auto_map``): a fresh model of
+    it (a generation replica, a copy) is built from that folder's class, loaded when it was trusted."""
+    return bool(getattr(config, "auto_map", None))
 
 
 class ValueModel(nn.Module):
@@ -221,12 +238,14 @@ def _weight_names(folder: Path) -> set[str]:
         return set()
 
 
-def build_model(path: str | None, config: Any, seed: int, scalar_head: bool, name: str = "") -> nn.Module:
+def build_model(
+    path: str | None, config: Any, seed: int, scalar_head: bool, name: str = "", trust_remote_code: bool = False
+) -> nn.Module:
     """A graph model's module from folder ``path`` (None: fresh from ``config``, seeded): the causal
     LM, or for a scalar-head model (critic, reward, cost) a `ValueModel` whose head comes from the
     folder when it has one (`scalar_checkpoint`) and is fresh otherwise."""
     if not scalar_head:
-        return build_causal_lm(path, config, seed)
+        return build_causal_lm(path, config, seed, trust_remote_code)
     kind = "lm" if path is None else scalar_checkpoint(path)
     if kind == "lm":
         if path is not None:
@@ -236,20 +255,21 @@ def build_model(path: str | None, config: Any, seed: int, scalar_head: bool, nam
                 file=sys.stderr,
                 flush=True,
             )
-        return ValueModel(build_causal_lm(path, config, seed))
+        return ValueModel(build_causal_lm(path, config, seed, trust_remote_code))
     assert path is not None
+    check_remote_code(path, trust_remote_code)
     from transformers import AutoModel, AutoModelForSequenceClassification
 
     if kind == "flowrl":  # flowrl's own save: the bare decoder and value_head.safetensors
         from safetensors.torch import load_file
 
-        backbone = _pretrained(AutoModel, path, "a scalar-head model")
+        backbone = _pretrained(AutoModel, path, "a scalar-head model", trust_remote_code)
         try:
             head = load_file(str(Path(path) / VALUE_HEAD_FILE))
         except Exception as exc:
             raise BackendError(f"'{path}/{VALUE_HEAD_FILE}' is unreadable: {type(exc).__name__}: {exc}") from None
         return ValueModel(backbone, head)
-    model = _pretrained(AutoModelForSequenceClassification, path, "a sequence-classification model")
+    model = _pretrained(AutoModelForSequenceClassification, path, "a sequence-classification model", trust_remote_code)
     score = getattr(model, "score", None)
     if not isinstance(score, nn.Linear) or score.out_features != 1:
         labels = getattr(score, "out_features", None)
@@ -264,10 +284,14 @@ def build_model(path: str | None, config: Any, seed: int, scalar_head: bool, nam
     return ValueModel(model, dict(score.state_dict()))
 
 
-def _pretrained(auto: Any, path: str, what: str) -> nn.Module:
+def _pretrained(auto: Any, path: str, what: str, trust_remote_code: bool = False) -> nn.Module:
     try:
         return auto.from_pretrained(
-            path, local_files_only=True, dtype=torch.float32, attn_implementation="eager", trust_remote_code=False
+            path,
+            local_files_only=True,
+            dtype=torch.float32,
+            attn_implementation="eager",
+            trust_remote_code=trust_remote_code,
         )
     except Exception as exc:
         raise BackendError(f"could not load {what} from '{path}': {type(exc).__name__}: {exc}") from None
