@@ -42,6 +42,17 @@ from flowrl.runtime.rewardpool import run_coroutine
 from flowrl.tasks.environments import ReplyEpisode, Step
 
 
+def _tokenizer_template(tokenizer: Any) -> str | None:
+    """The tokenizer's own chat template (named so in a render's errors), or None."""
+    from flowrl.tasks import bounded
+    from flowrl.tasks.tools import resolve_template
+
+    template = resolve_template(tokenizer)
+    if template is not None and bounded.template_name(template) == "the chat template":
+        bounded.name_template(template, "the model tokenizer's chat template")
+    return template
+
+
 @dataclass
 class _Live:
     """The environment episode of one row, and how many of the row's turns it has seen (a row
@@ -98,7 +109,7 @@ class Episodes:
                 "episode(prompt) method (whose result has step(turn)) nor reply(prompt, turns)."
             )
         turn_tokens = node.turn_tokens or max(budget // node.turns, 1)
-        template = getattr(task, "template", None) or getattr(tokenizer, "chat_template", None)
+        template = getattr(task, "template", None) or _tokenizer_template(tokenizer)
         return cls(
             node.name, node.env, env, node.turns, tokenizer, budget, turn_tokens, node.env_tokens, template, concurrency
         )
@@ -263,7 +274,10 @@ class Episodes:
                     f"node '{self.node}': environment '{self.env_name}' returned tool results, which the chat template "
                     "renders, but the prompts have none (data.chat_template)."
                 )
-            return tool_text(self.tokenizer, self.template, step.tool_results, ended_at_eos)
+            try:  # rendered within flowrl.tasks.bounded's time and size limits
+                return tool_text(self.tokenizer, self.template, step.tool_results, ended_at_eos)
+            except FlowRLError as exc:
+                raise type(exc)(f"node '{self.node}': environment '{self.env_name}': {exc}") from None
         return step.text or ""
 
     def _apply(self, row: Any, turn: Turn, step: Step, version: int, ended_at_eos: bool) -> None:

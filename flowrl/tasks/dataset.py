@@ -9,7 +9,10 @@ json, csv or parquet files or ``datasets.save_to_disk`` folders:
 - ``data.system_prompt`` is prepended as a system turn; the tokenizer's chat template renders the
   turns (``data.chat_template``: ``auto`` uses it when the tokenizer has one, ``none`` never, or a
   Jinja template file).
-- Prompts longer than ``data.max_prompt_tokens`` are dropped (counted and reported) or truncated.
+- Prompts longer than ``data.max_prompt_tokens`` are dropped (counted and reported) or truncated
+  (``data.overlong``); without it, the limit is the model's context (``max_position_embeddings``
+  of the folder's config.json, ``tiny_model.max_position_embeddings``) less the response budget,
+  but never under half the context (the engine cuts a response at the context's end).
 - The run walks the rows epoch by epoch, each epoch in its own seeded order; where it is is the
   prompt stream's cursor (``prompts_drawn``), which every checkpoint holds, so a resume mid-epoch
   loses and repeats no prompt.
@@ -17,13 +20,18 @@ json, csv or parquet files or ``datasets.save_to_disk`` folders:
   against the row's ground truth.
 
 Every problem with the user's files is a ``ConfigError`` that names the file, row, column or
-field at fault.
+field at fault. Every file is untrusted (`flowrl.tasks.bounded` holds the limits): a jsonl line is
+read with a bounded ``readline`` and refused past 8 MiB, JSON nested past 64 levels is refused
+before it is parsed, a .json file (parsed whole) is refused past 64 MiB (give jsonl), a
+``save_to_disk`` folder's JSON is checked (its data files are plain files in the folder: a path in
+state.json never reaches outside it) before ``datasets`` reads it, and chat templates render within
+a time and size limit. A model folder's tokenizer is read from its files only
+(``local_files_only``), and its own Python (``auto_map``) runs only with ``--trust-remote-code``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,8 +41,9 @@ from typing import Any, ClassVar
 import msgspec
 
 from flowrl.contract.data import Prompt
-from flowrl.errors import ConfigError
+from flowrl.errors import ConfigError, plain_name
 from flowrl.specs import DATA_TASK, DataConfig, RunConfig, model_folders
+from flowrl.tasks import bounded
 
 #: The response budget when rollout.max_new_tokens is not set (a dataset has no answer lengths to go by).
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -55,20 +64,21 @@ class DataReport:
 
     rows: dict[str, int] = field(default_factory=dict)  # rows read, per split
     kept: dict[str, int] = field(default_factory=dict)
-    dropped_long: dict[str, int] = field(default_factory=dict)  # over data.max_prompt_tokens
+    dropped_long: dict[str, int] = field(default_factory=dict)  # over the prompt limit
     truncated: dict[str, int] = field(default_factory=dict)
     longest: dict[str, int] = field(default_factory=dict)  # the longest prompt kept, in tokens
     templated: bool = False
     evaluated: bool = True  # eval.every > 0 (data.val is read for evaluation only)
+    limit: str = "data.max_prompt_tokens"  # what the prompt limit is (data.max_prompt_tokens or the context's)
 
     def lines(self) -> list[str]:
         out = []
         for split, rows in self.rows.items():
             text = f"data {split}: {self.kept[split]} prompts of {rows} rows"
             if self.dropped_long.get(split):
-                text += f", {self.dropped_long[split]} dropped as longer than data.max_prompt_tokens"
+                text += f", {self.dropped_long[split]} dropped as longer than {self.limit}"
             if self.truncated.get(split):
-                text += f", {self.truncated[split]} truncated to data.max_prompt_tokens"
+                text += f", {self.truncated[split]} truncated to {self.limit}"
             text += " (chat template applied)" if self.templated else ""
             if split == "val" and not self.evaluated:
                 text += "; not evaluated: eval.every is 0 (set eval.every=N to evaluate every N steps)"
@@ -174,6 +184,8 @@ def load(cfg: RunConfig) -> DataTask:
     _check_verifier(cfg)
     folder = actor_folder(cfg.model)
     key = (
+        cfg.trust_remote_code,
+        cfg.tiny_model.max_position_embeddings,
         tuple(_stamp(f) for f in data.files("train")),
         tuple(_stamp(f) for f in data.files("val")),
         msgspec.json.encode(data),
@@ -183,11 +195,12 @@ def load(cfg: RunConfig) -> DataTask:
     )
     if key not in _LOADED:
         _LOADED.clear()
-        tokenizer = load_tokenizer(folder)
+        tokenizer = load_tokenizer(folder, cfg.trust_remote_code)
         template = chat_template(data, tokenizer)
-        report = DataReport(templated=template is not None)
+        limit, what = prompt_limit(cfg, folder, tokenizer)
+        report = DataReport(templated=template is not None, limit=what)
         splits = {
-            split: rows_to_prompts(split, data, read_rows(split, data), tokenizer, template, report)
+            split: rows_to_prompts(split, data, read_rows(split, data), tokenizer, template, report, limit)
             if data.files(split)  # type: ignore[arg-type]
             else []
             for split in ("train", "val")
@@ -195,7 +208,7 @@ def load(cfg: RunConfig) -> DataTask:
         if not splits["train"]:
             raise ConfigError(
                 f"data.train: no prompt is left of {report.rows['train']} rows ({report.dropped_long['train']} longer "
-                f"than data.max_prompt_tokens={data.max_prompt_tokens}); raise it or set data.overlong=truncate."
+                f"than {what}); raise data.max_prompt_tokens or set data.overlong=truncate."
             )
         _LOADED[key] = DataTask(
             splits["train"],
@@ -237,34 +250,101 @@ def actor_folder(model: str | None) -> str | None:
     return named.get("actor", default)
 
 
-def load_tokenizer(folder: str | None) -> Any:
-    """The tokenizer of model folder ``folder``; the character tokenizer of the tiny model without one."""
+def load_tokenizer(folder: str | None, trust_remote_code: bool = False) -> Any:
+    """The tokenizer of model folder ``folder`` (its files only: never the Hub, and its own Python --
+    ``auto_map`` -- only with ``trust_remote_code``); the character tokenizer of the tiny model without one."""
     if folder is None:
         from flowrl.tasks.tokenizer import build_tokenizer
 
         return build_tokenizer()
     from transformers import AutoTokenizer
 
+    if not trust_remote_code:
+        _refuse_remote_code(Path(folder))
     try:
-        return AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as exc:
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        if "trust_remote_code" in str(exc):
+            raise ConfigError(_remote_code_refused(folder, "its config")) from None
         raise ConfigError(f"--model '{folder}': no tokenizer could be read there ({_first_line(exc)}).") from None
 
 
+def _refuse_remote_code(folder: Path) -> None:
+    """A model folder whose tokenizer_config.json or config.json maps classes to its own Python
+    (``auto_map``) is refused without --trust-remote-code (transformers would ask on the terminal)."""
+    for name in ("tokenizer_config.json", "config.json"):
+        path = folder / name
+        if not path.is_file():
+            continue
+        value = bounded.read_json_file(path, f"--model '{folder}':")
+        if not isinstance(value, dict):
+            raise ConfigError(f"--model '{folder}': {name} is {type(value).__name__}, not a JSON object.")
+        if value.get("auto_map"):
+            raise ConfigError(_remote_code_refused(str(folder), name))
+
+
+def _remote_code_refused(folder: str, where: str) -> str:
+    return (
+        f"--model '{folder}': {where} names Python code of the folder's own (auto_map), which runs only for a "
+        "folder you trust: give --trust-remote-code (trust_remote_code=true) to run it, or use a folder without it."
+    )
+
+
+def prompt_limit(cfg: RunConfig, folder: str | None, tokenizer: Any) -> tuple[int | None, str]:
+    """The longest prompt kept, in tokens, and what it is (for the report): data.max_prompt_tokens, or
+    else the model's context less the response budget (at least half the context), or None when the
+    model says nothing of its context."""
+    if cfg.data.max_prompt_tokens is not None:
+        return cfg.data.max_prompt_tokens, "data.max_prompt_tokens"
+    context = cfg.tiny_model.max_position_embeddings if folder is None else model_context(folder, tokenizer)
+    if context is None:
+        return None, "data.max_prompt_tokens"
+    budget = cfg.rollout.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    limit = max(context - budget, context // 2, 1)
+    return limit, f"the model's context ({context} tokens) less the response budget: {limit} tokens"
+
+
+#: config.json fields that give a model's context, first found first
+_CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def model_context(folder: str, tokenizer: Any = None) -> int | None:
+    """The context of the model in ``folder`` (prompt + response, in tokens): its config.json's (or its
+    text_config's), else the tokenizer's model_max_length when that is a real one; None when unknown."""
+    path = Path(folder) / "config.json"
+    config = bounded.read_json_file(path, f"--model '{folder}':") if path.is_file() else {}
+    for section in (config, config.get("text_config") if isinstance(config, dict) else None):
+        if not isinstance(section, dict):
+            continue
+        for name in _CONTEXT_FIELDS:
+            value = section.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    length = getattr(tokenizer, "model_max_length", None)
+    return length if isinstance(length, int) and 0 < length < 1 << 24 else None
+
+
 def chat_template(data: DataConfig, tokenizer: Any) -> str | None:
-    """The Jinja chat template the prompts are rendered with, or None (the text goes as it is)."""
+    """The Jinja chat template the prompts are rendered with, or None (the text goes as it is); it
+    compiles (`flowrl.tasks.bounded.compile_template`) or is refused, naming where it came from."""
     choice = data.chat_template
     if choice == "none":
         return None
     if choice == "auto":
-        return getattr(tokenizer, "chat_template", None) or None
+        template = getattr(tokenizer, "chat_template", None) or None
+        if isinstance(template, dict):  # several named templates: the default one
+            template = template.get("default") or next(iter(template.values()), None)
+        if not isinstance(template, str):
+            return None
+        bounded.compile_template(template, "the tokenizer's chat template (data.chat_template=auto)")
+        return template
     path = Path(choice)
     if not path.is_file():
         raise ConfigError(
             f"data.chat_template '{choice}' is not a file; give auto (the tokenizer's template when it has one), "
             "none, or a Jinja template file."
         )
-    return path.read_text()
+    return bounded.read_template(path, f"data.chat_template '{choice}'")
 
 
 def read_rows(split: str, data: DataConfig) -> list[dict[str, Any]]:
@@ -287,7 +367,10 @@ def read_rows(split: str, data: DataConfig) -> list[dict[str, Any]]:
                 f"'{data.verifier}' verifier compares responses with; its columns: {', '.join(columns)}. Name it "
                 "with --set data.answer_key=COLUMN."
             )
-        rows.extend({**row, "__file__": name, "__row__": i + 1} for i, row in enumerate(table))
+        try:
+            rows.extend({**row, "__file__": name, "__row__": i + 1} for i, row in enumerate(table))
+        except Exception as exc:  # a data file that is cut short or damaged shows when its rows are read
+            raise ConfigError(f"data.{split} file '{name}' cannot be read: {_first_line(exc)}") from None
     return rows
 
 
@@ -300,9 +383,10 @@ def _read_file(split: str, name: str) -> Any:
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a reader's failure is our one error paragraph
     if path.is_dir():
+        _check_folder(split, path)
         try:
             loaded = datasets.load_from_disk(str(path))
-        except (FileNotFoundError, ValueError) as exc:
+        except Exception as exc:  # pyarrow's, datasets' and json's errors of a damaged folder
             raise ConfigError(
                 f"data.{split} folder '{name}' is not a datasets.save_to_disk folder ({_first_line(exc)})."
             ) from None
@@ -339,59 +423,107 @@ def _from(builder: str, path: Path) -> Any:
 
 def _check_json(split: str, path: Path) -> None:
     """A malformed line of a jsonl file (or a json file that is not a list of rows), named before
-    `datasets` fails on it with an error that does not say where."""
+    `datasets` fails on it with an error that does not say where. Lines are read with a bounded
+    readline (`flowrl.tasks.bounded.lines`): one longer than MAX_LINE_BYTES is refused unparsed."""
+    where = f"data.{split} file '{path}'"
+    first = _first_char(path)
+    if first == "":
+        raise ConfigError(f"{where} holds no rows.")
+    size = path.stat().st_size
+    document = path.suffix.lower() == ".json" and first in "[{"
+    if document and first == "[" and size > bounded.MAX_JSON_FILE_BYTES:
+        raise ConfigError(
+            f"{where} is {size >> 20} MiB, over the {bounded.MAX_JSON_FILE_BYTES >> 20} MiB a .json file (read whole) "
+            "may hold (flowrl.tasks.bounded.MAX_JSON_FILE_BYTES): write the rows as jsonl, one JSON object a line."
+        )
+    if document and size <= bounded.MAX_JSON_FILE_BYTES:
+        value = _document(where, path, strict=first == "[")
+        if first == "[":
+            if not isinstance(value, list):
+                raise ConfigError(f"{where} is not a JSON list of rows.")
+            bad = next((i for i, r in enumerate(value) if not isinstance(r, dict)), None)
+            if bad is not None:
+                raise ConfigError(f"{where}: item {bad + 1} is not an object of columns.")
+            if not value:
+                raise ConfigError(f"{where} holds no rows.")
+            return
+        if isinstance(value, dict) and _multiline(path):
+            _one_object(split, path, value)
+    seen = 0
+    with path.open("rb") as f:
+        try:
+            for number, raw in bounded.lines(f):
+                seen += _check_line(where, number, raw)
+        except bounded.JSONRefused as exc:  # a line over the cap
+            raise ConfigError(
+                f"{where}: {exc}; a row that long is no prompt (split the file or leave the row out)."
+            ) from None
+    if not seen:
+        raise ConfigError(f"{where} holds no rows.")
+
+
+def _check_line(where: str, number: int, raw: bytes) -> int:
+    """1 for line ``number`` of a jsonl file that holds a row object, 0 for a blank one; else refused."""
+    try:
+        text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{where}: line {number} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); save "
+            "the file as UTF-8."
+        ) from None
+    if not text.strip():
+        return 0
+    try:
+        row = bounded.loads(text, unique_keys=True)
+    except bounded.JSONRefused as exc:
+        raise ConfigError(
+            f"{where}: line {number} is not valid JSON ({exc}); each line of a jsonl file holds one row as a JSON "
+            "object."
+        ) from None
+    if not isinstance(row, dict):
+        raise ConfigError(
+            f"{where}: line {number} is not a JSON object of columns (it is a JSON {type(row).__name__}; one row a line)."
+        )
+    return 1
+
+
+def _first_char(path: Path) -> str:
+    """The first character of a file that is not white space (a UTF-8 BOM skipped), or "" for none."""
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 16):
+            text = chunk.lstrip(b" \t\r\n").removeprefix(b"\xef\xbb\xbf").lstrip(b" \t\r\n")
+            if text:
+                return chr(text[0])
+    return ""
+
+
+def _multiline(path: Path) -> bool:
+    with path.open("rb") as f:
+        return sum(1 for _, line in bounded.lines(f, bounded.MAX_JSON_FILE_BYTES) if line.strip()) > 1
+
+
+def _document(where: str, path: Path, strict: bool) -> Any:
+    """A .json file parsed whole (its size checked by the caller): the value, or None for text that
+    is not one JSON document (rows a line: the jsonl check names the bad line) unless ``strict``."""
     raw = path.read_bytes()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
         raise ConfigError(
-            f"data.{split} file '{path}': line {line} is not UTF-8 text (byte 0x{raw[exc.start]:02x}); save the file "
-            "as UTF-8."
+            f"{where}: line {line} is not UTF-8 text (byte 0x{raw[exc.start]:02x}); save the file as UTF-8."
         ) from None
-    stripped = text.lstrip()
-    if path.suffix.lower() == ".json" and stripped.startswith("["):
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"data.{split} file '{path}' is not valid JSON: {exc.msg} at line {exc.lineno}."
-            ) from None
-        bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
-        if bad is not None:
-            raise ConfigError(f"data.{split} file '{path}': item {bad + 1} is not an object of columns.")
-        if not rows:
-            raise ConfigError(f"data.{split} file '{path}' holds no rows.")
-        return
-    if path.suffix.lower() == ".json" and stripped.startswith("{") and len(stripped.rstrip().splitlines()) > 1:
-        _one_object(split, path, text)
-    seen = 0
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"data.{split} file '{path}': line {number} is not valid JSON ({exc.msg}); each line of a jsonl file "
-                "holds one row as a JSON object."
-            ) from None
-        if not isinstance(row, dict):
-            raise ConfigError(f"data.{split} file '{path}': line {number} is not a JSON object of columns.")
-        seen += 1
-    if not seen:
-        raise ConfigError(f"data.{split} file '{path}' holds no rows.")
+    try:
+        return bounded.loads(text, unique_keys=True)
+    except bounded.JSONRefused as exc:
+        if not strict:
+            return None
+        raise ConfigError(f"{where} is not valid JSON: {exc}.") from None
 
 
-def _one_object(split: str, path: Path, text: str) -> None:
+def _one_object(split: str, path: Path, value: dict[str, Any]) -> None:
     """A .json file written as one (indented) object: rows nested under a key, or columns of lists,
     named as such rather than as a jsonl file whose first line is broken."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return  # lines of rows, one of them malformed: the jsonl check names it
-    if not isinstance(value, dict):
-        return
     keys = ", ".join(list(value)[:8])
     if value and all(isinstance(v, list) for v in value.values()):
         shape = f"columns ({keys}), each a list"
@@ -403,6 +535,75 @@ def _one_object(split: str, path: Path, text: str) -> None:
     )
 
 
+#: the fields of a datasets.save_to_disk folder's state.json, and the types each may have
+_STATE_FIELDS: dict[str, tuple[type, ...]] = {
+    "_data_files": (list,),
+    "_fingerprint": (str, type(None)),
+    "_format_columns": (list, type(None)),
+    "_format_kwargs": (dict,),
+    "_format_type": (str, type(None)),
+    "_output_all_columns": (bool,),
+    "_split": (str, type(None)),
+}
+
+
+def _check_folder(split: str, path: Path) -> None:
+    """A ``datasets.save_to_disk`` folder's JSON, checked before ``datasets`` reads it: dataset_dict.json
+    names split folders inside it; each split's state.json names data files that are plain files in
+    its folder (no path in it reaches outside), and its dataset_info.json is a JSON object."""
+    where = f"data.{split} folder '{path}'"
+    listing = path / "dataset_dict.json"
+    if listing.is_file():
+        value = bounded.read_json_file(listing, f"{where}:")
+        splits = value.get("splits") if isinstance(value, dict) else None
+        if not isinstance(splits, list) or not splits or not all(isinstance(s, str) for s in splits):
+            raise ConfigError(f'{where}: dataset_dict.json must hold {{"splits": [names of split folders]}}.')
+        for name in splits:
+            if not plain_name(name) or not _inside(path, path / name) or not (path / name).is_dir():
+                raise ConfigError(
+                    f"{where}: dataset_dict.json names the split {name!r}, which is not a folder inside it."
+                )
+            _check_split(f"{where}: split '{name}'", path / name)
+        return
+    if not (path / "state.json").is_file():
+        raise ConfigError(
+            f"{where} is not a datasets.save_to_disk folder (it has neither state.json nor dataset_dict.json)."
+        )
+    _check_split(where, path)
+
+
+def _check_split(where: str, folder: Path) -> None:
+    state = bounded.read_json_file(folder / "state.json", f"{where}:")
+    if not isinstance(state, dict):
+        raise ConfigError(f"{where}: state.json is a JSON {type(state).__name__}, not an object.")
+    for key, types in _STATE_FIELDS.items():
+        if key in state and not isinstance(state[key], types):
+            raise ConfigError(
+                f"{where}: state.json field {key!r} is {type(state[key]).__name__}, not "
+                f"{' or '.join('null' if t is type(None) else t.__name__ for t in types)}."
+            )
+    files = state.get("_data_files")
+    if not files:
+        raise ConfigError(f"{where}: state.json names no data files ('_data_files').")
+    for entry in files:
+        name = entry.get("filename") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not plain_name(name):
+            raise ConfigError(
+                f"{where}: state.json names the data file {name if name is not None else entry!r}, which is not a "
+                "file name in the folder (no '/', '\\' or '..': a saved dataset's files lie in its folder)."
+            )
+        if not (folder / name).is_file() or not _inside(folder, folder / name):
+            raise ConfigError(f"{where}: the data file '{name}' that state.json names is not in the folder.")
+    info = folder / "dataset_info.json"
+    if info.is_file() and not isinstance(bounded.read_json_file(info, f"{where}:"), dict):
+        raise ConfigError(f"{where}: dataset_info.json is not a JSON object.")
+
+
+def _inside(folder: Path, path: Path) -> bool:
+    """Whether ``path`` (links followed) lies in ``folder``."""
+    return path.resolve().is_relative_to(folder.resolve())
+
+
 def rows_to_prompts(
     split: str,
     data: DataConfig,
@@ -410,8 +611,10 @@ def rows_to_prompts(
     tokenizer: Any,
     template: str | None,
     report: DataReport,
+    limit: int | None = None,
 ) -> list[Prompt]:
-    """Each row as a Prompt: the rendered text, the ground truth, the other columns as metadata."""
+    """Each row as a Prompt: the rendered text, the ground truth, the other columns as metadata; one
+    longer than ``limit`` tokens dropped or truncated (data.overlong)."""
     from flowrl.tasks.verifiers import ground_truth
 
     prompts = []
@@ -425,13 +628,13 @@ def rows_to_prompts(
         meta = {k: v for k, v in row.items() if k not in (data.prompt_key, data.answer_key, "__file__", "__row__")}
         text = _render(where, turns, tokenizer, template)
         count = _count(tokenizer, text, template)
-        if data.max_prompt_tokens is not None and count > data.max_prompt_tokens:
+        if limit is not None and count > limit:
             if data.overlong == "drop":
                 report.dropped_long[split] += 1
                 continue
-            text = _truncate(where, turns, tokenizer, template, data.max_prompt_tokens)
+            text = _truncate(where, turns, tokenizer, template, limit, report.limit)
             report.truncated[split] += 1
-            count = data.max_prompt_tokens
+            count = limit
         report.longest[split] = max(report.longest.get(split, 0), count)
         messages = tuple(turns) if template is not None else ()  # re-rendered with an environment's tools
         prompts.append(Prompt(text=text, answer=answer, meta=meta, templated=template is not None, messages=messages))
@@ -479,13 +682,8 @@ def _turns(where: str, data: DataConfig, value: Any) -> list[dict[str, str]]:
 
 
 def _render(where: str, turns: list[dict[str, str]], tokenizer: Any, template: str | None) -> str:
-    if template is not None:
-        try:
-            return tokenizer.apply_chat_template(
-                turns, tokenize=False, add_generation_prompt=True, chat_template=template
-            )
-        except Exception as exc:  # jinja errors of the user's template
-            raise ConfigError(f"{where}: the chat template could not render it: {_first_line(exc)}") from None
+    if template is not None:  # within the time and size limits; its errors name the row and the template
+        return bounded.render_chat(tokenizer, template, turns, where=where, add_generation_prompt=True)
     if len(turns) > 1 and any(t["role"] not in ("system", "user") for t in turns):
         raise ConfigError(
             f"{where}: the prompt is a conversation with {', '.join(t['role'] for t in turns)} turns, which needs a "
@@ -498,7 +696,9 @@ def _count(tokenizer: Any, text: str, template: str | None) -> int:
     return len(tokenizer(text, add_special_tokens=template is None)["input_ids"])
 
 
-def _truncate(where: str, turns: list[dict[str, str]], tokenizer: Any, template: str | None, limit: int) -> str:
+def _truncate(
+    where: str, turns: list[dict[str, str]], tokenizer: Any, template: str | None, limit: int, what: str
+) -> str:
     """The prompt re-rendered with its last user turn cut (from the end) so that it fits in ``limit`` tokens.
 
     The cut falls between characters of the text as written (found by bisection on its length), never
@@ -513,8 +713,8 @@ def _truncate(where: str, turns: list[dict[str, str]], tokenizer: Any, template:
     overhead = _count(tokenizer, rendered(0), template)
     if overhead >= limit:
         raise ConfigError(
-            f"{where}: data.max_prompt_tokens={limit} leaves no room for the prompt's text: the rest of the prompt "
-            f"(the system prompt, earlier turns and the chat template) takes {overhead} tokens. Raise "
+            f"{where}: the prompt limit ({what}: {limit}) leaves no room for the prompt's text: the rest of the "
+            f"prompt (the system prompt, earlier turns and the chat template) takes {overhead} tokens. Raise "
             "data.max_prompt_tokens, or set data.overlong=drop."
         )
     fits, over = 0, len(content)  # rendered(fits) fits; the whole text does not
@@ -526,8 +726,8 @@ def _truncate(where: str, turns: list[dict[str, str]], tokenizer: Any, template:
             over = mid
     if fits == 0:
         raise ConfigError(
-            f"{where}: data.max_prompt_tokens={limit} leaves no room for even one character of the prompt's text "
-            f"(the rest of the prompt takes {overhead} tokens). Raise data.max_prompt_tokens, or set "
+            f"{where}: the prompt limit ({what}: {limit}) leaves no room for even one character of the prompt's "
+            f"text (the rest of the prompt takes {overhead} tokens). Raise data.max_prompt_tokens, or set "
             "data.overlong=drop."
         )
     return rendered(fits)

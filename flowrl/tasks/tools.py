@@ -5,9 +5,12 @@ a model turn, tool results rendered back as the template writes them.
   ``apply_chat_template``), so the model reads the schema as its template shows it. A template that
   does not render tools is refused: the model would be asked to call tools it never saw.
 - `parse_tool_calls`: the ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks of a
-  turn (the Hermes format Qwen2.5, SmolLM3 and others use); a block that is not such JSON counts as bad.
+  turn (the Hermes format Qwen2.5, SmolLM3 and others use); a block that is not such JSON counts as bad,
+  as does one nested deeper than `flowrl.tasks.bounded.MAX_JSON_DEPTH` (the model's text is untrusted).
 - `tool_text`: what the template writes between the model's turn and its next one for ``role: tool``
   messages: the end of the assistant turn, the tool turn(s), and the next assistant header.
+- Every render goes through `flowrl.tasks.bounded.render_chat`: transformers' variables, within a time
+  and size limit; a template that fails or passes a limit is a ConfigError naming it.
 - `ToolEnvironment`: an environment whose tools are Python functions (schemas from their signatures
   and docstrings, `transformers.utils.get_json_schema`); a turn's calls run in order, and a turn
   without a call is the final answer, which ends the episode.
@@ -22,24 +25,26 @@ from typing import Any
 
 from flowrl.contract.data import Prompt, ToolCall, Turn
 from flowrl.errors import ConfigError
+from flowrl.tasks import bounded
 
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _MARK = "\x00flowrl-turn\x00"  # stands for a turn's content while the template renders around it
 
 
 def parse_tool_calls(text: str) -> tuple[tuple[ToolCall, ...], int]:
-    """The tool calls in ``text`` and how many ``<tool_call>`` blocks were not a valid call."""
+    """The tool calls in ``text`` and how many ``<tool_call>`` blocks were not a valid call (not JSON,
+    or nested past `flowrl.tasks.bounded.MAX_JSON_DEPTH`)."""
     calls, bad = [], 0
     for body in _CALL.findall(text):
         try:
-            data = json.loads(body)
+            data = bounded.loads(body)
         except ValueError:
             bad += 1
             continue
         args = data.get("arguments", {}) if isinstance(data, dict) else None
         if isinstance(args, str):  # some models write the arguments as a JSON string
             try:
-                args = json.loads(args)
+                args = bounded.loads(args)
             except ValueError:
                 args = None
         if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not isinstance(args, dict):
@@ -49,8 +54,21 @@ def parse_tool_calls(text: str) -> tuple[tuple[ToolCall, ...], int]:
     return tuple(calls), bad
 
 
-def _render(tokenizer: Any, template: str | None, messages: Sequence[dict[str, Any]], **kw: Any) -> str:
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, chat_template=template, **kw)
+def _render(tokenizer: Any, template: str | None, messages: Sequence[dict[str, Any]], where: str, **kw: Any) -> str:
+    """``apply_chat_template(messages, tokenize=False, ...)`` within the limits (the tokenizer's own
+    template when ``template`` is None)."""
+    template = template or resolve_template(tokenizer)
+    if template is None:
+        raise ConfigError(f"{where}: the tokenizer has no chat template; give one with data.chat_template=FILE.")
+    return bounded.render_chat(tokenizer, template, messages, where=where, **kw)
+
+
+def resolve_template(tokenizer: Any) -> str | None:
+    """The tokenizer's chat template (its default one, when it has several named ones), or None."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default") or next(iter(template.values()), None)
+    return template if isinstance(template, str) and template else None
 
 
 def with_tools(prompt: Prompt, tools: Sequence[dict[str, Any]], tokenizer: Any, template: str | None) -> Prompt:
@@ -60,8 +78,9 @@ def with_tools(prompt: Prompt, tools: Sequence[dict[str, Any]], tokenizer: Any, 
             f"the environment offers tools, but prompt {prompt.text[:60]!r} was not rendered by a chat template: "
             "tools need chat prompts (data.chat_template, or a model whose tokenizer has one)."
         )
-    text = _render(tokenizer, template, prompt.messages, tools=list(tools), add_generation_prompt=True)
-    if text == _render(tokenizer, template, prompt.messages, add_generation_prompt=True):
+    where = "the prompt with the environment's tools"
+    text = _render(tokenizer, template, prompt.messages, where, tools=list(tools), add_generation_prompt=True)
+    if text == _render(tokenizer, template, prompt.messages, where, add_generation_prompt=True):
         raise ConfigError(
             "the chat template does not render tools (apply_chat_template(tools=...) wrote the same prompt): give a "
             "template that does with data.chat_template=FILE (examples/templates/chatml_tools.jinja is one)."
@@ -73,9 +92,14 @@ def tool_text(tokenizer: Any, template: str | None, results: Sequence[str], ende
     """The text the chat template writes after an assistant turn for tool messages ``results``, up to
     the next assistant turn's header. The turn's own EOS (when it ended at one) is not repeated."""
     base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
-    before = _render(tokenizer, template, base)
+    where = "the tool results"
+    before = _render(tokenizer, template, base, where)
     after = _render(
-        tokenizer, template, [*base, *({"role": "tool", "content": r} for r in results)], add_generation_prompt=True
+        tokenizer,
+        template,
+        [*base, *({"role": "tool", "content": r} for r in results)],
+        where,
+        add_generation_prompt=True,
     )
     if not after.startswith(before) or _MARK not in before:
         raise ConfigError(
