@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import torch
@@ -112,16 +112,15 @@ class Weights:
     @_computes
     def load_state(self, path: Path) -> int:
         """Restore what `save_state` wrote (each rank keeps its shard); returns the version."""
-        from safetensors.torch import load_file
 
         if self.lora is not None:
             return self._load_adapter_state(path)
         try:
-            version = int(msgspec.json.decode((path / "engine.json").read_bytes())["version"])
-            weights = load_file(str(path / "model.safetensors"))
+            version = _engine_version(path)
+            weights = _tensors(path / "model.safetensors")
             if isinstance(self.module, ValueModel):
                 weights = {f"backbone.{k}": v for k, v in weights.items()}
-                weights |= {f"head.{k}": v for k, v in load_file(str(path / VALUE_HEAD_FILE)).items()}
+                weights |= {f"head.{k}": v for k, v in _tensors(path / VALUE_HEAD_FILE).items()}
         except Exception as exc:
             raise BackendError(
                 f"checkpoint of model '{self.decl.name}' in '{path}' is unreadable: {type(exc).__name__}: {exc}."
@@ -146,11 +145,10 @@ class Weights:
 
     def _load_adapter_state(self, path: Path) -> int:
         """Restore a LoRA model's adapters (its base is rebuilt as at the start) and optimizer state."""
-        from safetensors.torch import load_file
 
         try:
-            version = int(msgspec.json.decode((path / "engine.json").read_bytes())["version"])
-            adapter = load_file(str(path / ADAPTER_FILE))
+            version = _engine_version(path)
+            adapter = _tensors(path / ADAPTER_FILE)
         except Exception as exc:
             raise BackendError(
                 f"checkpoint of model '{self.decl.name}' in '{path}' has no readable LoRA adapters "
@@ -170,12 +168,27 @@ class Weights:
         ``path``; the engine is at ``version`` again."""
         from flowrl.runtime.checkpoint import load_tree
 
+        own = self.module.state_dict()
+        for key, value in weights.items():
+            want = own[key].shape if key in own else None  # a DTensor's is the whole tensor's
+            if want is not None and tuple(value.shape) != tuple(want):
+                raise BackendError(
+                    f"checkpoint of model '{self.decl.name}' in '{path}': tensor '{key}' has shape "
+                    f"{list(value.shape)}, the model's is {list(want)}; it is not this model's checkpoint."
+                )
         if self.distributed:
             tensor.load_whole(self.module, dict(weights))
         else:
             self.module.load_state_dict(weights, strict=False)
         if self.optimizer is not None:  # a trainable model's checkpoint always holds its optimizer state
-            self._load_optimizer_state(load_tree(path / "optimizer"))
+            state = load_tree(path / "optimizer")
+            try:
+                self._load_optimizer_state(state)
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as exc:
+                raise BackendError(
+                    f"checkpoint file '{path / 'optimizer.json'}' (with optimizer.safetensors) does not fit model "
+                    f"'{self.decl.name}''s optimizer: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}."
+                ) from None
         self.version = version
         self.restores += 1
         return version
@@ -218,6 +231,31 @@ class Weights:
         else:
             save_hf(module, path)
         self.tokenizer.save_pretrained(path)
+
+
+class _EngineFile(msgspec.Struct, forbid_unknown_fields=True):
+    """``engine.json`` of a model's checkpoint folder."""
+
+    version: Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]  # the weights' version (train steps taken)
+
+
+def _engine_version(path: Path) -> int:
+    """The version in ``path/engine.json`` (a msgspec error names the field: the caller reports it with the file)."""
+    file = path / "engine.json"
+    try:
+        return msgspec.json.decode(file.read_bytes(), type=_EngineFile).version
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"'{file.name}': {exc}") from None
+
+
+def _tensors(file: Path) -> dict[str, Tensor]:
+    """The tensors of safetensors ``file``; an error names the file (the caller reports it with the folder)."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(file))
+    except Exception as exc:
+        raise ValueError(f"'{file.name}': {type(exc).__name__}: {exc}") from None
 
 
 def _untied_keys(module: nn.Module) -> set[str]:
