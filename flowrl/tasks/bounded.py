@@ -64,12 +64,11 @@ _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 
 
-def json_depth(text: str, limit: int = MAX_JSON_DEPTH) -> int:
-    """How deeply the arrays and objects of JSON ``text`` nest (counting stops past ``limit``)."""
+def json_depth(text: str, limit: int | None = None) -> int:
+    """How deeply the arrays and objects of JSON ``text`` nest (counting stops past ``limit``,
+    `MAX_JSON_DEPTH` by default)."""
+    limit = MAX_JSON_DEPTH if limit is None else limit
     shape = _NOT_BRACKET.sub("", _STRING.sub("", text))
-    opens = shape.count("[") + shape.count("{")
-    if opens <= limit:
-        return opens
     depth = deepest = 0
     for char in shape:
         depth += 1 if char in "[{" else -1
@@ -109,9 +108,11 @@ def loads(text: str, *, unique_keys: bool = False) -> Any:
         raise JSONRefused(str(exc).split(";")[0]) from None
 
 
-def lines(stream: BinaryIO, limit: int = MAX_LINE_BYTES) -> Iterator[tuple[int, bytes]]:
-    """(line number, bytes) of each line of ``stream``, none held past ``limit`` bytes: a longer line
-    raises `JSONRefused` (``line N is longer than ...``) having read at most ``limit + 1`` bytes of it."""
+def lines(stream: BinaryIO, limit: int | None = None) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of each line of ``stream``, none held past ``limit`` bytes (`MAX_LINE_BYTES`
+    by default): a longer line raises `JSONRefused` (``line N is longer than ...``) having read at most
+    ``limit + 1`` bytes of it."""
+    limit = MAX_LINE_BYTES if limit is None else limit
     number = 0
     while True:
         line = stream.readline(limit + 1)
@@ -119,17 +120,22 @@ def lines(stream: BinaryIO, limit: int = MAX_LINE_BYTES) -> Iterator[tuple[int, 
             return
         number += 1
         if len(line) > limit:
-            raise JSONRefused(f"line {number} is longer than {limit >> 20} MiB (flowrl.tasks.bounded.MAX_LINE_BYTES)")
+            raise JSONRefused(f"line {number} is longer than {_size(limit)} (flowrl.tasks.bounded.MAX_LINE_BYTES)")
         yield number, line
 
 
-def read_json_file(path: Path, what: str, limit: int = MAX_META_BYTES) -> Any:
-    """The JSON document in file ``path`` (named ``what`` in errors): at most ``limit`` bytes of UTF-8,
-    nested at most `MAX_JSON_DEPTH` levels, no key twice."""
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n:,} bytes"
+
+
+def read_json_file(path: Path, what: str, limit: int | None = None) -> Any:
+    """The JSON document in file ``path`` (named ``what`` in errors): at most ``limit`` bytes
+    (`MAX_META_BYTES` by default) of UTF-8, nested at most `MAX_JSON_DEPTH` levels, no key twice."""
+    limit = MAX_META_BYTES if limit is None else limit
     try:
         size = path.stat().st_size
         if size > limit:
-            raise ConfigError(f"{what} '{path}' is {size >> 20} MiB, over the {limit >> 20} MiB a JSON file may hold.")
+            raise ConfigError(f"{what} '{path}' is {_size(size)}, over the {_size(limit)} a JSON file may hold.")
         with path.open("rb") as f:
             raw = f.read(limit + 1)
     except OSError as exc:

@@ -388,7 +388,7 @@ def _read_file(split: str, name: str) -> Any:
             loaded = datasets.load_from_disk(str(path))
         except Exception as exc:  # pyarrow's, datasets' and json's errors of a damaged folder
             raise ConfigError(
-                f"data.{split} folder '{name}' is not a datasets.save_to_disk folder ({_first_line(exc)})."
+                f"data.{split} folder '{name}' cannot be read as a datasets.save_to_disk folder ({_first_line(exc)})."
             ) from None
         if isinstance(loaded, datasets.DatasetDict):
             found = next((s for s in SPLIT_NAMES[split] if s in loaded), None)
@@ -482,7 +482,8 @@ def _check_line(where: str, number: int, raw: bytes) -> int:
         ) from None
     if not isinstance(row, dict):
         raise ConfigError(
-            f"{where}: line {number} is not a JSON object of columns (it is a JSON {type(row).__name__}; one row a line)."
+            f"{where}: line {number} is not a JSON object of columns (it is a JSON {type(row).__name__}; one row "
+            "a line)."
         )
     return 1
 
