@@ -9,6 +9,8 @@ one error naming where it is, never a RecursionError, a hang or a process killed
   Python's parser recurses into it);
 - a jsonl line is at most `MAX_LINE_BYTES` (8 MiB): `lines` reads with a bounded ``readline``, so a
   longer line is refused having held no more than the cap in memory;
+- a prompt, from any file format (csv, parquet, a saved folder), is at most `MAX_PROMPT_CHARS`
+  (8 Mi characters) before a tokenizer sees it;
 - a .json file (one JSON document, parsed whole) is at most `MAX_JSON_FILE_BYTES` (64 MiB): bigger
   data goes in a jsonl file, which is read a row at a time; a JSON metadata file (state.json,
   config.json, ...) at most `MAX_META_BYTES` (16 MiB); a chat template file `MAX_TEMPLATE_BYTES` (1 MiB);
@@ -39,6 +41,8 @@ from flowrl.errors import ConfigError
 MAX_JSON_DEPTH = 64
 #: a jsonl line longer than this (bytes, its newline included) is refused before it is parsed
 MAX_LINE_BYTES = 8 << 20
+#: a prompt (its turns' text, from any file format) longer than this is refused before it is tokenized
+MAX_PROMPT_CHARS = 8 << 20
 #: a .json file (one document) larger than this is refused: give the rows as jsonl
 MAX_JSON_FILE_BYTES = 64 << 20
 #: a JSON metadata file (a datasets folder's state.json, a model's config.json) larger than this is refused

@@ -22,11 +22,12 @@ json, csv or parquet files or ``datasets.save_to_disk`` folders:
 Every problem with the user's files is a ``ConfigError`` that names the file, row, column or
 field at fault. Every file is untrusted (`flowrl.tasks.bounded` holds the limits): a jsonl line is
 read with a bounded ``readline`` and refused past 8 MiB, JSON nested past 64 levels is refused
-before it is parsed, a .json file (parsed whole) is refused past 64 MiB (give jsonl), a
-``save_to_disk`` folder's JSON is checked (its data files are plain files in the folder: a path in
-state.json never reaches outside it) before ``datasets`` reads it, and chat templates render within
-a time and size limit. A model folder's tokenizer is read from its files only
-(``local_files_only``), and its own Python (``auto_map``) runs only with ``--trust-remote-code``.
+before it is parsed, a prompt of over 8 Mi characters (any format) before it is tokenized, a .json
+file (parsed whole) is refused past 64 MiB (give jsonl), a ``save_to_disk`` folder's JSON is
+checked (its data files are plain files in the folder: a path in state.json never reaches outside
+it) before ``datasets`` reads it, and chat templates render within a time and size limit. A model
+folder's tokenizer is read from its files only (``local_files_only``), and its own Python
+(``auto_map``) runs only with ``--trust-remote-code``.
 """
 
 from __future__ import annotations
@@ -624,6 +625,12 @@ def rows_to_prompts(
     for row in rows:
         where = f"data.{split} file '{row['__file__']}' row {row['__row__']}"
         turns = _turns(where, data, row[data.prompt_key])
+        chars = sum(len(t["content"]) for t in turns)
+        if chars > bounded.MAX_PROMPT_CHARS:  # before a tokenizer holds gigabytes for it
+            raise ConfigError(
+                f"{where}: the prompt is {chars:,} characters, over the {bounded.MAX_PROMPT_CHARS:,} a prompt may "
+                "have (flowrl.tasks.bounded.MAX_PROMPT_CHARS); leave the row out."
+            )
         kind = "regex" if data.verifier == "regex" else "math"  # a pattern is kept as written
         answer = ground_truth(row.get(data.answer_key), kind) if data.answer_key in row else ""
         meta = {k: v for k, v in row.items() if k not in (data.prompt_key, data.answer_key, "__file__", "__row__")}

@@ -142,6 +142,18 @@ def test_bounded_lines_stop_a_long_line_at_the_cap(tmp_path):
         assert f.tell() <= 6 + 1001
 
 
+@pytest.mark.parametrize("suffix", ["parquet", "csv"])
+def test_a_prompt_past_the_character_cap_in_any_format_is_refused_before_tokenizing(tmp_path, monkeypatch, suffix):
+    import datasets
+
+    monkeypatch.setattr(bounded, "MAX_PROMPT_CHARS", 1000)
+    path = tmp_path / f"rows.{suffix}"
+    table = datasets.Dataset.from_list([*ROWS, {"prompt": "x" * 1001, "answer": "1"}])
+    table.to_parquet(str(path)) if suffix == "parquet" else table.to_csv(str(path), index=False)
+    message = refused(cfg_for(str(path)))
+    assert f"rows.{suffix}' row 5: the prompt is 1,001 characters, over the 1,000" in message
+
+
 def test_a_json_file_over_the_cap_is_refused_and_told_to_use_jsonl(tmp_path, monkeypatch):
     monkeypatch.setattr(bounded, "MAX_JSON_FILE_BYTES", 1000)
     path = tmp_path / "big.json"
