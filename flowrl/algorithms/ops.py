@@ -442,30 +442,50 @@ def verbosity_cost(prompts: list[Prompt], responses: list[str], task: Any) -> tu
 
 
 def code_reward(
-    prompts: list[Prompt], responses: list[str], task: Any, template: str = "{response}", wall_s: float = 5.0
+    prompts: list[Prompt],
+    responses: list[str],
+    task: Any,
+    template: str = "{response}",
+    wall_s: float = 5.0,
+    forgeable: bool = False,
 ) -> tuple[list[float], dict[str, float]]:
-    """Model-written Python run against the prompt's tests in the sandbox (`flowrl.tasks.sandbox`,
-    bubblewrap): the fraction of ``prompt.meta["tests"]`` (assert statements: a list, or one per line)
-    that pass. The response (its fenced code block, when it has one) is put into ``template`` first,
-    e.g. ``template="f = lambda x: {response}"``. The same code for the same tests runs once per call
-    (a group's repeated answers). Metrics: ``all_passed`` (the fraction passing every test),
-    ``sandbox_runs`` and ``timeouts``, ``crashed``, ``forged`` (runs that ended so)."""
-    from flowrl.tasks import sandbox
+    """Model-written Python judged by its outputs (`flowrl.tasks.code_tests`): the fraction of
+    ``prompt.meta["tests"]`` that pass. Tests are asserts (a list, or one per line) over calls of the
+    functions the code defines -- ``assert f(2) == 4``, ``assert f(1) - f(0) == 1`` -- or stdin/stdout pairs
+    (``{"input": ..., "output": ...}``). The code runs in the sandbox (`flowrl.tasks.sandbox`) and only
+    returns values or output; the verdict is made here against expected values that never reach it, so the
+    code cannot forge a pass. ``prompt.meta["entry_point"]`` names the function a test's ``candidate``
+    stands for (HumanEval). ``forgeable=True`` instead execs each assert after the code in the sandboxed
+    process (any assert form, for trusted code: code under test can forge that). The response (its fenced
+    code block, when it has one) is put into ``template`` first, e.g. ``template="f = lambda x: {response}"``.
+    The same code for the same tests runs once per call (a group's repeated answers). Metrics:
+    ``all_passed`` (the fraction passing every test), ``sandbox_runs`` and ``timeouts``, ``crashed``,
+    ``forged`` (runs that ended so)."""
+    from flowrl.tasks import code_tests, sandbox
 
     limits = sandbox.Limits(wall_s=wall_s, cpu_s=max(1, int(wall_s)))
     scores, status = [], {"timeout": 0, "crashed": 0, "forged": 0, "output": 0}
-    runs: dict[tuple[str, tuple[str, ...]], sandbox.Result] = {}  # a response repeated for its prompt runs once
+    runs: dict[tuple[str, tuple[str, ...]], code_tests.Verdict] = {}  # a response repeated for its prompt runs once
+    parsed: dict[tuple[Any, ...], list[code_tests.Test]] = {}
     for p, r in zip(prompts, responses):
-        tests = p.meta.get("tests", [])
-        tests = [t for t in tests.splitlines() if t.strip()] if isinstance(tests, str) else list(tests)
-        if not tests:
+        raw = p.meta.get("tests", [])
+        raw = [t for t in raw.splitlines() if t.strip()] if isinstance(raw, str) else list(raw)
+        if not raw:
             raise ValueError(f"prompt {p.text[:60]!r} has no tests (meta 'tests'): the code reward has nothing to run")
-        job = (template.format(response=sandbox.code_of(r)), tuple(tests))
+        key = tuple(repr(t) for t in raw) + (repr(p.meta.get("entry_point")),)
+        if not forgeable and key not in parsed:
+            entry = p.meta.get("entry_point")
+            rename = {"candidate": entry} if isinstance(entry, str) and entry.isidentifier() else None
+            parsed[key] = code_tests.parse_tests(raw, where=f"prompt {p.text[:60]!r}", rename=rename)
+        job = (template.format(response=sandbox.code_of(r)), key)
         if job not in runs:
-            runs[job] = sandbox.run_tests(job[0], tests, limits)
+            if forgeable:
+                runs[job] = code_tests.run_asserts(job[0], [str(t) for t in raw], limits)
+            else:
+                runs[job] = code_tests.judge(job[0], parsed[key], limits)
             if runs[job].status in status:
                 status[runs[job].status] += 1
-        scores.append(sum(runs[job].passed) / len(tests))
+        scores.append(sum(runs[job].passed) / len(raw))
     n = max(len(scores), 1)
     return scores, {
         "all_passed": round(sum(s == 1.0 for s in scores) / n, 4),

@@ -211,7 +211,7 @@ class Expr(TaskBase, frozen=True, kw_only=True):
     asserts (``prompt.meta["tests"]``: ``assert f(0) == 3``, ``assert f(1) - f(0) == 1``, ...); ``"x+3"`` (or
     ``"3+x"``) passes all. Some asserts test a property (the slope), so a partly right expression
     (``"x"``, ``"3"``) passes some: the score is the fraction passed, run in the code sandbox
-    (`flowrl.tasks.sandbox`, bubblewrap) -- the built-in ``code`` reward with
+    (`flowrl.tasks.sandbox`, judged outside it by `flowrl.tasks.code_tests`) -- the built-in ``code`` reward with
     ``template="f = lambda x: {response}"`` scores alike."""
 
     name: ClassVar[str] = "expr"
@@ -238,14 +238,15 @@ class Expr(TaskBase, frozen=True, kw_only=True):
 
     def score(self, prompt: Prompt, response: str) -> float:
         """The fraction of the prompt's asserts the response passes, run in the sandbox."""
-        from flowrl.tasks import sandbox
+        from flowrl.tasks import code_tests, sandbox
 
         tests = list(prompt.meta.get("tests", ()))
         if not tests:
             return char_score(prompt.answer, response)
         code = self.TEMPLATE.format(response=sandbox.code_of(response))  # a fenced answer as the code reward reads it
-        result = sandbox.run_tests(code, tests, sandbox.Limits(wall_s=5.0, cpu_s=2))
-        return sum(result.passed) / len(tests)
+        parsed = code_tests.parse_tests(tests, where=f"expr prompt {prompt.text!r}")
+        verdict = code_tests.judge(code, parsed, sandbox.Limits(wall_s=5.0, cpu_s=2))
+        return sum(verdict.passed) / len(tests)
 
 
 BUILTIN_TASKS: dict[str, type[TaskBase]] = {"add": Add, "copy": Copy, "repeat": Repeat, "calc": Calc, "expr": Expr}

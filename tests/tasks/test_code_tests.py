@@ -1,0 +1,182 @@
+"""Code judged by its outputs (flowrl/tasks/code_tests.py): tests are parsed, the sandboxed code only
+computes, and the verdict is made here -- for asserts of MBPP and HumanEval form, property asserts,
+stdin/stdout tests, and (explicitly forgeable) asserts run inside the sandbox."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+
+from flowrl.algorithms.ops import code_reward
+from flowrl.contract.data import Prompt
+from flowrl.tasks.code_tests import Call, TestError, judge, parse_assert, parse_tests, run_asserts
+from flowrl.tasks.sandbox import Limits, code_of
+
+LIMITS = Limits(wall_s=3, cpu_s=2)
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+
+
+def test_an_assert_is_parsed_into_the_calls_the_sandbox_makes():
+    test = parse_assert("assert f(1) - f(0) == 1", where="p")
+    assert test.calls == (Call("f", "(1, )", "{}"), Call("f", "(0, )", "{}"))
+    mbpp = parse_assert("assert similar_elements((3, 4, 5, 6), (5, 7, 4, 10)) == (4, 5)", where="p")
+    assert mbpp.calls == (Call("similar_elements", "((3, 4, 5, 6), (5, 7, 4, 10), )", "{}"),)
+    keyword = parse_assert("assert math.isclose(area(r=2), 12.566, rel_tol=0.001)", where="p")
+    assert keyword.calls == (Call("area", "()", "{'r': 2}"),)
+
+
+@pytest.mark.parametrize(
+    ("test", "why"),
+    [
+        ("for i in range(3): assert f(i) == i", "not one assert"),
+        ("assert f(g(1)) == 2", "not a literal"),
+        ("assert f(x) == 2", "not a literal"),
+        ("assert __import__('os').system('id') == 0", "call of"),
+        ("assert f(1).real == 1", "Attribute"),
+        ("assert (lambda: f(1))() == 1", "call of"),
+        ("assert f(1) is 1", "'is' compares only"),
+        ("assert True", "calls no function"),
+        ("assert f(1) ==", "not Python"),
+        ("assert math.system(1)", "math.system"),
+        ("assert f(*[1]) == 1", "'*'"),
+        ("assert f(" * 2000 + ")" * 2000, "nested too deeply|not Python"),
+    ],
+)
+def test_an_assert_that_cannot_be_judged_outside_is_refused_naming_it(test, why):
+    with pytest.raises(TestError, match=why) as err:
+        parse_assert(test, where="prompt 'p' test 3")
+    assert "prompt 'p' test 3" in str(err.value)
+
+
+def test_tests_mixing_kinds_or_shaped_wrong_are_refused_naming_the_prompt():
+    with pytest.raises(TestError, match="mixes asserts"):
+        parse_tests(["assert f(1) == 1", {"input": "", "output": ""}], where="prompt 'p'")
+    with pytest.raises(TestError, match="test 0: .*exactly 'input' and 'output'"):
+        parse_tests([{"input": "1"}], where="prompt 'p'")
+    with pytest.raises(TestError, match="no tests"):
+        parse_tests([], where="prompt 'p'")
+
+
+def test_mbpp_asserts_are_judged_by_value_outside_the_sandbox():
+    code = "def similar_elements(a, b):\n    return tuple(sorted(set(a) & set(b)))\n"
+    tests = parse_tests(
+        [
+            "assert similar_elements((3, 4, 5, 6), (5, 7, 4, 10)) == (4, 5)",
+            "assert set(similar_elements((1, 2, 3, 4), (5, 4, 3, 7))) == set([3, 4])",
+            "assert similar_elements((11, 12), (17, 13)) == ()",
+            "assert len(similar_elements((1,), (1,))) == 1 and similar_elements((1,), (1,))[0] == 1",
+            "assert similar_elements((1,), (2,)) != [], 'a list is not a tuple'",
+            "assert not similar_elements((1,), (2,))",
+        ],
+        where="mbpp 2",
+    )
+    assert judge(code, tests, LIMITS).passed == (True,) * 6
+    wrong = judge("def similar_elements(a, b):\n    return list(set(a) & set(b))\n", tests, LIMITS)
+    assert wrong.passed == (False, True, False, True, False, True)  # a list where a tuple is expected
+
+
+def test_humaneval_candidate_is_the_entry_point():
+    prompt = Prompt(text="p", answer="", meta={"tests": ["assert candidate(2) == 4"], "entry_point": "double"})
+    scores, _ = code_reward(
+        [prompt, prompt], ["def double(x):\n    return 2 * x", "def double(x):\n    return x"], None
+    )
+    assert scores == [1.0, 0.0]
+
+
+def test_floats_sets_dicts_bytes_and_none_come_back_as_plain_values():
+    code = (
+        "def f(k):\n    return {'nan': float('nan'), 'set': {1, 2}, 'dict': {'a': (1, 2)}, 'bytes': b'ab', "
+        "'none': None, 'float': 0.1 + 0.2}[k]"
+    )
+    tests = parse_tests(
+        [
+            "assert f('nan') != f('nan')",
+            "assert f('set') == {2, 1}",
+            "assert f('dict') == {'a': (1, 2)}",
+            "assert f('bytes') == b'ab'",
+            "assert f('none') is None",
+            "assert math.isclose(f('float'), 0.3)",
+            "assert f('float') == 0.3",
+        ],
+        where="p",
+    )
+    assert judge(code, tests, LIMITS).passed == (True,) * 6 + (False,)
+
+
+def test_stdin_stdout_tests_compare_what_the_program_prints():
+    tests = parse_tests(
+        [{"input": "1 2\n", "output": "3\n"}, {"input": "2 2", "output": "4   \n\n"}, {"input": "0 0", "output": "1"}],
+        where="p",
+    )
+    code = "import sys\na, b = map(int, sys.stdin.read().split())\nprint(a + b)"
+    assert judge(code, tests, LIMITS).passed == (True, True, False)
+    assert judge("print(input())\nraise SystemExit(3)", tests, LIMITS).passed == (False,) * 3  # a failing exit
+    assert judge("def broken(:", tests, LIMITS).passed == (False,) * 3
+
+
+def test_a_slow_test_fails_alone_and_the_ones_before_it_keep_their_verdict():
+    tests = parse_tests(["assert f(1) == 1", "assert f(2) == 2", "assert f(0) == 0"], where="p")
+    verdict = judge("def f(x):\n    while x == 0:\n        pass\n    return x", tests, Limits(wall_s=2, cpu_s=1))
+    assert verdict.passed == (True, True, False) and verdict.status in ("timeout", "crashed")
+
+
+def test_an_expression_over_returned_values_cannot_build_something_huge():
+    tests = parse_tests(["assert f(1) * 10**9 == 'x'", "assert 2 ** f(2) > 0"], where="p")
+    assert judge("f = lambda x: 'ab' if x == 1 else 10", tests, LIMITS).passed == (False, True)
+    assert judge("f = lambda x: 'ab' if x == 1 else 10**8", tests, LIMITS).passed == (False, False)  # 2**10**8
+
+
+def test_the_forgeable_option_runs_asserts_in_the_sandbox_and_says_so():
+    asserts = ["assert f(1) == 1", "assert [f(i) for i in range(3)] == [0, 1, 2]", "assert f(2) == 3"]
+    verdict = run_asserts("def f(x):\n    return x", asserts, LIMITS)
+    assert verdict.passed == (True, True, False) and verdict.status == "ok"
+    early = run_asserts("import os\nos._exit(0)", ["assert False"], LIMITS)
+    assert early.passed == (False,) and early.status == "forged"
+    prompt = Prompt(text="p", answer="", meta={"tests": ["for i in range(3): assert f(i) == i"]})
+    with pytest.raises(TestError, match="forgeable=True"):
+        code_reward([prompt], ["f = lambda x: x"], None)
+    scores, _ = code_reward([prompt], ["f = lambda x: x"], None, forgeable=True)
+    assert scores == [1.0]
+
+
+def test_the_code_reward_scores_the_fraction_of_tests_each_response_passes():
+    prompt = Prompt(text="double", answer="", meta={"tests": "assert f(1) == 2\nassert f(2) == 4"})
+    responses = ["x * 2", "```python\nx + 1\n```", "while True: pass"]  # the last: not an expression
+    scores, metrics = code_reward([prompt] * 3, responses, None, template="f = lambda x: {response}", wall_s=2.0)
+    assert scores == [1.0, 0.5, 0.0]
+    assert metrics == {"all_passed": round(1 / 3, 4), "timeouts": 0, "crashed": 0, "forged": 0, "sandbox_runs": 3}
+
+
+def test_a_prompt_without_tests_is_an_error_naming_it():
+    with pytest.raises(ValueError, match="has no tests"):
+        code_reward([Prompt(text="p", answer="")], ["1"], None)
+
+
+def test_the_code_of_a_response_is_its_fenced_block():
+    assert code_of("x = 1") == "x = 1"
+    assert code_of("Here:\n```python\ndef f():\n    return 1\n```\nDone.") == "def f():\n    return 1\n"
+
+
+def test_the_code_reward_scores_expr_answers_in_the_sandbox():
+    from flowrl.tasks.builtin import Expr
+
+    task = Expr()
+    p = task.sample(random.Random(0))
+    responses = [p.answer, "x", "import os; os._exit(0)", "(lambda: [0]*10**10)()"]
+    scores, metrics = code_reward([p] * 4, responses, task, template=task.TEMPLATE)
+    assert scores[0] == 1.0 and 0 < scores[1] < 1 and scores[2] == 0.0 and scores[3] == 0.0
+    assert metrics["sandbox_runs"] == 4 and metrics["all_passed"] == 0.25
+    assert task.score(p, p.answer) == 1.0
+
+
+def test_the_expr_task_scores_a_fenced_answer_as_the_code_reward_does():
+    from flowrl.tasks.builtin import Expr
+
+    task = Expr(ops=("add",))
+    p = task.sample(random.Random(1))
+    fenced = f"```python\n{p.answer}\n```"
+    scores, _ = code_reward([p], [fenced], task, template=task.TEMPLATE)
+    assert scores == [1.0]
+    assert task.score(p, fenced) == scores[0]

@@ -1,0 +1,181 @@
+"""The code sandbox holds as root and as an unprivileged user: every escape in `sandbox_cases.CONTAINMENT`
+(network, files, remounts through ctypes, namespaces, ptrace, foreign syscall ABIs, processes and
+threads, memory and scratch space, the trainer's environment, signals, time) is contained, and every
+forgery in `sandbox_cases.FORGERIES` of a wrong answer scores 0. As root the cases run in this process;
+as a user, in a process of a user the test creates (CI runs as root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from flowrl.tasks import sandbox
+
+sys.path.insert(0, str(Path(__file__).parent))
+import sandbox_cases  # noqa: E402 - a plain file the unprivileged user runs too
+from sandbox_cases import CONTAINMENT, FORGERIES, SECRET, STDIO_FORGERIES  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+USER = "flowrl-sandbox-test"
+CASES = (
+    ["contain: " + n for n, _ in CONTAINMENT]
+    + ["forge: " + n for n, _ in FORGERIES]
+    + ["forge stdio: " + n for n, _ in STDIO_FORGERIES]
+)
+ESCAPE_MARKERS = ("/usr/flowrl_escaped", "/flowrl_escaped")
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+
+
+def _check(outcome: dict, case: str) -> None:
+    if case.startswith("contain: "):
+        assert outcome["escaped"] is False, (case, outcome)
+    else:
+        assert outcome["passed"] == 0, (case, outcome)
+    for marker in (*ESCAPE_MARKERS, sandbox.sandbox().prefix + "/flowrl_escaped"):
+        assert not os.path.exists(marker), marker
+
+
+@pytest.fixture(scope="module")
+def as_root() -> dict:
+    if os.geteuid() != 0:
+        pytest.skip("runs as root only where the suite does (CI)")
+    os.environ["FLOWRL_SECRET"] = SECRET
+    try:
+        return sandbox_cases.outcomes(str(REPO))
+    finally:
+        del os.environ["FLOWRL_SECRET"]
+
+
+def _test_user() -> tuple[int, int]:
+    """A user of our own (created once), else ``nobody``; (uid, gid)."""
+    import pwd
+
+    try:
+        entry = pwd.getpwnam(USER)
+    except KeyError:
+        if shutil.which("useradd"):
+            subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", USER],
+                           check=False, capture_output=True)  # fmt: skip
+        try:
+            entry = pwd.getpwnam(USER)
+        except KeyError:
+            entry = pwd.getpwnam("nobody")
+    return entry.pw_uid, entry.pw_gid
+
+
+@pytest.fixture(scope="module")
+def as_user() -> dict:
+    """The cases run by an unprivileged user: the sandbox's modules copied where the user can read them,
+    run with an interpreter the user can read."""
+    if os.geteuid() == 0:
+        uid, gid = _test_user()
+        readable = [p for p, pre in sandbox._interpreters() if sandbox._world_readable(p)]
+        if not readable:
+            pytest.skip("no Python an unprivileged user can run")
+        python = readable[0]
+    else:
+        uid, gid, python = os.getuid(), os.getgid(), sandbox._interpreters()[0][0]
+    copy = Path(tempfile.mkdtemp(prefix="flowrl-sandbox-user-"))
+    try:
+        for rel in ("flowrl/__init__.py", "flowrl/errors.py", "flowrl/tasks/__init__.py", "flowrl/tasks/sandbox.py",
+                    "flowrl/tasks/code_tests.py", "tests/tasks/sandbox_cases.py"):  # fmt: skip
+            (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(REPO / rel, copy / rel)
+        for path in [copy, *copy.rglob("*")]:
+            path.chmod(0o755)
+        proc = subprocess.run(
+            [python, "-I", str(copy / "tests/tasks/sandbox_cases.py"), str(copy), str(REPO)],
+            user=uid if os.geteuid() == 0 else None,
+            group=gid if os.geteuid() == 0 else None,
+            extra_groups=[] if os.geteuid() == 0 else None,
+            env={"PATH": "/usr/bin:/bin", "FLOWRL_SECRET": SECRET, "HOME": str(copy)},
+            cwd=str(copy),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert result["uid"] == uid and uid != 0
+        return result["outcomes"]
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_as_root_every_escape_is_contained_and_every_forgery_scores_zero(as_root, case):
+    _check(as_root[case], case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_as_a_user_every_escape_is_contained_and_every_forgery_scores_zero(as_user, case):
+    _check(as_user[case], case)
+
+
+def test_a_right_answer_still_passes_every_test_through_the_same_harness():
+    """The cases above score 0 because the sandbox holds, not because nothing can pass."""
+    from flowrl.tasks import code_tests
+
+    tests = code_tests.parse_tests(sandbox_cases.EXPR_TESTS, where="p")
+    assert code_tests.judge("f = lambda x: x + 3", tests).passed == (True,) * 4
+    stdio = code_tests.parse_tests(sandbox_cases.STDIO_TESTS, where="p")
+    assert code_tests.judge("print(sum(map(int, input().split())))", stdio).passed == (True, True)
+
+
+def test_the_sandbox_runs_as_nobody_on_the_host_when_root_can_hand_it_a_readable_python():
+    box = sandbox.sandbox()
+    if os.geteuid() == 0 and any(sandbox._world_readable(p) for p, _ in sandbox._interpreters()):
+        assert box.host_uid == sandbox.SANDBOX_ID
+    assert box.host_uid != 0 or os.geteuid() == 0
+
+
+def _tree(pid: int) -> set[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    kids = {int(k) for k in out}
+    return kids.union(*(_tree(k) for k in kids)) if kids else set()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_a_sandbox_dies_with_the_process_that_started_it():
+    """Killing the trainer mid-run leaves no sandboxed process behind."""
+    import sys
+    import time
+
+    script = (
+        f"import sys\nsys.path.insert(0, {str(REPO)!r})\nfrom flowrl.tasks import sandbox\n"
+        "sandbox.run_job({'mode': 'calls', 'code': 'import time\\ntime.sleep(60)', 'calls': []}, "
+        "sandbox.Limits(wall_s=60, cpu_s=60))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        for _ in range(200):
+            tree = _tree(proc.pid)
+            if len(tree) >= 2:  # bwrap and the sandboxed interpreter
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the sandboxed process never started")
+    finally:
+        proc.kill()
+        proc.wait()
+    for _ in range(100):
+        if not any(_alive(p) for p in tree):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"sandboxed processes outlived their parent: {sorted(p for p in tree if _alive(p))}")
