@@ -159,7 +159,9 @@ class DataConfig(Spec):
     source_key: str = "source"  # a column naming each row's source: evaluation reports each one
     system_prompt: str | None = None
     chat_template: str = "auto"  # auto: the tokenizer's when it has one | none | a Jinja template FILE
-    max_prompt_tokens: int | None = None  # longer prompts are dropped (counted) or truncated
+    # longer prompts are dropped (counted) or truncated (data.overlong); None: the model's context
+    # (max_position_embeddings) less the response budget, at least half the context
+    max_prompt_tokens: int | None = None
     overlong: Literal["drop", "truncate"] = "drop"
     shuffle: bool = True  # a seeded shuffle per epoch
     verifier: str = "math"  # how the `task` reward scores a response: math | exact | regex | none
