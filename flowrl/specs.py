@@ -490,17 +490,43 @@ def writable(path: str | Path, force: bool, flag: str) -> Path:
     return path
 
 
+#: The largest config file read (bytes): a run config is a page of settings, not data.
+MAX_CONFIG_BYTES = 4 << 20
+
+#: The most values (mappings, lists and scalars, aliases counted each time they are used) a config
+#: may expand to: YAML anchors can make a small file stand for billions ("billion laughs").
+MAX_CONFIG_VALUES = 200_000
+
+
 def read_document(path: str | Path) -> dict[str, Any]:
-    """Read a YAML, TOML or JSON file into a plain mapping (never executes anything)."""
+    """Read a YAML, TOML or JSON file into a plain mapping (never executes anything): a regular file of
+    at most `MAX_CONFIG_BYTES` that expands to at most `MAX_CONFIG_VALUES` values."""
+    import stat
+
     path = Path(path)
-    if path.is_dir():
-        raise ConfigError(f"config file '{path}' is a folder; name a YAML, TOML or JSON file.")
-    if not path.is_file():
-        raise ConfigError(f"config file '{path}' does not exist.")
     try:
-        raw = path.read_bytes()
+        mode = path.stat().st_mode
+    except OSError as exc:
+        missing = isinstance(exc, FileNotFoundError)
+        raise ConfigError(
+            f"config file '{path}' " + ("does not exist." if missing else f"cannot be read: {exc.strerror or exc}.")
+        ) from None
+    if stat.S_ISDIR(mode):
+        raise ConfigError(f"config file '{path}' is a folder; name a YAML, TOML or JSON file.")
+    if not stat.S_ISREG(mode):
+        raise ConfigError(
+            f"config file '{path}' is not a regular file (a pipe or a device); name a YAML, TOML or JSON file."
+        )
+    try:
+        with path.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"config file '{path}' cannot be read: {exc.strerror or exc}.") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"config file '{path}' is over the {MAX_CONFIG_BYTES >> 20} MiB a config may be "
+            "(flowrl.specs.MAX_CONFIG_BYTES); a run config holds settings, its data goes in data files."
+        )
     try:
         if path.suffix in (".yaml", ".yml"):
             data = yaml.load(raw, Loader=_UniqueKeyLoader) or {}
@@ -518,6 +544,7 @@ def read_document(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file '{path}' is not valid {path.suffix[1:].upper()}: {_one_line(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping at the top level, found {type(data).__name__}.")
+    _check_size(data, f"config file '{path}'")
     bad = _non_text_key(data)
     if bad is not None:
         raise ConfigError(f"config file '{path}': key {bad} is not text; field names are words such as train.lr.")
@@ -562,6 +589,25 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _check_size(data: Any, where: str) -> None:
+    """Refuse a value that expands to over `MAX_CONFIG_VALUES` values (shared YAML aliases counted
+    each time they are used), walked with an explicit stack and stopped at the limit."""
+    stack, seen = [data], 0
+    while stack:
+        value = stack.pop()
+        seen += 1
+        if seen > MAX_CONFIG_VALUES:
+            raise ConfigError(
+                f"{where} expands to over {MAX_CONFIG_VALUES:,} values (flowrl.specs.MAX_CONFIG_VALUES), e.g. "
+                "through YAML anchors and aliases (&a / *a) used inside one another; write the settings out."
+            )
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+
+
 def _non_text_key(data: Any, where: str = "") -> str | None:
     """The dotted path of the first mapping key that is not a string, if any."""
     if isinstance(data, dict):
@@ -598,6 +644,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         parsed = yaml.safe_load(value) if value.strip() else ""
     except yaml.YAMLError:
         parsed = value
+    except ValueError:  # an integer of over 4300 digits
+        raise ConfigError(
+            f"--set '{key}': the value is a number too long to read ({len(value):,} characters)."
+        ) from None
+    except RecursionError:
+        raise ConfigError(f"--set '{key}': the value is nested too deeply to read; give a plain value.") from None
+    _check_size(parsed, f"--set '{key}'")
     if not isinstance(parsed, (str, int, float, bool, list, dict, type(None))):
         parsed = value  # e.g. YAML reads 2024-01-01 as a date; the user meant the text
     if isinstance(parsed, dict) and not value.strip().startswith("{"):
@@ -704,8 +757,11 @@ def _absolute_files(section: dict[str, Any]) -> dict[str, Any]:
     def absolute(value: Any) -> Any:
         if isinstance(value, list):
             return [absolute(v) for v in value]
-        if isinstance(value, str) and value and Path(value).expanduser().exists():
-            return str(Path(value).expanduser().resolve())
+        try:
+            if isinstance(value, str) and value and Path(value).expanduser().exists():
+                return str(Path(value).expanduser().resolve())
+        except (OSError, RuntimeError, ValueError):  # a name too long, a link loop: its reader names it
+            pass
         return value
 
     out = dict(section)

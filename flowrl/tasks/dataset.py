@@ -340,7 +340,11 @@ def chat_template(data: DataConfig, tokenizer: Any) -> str | None:
         bounded.compile_template(template, "the tokenizer's chat template (data.chat_template=auto)")
         return template
     path = Path(choice)
-    if not path.is_file():
+    try:
+        regular = path.is_file()
+    except (OSError, ValueError):  # a name too long
+        regular = False
+    if not regular:
         raise ConfigError(
             f"data.chat_template '{choice}' is not a file; give auto (the tokenizer's template when it has one), "
             "none, or a Jinja template file."
@@ -378,9 +382,19 @@ def read_rows(split: str, data: DataConfig) -> list[dict[str, Any]]:
 def _read_file(split: str, name: str) -> Any:
     import datasets
 
+    if not name.strip():
+        raise ConfigError(
+            f"data.{split} names an empty path; give a jsonl, json, csv or parquet file or a datasets folder."
+        )
     path = Path(name)
-    if not path.exists():
-        raise ConfigError(f"data.{split} file '{name}' does not exist.")
+    try:
+        path.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"data.{split} file '{name}' does not exist.") from None
+    except (OSError, ValueError) as exc:  # a name too long, a link loop, a NUL byte
+        raise ConfigError(
+            f"data.{split} file '{name}' cannot be read ({getattr(exc, 'strerror', None) or exc})."
+        ) from None
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a reader's failure is our one error paragraph
     if path.is_dir():
@@ -636,6 +650,12 @@ def rows_to_prompts(
         meta = {k: v for k, v in row.items() if k not in (data.prompt_key, data.answer_key, "__file__", "__row__")}
         text = _render(where, turns, tokenizer, template)
         count = _count(tokenizer, text, template)
+        if count == 0:
+            how = "the chat template renders it as no text" if template is not None and text == "" else "it is empty"
+            raise ConfigError(
+                f"{where}: the prompt is no tokens ({how}); a model needs at least one token to respond to: leave "
+                "the row out" + (", or fix data.chat_template." if template is not None else ".")
+            )
         if limit is not None and count > limit:
             if data.overlong == "drop":
                 report.dropped_long[split] += 1
@@ -745,16 +765,47 @@ def _with(turns: list[dict[str, str]], index: int, content: str) -> list[dict[st
     return [dict(t, content=content) if i == index else t for i, t in enumerate(turns)]
 
 
+#: The most entries of a data folder whose sizes and times tell whether it changed (a saved dataset has
+#: a few files in it and in each split's folder); a folder with more is read again each time.
+_STAMP_ENTRIES = 4096
+
+
 def _stamp(name: str) -> tuple[str, int, int]:
+    """What tells whether data file or folder ``name`` changed: its path, size and newest time (a
+    folder's files and its split folders' files, never a walk of a whole tree); never raises."""
+    import os
+    import time
+
     path = Path(name)
-    if not path.exists():
+    try:
+        top = path.stat()
+        resolved = str(path.resolve())
+    except (OSError, RuntimeError, ValueError):
         return (name, -1, -1)
-    files = sorted(path.rglob("*")) if path.is_dir() else [path]
-    return (
-        str(path.resolve()),
-        sum(f.stat().st_size for f in files if f.is_file()),
-        max((f.stat().st_mtime_ns for f in files), default=0),
-    )
+    if not path.is_dir():
+        return (resolved, top.st_size, top.st_mtime_ns)
+    size, newest, count = 0, top.st_mtime_ns, 0
+    folders = [path]
+    for depth in range(2):
+        subfolders = []
+        for folder in folders:
+            try:
+                entries = list(os.scandir(folder))
+            except OSError:
+                continue
+            for entry in entries:
+                count += 1
+                if count > _STAMP_ENTRIES:
+                    return (resolved, -1, time.monotonic_ns())  # never equal: read again
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                    if depth == 0 and entry.is_dir(follow_symlinks=False):
+                        subfolders.append(Path(entry.path))
+                except OSError:
+                    continue
+                size, newest = size + info.st_size, max(newest, info.st_mtime_ns)
+        folders = subfolders
+    return (resolved, size, newest)
 
 
 def _first_line(exc: BaseException) -> str:
