@@ -5,7 +5,7 @@ What the sandboxed process gets:
 
 - **Its own namespaces** (user, mount, network, PID, IPC, UTS, cgroup): no network, no other process to
   see or signal, and a file system of the interpreter's folder and the system's libraries, read-only, plus
-  a scratch ``/tmp``. No project file, no home folder.
+  a scratch ``/tmp`` (``/dev`` holds the usual device nodes and is read-only). No project file, no home folder.
 - **An unprivileged uid with no capabilities.** Inside it is uid/gid 65534 with an empty capability set and
   ``no_new_privs``, in every case. When flowrl runs as root, bubblewrap itself runs as the host's
   ``nobody`` (65534), so the sandbox is ``nobody`` on the host as well; that needs an interpreter the
@@ -16,7 +16,8 @@ What the sandboxed process gets:
   subprocesses, threads: the whole tree is one process, so per-process rlimits bound all of it), mounts
   or remounts, ptrace and cross-process memory access, new or joined namespaces, keyrings, BPF, perf,
   io_uring, kernel modules and the like; syscalls of a foreign ABI (x32, i386 through ``int 0x80``) are
-  refused outright. x86-64 and aarch64 (elsewhere: rlimits alone).
+  refused outright; so are memfd files and SysV shared memory and message queues, memory that outlives
+  the address-space limit. x86-64 and aarch64 (elsewhere: rlimits alone).
 - **A cleared environment** with an explicit allow-list (`ENVIRONMENT`): the trainer's variables (API keys,
   tokens) are not in the process or in its PID 1's ``/proc/1/environ``.
 - **A new session, death with its parent**, and a wall-clock limit that kills the whole namespace.
@@ -207,7 +208,8 @@ def bwrap() -> str:
 
 #: per audit architecture: the syscalls refused with EPERM -- new processes and threads; mounts; ptrace and
 #: other processes' memory; namespaces; keyrings, BPF, perf, userfaultfd, io_uring; modules, kexec, reboot,
-#: swap, clocks, personality, handles to files by inode
+#: swap, clocks, personality, handles to files by inode; memory that no rlimit counts (memfd files, SysV
+#: shared memory and message queues: written and let go of, they outlive RLIMIT_AS)
 _REFUSED = {
     0xC000003E: (  # x86-64
         56, 57, 58, 435,  # clone fork vfork clone3
@@ -217,6 +219,7 @@ _REFUSED = {
         248, 249, 250, 321, 298, 323, 425, 426, 427,  # keys, bpf, perf, userfaultfd, io_uring
         175, 176, 313, 246, 320, 169, 167, 168,  # modules, kexec, reboot, swap
         135, 103, 163, 172, 173, 153, 159, 164, 227, 305, 303, 304, 179,  # personality syslog acct iopl/ioperm ...
+        319, 447, 29, 30, 31, 67, 68, 69, 70, 71,  # memfd_create memfd_secret, SysV shm and message queues
     ),
     0xC00000B7: (  # aarch64 (the generic table)
         220, 435,  # clone clone3
@@ -226,6 +229,7 @@ _REFUSED = {
         217, 218, 219, 280, 241, 282, 425, 426, 427,
         105, 106, 273, 104, 294, 142, 224, 225,
         92, 116, 89, 58, 171, 112, 266, 264, 265, 60,
+        279, 447, 194, 195, 196, 197, 186, 187, 188, 189,
     ),
 }  # fmt: skip
 _ARCH = {"x86_64": 0xC000003E, "amd64": 0xC000003E, "aarch64": 0xC00000B7, "arm64": 0xC00000B7}
@@ -311,7 +315,9 @@ def _command(box: Sandbox, limits: Limits, seccomp_fd: int | None) -> list[str]:
         if os.path.isdir(folder):
             args += ["--ro-bind", folder, folder]
     args += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.scratch_bytes), "--tmpfs", "/tmp"]
-    args += ["--remount-ro", "/", "--as-pid-1", "--chdir", "/tmp"]  # a read-only root; no PID 1 beside it
+    # a read-only root and /dev (its tmpfs, /dev/shm included, has no size: files there would be memory
+    # no limit counts); no PID 1 beside it
+    args += ["--remount-ro", "/dev", "--remount-ro", "/", "--as-pid-1", "--chdir", "/tmp"]
     for key, value in ENVIRONMENT.items():
         args += ["--setenv", key, value]
     return [*args, box.python, "-I", "-S", "-c", _HARNESS]

@@ -78,6 +78,15 @@ CONTAINMENT = [
     ("one file is capped", "def probe():\n    try:\n        with open('/tmp/big', 'wb') as fh:\n"
      "            for _ in range(64):\n                fh.write(b'x' * 2**20)\n        return True\n"
      "    except OSError:\n        return False"),
+    ("no unsized tmpfs in /dev", "def probe():\n    written = 0\n    for folder in ('/dev/shm', '/dev'):\n        try:\n"
+     "            with open(folder + '/flowrl_fill', 'wb') as fh:\n                fh.write(b'x' * 2**20)\n"
+     "            written += 1\n        except OSError:\n            pass\n    return written > 0"),
+    ("no memfd files outside the memory limit", "import os\ndef probe():\n    try:\n        fd = os.memfd_create('m')\n"
+     "        os.write(fd, b'x' * 2**20)\n        return True\n    except OSError:\n        return False"),
+    ("no SysV shared memory or message queues", _LIBC + "def probe():\n"
+     "    return libc.shmget(0, 2**20, 0o1600) >= 0 or libc.msgget(0, 0o1600) >= 0"),
+    ("/dev/null still works", "import os\ndef probe():\n    try:\n        open('/dev/null', 'w').write('x')\n"
+     "        return len(open('/dev/urandom', 'rb').read(4)) != 4\n    except OSError:\n        return True"),
     ("open files are capped", "def probe():\n    held = []\n    try:\n        for i in range(10000):\n"
      "            held.append(open('/proc/self/status'))\n    except OSError:\n        pass\n    return len(held) > 100"),
     ("no kernel knobs", "def probe():\n    for path in ('/proc/sys/kernel/core_pattern', '/proc/sysrq-trigger', '/proc/sys/vm/drop_caches'):\n"
