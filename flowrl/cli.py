@@ -6,6 +6,7 @@ User errors (FlowRLError) print one paragraph and exit with status 2, never a tr
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
@@ -833,6 +834,10 @@ def _plugin_commands(parser: argparse.ArgumentParser) -> None:
         p.set_defaults(func=entry.meta["run"])
 
 
+#: OSError numbers that only a path the user gave causes: a name too long, a link loop
+_PATH_ERRORS = (errno.ENAMETOOLONG, errno.ELOOP)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -851,6 +856,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if rest:
             print(rest, file=sys.stderr)
+        return EXIT_USER_ERROR
+    except OSError as exc:
+        if exc.errno not in _PATH_ERRORS:
+            raise
+        # a path the user gave that no file system call can take (too long, a link loop): one paragraph
+        name = str(exc.filename)
+        shown = name if len(name) <= 200 else f"{name[:100]}...{name[-40:]} ({len(name):,} characters)"
+        print(f"flowrl: error: the path '{shown}' cannot be used: {exc.strerror}; give another path.", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("flowrl: interrupted", file=sys.stderr)

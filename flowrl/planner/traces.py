@@ -92,6 +92,8 @@ def read_run(path: str | Path) -> Measured:
         trace = json.loads((folder / "trace.json").read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{where}: trace.json cannot be read: {exc}.") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: trace.json is nested too deeply to be a trace.") from None
     spans = _driver_spans(trace, f"{where}: trace.json")
     records = _records(folder / "metrics.jsonl")
     # an evaluation runs between two iterations (its record's step counts the updates before it): not their time

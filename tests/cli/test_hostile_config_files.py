@@ -102,3 +102,30 @@ def test_a_set_value_of_nested_aliases_is_refused_before_it_is_walked():
     anchors = ["&a0 [1,1,1,1,1,1,1,1,1]"] + [f"&a{i} [{','.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
     with pytest.raises(ConfigError, match="expands to over"):
         specs.parse_override("train.lr=[" + ",".join(anchors) + "]")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("run", "grpo", "--model", "m" * 5000, "--steps", "1"),
+        ("run", "grpo", "--out", "o" * 5000, "--steps", "1"),
+        ("run", "grpo", "--resume", "r" * 5000, "--steps", "1"),
+        ("calibrate", "r" * 5000),
+    ],
+)
+def test_a_path_too_long_for_the_file_system_is_exit_2_in_any_command(capsys, args):
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2 and "flowrl: error: the path" in err and "File name too long" in err and "Traceback" not in err
+    assert "characters)" in err and len(err) < 500  # the path is shortened, not printed whole
+
+
+def test_a_trace_nested_too_deeply_is_refused_naming_the_run(tmp_path, monkeypatch):
+    from flowrl.planner import traces
+    from flowrl.planner.traces import read_run
+
+    (tmp_path / "plan.yaml").write_text("{}")
+    (tmp_path / "trace.json").write_text("[" * 100000)
+    monkeypatch.setattr(traces, "load_plan", lambda path: None)  # the plan is read first; the trace is what is tested
+
+    with pytest.raises(ConfigError, match="trace.json is nested too deeply"):
+        read_run(tmp_path)
