@@ -88,7 +88,16 @@ def test_an_option_set_outside_nodes_says_where_node_options_go() -> None:
 
 def test_run_settings_are_config_fields() -> None:
     assert set(RUN_SETTINGS) <= set(RunConfig.__struct_fields__)
-    assert set(RUN_SETTINGS) == {"out", "name", "save_every", "keep_checkpoints", "progress", "eval", "log"}
+    assert set(RUN_SETTINGS) == {
+        "out",
+        "name",
+        "save_every",
+        "keep_checkpoints",
+        "progress",
+        "eval",
+        "log",
+        "trust_remote_code",
+    }
 
 
 # ---------------------------------------------------------------------------- TOML on Python 3.10
