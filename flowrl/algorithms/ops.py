@@ -469,7 +469,7 @@ def code_reward(
     parsed: dict[tuple[Any, ...], list[code_tests.Test]] = {}
     for p, r in zip(prompts, responses):
         raw = p.meta.get("tests", [])
-        raw = [t for t in raw.splitlines() if t.strip()] if isinstance(raw, str) else list(raw)
+        raw = code_tests.split_tests(raw) if isinstance(raw, str) else list(raw)
         if not raw:
             raise ValueError(f"prompt {p.text[:60]!r} has no tests (meta 'tests'): the code reward has nothing to run")
         key = tuple(repr(t) for t in raw) + (repr(p.meta.get("entry_point")),)

@@ -9,6 +9,11 @@ A prompt's tests (``prompt.meta["tests"]``) come in two forms:
   (numbers, strings, lists, tuples, sets, dicts, bytes -- never an object with code or its own ``__eq__``),
   and the rest of the expression -- the comparison, arithmetic, ``len``, ``sorted``, ``isclose`` ... -- is
   evaluated here over those values (`evaluate`), with the expected values never leaving this process.
+  Whatever came back, that evaluation stays small: every value it builds or compares weighs at most
+  `MAX_WEIGHT` (its tree size, shared elements counted each time: ``[f(1)] * 10**6`` of a long list is
+  refused), integers stay under `MAX_INT_BITS`, and ``sum`` of lists, ``round`` to huge negative digits
+  and ``%`` formatting of strings, which Python would run for hours or fill memory with, are bounded or
+  refused -- the test then fails.
 - **Stdin/stdout tests**, as competitive-programming judges run them: ``{"input": "1 2\\n", "output": "3\\n"}``.
   The program reads the input and prints; its output is compared here, line by line with trailing
   whitespace and trailing blank lines ignored.
@@ -56,8 +61,11 @@ SAFE_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "str": str,
     "sum": sum,
     "tuple": tuple,
-    "type": lambda x: type(x).__name__,
+    "type": lambda x: type(x),  # one argument: the values here are built-in plain data only
+    "isinstance": isinstance,
 }
+#: the type names a test may use (``type(f(1)) == int``, ``isinstance(f(1), list)``)
+_TYPES: dict[str, type] = {t.__name__: t for t in (bool, bytes, dict, float, frozenset, int, list, set, str, tuple)}
 _MATH = {"isclose": math.isclose, "fabs": math.fabs, "sqrt": math.sqrt, "floor": math.floor, "ceil": math.ceil}
 _NAMES = {"True": True, "False": False, "None": None}
 _BINARY = {
@@ -82,7 +90,8 @@ _COMPARE = {
     ast.IsNot: operator.is_not,
 }
 MAX_TEST_CHARS = 20_000
-MAX_SIZE = 1_000_000  # the longest sequence or widest integer (bits) an expression here may build
+MAX_WEIGHT = 2_000_000  # the tree size of a value a test may build or compare (`_Weights`)
+MAX_INT_BITS = 65_536  # the widest integer a test may build or compare
 MAX_DEPTH = 64  # nesting of a returned value
 
 
@@ -136,7 +145,7 @@ def parse_tests(tests: Any, *, where: str, rename: Mapping[str, str] | None = No
     and the test. ``rename`` maps a name the tests call to the name the code defines (HumanEval's
     ``candidate`` -> its entry point)."""
     if isinstance(tests, str):
-        tests = [t for t in tests.splitlines() if t.strip()]
+        tests = split_tests(tests)
     if not isinstance(tests, list | tuple) or not tests:
         raise TestError(f"{where}: no tests (meta 'tests': a list of asserts or of {{input, output}} objects)")
     out: list[Test] = []
@@ -155,6 +164,21 @@ def parse_tests(tests: Any, *, where: str, rename: Mapping[str, str] | None = No
     if len({type(t) for t in out}) > 1:
         raise TestError(f"{where}: mixes asserts and stdin/stdout tests; give one kind per prompt")
     return out
+
+
+def split_tests(text: str) -> list[str]:
+    """Asserts given as one text: its statements (an assert may span lines inside brackets), else, for a
+    text that is not Python as a whole, its non-blank lines (each then judged, or refused, alone)."""
+    if len(text) <= MAX_TEST_CHARS * 64:
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            tree = None
+        if tree is not None and tree.body:
+            segments = [ast.get_source_segment(text, stmt) for stmt in tree.body]
+            if all(segments):
+                return [str(seg) for seg in segments]
+    return [t for t in text.splitlines() if t.strip()]
 
 
 _FORGEABLE = (
@@ -212,7 +236,7 @@ def _check(node: ast.expr, calls: list[Call], rename: dict[str, str]) -> None:
     if isinstance(node, ast.Constant):
         return
     if isinstance(node, ast.Name):
-        if node.id in _NAMES:
+        if node.id in _NAMES or node.id in _TYPES and node.id not in rename:
             return
         raise TestError(f"the name {node.id!r} is not defined in a test")
     if isinstance(node, ast.List | ast.Tuple | ast.Set):
@@ -240,10 +264,11 @@ def _check(node: ast.expr, calls: list[Call], rename: dict[str, str]) -> None:
         return
     if isinstance(node, ast.Compare) and all(type(o) in _COMPARE for o in node.ops):
         for op, right in zip(node.ops, node.comparators):
-            if isinstance(op, ast.Is | ast.IsNot) and not (
-                isinstance(right, ast.Constant) and any(right.value is v for v in (None, True, False))
-            ):
-                raise TestError("'is' compares only with None, True or False")
+            singleton = (isinstance(right, ast.Constant) and any(right.value is v for v in (None, True, False))) or (
+                isinstance(right, ast.Name) and right.id in _TYPES
+            )
+            if isinstance(op, ast.Is | ast.IsNot) and not singleton:
+                raise TestError("'is' compares only with None, True, False or a type (int, list ...)")
             _check(right, calls, rename)
         _check(node.left, calls, rename)
         return
@@ -285,78 +310,142 @@ def _check(node: ast.expr, calls: list[Call], rename: dict[str, str]) -> None:
 # ------------------------------------------------------------------ evaluating
 
 
-def _sized(value: Any) -> Any:
-    if isinstance(value, str | bytes | list | tuple | set | frozenset | dict) and len(value) > MAX_SIZE:
-        raise OverflowError("a value too large to compare")
-    if isinstance(value, int) and value.bit_length() > MAX_SIZE:
-        raise OverflowError("an integer too large to compare")
-    return value
+class _Weights:
+    """The tree size of values (`MAX_WEIGHT` at most): a container counts its elements as often as they
+    occur -- ``[x] * 1000`` weighs a thousand ``x`` -- so a comparison, sort or ``str`` of any value allowed
+    costs at most about that many steps. Each container is weighed once (by identity, held alive here)."""
+
+    def __init__(self, known: _Weights | None = None) -> None:
+        self.known: dict[int, tuple[Any, int]] = {}
+        self.parent = known
+
+    def of(self, value: Any) -> int:
+        t = type(value)
+        if t is int:
+            if value.bit_length() > MAX_INT_BITS:
+                raise OverflowError("an integer too large to compare")
+            return 1 + value.bit_length() // 64
+        if t is str or t is bytes:
+            return 1 + len(value) // 16
+        if t not in (list, tuple, set, frozenset, dict):
+            return 1
+        for table in (self.known, self.parent.known if self.parent else {}):
+            if id(value) in table:
+                return table[id(value)][1]
+        if len(value) > MAX_WEIGHT:
+            raise OverflowError("a value too large to compare")
+        total = 1
+        for item in value.items() if t is dict else value:
+            total += self.of(item[0]) + self.of(item[1]) if t is dict else self.of(item)
+            if total > MAX_WEIGHT:
+                raise OverflowError("a value too large to compare")
+        self.known[id(value)] = (value, total)
+        return total
+
+    def check(self, value: Any) -> Any:
+        self.of(value)
+        return value
 
 
-def _guarded(op: Any, a: Any, b: Any) -> Any:
-    """``op(a, b)``, refused before it builds something huge (a repeat, a power)."""
-    if op is operator.mul:
-        count = (
-            b if isinstance(a, str | bytes | list | tuple) else a if isinstance(b, str | bytes | list | tuple) else None
-        )
-        seq = a if count is b else b
-        if isinstance(count, int) and count * len(seq) > MAX_SIZE:
-            raise OverflowError("a repeat too large")
-    if op is operator.pow and isinstance(a, int) and isinstance(b, int):
-        if b > 0 and max(a.bit_length(), 1) * b > MAX_SIZE:
-            raise OverflowError("a power too large")
-    return _sized(op(a, b))
+def _repeat(weights: _Weights, a: Any, b: Any) -> Any:
+    """``a * b``, refused before it builds a repeat heavier than `MAX_WEIGHT`."""
+    for seq, count in ((a, b), (b, a)):
+        if isinstance(seq, str | bytes | list | tuple) and type(count) in (int, bool):
+            if count > 0 and count * weights.of(seq) > MAX_WEIGHT:
+                raise OverflowError("a repeat too large")
+    return a * b
 
 
-def evaluate(node: ast.expr, values: Mapping[Call, Any]) -> Any:
-    """The value of a checked test expression, with each call under test replaced by what it returned."""
+def _power(weights: _Weights, a: Any, b: Any) -> Any:
+    if type(a) in (int, bool) and type(b) in (int, bool) and b > 0 and max(a.bit_length(), 1) * b > MAX_INT_BITS:
+        raise OverflowError("a power too large")
+    return a**b
+
+
+def _modulo(weights: _Weights, a: Any, b: Any) -> Any:
+    if isinstance(a, str | bytes):  # '%0999999999d' % x would print a gigabyte
+        raise TypeError("'%' formatting in a test")
+    return a % b
+
+
+def _sum(weights: _Weights, items: Any, start: Any = 0) -> Any:
+    """``sum``, without Python's quadratic copying when it adds lists or tuples."""
+    if type(start) in (list, tuple):
+        out = list(start)
+        for item in items:
+            if type(item) is not type(start):
+                raise TypeError(f"can only concatenate {type(start).__name__} to {type(start).__name__}")
+            out.extend(item)
+            if len(out) > MAX_WEIGHT:
+                raise OverflowError("a sum too large")
+        return out if type(start) is list else tuple(out)
+    return sum(items, start)
+
+
+def _round(weights: _Weights, number: Any, ndigits: Any = None) -> Any:
+    if type(number) is int and type(ndigits) is int and ndigits < -MAX_INT_BITS:  # 10 ** -ndigits
+        return 0
+    return round(number) if ndigits is None else round(number, ndigits)
+
+
+_BINARY_GUARDED = {ast.Mult: _repeat, ast.Pow: _power, ast.Mod: _modulo}
+_FUNCTIONS_GUARDED = {"sum": _sum, "round": _round}
+
+
+def evaluate(node: ast.expr, values: Mapping[Call, Any], weights: _Weights | None = None) -> Any:
+    """The value of a checked test expression, with each call under test replaced by what it returned;
+    every value built on the way weighs at most `MAX_WEIGHT` (else OverflowError)."""
+    w = weights if weights is not None else _Weights()
     if isinstance(node, ast.Constant):
         return node.value
     if isinstance(node, ast.Name):
-        return _NAMES[node.id]
+        return _NAMES[node.id] if node.id in _NAMES else _TYPES[node.id]
     if isinstance(node, ast.List):
-        return [evaluate(e, values) for e in node.elts]
+        return w.check([evaluate(e, values, w) for e in node.elts])
     if isinstance(node, ast.Tuple):
-        return tuple(evaluate(e, values) for e in node.elts)
+        return w.check(tuple(evaluate(e, values, w) for e in node.elts))
     if isinstance(node, ast.Set):
-        return {evaluate(e, values) for e in node.elts}
+        return w.check({evaluate(e, values, w) for e in node.elts})
     if isinstance(node, ast.Dict):
-        return {evaluate(k, values): evaluate(v, values) for k, v in zip(node.keys, node.values) if k}
+        return w.check({evaluate(k, values, w): evaluate(v, values, w) for k, v in zip(node.keys, node.values) if k})
     if isinstance(node, ast.UnaryOp):
-        v = evaluate(node.operand, values)
+        v = evaluate(node.operand, values, w)
         return not v if isinstance(node.op, ast.Not) else -v if isinstance(node.op, ast.USub) else +v
     if isinstance(node, ast.BinOp):
-        return _guarded(_BINARY[type(node.op)], evaluate(node.left, values), evaluate(node.right, values))
+        a, b = evaluate(node.left, values, w), evaluate(node.right, values, w)
+        guarded = _BINARY_GUARDED.get(type(node.op))
+        return w.check(guarded(w, a, b) if guarded else _BINARY[type(node.op)](a, b))
     if isinstance(node, ast.BoolOp):
         result: Any = None
         for v in node.values:
-            result = evaluate(v, values)
+            result = evaluate(v, values, w)
             if isinstance(node.op, ast.And) and not result or isinstance(node.op, ast.Or) and result:
                 return result
         return result
     if isinstance(node, ast.Compare):
-        left = evaluate(node.left, values)
+        left = evaluate(node.left, values, w)
         for op, right_node in zip(node.ops, node.comparators):
-            right = evaluate(right_node, values)
+            right = evaluate(right_node, values, w)
             if not _COMPARE[type(op)](left, right):
                 return False
             left = right
         return True
     if isinstance(node, ast.Subscript):
-        return _sized(evaluate(node.value, values)[evaluate(node.slice, values)])
+        return w.check(evaluate(node.value, values, w)[evaluate(node.slice, values, w)])
     if isinstance(node, ast.Slice):
         parts = (node.lower, node.upper, node.step)
-        return slice(*(None if p is None else evaluate(p, values) for p in parts))
+        return slice(*(None if p is None else evaluate(p, values, w) for p in parts))
     assert isinstance(node, ast.Call)
-    args = [evaluate(a, values) for a in node.args]
-    kwargs = {k.arg: evaluate(k.value, values) for k in node.keywords if k.arg}
+    args = [evaluate(a, values, w) for a in node.args]
+    kwargs = {k.arg: evaluate(k.value, values, w) for k in node.keywords if k.arg}
     func = node.func
     if isinstance(func, ast.Attribute):
-        return _sized(_MATH[func.attr](*args, **kwargs))
+        return w.check(_MATH[func.attr](*args, **kwargs))
     assert isinstance(func, ast.Name)
     call = Call(func.id, _args_literal(node), _kwargs_literal(node))
     if call not in values:
-        return _sized(SAFE_FUNCTIONS[func.id](*args, **kwargs))
+        guarded = _FUNCTIONS_GUARDED.get(func.id)
+        return w.check(guarded(w, *args, **kwargs) if guarded else SAFE_FUNCTIONS[func.id](*args, **kwargs))
     value = values[call]
     if isinstance(value, _Failed):
         raise RuntimeError(value.why)
@@ -399,11 +488,17 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _bounded_int(digits: str) -> int:
+    if len(digits) > 4300:  # Python's own limit, kept even where a library lifted it: int() is quadratic
+        raise ValueError("an integer of more than 4300 digits")
+    return int(digits)
+
+
 def decode_row(text: str) -> list[Any]:
     """One row the sandbox sent, as strict JSON: a list, nested at most MAX_DEPTH deep (else ValueError)."""
     if _depth(text) > MAX_DEPTH + 4:
         raise ValueError("nested too deeply")
-    row = json.loads(text, parse_constant=_reject_constant)
+    row = json.loads(text, parse_constant=_reject_constant, parse_int=_bounded_int)
     if not isinstance(row, list) or len(row) != 3 or type(row[0]) is not int or not isinstance(row[1], str):
         raise ValueError("not a row")
     return row
@@ -473,12 +568,17 @@ def judge(code: str, tests: Sequence[Test], limits: Limits = DEFAULT_LIMITS, *, 
             values[calls[i]] = untag(body) if status == "ok" else _Failed(f"the call raised {body}")
         except (ValueError, TypeError, RecursionError, OverflowError):
             continue
+    returned = _Weights()  # each returned value weighed once, for every test
     for c in calls:
         values.setdefault(c, _Failed("no value came back (the run ended first)"))
+        try:
+            returned.of(values[c])
+        except (OverflowError, RecursionError):
+            values[c] = _Failed("the value that came back is too large to compare")
     passed = []
     for t in call_tests:
         try:
-            passed.append(evaluate(t.expr, values) is True or bool(_truthy(evaluate(t.expr, values))))
+            passed.append(_truthy(evaluate(t.expr, values, _Weights(returned))))
         except Exception:  # noqa: BLE001 - any error evaluating over the returned values fails that test
             passed.append(False)
     return Verdict(passed=tuple(passed), status=run.status, output=run.output)

@@ -180,3 +180,112 @@ def test_the_expr_task_scores_a_fenced_answer_as_the_code_reward_does():
     scores, _ = code_reward([p], [fenced], task, template=task.TEMPLATE)
     assert scores == [1.0]
     assert task.score(p, fenced) == scores[0]
+
+
+def _finishes(fn, seconds: float = 60.0):
+    """fn() run in a thread: its result, or a failure if it has not finished in ``seconds`` (a hang)."""
+    import threading
+
+    box: list = []
+    worker = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert box, "the judge hung evaluating what the sandbox returned"
+    return box[0]
+
+
+@pytest.mark.parametrize(
+    ("code", "test", "passes"),
+    [
+        ("f = lambda x: 10**4000", "assert round(f(1), -10**8) == 0", True),  # 10**(10**8) in the parent
+        ("f = lambda x: 10**4000", "assert round(f(1), -2) == f(1)", True),
+        ("f = lambda x: [[0]] * 300000", "assert sum(f(1), []) == [0] * 300000", True),  # quadratic list sum
+        ("f = lambda x: [[1], [2]]", "assert sum(f(1), [0]) == [0, 1, 2] and sum(f(1)[0]) == 1", True),
+        ("f = lambda x: [(1,), [2]]", "assert sum(f(1), ()) == (1, 2)", False),  # Python: TypeError
+        ("f = lambda x: [0] * 2000", "assert [f(1)] * 1000000 == [f(2)] * 1000000", False),  # shared 2e9 cells
+        ("f = lambda x: [0] * 2000", "assert sorted([f(1)] * 1000000) == []", False),
+        ("f = lambda x: [0] * 2000", "assert [f(1)] * 3 == [[0] * 2000] * 3", True),
+        ("f = lambda x: 'a' * 4000", "assert str([f(1)] * 1000000) == ''", False),  # a 4 GB string
+        ("f = lambda x: 1", "assert '%0999999999d' % f(1) == '1'", False),  # a 1 GB string
+        ("f = lambda x: 2", "assert f(1) ** 100000 > 0", False),
+    ],
+)
+def test_what_the_sandbox_returns_cannot_make_the_judge_hang_or_build_something_huge(code, test, passes):
+    tests = parse_tests([test], where="p")
+    assert _finishes(lambda: judge(code, tests, LIMITS)).passed == (passes,)
+
+
+def test_type_and_isinstance_judge_as_python_does():
+    tests = parse_tests(
+        [
+            "assert type(f(1)) == list",
+            "assert isinstance(f(1)[0], int) and not isinstance(f(1)[0], (str, float))",
+            "assert type(f(1)) == 'list'",  # Python: a type is not its name
+            "assert type(f(1)[1]) is str",
+        ],
+        where="p",
+    )
+    assert judge("f = lambda x: [1, 'a']", tests, LIMITS).passed == (True, True, False, True)
+
+
+def test_asserts_in_one_text_may_span_lines():
+    text = "assert f(1) == 1\nassert (f(2) ==\n        2)\n\n# a comment\nassert f(3) == [\n    3,\n]  # done\n"
+    tests = parse_tests(text, where="p")
+    assert len(tests) == 3
+    assert judge("f = lambda x: x if x < 3 else [x]", tests, LIMITS).passed == (True, True, True)
+    prompt = Prompt(text="p", answer="", meta={"tests": text})
+    assert code_reward([prompt], ["f = lambda x: x if x < 3 else [x]"], None)[0] == [1.0]
+    with pytest.raises(TestError, match="test 0: not one assert"):
+        parse_tests("for i in range(3):\n    assert f(i) == i\n", where="p")  # one statement, refused whole
+
+
+def test_a_row_with_a_huge_integer_is_dropped_even_where_the_digit_limit_is_lifted():
+    import sys
+
+    from flowrl.tasks.code_tests import decode_row
+
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+        with pytest.raises(ValueError, match="4300 digits"):
+            decode_row('[0, "ok", ' + "9" * 100_000 + "]")
+        assert decode_row('[0, "ok", ' + "9" * 4300 + "]")[2] == int("9" * 4300)
+    finally:
+        sys.set_int_max_str_digits(before)
+
+
+CARELESS = (
+    "def f(x=0, y=0):\n    return {1: 1, 2: 0.5, 3: [2, 1], 4: 'a', 5: True, 6: None, 7: (1, 2), 8: {1, 2}, "
+    "9: {'a': 1}, 10: frozenset([1]), 12: 1.0, 13: 0, 14: [1, [2, (3,)]], 15: b'x', 16: 3.0000001}.get(x, x + y)\n"
+)
+
+
+@pytest.mark.parametrize(
+    "test",
+    [
+        "assert f(1) == 1.0", "assert abs(f(2) - 0.5) < 1e-6", "assert f(3) == [2,1]", "assert f(3) == [1, 2]",
+        "assert f(4) == 'a'", "assert f(x=1)", "assert f(-1) == -1", "assert f(5) is True", "assert f(1) is True",
+        "assert 0 < f(1) <= 1 < 2", "assert f(1) != None", "assert f(6) is None", "assert f(7) == (1, 2)",
+        "assert f(7) == [1, 2]", "assert f(8) == {2, 1}", "assert f(9) == {'a': 1}", "assert f(10) == frozenset({1})",
+        "assert f(10) == {1}", "assert f(1) == 1  # a comment", "assert(f(1) == 1)", "assert (f(1) ==\n 1)",
+        "assert f(12) == 1", "assert f(5) == 1", "assert f(13) == False", "assert f(14) == [1, [2, (3,)]]",
+        "assert f(14) == [1, [2, [3]]]", "assert f(15) == b'x'", "assert f(16) == 3", "assert round(f(16), 2) == 3.0",
+        "assert f(x=20, y=1) == 21", "assert f(1, y=2) == 1", "assert f(2) == 1/2", "assert f(True) == 1",
+        "assert f(3)[::-1] == [1, 2]", "assert f(4) in 'abc'", "assert f(1) == 1, 'message'", "assert not f(13)",
+        "assert f(3) == [1, 2] or f(1) == 1", "assert f(5) == True == 1", "assert set(f(3)) == {1, 2}",
+        "assert isinstance(f(2), float)", "assert math.isclose(f(2), 0.5)", "assert f(0x10) == 16",
+        "assert f(1e3) == 1000", "assert f(8) == set([1, 2])", "assert f(9) == dict(a=1)", "assert f(1) == 1;",
+        "assert f(1) is not None", "assert f(-2.5) == -2.5", "assert f((1, 2), y=(3,)) == (1, 2, 3)",
+    ],
+)  # fmt: skip
+def test_a_careless_authors_asserts_judge_as_python_would(test):
+    import math
+
+    space: dict = {"math": math}
+    exec(CARELESS, space)
+    try:
+        exec(test, space)
+        python = True
+    except AssertionError:
+        python = False
+    assert judge(CARELESS, parse_tests([test], where="p"), LIMITS).passed == (python,)
