@@ -27,6 +27,7 @@ since code under test can forge that report.
 from __future__ import annotations
 
 import ast
+import builtins
 import json
 import math
 import operator
@@ -63,7 +64,26 @@ SAFE_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "tuple": tuple,
     "type": lambda x: type(x),  # one argument: the values here are built-in plain data only
     "isinstance": isinstance,
+    "range": lambda *a: _range(*a),
+    "divmod": divmod,
+    "chr": chr,
+    "ord": ord,
+    "hex": hex,
+    "bin": bin,
+    "oct": oct,
+    "repr": repr,
 }
+#: built-in names a test cannot call: not functions under test (the code does not define them)
+_BUILTINS = frozenset(name for name in dir(builtins) if not name.startswith("_")) - set(SAFE_FUNCTIONS)
+
+
+def _range(*args: int) -> range:
+    made = range(*args)
+    if len(made) > MAX_WEIGHT:
+        raise OverflowError("a range too long")
+    return made
+
+
 #: the type names a test may use (``type(f(1)) == int``, ``isinstance(f(1), list)``)
 _TYPES: dict[str, type] = {t.__name__: t for t in (bool, bytes, dict, float, frozenset, int, list, set, str, tuple)}
 _MATH = {"isclose": math.isclose, "fabs": math.fabs, "sqrt": math.sqrt, "floor": math.floor, "ceil": math.ceil}
@@ -290,6 +310,11 @@ def _check(node: ast.expr, calls: list[Call], rename: dict[str, str]) -> None:
                 raise TestError(f"math.{func.attr} is not a function a test may use")
         elif isinstance(func, ast.Name) and func.id in SAFE_FUNCTIONS and func.id not in rename:
             pass
+        elif isinstance(func, ast.Name) and func.id in _BUILTINS and func.id not in rename:
+            raise TestError(
+                f"{func.id}(...) is a built-in function a test may not use (it would be called in the sandbox as a "
+                f"function under test, and fail); those it may: {', '.join(sorted(SAFE_FUNCTIONS))}"
+            )
         elif isinstance(func, ast.Name):
             if not all(_literal(a) for a in node.args) or not all(_literal(k.value) for k in node.keywords):
                 raise TestError(f"{func.id}(...) is called with an argument that is not a literal")
@@ -327,6 +352,8 @@ class _Weights:
             return 1 + value.bit_length() // 64
         if t is str or t is bytes:
             return 1 + len(value) // 16
+        if t is range:
+            return 1 + len(value)
         if t not in (list, tuple, set, frozenset, dict):
             return 1
         for table in (self.known, self.parent.known if self.parent else {}):

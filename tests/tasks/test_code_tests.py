@@ -41,6 +41,8 @@ def test_an_assert_is_parsed_into_the_calls_the_sandbox_makes():
         ("assert f(1) ==", "not Python"),
         ("assert math.system(1)", "math.system"),
         ("assert f(*[1]) == 1", "'*'"),
+        ("assert f(1) == next(iter([1]))", "next\\(...\\) is a built-in function"),
+        ("assert print(f(1)) is None", "print\\(...\\) is a built-in function"),
         ("assert f(" * 2000 + ")" * 2000, "nested too deeply|not Python"),
     ],
 )
@@ -289,3 +291,19 @@ def test_a_careless_authors_asserts_judge_as_python_would(test):
     except AssertionError:
         python = False
     assert judge(CARELESS, parse_tests([test], where="p"), LIMITS).passed == (python,)
+
+
+def test_builtins_a_test_may_use_are_computed_here_and_others_are_refused_not_sent_as_calls():
+    tests = parse_tests(
+        [
+            "assert f(5) == list(range(5))",
+            "assert f(3) != range(3)",  # Python: a list is not a range
+            "assert divmod(len(f(7)), 2) == (3, 1) and chr(97 + len(f(1))) == 'b'",
+            "assert sum(range(len(f(4)))) == 6 and ord(str(len(f(2)))) == 50",
+            "assert len(list(range(10**9))) == len(f(0))",  # refused before it builds a billion-long list
+        ],
+        where="p",
+    )
+    assert all(c.name == "f" for t in tests for c in t.calls)
+    verdict = _finishes(lambda: judge("f = lambda x: list(range(x))", tests, LIMITS))
+    assert verdict.passed == (True, True, True, True, False)
