@@ -307,3 +307,25 @@ def test_builtins_a_test_may_use_are_computed_here_and_others_are_refused_not_se
     assert all(c.name == "f" for t in tests for c in t.calls)
     verdict = _finishes(lambda: judge("f = lambda x: list(range(x))", tests, LIMITS))
     assert verdict.passed == (True, True, True, True, False)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "a, b = map(int, open(0).read().split())\nprint(a + b)",  # the input on fd 0, the idiom of judges
+        "import os\na, b = map(int, os.read(0, 100).split())\nos.write(1, b'%d\\n' % (a + b))",
+        "import sys\na, b = map(int, sys.stdin.buffer.read().split())\nprint(a + b, file=sys.__stdout__)",
+        "import sys\nfor line in sys.stdin:\n    print(sum(map(int, line.split())))",
+    ],
+)
+def test_a_program_may_read_fd_0_and_write_fd_1_as_judges_let_it(code):
+    tests = parse_tests([{"input": "1 2\n", "output": "3\n"}, {"input": "20 22\n", "output": "42\n"}], where="p")
+    assert judge(code, tests, LIMITS).passed == (True, True)
+
+
+def test_printing_too_much_or_closing_its_output_fails_that_input_alone():
+    tests = parse_tests([{"input": f"{i}\n", "output": f"{i}\n"} for i in (1, 2, 3)], where="p")
+    flood = "x = input()\nif x == '2':\n    while True:\n        print('y' * 10**6)\nprint(x)"
+    assert judge(flood, tests, LIMITS).passed == (True, False, True)
+    closes = "import os\nx = input()\nif x == '1':\n    os.close(0)\n    os.close(1)\nprint(x)"
+    assert judge(closes, tests, LIMITS).passed == (False, True, True)
