@@ -543,6 +543,10 @@ def untag(value: Any) -> Any:
             return tuple(untag(v) for v in body)
         if kind == "s" and type(body) is list:
             return set(untag(v) for v in body)
+        if kind == "fs" and type(body) is list:
+            return frozenset(untag(v) for v in body)
+        if kind == "i" and type(body) is str and len(body) <= MAX_INT_BITS // 4 + 1:
+            return int(body, 16)
         if kind == "d" and type(body) is list and all(type(p) is list and len(p) == 2 for p in body):
             return {untag(k): untag(v) for k, v in body}
         if kind == "f" and body in ("nan", "inf", "-inf"):

@@ -57,7 +57,8 @@ ENVIRONMENT = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTH
 #: what the sandboxed interpreter runs: the job (JSON) on stdin; on the original stdout one JSON row per
 #: test; what the code prints goes to stderr. Modes: ``calls`` (call a function the code defines with
 #: literal arguments, return its value as tagged plain data), ``stdio`` (run the code as a program per
-#: input -- the input a file on fd 0, fd 1 a fresh file -- and return what it printed), ``asserts`` (exec each test after the code; forgeable: trusted code).
+#: input -- the input a file on fd 0, fd 1 a fresh file -- and return what it printed), ``asserts`` (exec
+#: each test after the code; forgeable: trusted code).
 _HARNESS = r"""
 import ast, io, json, os, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file over the size limit: an error, not the run's end
@@ -74,8 +75,10 @@ def tag(v, depth=0):
     if depth > 64:
         raise ValueError("a value nested deeper than 64")
     t = type(v)
-    if v is None or t is bool or t is str or t is int:
+    if v is None or t is bool or t is str:
         return v
+    if t is int:  # past 2**53 in hex: no decimal digit limit on either side, and exact in any JSON reader
+        return v if -2**53 < v < 2**53 else {"i": "%x" % v}
     if t is float:
         return v if v - v == 0 else {"f": repr(v)}
     if t is list:
@@ -83,7 +86,7 @@ def tag(v, depth=0):
     if t is tuple:
         return {"t": [tag(x, depth + 1) for x in v]}
     if t is set or t is frozenset:
-        return {"s": [tag(x, depth + 1) for x in v]}
+        return {"s" if t is set else "fs": [tag(x, depth + 1) for x in v]}
     if t is dict:
         return {"d": [[tag(k, depth + 1), tag(x, depth + 1)] for k, x in v.items()]}
     if t is bytes:

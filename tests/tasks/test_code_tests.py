@@ -329,3 +329,18 @@ def test_printing_too_much_or_closing_its_output_fails_that_input_alone():
     assert judge(flood, tests, LIMITS).passed == (True, False, True)
     closes = "import os\nx = input()\nif x == '1':\n    os.close(0)\n    os.close(1)\nprint(x)"
     assert judge(closes, tests, LIMITS).passed == (False, True, True)
+
+
+def test_frozensets_and_integers_past_the_decimal_digit_limit_come_back_as_they_were():
+    tests = parse_tests(
+        [
+            "assert type(f(1)) == frozenset and {f(1)} == {frozenset([1])}",  # hashable, as in Python
+            "assert f(5) == {frozenset({1}): 2}",
+            "assert f(2) == 2**20000 and f(2) - 1 == 2**20000 - 1",  # more than 4300 decimal digits
+            "assert f(3) == -2**60 and f(3) + 1 == -1152921504606846975",
+            "assert f(4) > 0",  # past the widest integer a test compares
+        ],
+        where="p",
+    )
+    code = "f = lambda x: {1: frozenset([1]), 2: 2**20000, 3: -2**60, 4: 2**70000, 5: {frozenset([1]): 2}}[x]"
+    assert judge(code, tests, LIMITS).passed == (True, True, True, True, False)

@@ -179,3 +179,38 @@ def test_a_sandbox_dies_with_the_process_that_started_it():
             return
         time.sleep(0.05)
     pytest.fail(f"sandboxed processes outlived their parent: {sorted(p for p in tree if _alive(p))}")
+
+
+def _run_filter(program: bytes, arch: int, nr: int) -> int:
+    """What a classic-BPF seccomp program returns for a syscall (a tiny interpreter: ld abs, jeq, jge, ret)."""
+    import struct
+
+    code = [struct.unpack("HBBI", program[i : i + 8]) for i in range(0, len(program), 8)]
+    data, acc, pc = {0: nr, 4: arch}, 0, 0
+    while True:
+        op, jt, jf, k = code[pc]
+        if op == 0x20:
+            acc, pc = data[k], pc + 1
+        elif op in (0x15, 0x35):
+            taken = acc == k if op == 0x15 else acc >= k
+            pc = pc + 1 + (jt if taken else jf)
+        else:
+            assert op == 0x06, op
+            return k
+
+
+def test_the_seccomp_filter_refuses_what_it_lists_and_foreign_abis_and_allows_the_rest():
+    import platform
+
+    program = sandbox.seccomp_program()
+    if program is None:
+        pytest.skip(f"no filter on {platform.machine()}")
+    arch = sandbox._ARCH[platform.machine().lower()]
+    allow, eperm = 0x7FFF0000, 0x00050001
+    refused = set(sandbox._REFUSED[arch])
+    for nr in range(0, 600):
+        assert _run_filter(program, arch, nr) == (eperm if nr in refused else allow), nr
+    for nr in (0x40000000, 0x40000000 + 39, 0xFFFFFFFF):  # x32's numbers, and -1
+        assert _run_filter(program, arch, nr) == eperm
+    assert _run_filter(program, 0x40000003, 20) == eperm  # i386 (int 0x80)
+    assert {56, 435, 319, 29, 165, 101} <= refused or arch != 0xC000003E  # clone, clone3, memfd, shmget, mount
