@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from typing import Any
 
 from flowrl.errors import ConfigError
 
@@ -331,10 +332,12 @@ def sandbox() -> Sandbox:
     return _CHOSEN
 
 
-def _command(box: Sandbox, limits: Limits, seccomp_fd: int | None) -> list[str]:
+def _command(box: Sandbox, limits: Limits, seccomp_fd: int | None, info_fd: int | None = None) -> list[str]:
     args = [bwrap(), "--unshare-all", "--unshare-user", "--uid", str(SANDBOX_ID), "--gid", str(SANDBOX_ID)]
     args += ["--disable-userns", "--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL"]
     args += ["--hostname", "sandbox"]
+    if info_fd is not None:  # bubblewrap writes the sandboxed process's host pid there (`_kill`)
+        args += ["--info-fd", str(info_fd)]
     if seccomp_fd is not None:
         args += ["--seccomp", str(seccomp_fd)]
     for folder in dict.fromkeys(("/usr", "/lib", "/lib64", "/bin", box.prefix)):
@@ -371,15 +374,15 @@ def run_job(job: dict, limits: Limits | None = None) -> Run:
     payload = json.dumps({**job, "cap": limits.output_bytes}).encode()
     program = seccomp_program()
     as_nobody = box.host_uid == SANDBOX_ID and os.geteuid() == 0
-    with tempfile.TemporaryFile() as sink, tempfile.TemporaryFile() as filter_file:
-        fds: tuple[int, ...] = ()
+    with tempfile.TemporaryFile() as sink, tempfile.TemporaryFile() as filter_file, tempfile.TemporaryFile() as info:
+        fds: tuple[int, ...] = (info.fileno(),)
         if program is not None:
             filter_file.write(program)
             filter_file.flush()
             filter_file.seek(0)
-            fds = (filter_file.fileno(),)
+            fds += (filter_file.fileno(),)
         proc = subprocess.Popen(
-            _command(box, limits, fds[0] if fds else None),
+            _command(box, limits, fds[1] if program is not None else None, info.fileno()),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=sink,
@@ -396,7 +399,7 @@ def run_job(job: dict, limits: Limits | None = None) -> Run:
         try:
             status = _communicate(proc, payload, limits, got)
         finally:
-            _kill(proc)
+            _kill(proc, info)
         sink.seek(0)
         printed = sink.read(limits.output_bytes).decode(errors="replace")
     text = bytes(got).decode(errors="replace")
@@ -441,9 +444,14 @@ def _communicate(proc: subprocess.Popen, job: bytes, limits: Limits, out: bytear
     return "ok"
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    """The run and everything it started: bwrap's namespace dies with its first process."""
+def _kill(proc: subprocess.Popen, info: Any = None) -> None:
+    """The run and everything it started. The sandboxed process is PID 1 of its namespace, so killing it
+    kills the namespace; it is killed by its own pid (from bubblewrap's ``--info-fd``, through a pidfd
+    opened while bubblewrap, its parent, still runs): the death signal bubblewrap gives it on its own death
+    is a setting the code can clear (``prctl(PR_SET_PDEATHSIG, 0)``) and then outlive the run."""
     if proc.poll() is None:
+        if info is not None:
+            _kill_child(proc.pid, info)
         try:
             os.killpg(proc.pid, 9)
         except (ProcessLookupError, PermissionError):
@@ -452,6 +460,32 @@ def _kill(proc: subprocess.Popen) -> None:
     for stream in (proc.stdout, proc.stdin):
         if stream is not None and not stream.closed:
             stream.close()
+
+
+def _kill_child(parent: int, info: Any) -> None:
+    """SIGKILL the sandboxed process bubblewrap (``parent``, alive and not yet reaped) reported."""
+    import signal
+
+    try:
+        info.seek(0)
+        pid = json.loads(info.read(4096).decode() or "{}").get("child-pid")
+    except (ValueError, OSError, AttributeError):
+        return
+    if type(pid) is not int or pid <= 1:
+        return
+    try:
+        handle = os.pidfd_open(pid)
+    except OSError:
+        return
+    try:
+        with open(f"/proc/{pid}/status") as fh:  # the pid still bubblewrap's child, not a reused one
+            ppid = next((line.split()[1] for line in fh if line.startswith("PPid:")), "")
+        if ppid == str(parent):
+            signal.pidfd_send_signal(handle, signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+    finally:
+        os.close(handle)
 
 
 def code_of(response: str) -> str:

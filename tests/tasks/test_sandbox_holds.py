@@ -214,3 +214,36 @@ def test_the_seccomp_filter_refuses_what_it_lists_and_foreign_abis_and_allows_th
         assert _run_filter(program, arch, nr) == eperm
     assert _run_filter(program, 0x40000003, 20) == eperm  # i386 (int 0x80)
     assert {56, 435, 319, 29, 165, 101} <= refused or arch != 0xC000003E  # clone, clone3, memfd, shmget, mount
+
+
+def test_code_that_clears_its_death_signal_does_not_outlive_the_run():
+    """bubblewrap's --die-with-parent is a setting the code can clear (prctl PR_SET_PDEATHSIG 0); killing
+    bubblewrap alone then left the sandboxed process sleeping, reparented to init, after the run."""
+    import secrets
+    import time
+
+    name = "fr" + secrets.token_hex(6)  # its /proc/PID/comm, to find it after the run
+    code = (
+        "import ctypes, signal, time\nlibc = ctypes.CDLL(None)\nlibc.prctl(1, 0, 0, 0, 0)\n"
+        f"libc.prctl(15, {name.encode()!r}, 0, 0, 0)\n"
+        "for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):\n    signal.signal(s, signal.SIG_IGN)\n"
+        "time.sleep(60)"
+    )
+    run = sandbox.run_job({"mode": "calls", "code": code, "calls": []}, sandbox.Limits(wall_s=1, cpu_s=1))
+    assert run.status == "timeout"
+
+    def survivors() -> list[str]:
+        found = []
+        for comm in Path("/proc").glob("[0-9]*/comm"):
+            try:
+                if comm.read_text().strip() == name:
+                    found.append(comm.parent.name)
+            except OSError:
+                pass
+        return found
+
+    for _ in range(40):
+        if not survivors():
+            return
+        time.sleep(0.05)
+    pytest.fail(f"a sandboxed process outlived its run: pids {survivors()}")
