@@ -17,7 +17,7 @@ What the sandboxed process gets:
   or remounts, ptrace and cross-process memory access, new or joined namespaces, keyrings, BPF, perf,
   io_uring, kernel modules and the like; syscalls of a foreign ABI (x32, i386 through ``int 0x80``) are
   refused outright; so are memfd files and SysV shared memory and message queues, memory that outlives
-  the address-space limit. x86-64 and aarch64 (elsewhere: rlimits alone).
+  the address-space limit, and ``prctl(PR_SET_PDEATHSIG)`` (the death with its parent, kept). x86-64 and aarch64 (elsewhere: rlimits alone).
 - **A cleared environment** with an explicit allow-list (`ENVIRONMENT`): the trainer's variables (API keys,
   tokens) are not in the process or in its PID 1's ``/proc/1/environ``.
 - **A new session, death with its parent**, and a wall-clock limit that kills the whole namespace.
@@ -262,9 +262,15 @@ _REFUSED = {
 _ARCH = {"x86_64": 0xC000003E, "amd64": 0xC000003E, "aarch64": 0xC00000B7, "arm64": 0xC00000B7}
 
 
+#: prctl's number per audit architecture: its PR_SET_PDEATHSIG (1) is refused, so the code cannot outlive a
+#: trainer that dies (bubblewrap's --die-with-parent is that setting)
+_PRCTL = {0xC000003E: 157, 0xC00000B7: 167}
+
+
 def seccomp_program() -> bytes | None:
-    """A classic-BPF seccomp filter: a foreign ABI (another audit arch, or x32's syscall numbers) and every
-    syscall in `_REFUSED` fail with EPERM, the rest is allowed; None on an architecture it does not know."""
+    """A classic-BPF seccomp filter: a foreign ABI (another audit arch, or x32's syscall numbers), every
+    syscall in `_REFUSED` and ``prctl(PR_SET_PDEATHSIG, ...)`` fail with EPERM, the rest is allowed; None on
+    an architecture it does not know."""
     arch = _ARCH.get(platform.machine().lower())
     if arch is None:
         return None
@@ -272,11 +278,12 @@ def seccomp_program() -> bytes | None:
     n = len(refused)
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
     allow, eperm = 0x7FFF0000, 0x00050000 | 1
-    # 0: load arch; 1: foreign arch -> EPERM; 2: load nr; 3: x32 (nr >= 2**30) -> EPERM; 4..: refused -> EPERM
     # 0: load arch; 1: foreign arch -> EPERM; 2: load nr; 3: x32 (nr >= 2**30) -> EPERM; 4..3+n: refused ->
-    # EPERM; 4+n: allow; 5+n: EPERM (a jump's target is the next instruction's index plus its offset)
-    prog = [(ld, 0, 0, 4), (jeq, 0, n + 3, arch), (ld, 0, 0, 0), (jge, n + 1, 0, 0x40000000)]
-    prog += [(jeq, n - j, 0, nr) for j, nr in enumerate(refused)]
+    # EPERM; 4+n: not prctl -> allow; 5+n: load its first argument (low half); 6+n: PR_SET_PDEATHSIG ->
+    # EPERM; 7+n: allow; 8+n: EPERM (a jump's target is the next instruction's index plus its offset)
+    prog = [(ld, 0, 0, 4), (jeq, 0, n + 6, arch), (ld, 0, 0, 0), (jge, n + 4, 0, 0x40000000)]
+    prog += [(jeq, n + 3 - j, 0, nr) for j, nr in enumerate(refused)]
+    prog += [(jeq, 0, 2, _PRCTL[arch]), (ld, 0, 0, 16), (jeq, 1, 0, 1)]
     prog += [(ret, 0, 0, allow), (ret, 0, 0, eperm)]
     return b"".join(struct.pack("HBBI", *ins) for ins in prog)
 

@@ -87,6 +87,7 @@ CONTAINMENT = [
      "    return libc.shmget(0, 2**20, 0o1600) >= 0 or libc.msgget(0, 0o1600) >= 0"),
     ("/dev/null still works", "import os\ndef probe():\n    try:\n        open('/dev/null', 'w').write('x')\n"
      "        return len(open('/dev/urandom', 'rb').read(4)) != 4\n    except OSError:\n        return True"),
+    ("cannot clear its death signal", _LIBC + "def probe():\n    return libc.prctl(1, 0, 0, 0, 0) == 0"),
     ("open files are capped", "def probe():\n    held = []\n    try:\n        for i in range(10000):\n"
      "            held.append(open('/proc/self/status'))\n    except OSError:\n        pass\n    return len(held) > 100"),
     ("no kernel knobs", "def probe():\n    for path in ('/proc/sys/kernel/core_pattern', '/proc/sysrq-trigger', '/proc/sys/vm/drop_caches'):\n"

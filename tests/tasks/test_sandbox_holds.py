@@ -181,12 +181,12 @@ def test_a_sandbox_dies_with_the_process_that_started_it():
     pytest.fail(f"sandboxed processes outlived their parent: {sorted(p for p in tree if _alive(p))}")
 
 
-def _run_filter(program: bytes, arch: int, nr: int) -> int:
+def _run_filter(program: bytes, arch: int, nr: int, arg0: int = 0) -> int:
     """What a classic-BPF seccomp program returns for a syscall (a tiny interpreter: ld abs, jeq, jge, ret)."""
     import struct
 
     code = [struct.unpack("HBBI", program[i : i + 8]) for i in range(0, len(program), 8)]
-    data, acc, pc = {0: nr, 4: arch}, 0, 0
+    data, acc, pc = {0: nr, 4: arch, 16: arg0}, 0, 0
     while True:
         op, jt, jf, k = code[pc]
         if op == 0x20:
@@ -209,10 +209,13 @@ def test_the_seccomp_filter_refuses_what_it_lists_and_foreign_abis_and_allows_th
     allow, eperm = 0x7FFF0000, 0x00050001
     refused = set(sandbox._REFUSED[arch])
     for nr in range(0, 600):
-        assert _run_filter(program, arch, nr) == (eperm if nr in refused else allow), nr
+        assert _run_filter(program, arch, nr, 2) == (eperm if nr in refused else allow), nr
     for nr in (0x40000000, 0x40000000 + 39, 0xFFFFFFFF):  # x32's numbers, and -1
         assert _run_filter(program, arch, nr) == eperm
     assert _run_filter(program, 0x40000003, 20) == eperm  # i386 (int 0x80)
+    prctl = sandbox._PRCTL[arch]
+    assert _run_filter(program, arch, prctl, 1) == eperm  # PR_SET_PDEATHSIG: would outlive a dead trainer
+    assert _run_filter(program, arch, prctl, 15) == allow  # PR_SET_NAME and the rest
     assert {56, 435, 319, 29, 165, 101} <= refused or arch != 0xC000003E  # clone, clone3, memfd, shmget, mount
 
 
