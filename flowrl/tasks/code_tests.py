@@ -188,17 +188,29 @@ def parse_tests(tests: Any, *, where: str, rename: Mapping[str, str] | None = No
 
 def split_tests(text: str) -> list[str]:
     """Asserts given as one text: its statements (an assert may span lines inside brackets), else, for a
-    text that is not Python as a whole, its non-blank lines (each then judged, or refused, alone)."""
+    text that is not Python as a whole, its non-blank lines (each then judged, or refused, alone).
+    HumanEval's form -- ``def check(candidate):`` holding the asserts, beside a ``METADATA = {...}`` -- is
+    read as the statements inside ``check``."""
     if len(text) <= MAX_TEST_CHARS * 64:
         try:
             tree = ast.parse(text)
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             tree = None
         if tree is not None and tree.body:
-            segments = [ast.get_source_segment(text, stmt) for stmt in tree.body]
-            if all(segments):
+            statements: list[ast.stmt] = []
+            for stmt in tree.body:
+                if isinstance(stmt, ast.FunctionDef) and stmt.name == "check" and len(stmt.args.args) == 1:
+                    statements += [s for s in stmt.body if not _is_docstring(s)]
+                elif not (isinstance(stmt, ast.Assign) and ast.unparse(stmt.targets) == "METADATA"):
+                    statements.append(stmt)
+            segments = [ast.get_source_segment(text, stmt) for stmt in statements]
+            if segments and all(segments):
                 return [str(seg) for seg in segments]
     return [t for t in text.splitlines() if t.strip()]
+
+
+def _is_docstring(stmt: ast.stmt) -> bool:
+    return isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)
 
 
 _FORGEABLE = (

@@ -17,7 +17,8 @@ What the sandboxed process gets:
   or remounts, ptrace and cross-process memory access, new or joined namespaces, keyrings, BPF, perf,
   io_uring, kernel modules and the like; syscalls of a foreign ABI (x32, i386 through ``int 0x80``) are
   refused outright; so are memfd files and SysV shared memory and message queues, memory that outlives
-  the address-space limit, and ``prctl(PR_SET_PDEATHSIG)`` (the death with its parent, kept). x86-64 and aarch64 (elsewhere: rlimits alone).
+  the address-space limit, and ``prctl(PR_SET_PDEATHSIG)`` (the death with its parent, kept). x86-64 and
+  aarch64 (elsewhere: rlimits alone).
 - **A cleared environment** with an explicit allow-list (`ENVIRONMENT`): the trainer's variables (API keys,
   tokens) are not in the process or in its PID 1's ``/proc/1/environ``.
 - **A new session, death with its parent**, and a wall-clock limit that kills the whole namespace.

@@ -344,3 +344,18 @@ def test_frozensets_and_integers_past_the_decimal_digit_limit_come_back_as_they_
     )
     code = "f = lambda x: {1: frozenset([1]), 2: 2**20000, 3: -2**60, 4: 2**70000, 5: {frozenset([1]): 2}}[x]"
     assert judge(code, tests, LIMITS).passed == (True, True, True, True, False)
+
+
+def test_humaneval_test_text_is_read_as_the_asserts_inside_check():
+    text = (
+        "\n\nMETADATA = {\n    'author': 'jt',\n    'dataset': 'test'\n}\n\n\ndef check(candidate):\n"
+        "    assert candidate([1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.3) == True\n"
+        "    assert candidate([1.0, 2.0,\n                      5.9], 0.8) == False\n"
+        "    assert candidate([], 1.0) == False\n\n"
+    )
+    prompt = Prompt(text="p", answer="", meta={"tests": text, "entry_point": "has_close_elements"})
+    right = (
+        "def has_close_elements(xs, t):\n    return any(abs(a - b) < t for i, a in enumerate(xs) for b in xs[i + 1:])"
+    )
+    scores, _ = code_reward([prompt, prompt], [right, "def has_close_elements(xs, t):\n    return True"], None)
+    assert scores == [1.0, 1 / 3]
