@@ -5,7 +5,8 @@ A prompt's tests (``prompt.meta["tests"]``) come in two forms:
 - **Function-call tests**, written as asserts the way MBPP and HumanEval write them:
   ``assert f(2, [1, 3]) == 4``, ``assert f(1) - f(0) == 1``, ``assert math.isclose(area(2), 12.56, rel_tol=1e-3)``,
   ``assert not is_prime(9)``. Each is parsed (`parse_assert`, with :mod:`ast`, never run): every call of a
-  function under test with literal arguments is sent to the sandbox, which returns the value as plain data
+  function under test with literal arguments (or arguments computed here without the code:
+  ``f([0] * 3)``, ``f(float('inf'))``, sent as plain data) is sent to the sandbox, which returns the value as plain data
   (numbers, strings, lists, tuples, sets, dicts, bytes -- never an object with code or its own ``__eq__``),
   and the rest of the expression -- the comparison, arithmetic, ``len``, ``sorted``, ``isclose`` ... -- is
   evaluated here over those values (`evaluate`), with the expected values never leaving this process.
@@ -126,8 +127,9 @@ class Call:
     """One call of a function under test, as the sandbox makes it."""
 
     name: str
-    args: str  # a Python literal tuple: "(1, [2, 3])"
-    kwargs: str  # a Python literal dict: "{'k': 1}"
+    args: str  # a Python literal tuple: "(1, [2, 3])" (or, computed, a test expression: "([0] * 3, )")
+    kwargs: str  # a Python literal dict: "{'k': 1}" (or, computed, a test expression)
+    computed: bool = False  # the arguments are computed here (`evaluate`) and sent as plain data
 
 
 @dataclass(frozen=True)
@@ -255,6 +257,15 @@ def _literal(node: ast.expr) -> bool:
     return True
 
 
+def _literal_call(node: ast.Call) -> bool:
+    return all(_literal(a) for a in node.args) and all(_literal(k.value) for k in node.keywords)
+
+
+def _call_of(node: ast.Call) -> Call:
+    assert isinstance(node.func, ast.Name)
+    return Call(node.func.id, _args_literal(node), _kwargs_literal(node), computed=not _literal_call(node))
+
+
 def _args_literal(node: ast.Call) -> str:
     return "(" + "".join(ast.unparse(a) + ", " for a in node.args) + ")"
 
@@ -328,11 +339,14 @@ def _check(node: ast.expr, calls: list[Call], rename: dict[str, str]) -> None:
                 f"function under test, and fail); those it may: {', '.join(sorted(SAFE_FUNCTIONS))}"
             )
         elif isinstance(func, ast.Name):
-            if not all(_literal(a) for a in node.args) or not all(_literal(k.value) for k in node.keywords):
-                raise TestError(f"{func.id}(...) is called with an argument that is not a literal")
-            args, kwargs = _args_literal(node), _kwargs_literal(node)
+            if not _literal_call(node):  # computed here: ``f([0] * 3)``, ``f(float('inf'))``, not ``f(g(1))``
+                inner: list[Call] = []
+                for a in [*node.args, *(k.value for k in node.keywords)]:
+                    _check(a, inner, rename)
+                if inner:
+                    raise TestError(f"{func.id}(...) is called with an argument that calls a function under test")
             func.id = rename.get(func.id, func.id)  # HumanEval's candidate: the entry point's name
-            calls.append(Call(func.id, args, kwargs))
+            calls.append(_call_of(node))
             return
         else:
             raise TestError(f"a call of {ast.unparse(func)[:40]!r}")
@@ -481,7 +495,7 @@ def evaluate(node: ast.expr, values: Mapping[Call, Any], weights: _Weights | Non
     if isinstance(func, ast.Attribute):
         return w.check(_MATH[func.attr](*args, **kwargs))
     assert isinstance(func, ast.Name)
-    call = Call(func.id, _args_literal(node), _kwargs_literal(node))
+    call = _call_of(node)
     if call not in values:
         guarded = _FUNCTIONS_GUARDED.get(func.id)
         return w.check(guarded(w, *args, **kwargs) if guarded else SAFE_FUNCTIONS[func.id](*args, **kwargs))
@@ -600,13 +614,20 @@ def judge(code: str, tests: Sequence[Test], limits: Limits = DEFAULT_LIMITS, *, 
         return Verdict(passed=passed, status=run.status, output=run.output)
     call_tests = [t for t in tests if isinstance(t, CallTest)]
     calls = list(dict.fromkeys(c for t in call_tests for c in t.calls))
-    job = {"mode": "calls", "code": code, "calls": [[c.name, c.args, c.kwargs] for c in calls]}
-    run = sandbox.run_job(job, limits)
     values: dict[Call, Any] = {}
+    sent: list[list[Any]] = []
+    for c in calls:
+        try:
+            sent.append([c.name, *_arguments(c)])
+        except Exception:  # noqa: BLE001 - an argument Python could not compute either: the call fails
+            values[c] = _Failed("its arguments could not be computed")
+            sent.append([c.name, "()", "{}"])
+    job = {"mode": "calls", "code": code, "calls": sent}
+    run = sandbox.run_job(job, limits)
     for text in run.rows:
         try:
             i, status, body = decode_row(text)
-            if not 0 <= i < len(calls) or calls[i] in values:
+            if not 0 <= i < len(calls) or calls[i] in values:  # the first row for a call counts
                 continue
             values[calls[i]] = untag(body) if status == "ok" else _Failed(f"the call raised {body}")
         except (ValueError, TypeError, RecursionError, OverflowError):
@@ -625,6 +646,39 @@ def judge(code: str, tests: Sequence[Test], limits: Limits = DEFAULT_LIMITS, *, 
         except Exception:  # noqa: BLE001 - any error evaluating over the returned values fails that test
             passed.append(False)
     return Verdict(passed=tuple(passed), status=run.status, output=run.output)
+
+
+def _arguments(call: Call) -> tuple[Any, Any]:
+    """What the sandbox gets for a call's arguments: their literal texts, or, computed here, plain data
+    tagged as the sandbox tags what it returns (``{"v": ...}``)."""
+    if not call.computed:
+        return call.args, call.kwargs
+    weights = _Weights()
+    args = evaluate(ast.parse(call.args, mode="eval").body, {}, weights)
+    kwargs = evaluate(ast.parse(call.kwargs, mode="eval").body, {}, weights)
+    weights.check([args, kwargs])
+    return {"v": _tag(list(args))}, {"v": _tag(kwargs)}
+
+
+def _tag(value: Any, depth: int = 0) -> Any:
+    """``value`` as the sandbox's tagged plain data (`sandbox._HARNESS`'s ``tag``), for arguments."""
+    if depth > MAX_DEPTH:
+        raise ValueError(f"an argument nested deeper than {MAX_DEPTH}")
+    t = type(value)
+    if value is None or t in (bool, str):
+        return value
+    if t is int:
+        return value if -(2**53) < value < 2**53 else {"i": f"{value:x}"}
+    if t is float:
+        return value if value - value == 0 else {"f": repr(value)}
+    if t in (list, tuple, set, frozenset):
+        items = [_tag(v, depth + 1) for v in value]
+        return items if t is list else {{tuple: "t", set: "s", frozenset: "fs"}[t]: items}
+    if t is dict:
+        return {"d": [[_tag(k, depth + 1), _tag(v, depth + 1)] for k, v in value.items()]}
+    if t is bytes:
+        return {"b": value.hex()}
+    raise TypeError(f"an argument of type {t.__name__} cannot be sent")
 
 
 def _truthy(value: Any) -> bool:

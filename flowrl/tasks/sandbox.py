@@ -113,11 +113,24 @@ elif mode == "calls":
         exec(compile(code, "<response>", "exec"), space)
     except BaseException as e:
         why = "the code did not load: %s" % type(e).__name__
+    def untag(v):
+        if type(v) is list:
+            return [untag(x) for x in v]
+        if type(v) is dict:
+            ((k, b),) = v.items()
+            if k in ("t", "s", "fs"):
+                return {"t": tuple, "s": set, "fs": frozenset}[k](untag(x) for x in b)
+            if k == "d":
+                return {untag(a): untag(x) for a, x in b}
+            return float(b) if k == "f" else bytes.fromhex(b) if k == "b" else int(b, 16)
+        return v
+    def given(text):  # a literal, or arguments the parent computed, as tagged plain data
+        return untag(text["v"]) if type(text) is dict else ast.literal_eval(text)
     for i, (name, args, kwargs) in enumerate(job["calls"]):
         try:
             if why:
                 raise RuntimeError(why)
-            text = json.dumps([i, "ok", tag(space[name](*ast.literal_eval(args), **ast.literal_eval(kwargs)))])
+            text = json.dumps([i, "ok", tag(space[name](*given(args), **given(kwargs)))])
         except BaseException as e:
             text = json.dumps([i, "error", type(e).__name__])
         out.write(text + "\n")

@@ -31,8 +31,8 @@ def test_an_assert_is_parsed_into_the_calls_the_sandbox_makes():
     ("test", "why"),
     [
         ("for i in range(3): assert f(i) == i", "not one assert"),
-        ("assert f(g(1)) == 2", "not a literal"),
-        ("assert f(x) == 2", "not a literal"),
+        ("assert f(g(1)) == 2", "an argument that calls a function under test"),
+        ("assert f(x) == 2", "the name 'x' is not defined"),
         ("assert __import__('os').system('id') == 0", "call of"),
         ("assert f(1).real == 1", "Attribute"),
         ("assert (lambda: f(1))() == 1", "call of"),
@@ -359,3 +359,21 @@ def test_humaneval_test_text_is_read_as_the_asserts_inside_check():
     )
     scores, _ = code_reward([prompt, prompt], [right, "def has_close_elements(xs, t):\n    return True"], None)
     assert scores == [1.0, 1 / 3]
+
+
+def test_arguments_computed_without_the_code_are_computed_here_and_sent_as_plain_data():
+    tests = parse_tests(
+        [
+            "assert f(float('inf')) == ('float', float('inf'))",
+            "assert f([1] * 3) == ('list', [1, 1, 1])",
+            "assert f(set([1])) == ('set', {1})",
+            "assert f(y=1, x=frozenset({2})) == ('frozenset', frozenset([2]))",
+            "assert f(tuple(range(3))) == ('tuple', (0, 1, 2)) and f(-(2**70)) == ('int', -(2**70))",
+            "assert f(1 / 0) == ('float', 0)",  # Python raises: the test fails
+            "assert f(list(range(10**8))) == ('list', [])",  # too large to send: fails
+        ],
+        where="p",
+    )
+    assert [c.computed for c in tests[0].calls] == [True]
+    code = "f = lambda x=0, y=0: (type(x).__name__, x)"
+    assert judge(code, tests, LIMITS).passed == (True,) * 5 + (False, False)
