@@ -246,6 +246,11 @@ def parse_assert(text: str, *, where: str, rename: Mapping[str, str] | None = No
         raise TestError(f"{where}: {e} in {text[:120]!r}{_FORGEABLE}") from None
     if not calls:
         raise TestError(f"{where}: calls no function under test: {text[:80]!r}")
+    if any(c.name == "candidate" for c in calls) and "candidate" not in (rename or {}):
+        raise TestError(
+            f"{where}: calls 'candidate' (HumanEval's name for the function under test) but the prompt names no "
+            f"entry point (meta 'entry_point': the name the code defines): {text[:80]!r}"
+        )
     return CallTest(text=text, expr=expr, calls=tuple(dict.fromkeys(calls)))
 
 

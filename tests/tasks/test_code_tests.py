@@ -79,6 +79,12 @@ def test_mbpp_asserts_are_judged_by_value_outside_the_sandbox():
     assert wrong.passed == (False, True, False, True, False, True)  # a list where a tuple is expected
 
 
+def test_humaneval_candidate_without_an_entry_point_is_refused_not_failed_for_every_response():
+    prompt = Prompt(text="p", answer="", meta={"tests": ["assert candidate(2) == 4"]})
+    with pytest.raises(TestError, match="names no entry point"):
+        code_reward([prompt], ["def double(x):\n    return 2 * x"], None)
+
+
 def test_humaneval_candidate_is_the_entry_point():
     prompt = Prompt(text="p", answer="", meta={"tests": ["assert candidate(2) == 4"], "entry_point": "double"})
     scores, _ = code_reward(
