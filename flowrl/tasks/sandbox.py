@@ -471,8 +471,12 @@ def _kill(proc: subprocess.Popen, info: Any = None) -> None:
     opened while bubblewrap, its parent, still runs): the death signal bubblewrap gives it on its own death
     is a setting the code can clear (``prctl(PR_SET_PDEATHSIG, 0)``) and then outlive the run."""
     if proc.poll() is None:
-        if info is not None:
-            _kill_child(proc.pid, info)
+        if info is not None and _kill_child(proc.pid, info):
+            try:  # bubblewrap reaps it and exits: no orphan left for an init that may never reap it
+                proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+    if proc.poll() is None:
         try:
             os.killpg(proc.pid, 9)
         except (ProcessLookupError, PermissionError):
@@ -483,30 +487,33 @@ def _kill(proc: subprocess.Popen, info: Any = None) -> None:
             stream.close()
 
 
-def _kill_child(parent: int, info: Any) -> None:
-    """SIGKILL the sandboxed process bubblewrap (``parent``, alive and not yet reaped) reported."""
+def _kill_child(parent: int, info: Any) -> bool:
+    """SIGKILL the sandboxed process bubblewrap (``parent``, alive and not yet reaped) reported; whether
+    it was sent."""
     import signal
 
     try:
         info.seek(0)
         pid = json.loads(info.read(4096).decode() or "{}").get("child-pid")
     except (ValueError, OSError, AttributeError):
-        return
+        return False
     if type(pid) is not int or pid <= 1:
-        return
+        return False
     try:
         handle = os.pidfd_open(pid)
     except OSError:
-        return
+        return False
     try:
         with open(f"/proc/{pid}/status") as fh:  # the pid still bubblewrap's child, not a reused one
             ppid = next((line.split()[1] for line in fh if line.startswith("PPid:")), "")
         if ppid == str(parent):
             signal.pidfd_send_signal(handle, signal.SIGKILL)
+            return True
     except (OSError, ValueError):
         pass
     finally:
         os.close(handle)
+    return False
 
 
 def code_of(response: str) -> str:
