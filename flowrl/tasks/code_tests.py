@@ -97,6 +97,11 @@ _BINARY = {
     ast.FloorDiv: operator.floordiv,
     ast.Mod: operator.mod,
     ast.Pow: operator.pow,
+    ast.BitAnd: operator.and_,  # sets and integers: no larger than what they combine
+    ast.BitOr: operator.or_,
+    ast.BitXor: operator.xor,
+    ast.LShift: operator.lshift,
+    ast.RShift: operator.rshift,
 }
 _COMPARE = {
     ast.Eq: operator.eq,
@@ -299,7 +304,7 @@ def _check(node: ast.expr, calls: list[Call], rename: dict[str, str]) -> None:
         for v in node.values:
             _check(v, calls, rename)
         return
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not | ast.USub | ast.UAdd):
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not | ast.USub | ast.UAdd | ast.Invert):
         _check(node.operand, calls, rename)
         return
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
@@ -420,6 +425,12 @@ def _power(weights: _Weights, a: Any, b: Any) -> Any:
     return a**b
 
 
+def _shift(weights: _Weights, a: Any, b: Any) -> Any:
+    if type(a) in (int, bool) and type(b) in (int, bool) and b > MAX_INT_BITS:
+        raise OverflowError("a shift too large")
+    return a << b
+
+
 def _modulo(weights: _Weights, a: Any, b: Any) -> Any:
     if isinstance(a, str | bytes):  # '%0999999999d' % x would print a gigabyte
         raise TypeError("'%' formatting in a test")
@@ -453,7 +464,7 @@ def _int(weights: _Weights, value: Any = 0, *base: Any) -> int:
     return int(value, *base)
 
 
-_BINARY_GUARDED = {ast.Mult: _repeat, ast.Pow: _power, ast.Mod: _modulo}
+_BINARY_GUARDED = {ast.Mult: _repeat, ast.Pow: _power, ast.Mod: _modulo, ast.LShift: _shift}
 _FUNCTIONS_GUARDED = {"sum": _sum, "round": _round, "int": _int}
 
 
@@ -475,6 +486,8 @@ def evaluate(node: ast.expr, values: Mapping[Call, Any], weights: _Weights | Non
         return w.check({evaluate(k, values, w): evaluate(v, values, w) for k, v in zip(node.keys, node.values) if k})
     if isinstance(node, ast.UnaryOp):
         v = evaluate(node.operand, values, w)
+        if isinstance(node.op, ast.Invert):
+            return ~v
         return not v if isinstance(node.op, ast.Not) else -v if isinstance(node.op, ast.USub) else +v
     if isinstance(node, ast.BinOp):
         a, b = evaluate(node.left, values, w), evaluate(node.right, values, w)

@@ -216,6 +216,9 @@ def _finishes(fn, seconds: float = 60.0):
         ("f = lambda x: 'a' * 4000", "assert str([f(1)] * 1000000) == ''", False),  # a 4 GB string
         ("f = lambda x: 1", "assert '%0999999999d' % f(1) == '1'", False),  # a 1 GB string
         ("f = lambda x: 2", "assert f(1) ** 100000 > 0", False),
+        ("f = lambda x: 2", "assert f(1) << 10**9 > 0", False),
+        ("f = lambda x: 2", "assert f(1) << 3 == 16 and f(1) >> 1 == 1 and ~f(1) == -3 and f(1) ^ 3 == 1", True),
+        ("f = lambda x: [1, 2, 3]", "assert set(f(1)) & {2, 5} == {2} and set(f(1)) | {4} == {1, 2, 3, 4}", True),
         ("f = lambda x: '9' * 100", "assert int(f(1) * 300000) > 0", False),  # quadratic where the limit is lifted
         ("f = lambda x: '9' * 100", "assert int(f(1)) > 0 and int(f(1), 16) > 0", True),
     ],
