@@ -499,6 +499,8 @@ def _kill_child(parent: int, info: Any) -> bool:
         return False
     if type(pid) is not int or pid <= 1:
         return False
+    if not hasattr(os, "pidfd_open") or not hasattr(signal, "pidfd_send_signal"):
+        return False  # an old kernel or build: bubblewrap's group is killed alone, as before
     try:
         handle = os.pidfd_open(pid)
     except OSError:
