@@ -620,10 +620,20 @@ def _same_output(printed: str, expected: str) -> bool:
     return lines(printed) == lines(expected)
 
 
-def judge(code: str, tests: Sequence[Test], limits: Limits = DEFAULT_LIMITS, *, forgeable: bool = False) -> Verdict:
-    """Run ``code`` in one sandbox and judge each test here: pass or fail per test."""
+def judge(
+    code: str, tests: Sequence[Test], limits: Limits = DEFAULT_LIMITS, *, forgeable: bool = False, isolate: bool = False
+) -> Verdict:
+    """Run ``code`` in one sandbox and judge each test here: pass or fail per test. ``isolate=True`` runs a
+    fresh sandbox per test (one start each, a few tens of milliseconds): in one process the code can read
+    every test's arguments -- and one test's argument may be another's expected value (``enc('abc') ==
+    'xyz'`` beside ``dec('xyz') == 'abc'``); alone, a test's calls are all it sees."""
     if forgeable:
         raise TestError("judge(forgeable=True) takes the tests' texts: use run_asserts")
+    if isolate and len(tests) > 1:
+        verdicts = [judge(code, [t], limits) for t in tests]
+        status = next((v.status for v in verdicts if v.status != "ok"), "ok")
+        output = "".join(v.output for v in verdicts)[: limits.output_bytes]
+        return Verdict(passed=tuple(v.passed[0] for v in verdicts), status=status, output=output)
     if tests and isinstance(tests[0], StdioTest):
         stdio = [t for t in tests if isinstance(t, StdioTest)]
         run = sandbox.run_job({"mode": "stdio", "code": code, "inputs": [t.input for t in stdio]}, limits)

@@ -388,3 +388,33 @@ def test_arguments_computed_without_the_code_are_computed_here_and_sent_as_plain
     assert [c.computed for c in tests[0].calls] == [True]
     code = "f = lambda x=0, y=0: (type(x).__name__, x)"
     assert judge(code, tests, LIMITS).passed == (True,) * 5 + (False, False)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known hole: every call runs in one process, so the code can read the other tests' arguments "
+    "(the harness's job, frames, gc) and return one that is another test's expected value; isolate=True "
+    "(a sandbox per test) closes it, at a sandbox start per test",
+)
+def test_code_cannot_answer_one_test_with_another_tests_argument():
+    tests = parse_tests(["assert enc('abc') == 'xyz'", "assert dec('xyz') == 'abc'"], where="p")
+    forger = (
+        "import ast, sys\ncalls = sys.modules['__main__'].job['calls']\n"
+        "arg = {n: ast.literal_eval(a)[0] for n, a, k in calls}\n"
+        "enc = lambda s: arg['dec']\ndec = lambda s: arg['enc']\n"
+    )
+    assert judge(forger, tests, LIMITS).passed == (False, False)
+
+
+def test_isolated_tests_see_only_their_own_arguments():
+    forger = (
+        "import ast, sys\ncalls = sys.modules['__main__'].job['calls']\n"
+        "arg = {n: ast.literal_eval(a)[0] for n, a, k in calls}\n"
+        "enc = lambda s: arg.get('dec')\ndec = lambda s: arg.get('enc')\n"
+    )
+    prompt = Prompt(text="p", answer="", meta={"tests": ["assert enc('abc') == 'xyz'", "assert dec('xyz') == 'abc'"]})
+    right = "enc = lambda s: {'abc': 'xyz'}.get(s)\ndec = lambda s: {'xyz': 'abc'}.get(s)"
+    scores, metrics = code_reward([prompt, prompt], [forger, right], None, isolate=True)
+    assert scores == [0.0, 1.0] and metrics["sandbox_runs"] == 2
+    stdio = parse_tests([{"input": "1\n", "output": "1\n"}, {"input": "2\n", "output": "2\n"}], where="p")
+    assert judge("print(input())", stdio, LIMITS, isolate=True).passed == (True, True)
