@@ -3,19 +3,28 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from flowrl.specs import Spec
+from msgspec import Meta
+
+from flowrl.specs import MAX_STALENESS, Spec
 
 Placement = Literal["colocate", "split", "standalone", "disaggregated"]
 RolloutMode = Literal["sync", "one_step_off", "async"]
 SyncStrategy = Literal["reshard", "full", "bucketed", "sparse"]
 
+#: what a plan file may say (checked when a plan is read): sizes of at least one and at most the
+#: devices the planner models, so an edited plan is refused naming its field, never run (a staleness
+#: of 10^9 looped over its histogram, a negative device index was a KeyError)
+MAX_DEVICES = 1 << 20
+Size = Annotated[int, Meta(ge=1, le=MAX_DEVICES)]
+Index = Annotated[int, Meta(ge=0, lt=MAX_DEVICES)]
+
 
 class Parallel(Spec):
-    dp: int
-    tp: int
-    pp: int
+    dp: Size
+    tp: Size
+    pp: Size
 
     @property
     def size(self) -> int:
@@ -34,20 +43,20 @@ class ModelLayout(Spec):
     model: str
     group: str
     parallel: Parallel  # training layout for trainable models, inference layout otherwise
-    micro_batch: int  # sequences per micro-batch on each dp rank
+    micro_batch: Annotated[int, Meta(ge=1)]  # sequences per micro-batch on each dp rank
     offload_optimizer: bool = False
 
 
 class DeviceGroup(Spec):
     name: str
-    devices: int
-    first: int  # index of its first device in the cluster
+    devices: Size
+    first: Index  # index of its first device in the cluster
 
 
 class GenerationLayout(Spec):
     group: str
-    tp: int
-    replicas: int
+    tp: Size
+    replicas: Size
     model: str | None = None  # the generating policy (None: the graph's first)
 
 
@@ -59,11 +68,13 @@ class RolloutPolicy(Spec):
     ``staleness`` (eta) bounds how old a trained sample's oldest token may be, in versions."""
 
     mode: RolloutMode = "sync"
-    staleness: int = 0  # eta: generation may use weights this many versions old (0 = on-policy)
+    # eta: generation may use weights this many versions old (0 = on-policy)
+    staleness: Annotated[int, Meta(ge=0, le=MAX_STALENESS)] = 0
     partial: bool = False  # stop once the batch is full; unfinished responses resume next step
-    overprovision: float = 0.0  # extra prompts launched when partial (APRIL)
+    overprovision: Annotated[float, Meta(ge=0, le=16)] = 0.0  # extra prompts launched when partial (APRIL)
     streaming: bool = False  # scoring nodes start on finished groups while generation goes on
-    chunk_tokens: int | None = None  # partial/async/streaming: tokens decoded between checks (None: see chunk())
+    # partial/async/streaming: tokens decoded between checks (None: see chunk())
+    chunk_tokens: Annotated[int, Meta(ge=1)] | None = None
 
     def chunk(self, budget: int) -> int:
         """Tokens decoded between checks (batch full, new weights, parts to stream): the policy's,
@@ -94,7 +105,7 @@ class RolloutPolicy(Spec):
 
 class WeightSync(Spec):
     strategy: SyncStrategy
-    density: float = 1.0  # fraction of weights sent (sparse delta)
+    density: Annotated[float, Meta(ge=0, le=1)] = 1.0  # fraction of weights sent (sparse delta)
 
 
 class Prediction(Spec):

@@ -166,6 +166,16 @@ def _verify_layout(graph: Graph, plan: ExecutionPlan) -> None:
         raise PlanError(
             f"the plan uses {sum(g.devices for g in c.groups)} devices; the cluster has {t.cluster.devices}."
         )
+    taken: set[int] = set()
+    for g in c.groups:  # devices [first, first + devices) of the cluster, no two groups sharing one
+        span = set(range(g.first, g.first + g.devices))
+        if g.first + g.devices > t.cluster.devices or span & taken:
+            why = "past the end of" if g.first + g.devices > t.cluster.devices else "shared with another group of"
+            raise PlanError(
+                f"device group '{g.name}' takes devices {g.first}..{g.first + g.devices - 1}, {why} the cluster's "
+                f"{t.cluster.devices} (layout.groups: each group has its own devices, counting from 0)."
+            )
+        taken |= span
     groups = {g.name: g for g in c.groups}
     mini_batch = t.workload.sequences // t.workload.mini_batches if t.workload else None
     for m in c.models:

@@ -176,12 +176,37 @@ def manifest(plan: Any) -> dict[str, Any]:
     return {"plan_graph": plan.graph.fingerprint, "model": plan.target.model.name, "seed": cfg.seed, "base": base}
 
 
+#: The files and folders flowrl writes in a run folder by name: one of another kind there (a folder named
+#: samples.jsonl, a file named checkpoints, a link to a device) is refused before the run starts, rather
+#: than failing at its first write, possibly after training (the plots, the trace).
+RUN_FILES = (".lock", "plan.yaml", "metrics.jsonl", "samples.jsonl", "trace.json", "timeline.png", "reward.png")
+RUN_FOLDERS = (CHECKPOINTS, ".cache")
+
+
+def check_entries(run: Path) -> None:
+    """ConfigError naming the first of `RUN_FILES` / `RUN_FOLDERS` in ``run`` that is of another kind
+    (a symbolic link counts as what it leads to; one leading nowhere is of no kind)."""
+    for name in (*RUN_FILES, *RUN_FOLDERS):
+        path = run / name
+        if not os.path.lexists(path):
+            continue
+        folder = name in RUN_FOLDERS
+        if not (path.is_dir() if folder else path.is_file()):
+            found = "a folder" if path.is_dir() else "a file" if path.is_file() else "neither a file nor a folder"
+            raise ConfigError(
+                f"run folder '{run}': '{name}' is {found}, but flowrl keeps {'a folder' if folder else 'a file'} "
+                f"there; move it away (it is not flowrl's) or name another run folder."
+            )
+
+
 @contextmanager
 def holding(run: Path) -> Iterator[None]:
-    """One flowrl process at a time in a run folder (an advisory lock, released when it exits)."""
+    """One flowrl process at a time in a run folder (an advisory lock, released when it exits); the
+    folder's own entries are checked first (`check_entries`)."""
     import fcntl
 
     run.mkdir(parents=True, exist_ok=True)
+    check_entries(run)
     with (run / ".lock").open("a+") as fh:
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -257,7 +282,8 @@ def archive_trace(run: Path, resumed_from: int | None) -> None:
 def read(path: Path, manifest: Mapping[str, Any]) -> tuple[Path, dict[str, Any]]:
     """Checkpoint ``path`` and its controller state, checked against ``manifest`` (the plan and
     graph it must come from)."""
-    saved = msgspec.to_builtins(read_manifest(path))
+    # JSON's own types (the manifest's [name, size, mtime] tuples as lists, as the plan's are)
+    saved = msgspec.json.decode(msgspec.json.encode(read_manifest(path)))
     for key, want in manifest.items():
         if key == "base" and saved.get(key) != want:
             raise ConfigError(
