@@ -448,7 +448,7 @@ def code_reward(
     template: str = "{response}",
     wall_s: float = 5.0,
     forgeable: bool = False,
-    isolate: bool = False,
+    isolate: bool | None = None,
 ) -> tuple[list[float], dict[str, float]]:
     """Model-written Python judged by its outputs (`flowrl.tasks.code_tests`): the fraction of
     ``prompt.meta["tests"]`` that pass. Tests are asserts (a list, or one per line) over calls of the
@@ -459,10 +459,11 @@ def code_reward(
     stands for (HumanEval). ``forgeable=True`` instead execs each assert after the code in the sandboxed
     process (any assert form, for trusted code: code under test can forge that). The response (its fenced
     code block, when it has one) is put into ``template`` first, e.g. ``template="f = lambda x: {response}"``.
-    ``isolate=True`` runs each test in a sandbox of its own (a start per test): in one run the code can
-    read every test's arguments, and where one test's argument is another's expected value (an encoder
-    and its decoder tested on the same pair), return it. The same code for the same tests runs once per
-    call (a group's repeated answers). Metrics:
+    In one process the code can read every test's arguments, and where one test's argument is another's
+    expected value (an encoder and its decoder tested on the same pair) return it: so tests share a
+    sandbox only where none expects what another hands the code (``isolate=True``: each test alone, a
+    sandbox start each; ``isolate=False``: all in one, for trusted tests). The same code for the same
+    tests runs once per call (a group's repeated answers). Metrics:
     ``all_passed`` (the fraction passing every test), ``sandbox_runs`` and ``timeouts``, ``crashed``,
     ``forged`` (runs that ended so)."""
     from flowrl.tasks import code_tests, sandbox

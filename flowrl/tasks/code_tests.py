@@ -621,19 +621,149 @@ def _same_output(printed: str, expected: str) -> bool:
 
 
 def judge(
-    code: str, tests: Sequence[Test], limits: Limits = DEFAULT_LIMITS, *, forgeable: bool = False, isolate: bool = False
+    code: str,
+    tests: Sequence[Test],
+    limits: Limits = DEFAULT_LIMITS,
+    *,
+    forgeable: bool = False,
+    isolate: bool | None = None,
 ) -> Verdict:
-    """Run ``code`` in one sandbox and judge each test here: pass or fail per test. ``isolate=True`` runs a
-    fresh sandbox per test (one start each, a few tens of milliseconds): in one process the code can read
-    every test's arguments -- and one test's argument may be another's expected value (``enc('abc') ==
-    'xyz'`` beside ``dec('xyz') == 'abc'``); alone, a test's calls are all it sees."""
+    """Run ``code`` in sandboxes and judge each test here: pass or fail per test.
+
+    In one process the code can read every test's arguments (or inputs) -- and one test's argument may be
+    another's expected value (``enc('abc') == 'xyz'`` beside ``dec('xyz') == 'abc'``). So by default
+    (``isolate=None``) tests run together only where none of them expects a value that another one hands
+    the code (`groups`), each group in a sandbox of its own; ``isolate=True`` runs every test alone (a
+    sandbox start each, a few tens of milliseconds), ``isolate=False`` all in one (trusted tests only)."""
     if forgeable:
         raise TestError("judge(forgeable=True) takes the tests' texts: use run_asserts")
-    if isolate and len(tests) > 1:
-        verdicts = [judge(code, [t], limits) for t in tests]
-        status = next((v.status for v in verdicts if v.status != "ok"), "ok")
-        output = "".join(v.output for v in verdicts)[: limits.output_bytes]
-        return Verdict(passed=tuple(v.passed[0] for v in verdicts), status=status, output=output)
+    parts = (
+        [list(range(len(tests)))]
+        if isolate is False
+        else [[i] for i in range(len(tests))]
+        if isolate
+        else groups(tests)
+    )
+    if len(parts) > 1:
+        passed: list[bool] = [False] * len(tests)
+        status, output = "ok", ""
+        for part in parts:
+            verdict = _judge_together(code, [tests[i] for i in part], limits)
+            for i, ok in zip(part, verdict.passed):
+                passed[i] = ok
+            status = status if verdict.status == "ok" else verdict.status if status == "ok" else status
+            output += verdict.output
+        return Verdict(passed=tuple(passed), status=status, output=output[: limits.output_bytes])
+    return _judge_together(code, tests, limits)
+
+
+# ------------------------------------------------------------------ which tests may share a process
+
+MAX_LEAVES = 4096  # sub-values of one test's arguments or expected values compared; more: the test runs alone
+
+
+def _key(value: Any) -> Any:
+    """A hashable key under which values equal by Python's ``==`` (1 == 1.0 == True; a set and a frozenset)
+    meet; containers by their elements' keys."""
+    t = type(value)
+    if t is bool or t is int:
+        return ("n", int(value))
+    if t is float:
+        return ("n", int(value)) if value.is_integer() else ("n", value) if value == value else ("nan", id(value))
+    if t in (list, tuple):
+        return (t.__name__, tuple(_key(v) for v in value))
+    if t in (set, frozenset):
+        return ("set", frozenset(_key(v) for v in value))
+    if t is dict:
+        return ("dict", frozenset((_key(k), _key(v)) for k, v in value.items()))
+    return (t.__name__, value)
+
+
+def _leaves(value: Any, out: set[Any], depth: int = 0) -> None:
+    """``value`` and every value inside it, as `_key`s, into ``out`` (OverflowError past MAX_LEAVES)."""
+    if len(out) > MAX_LEAVES or depth > MAX_DEPTH:
+        raise OverflowError("too many values to compare")
+    out.add(_key(value))
+    if isinstance(value, list | tuple | set | frozenset):
+        for v in value:
+            _leaves(v, out, depth + 1)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _leaves(k, out, depth + 1)
+            _leaves(v, out, depth + 1)
+
+
+def _under_test(node: ast.AST, test: CallTest) -> bool:
+    """Whether ``node`` holds a call of a function under test."""
+    names = {c.name for c in test.calls}
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in names for n in ast.walk(node))
+
+
+def _expected(node: ast.AST, test: CallTest, out: set[Any]) -> None:
+    """The values of the test's parts with no call under test (what a call's value is held against)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in {c.name for c in test.calls}:
+        return  # a call under test: its arguments are given, not expected
+    if isinstance(node, ast.expr) and not _under_test(node, test):
+        try:
+            _leaves(evaluate(node, {}, _Weights()), out)
+        except OverflowError:
+            raise
+        except Exception:  # noqa: BLE001 - a part that does not compute alone expects nothing of its own
+            pass
+        return
+    for child in ast.iter_child_nodes(node):
+        _expected(child, test, out)
+
+
+def _given(test: CallTest, out: set[Any]) -> None:
+    """Every value the test's calls hand the code."""
+    for call in test.calls:
+        weights = _Weights()
+        for text in (call.args, call.kwargs):
+            _leaves(evaluate(ast.parse(text, mode="eval").body, {}, weights), out)
+
+
+def groups(tests: Sequence[Test]) -> list[list[int]]:
+    """The tests (their indices) that may run in one process: none of a group expects a value that another
+    test of the group hands the code (a call's argument, a program's input); a test whose values are too
+    many to compare runs alone."""
+    given: list[set[Any] | None] = []
+    expected: list[set[Any] | None] = []
+    for t in tests:
+        g: set[Any] = set()
+        e: set[Any] = set()
+        try:
+            if isinstance(t, CallTest):
+                _given(t, g)
+                _expected(t.expr, t, e)
+            else:
+                g, e = {t.input}, {t.output.strip()} if t.output.strip() else set()
+        except Exception:  # noqa: BLE001 - too many values (or ones that do not compute): alone
+            g = e = None  # type: ignore[assignment]
+        given.append(g)
+        expected.append(e)
+
+    def clash(i: int, j: int) -> bool:  # test j expects what test i gives
+        gi, ej = given[i], expected[j]
+        if gi is None or ej is None:
+            return True
+        if isinstance(tests[j], StdioTest):
+            return any(out in text for out in ej for text in gi if isinstance(text, str))
+        return not gi.isdisjoint(ej)
+
+    parts: list[list[int]] = []
+    for j in range(len(tests)):
+        for part in parts:
+            if given[j] is not None and not any(clash(i, j) or clash(j, i) for i in part):
+                part.append(j)
+                break
+        else:
+            parts.append([j])
+    return parts
+
+
+def _judge_together(code: str, tests: Sequence[Test], limits: Limits) -> Verdict:
+    """Run ``code`` in one sandbox for all of ``tests`` and judge each here."""
     if tests and isinstance(tests[0], StdioTest):
         stdio = [t for t in tests if isinstance(t, StdioTest)]
         run = sandbox.run_job({"mode": "stdio", "code": code, "inputs": [t.input for t in stdio]}, limits)

@@ -11,7 +11,7 @@ import pytest
 
 from flowrl.algorithms.ops import code_reward
 from flowrl.contract.data import Prompt
-from flowrl.tasks.code_tests import Call, TestError, judge, parse_assert, parse_tests, run_asserts
+from flowrl.tasks.code_tests import Call, TestError, groups, judge, parse_assert, parse_tests, run_asserts
 from flowrl.tasks.sandbox import Limits, code_of
 
 LIMITS = Limits(wall_s=3, cpu_s=2)
@@ -390,20 +390,36 @@ def test_arguments_computed_without_the_code_are_computed_here_and_sent_as_plain
     assert judge(code, tests, LIMITS).passed == (True,) * 5 + (False, False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known hole: every call runs in one process, so the code can read the other tests' arguments "
-    "(the harness's job, frames, gc) and return one that is another test's expected value; isolate=True "
-    "(a sandbox per test) closes it, at a sandbox start per test",
-)
 def test_code_cannot_answer_one_test_with_another_tests_argument():
+    """Tests where one expects what another hands the code run in sandboxes of their own."""
     tests = parse_tests(["assert enc('abc') == 'xyz'", "assert dec('xyz') == 'abc'"], where="p")
+    assert groups(tests) == [[0], [1]]
     forger = (
         "import ast, sys\ncalls = sys.modules['__main__'].job['calls']\n"
         "arg = {n: ast.literal_eval(a)[0] for n, a, k in calls}\n"
         "enc = lambda s: arg['dec']\ndec = lambda s: arg['enc']\n"
     )
     assert judge(forger, tests, LIMITS).passed == (False, False)
+    assert judge(forger, tests, LIMITS, isolate=False).passed == (True, True)  # what one process would allow
+    right = "enc = lambda s: {'abc': 'xyz'}.get(s)\ndec = lambda s: {'xyz': 'abc'}.get(s)"
+    assert judge(right, tests, LIMITS).passed == (True, True)
+
+
+@pytest.mark.parametrize(
+    ("tests", "parts"),
+    [
+        (["assert f(1) == 2", "assert f(3) == 4", "assert f(5) == 6"], [[0, 1, 2]]),
+        (["assert f(1) == 2", "assert f(2) == 3"], [[0], [1]]),  # f(2) hands the code 2, which f(1) expects
+        (["assert f([1, 2]) == 3", "assert g(3) == [1, 2]"], [[0], [1]]),  # containers and their elements
+        (["assert f(1) == 2.0", "assert g(2) == 7"], [[0], [1]]),  # 2 == 2.0, as Python compares
+        (["assert f(0) == 3", "assert f(1) - f(0) == 1", "assert f(2) == 3 + 2", "assert f(5) == 3 + 5"],
+         [[0, 1, 2], [3]]),  # f(2) expects 5, which f(5) hands over
+        ([{"input": "1 2", "output": "3"}, {"input": "3 4", "output": "7"}], [[0], [1]]),
+        ([{"input": "1 2", "output": "3"}, {"input": "5 4", "output": "9"}], [[0, 1]]),
+    ],
+)  # fmt: skip
+def test_tests_share_a_sandbox_only_where_none_expects_what_another_hands_the_code(tests, parts):
+    assert groups(parse_tests(tests, where="p")) == parts
 
 
 def test_isolated_tests_see_only_their_own_arguments():
