@@ -127,9 +127,14 @@ class TestError(ValueError):
     __test__ = False  # not a pytest test class
 
 
+#: a Call's arguments when it is no call but a read of a value the code defines (``assert out``)
+READ = ""
+
+
 @dataclass(frozen=True)
 class Call:
-    """One call of a function under test, as the sandbox makes it."""
+    """One call of a function under test, as the sandbox makes it (or, with arguments `READ`, one value
+    the code defines, read from its namespace)."""
 
     name: str
     args: str  # a Python literal tuple: "(1, [2, 3])" (or, computed, a test expression: "([0] * 3, )")
@@ -249,14 +254,18 @@ def parse_assert(text: str, *, where: str, rename: Mapping[str, str] | None = No
         raise TestError(f"{where}: nested too deeply") from None
     except TestError as e:
         raise TestError(f"{where}: {e} in {text[:120]!r}{_FORGEABLE}") from None
-    if not calls:
-        raise TestError(f"{where}: calls no function under test: {text[:80]!r}")
+    if not calls:  # a constant test (``assert True``): it passes where the code loads and it holds
+        calls.append(LOADED)
     if any(c.name == "candidate" for c in calls) and "candidate" not in (rename or {}):
         raise TestError(
             f"{where}: calls 'candidate' (HumanEval's name for the function under test) but the prompt names no "
             f"entry point (meta 'entry_point': the name the code defines): {text[:80]!r}"
         )
     return CallTest(text=text, expr=expr, calls=tuple(dict.fromkeys(calls)))
+
+
+#: read by a test that calls nothing: its value comes back only where the code loaded
+LOADED = Call("__name__", READ, READ)
 
 
 def _literal(node: ast.expr) -> bool:
@@ -291,7 +300,10 @@ def _check(node: ast.expr, calls: list[Call], rename: dict[str, str]) -> None:
     if isinstance(node, ast.Name):
         if node.id in _NAMES or node.id in _TYPES and node.id not in rename:
             return
-        raise TestError(f"the name {node.id!r} is not defined in a test")
+        if node.id.startswith("__") or node.id in SAFE_FUNCTIONS:
+            raise TestError(f"the name {node.id!r} is not a value the code defines")
+        calls.append(Call(node.id, READ, READ))  # a value the code defines (``out``): read, never called
+        return
     if isinstance(node, ast.List | ast.Tuple | ast.Set):
         for e in node.elts:
             _check(e, calls, rename)
@@ -475,7 +487,14 @@ def evaluate(node: ast.expr, values: Mapping[Call, Any], weights: _Weights | Non
     if isinstance(node, ast.Constant):
         return node.value
     if isinstance(node, ast.Name):
-        return _NAMES[node.id] if node.id in _NAMES else _TYPES[node.id]
+        if node.id in _NAMES:
+            return _NAMES[node.id]
+        if node.id in _TYPES:
+            return _TYPES[node.id]
+        value = values[Call(node.id, READ, READ)]
+        if isinstance(value, _Failed):
+            raise RuntimeError(value.why)
+        return value
     if isinstance(node, ast.List):
         return w.check([evaluate(e, values, w) for e in node.elts])
     if isinstance(node, ast.Tuple):
@@ -696,7 +715,14 @@ def _leaves(value: Any, out: set[Any], depth: int = 0) -> None:
 def _under_test(node: ast.AST, test: CallTest) -> bool:
     """Whether ``node`` holds a call of a function under test."""
     names = {c.name for c in test.calls}
-    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in names for n in ast.walk(node))
+    return any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Name)
+        and n.func.id in names
+        or isinstance(n, ast.Name)
+        and n.id in names
+        for n in ast.walk(node)
+    )
 
 
 def _expected(node: ast.AST, test: CallTest, out: set[Any]) -> None:
@@ -718,6 +744,8 @@ def _expected(node: ast.AST, test: CallTest, out: set[Any]) -> None:
 def _given(test: CallTest, out: set[Any]) -> None:
     """Every value the test's calls hand the code."""
     for call in test.calls:
+        if call.args == READ:
+            continue
         weights = _Weights()
         for text in (call.args, call.kwargs):
             _leaves(evaluate(ast.parse(text, mode="eval").body, {}, weights), out)
@@ -776,7 +804,7 @@ def _judge_together(code: str, tests: Sequence[Test], limits: Limits) -> Verdict
             if status == "ok" and isinstance(out, str) and 0 <= i < len(stdio) and i not in printed:
                 printed[i] = out
         passed = tuple(i in printed and _same_output(printed[i], t.output) for i, t in enumerate(stdio))
-        return Verdict(passed=passed, status=run.status, output=run.output)
+        return Verdict(passed=passed, status=_ending(run), output=run.output)
     call_tests = [t for t in tests if isinstance(t, CallTest)]
     calls = list(dict.fromkeys(c for t in call_tests for c in t.calls))
     values: dict[Call, Any] = {}
@@ -807,16 +835,25 @@ def _judge_together(code: str, tests: Sequence[Test], limits: Limits) -> Verdict
     passed = []
     for t in call_tests:
         try:
-            passed.append(_truthy(evaluate(t.expr, values, _Weights(returned))))
+            loaded = LOADED not in t.calls or not isinstance(values[LOADED], _Failed)
+            passed.append(loaded and _truthy(evaluate(t.expr, values, _Weights(returned))))
         except Exception:  # noqa: BLE001 - any error evaluating over the returned values fails that test
             passed.append(False)
-    return Verdict(passed=tuple(passed), status=run.status, output=run.output)
+    return Verdict(passed=tuple(passed), status=_ending(run), output=run.output)
+
+
+def _ending(run: sandbox.Run) -> str:
+    """How a run ended: its own status, or ``forged`` where it exited cleanly before the harness was done
+    (an early exit: what it sent is judged all the same)."""
+    if run.status == "ok" and '[-1, "done", null]' not in run.rows:
+        return "forged"
+    return run.status
 
 
 def _arguments(call: Call) -> tuple[Any, Any]:
     """What the sandbox gets for a call's arguments: their literal texts, or, computed here, plain data
     tagged as the sandbox tags what it returns (``{"v": ...}``)."""
-    if not call.computed:
+    if not call.computed:  # literal texts, or READ: a value the code defines
         return call.args, call.kwargs
     weights = _Weights()
     args = evaluate(ast.parse(call.args, mode="eval").body, {}, weights)

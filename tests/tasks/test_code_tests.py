@@ -32,12 +32,11 @@ def test_an_assert_is_parsed_into_the_calls_the_sandbox_makes():
     [
         ("for i in range(3): assert f(i) == i", "not one assert"),
         ("assert f(g(1)) == 2", "an argument that calls a function under test"),
-        ("assert f(x) == 2", "the name 'x' is not defined"),
+        ("assert f(x) == 2", "calls a function under test"),
         ("assert __import__('os').system('id') == 0", "call of"),
         ("assert f(1).real == 1", "Attribute"),
         ("assert (lambda: f(1))() == 1", "call of"),
         ("assert f(1) is 1", "'is' compares only"),
-        ("assert True", "calls no function"),
         ("assert f(1) ==", "not Python"),
         ("assert math.system(1)", "math.system"),
         ("assert f(*[1]) == 1", "'*'"),
@@ -434,3 +433,37 @@ def test_isolated_tests_see_only_their_own_arguments():
     assert scores == [0.0, 1.0] and metrics["sandbox_runs"] == 2
     stdio = parse_tests([{"input": "1\n", "output": "1\n"}, {"input": "2\n", "output": "2\n"}], where="p")
     assert judge("print(input())", stdio, LIMITS, isolate=True).passed == (True, True)
+
+
+def test_a_value_the_code_defines_is_read_and_judged_here():
+    tests = parse_tests(
+        ["assert out == 2", "assert len(table) == 3 and table[1] == 'b'", "assert f(2) == 4"], where="p"
+    )
+    assert judge("out = 2\ntable = ['a', 'b', 'c']\nf = lambda x: x * 2", tests, LIMITS).passed == (True, True, True)
+    assert judge("out = 3\ntable = 'xyz'", tests, LIMITS).passed == (False, False, False)
+    with pytest.raises(TestError, match="'__builtins__' is not a value the code defines"):
+        parse_assert("assert __builtins__", where="p")
+
+
+def test_a_constant_test_passes_only_where_the_code_loads():
+    tests = parse_tests(["assert True", "assert 1 + 1 == 3"], where="p")
+    assert judge("x = 1", tests, LIMITS).passed == (True, False)
+    assert judge("def broken(:", tests, LIMITS).passed == (False, False)
+    assert judge("while True:\n    pass", tests, Limits(wall_s=1, cpu_s=1)).passed == (False, False)
+
+
+def test_an_early_exit_is_named_and_judged_all_the_same():
+    verdict = judge("import os\nf = lambda x: x\nos._exit(0)", parse_tests(["assert f(1) == 1"], where="p"), LIMITS)
+    assert verdict.passed == (False,) and verdict.status == "forged"
+
+
+def test_run_tests_judges_asserts_outside_the_sandbox():
+    from flowrl.tasks.sandbox import run_tests
+
+    result = run_tests("def double(x):\n    return 2 * x", ["assert double(2) == 4", "assert double(3) == 7"], LIMITS)
+    assert result.status == "ok" and result.passed == (True, False)
+    guesses = "".join(f'[0, "ok", {v}]\\n' for v in range(10))  # a forger does not know 4: it guesses
+    forger = f"import os\ndouble = lambda x: 0\nfor fd in range(1, 9):\n    os.write(fd, b'{guesses}')"
+    assert run_tests(forger, ["assert double(2) == 4"], LIMITS).passed == (False,)
+    with pytest.raises(TestError, match="run_tests test 0"):
+        run_tests("x = 1", ["for i in range(2): assert i"], LIMITS)
