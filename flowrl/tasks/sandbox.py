@@ -25,6 +25,20 @@ What the sandboxed process gets:
 - **Limits on everything it can use** (`Limits`): CPU seconds, memory (address space plus the scratch
   ``/tmp``, a size-capped tmpfs that counts against `Limits.memory_bytes`), file size, open files,
   processes, and the bytes it may print or return; more ends the run.
+- **A memory cgroup of its own, where root can make one** (`Sandbox.cgroup`): as root, with a memory
+  controller it can write (cgroup v1, or v2 where the trainer's cgroup may have children with controllers),
+  each run gets a fresh child cgroup of the trainer's, capped at `Limits.memory_bytes` plus
+  `CGROUP_ALLOWANCE` (bubblewrap itself), with no swap and `Limits.processes` pids; the child enters it
+  before it execs bubblewrap, and it is removed after the run. Too much memory there ends the run (the
+  kernel's OOM killer, inside the cgroup only: status ``crashed``) or fails the allocation.
+
+What bounds what: the address space (RLIMIT_AS) bounds the process's own memory; the tmpfs size bounds the
+bytes of the files in ``/tmp``; neither counts the kernel's memory for the process -- above all the inodes
+and directory entries of files in ``/tmp`` (tmpfs counts bytes, not files: ~600k empty files hold ~600 MB
+of kernel memory), also page tables and socket buffers. The memory cgroup counts all of it. Without one
+(an unprivileged user, no writable memory controller, cgroup v2 whose rules forbid it) that kernel memory
+is bounded only by what the code can make in its CPU seconds and wall-clock time, and it is freed when the
+run ends (the tmpfs goes with its mount namespace).
 
 The untrusted process only computes (`run_job`): a job (JSON on stdin) says what to call or which inputs to
 feed the program, and it writes one JSON row per test back. Verdicts are made outside, by the trusted
@@ -36,16 +50,21 @@ itself reports pass or fail, which code under test can forge.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import os
 import platform
 import resource
+import secrets
 import shutil
 import stat
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,6 +254,11 @@ class Sandbox:
     prefix: str  # the interpreter's installation, bound read-only
     host_uid: int  # SANDBOX_ID, or the caller's own uid (unprivileged), or 0 (root with no capabilities)
     command: tuple[str, ...] = field(default=())
+    #: "v1" or "v2" where each run gets a memory cgroup of its own, None where it cannot (not root, no
+    #: writable memory controller, v2's rules): then RLIMIT_AS and the tmpfs size alone bound memory
+    cgroup: str | None = None
+    #: the folders each run's cgroup is made in: v1 the memory one, then the pids one if any; v2 one
+    cgroup_parents: tuple[str, ...] = ()
 
 
 def bwrap() -> str:
@@ -335,6 +359,187 @@ def _interpreters() -> list[tuple[str, str]]:
     return found
 
 
+# ------------------------------------------------------------------ cgroups
+
+#: memory a run's cgroup allows above `Limits.memory_bytes`: bubblewrap, its mount namespace and /proc
+CGROUP_ALLOWANCE = 32 * 2**20
+#: how each run's cgroup is named: then the trainer's pid, a counter and a random part
+CGROUP_PREFIX = "flowrl-sandbox-"
+_CGROUP_ROOT = "/sys/fs/cgroup"
+_RUNS = itertools.count()
+_LEFT: set[str] = set()  # cgroups of this process that were still busy when their run ended
+_LEFT_LOCK = threading.Lock()
+
+
+def _write(path: str, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _own_cgroups() -> dict[str, str]:
+    """This process's cgroups from /proc/self/cgroup: v1 controller lists ("memory", "cpu,cpuacct") and
+    "" (v2) -> path."""
+    found: dict[str, str] = {}
+    try:
+        with open("/proc/self/cgroup") as fh:
+            for line in fh:
+                parts = line.rstrip("\n").split(":", 2)
+                if len(parts) == 3 and parts[2].startswith("/"):
+                    found[parts[1]] = parts[2]
+    except OSError:
+        pass
+    return found
+
+
+def _usable(parent: str) -> bool:
+    """Whether a child cgroup can be made and removed in ``parent``."""
+    probe = os.path.join(parent, f"{CGROUP_PREFIX}{os.getpid()}-probe-{secrets.token_hex(3)}")
+    try:
+        os.mkdir(probe)
+    except OSError:
+        return False
+    try:
+        os.rmdir(probe)
+    except OSError:
+        _LEFT.add(probe)
+    return True
+
+
+def _cgroup_parents() -> tuple[str | None, tuple[str, ...]]:
+    """Where runs' cgroups can be made: ("v1", (memory folder, pids folder?)), ("v2", (folder,)) or (None,
+    ()). Root only; the trainer's own cgroups are the parents (v1's memory controller first, then v2)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return None, ()
+    own = _own_cgroups()
+    for controllers, path in own.items():
+        if "memory" in controllers.split(","):
+            memory = os.path.join(_CGROUP_ROOT, controllers) + path.rstrip("/")
+            if not os.path.isfile(os.path.join(memory, "memory.limit_in_bytes")) or not _usable(memory):
+                return None, ()  # the memory controller is v1's here: v2 has none to give
+            parents = [memory]
+            pids = next((f"{_CGROUP_ROOT}/{c}{p.rstrip('/')}" for c, p in own.items() if "pids" in c.split(",")), None)
+            if pids is not None and os.path.isdir(pids) and _usable(pids):
+                parents.append(pids)
+            return "v1", tuple(parents)
+    if "" not in own:
+        return None, ()
+    for root in (_CGROUP_ROOT, _CGROUP_ROOT + "/unified"):
+        folder = root + own[""].rstrip("/")
+        try:
+            with open(os.path.join(folder, "cgroup.controllers")) as fh:
+                if not {"memory", "pids"} <= set(fh.read().split()):
+                    continue
+            with open(os.path.join(folder, "cgroup.subtree_control")) as fh:
+                enabled = set(fh.read().split())
+            if not {"memory", "pids"} <= enabled:  # refused (EBUSY) where the trainer's own cgroup is not
+                _write(os.path.join(folder, "cgroup.subtree_control"), "+memory +pids")  # the root: skip v2
+        except OSError:
+            continue
+        if _usable(folder):
+            return "v2", (folder,)
+    return None, ()
+
+
+def _make_cgroup(box: Sandbox, limits: Limits) -> tuple[str, ...]:
+    """A fresh cgroup per parent of ``box`` with the run's limits; () where it could not be made."""
+    _sweep(box)
+    name = f"{CGROUP_PREFIX}{os.getpid()}-{next(_RUNS)}-{secrets.token_hex(3)}"
+    made: list[str] = []
+    memory = str(limits.memory_bytes + CGROUP_ALLOWANCE)
+    try:
+        for parent in box.cgroup_parents:
+            folder = os.path.join(parent, name)
+            os.mkdir(folder)
+            made.append(folder)
+            if box.cgroup == "v2":
+                _write(os.path.join(folder, "memory.max"), memory)
+                if os.path.exists(os.path.join(folder, "memory.swap.max")):
+                    _write(os.path.join(folder, "memory.swap.max"), "0")
+                _write(os.path.join(folder, "pids.max"), str(limits.processes))
+            elif parent == box.cgroup_parents[0]:  # v1 memory: the limit first, then memory plus swap
+                _write(os.path.join(folder, "memory.limit_in_bytes"), memory)
+                if os.path.exists(os.path.join(folder, "memory.memsw.limit_in_bytes")):
+                    _write(os.path.join(folder, "memory.memsw.limit_in_bytes"), memory)
+            else:
+                _write(os.path.join(folder, "pids.max"), str(limits.processes))
+    except OSError:
+        _remove_cgroup(tuple(made))
+        return ()
+    return tuple(made)
+
+
+def _remove_cgroup(folders: tuple[str, ...], wait_s: float = 2.0) -> None:
+    """Remove a run's cgroups once empty (its processes may take a moment to leave); what stays busy is
+    killed, and kept to retry at the next run."""
+    deadline = time.monotonic() + wait_s
+    for folder in folders:
+        delay = 0.001
+        while True:
+            try:
+                os.rmdir(folder)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    with _LEFT_LOCK:
+                        _LEFT.add(folder)
+                    break
+                _kill_members(folder)
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        with _LEFT_LOCK:
+            _LEFT.discard(folder)
+
+
+def _kill_members(folder: str) -> None:
+    try:
+        with open(os.path.join(folder, "cgroup.procs")) as fh:
+            members = [int(p) for p in fh.read().split()]
+    except (OSError, ValueError):
+        return
+    for pid in members:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+
+
+def _sweep(box: Sandbox) -> None:
+    """Remove the empty cgroups of runs gone by: this process's still busy at their end, and those of
+    trainers that died mid-run (their pid in the name is gone)."""
+    with _LEFT_LOCK:
+        left = list(_LEFT)
+    for folder in left:
+        _remove_cgroup((folder,), wait_s=0.0)
+    for parent in box.cgroup_parents:
+        try:
+            names = [n for n in os.listdir(parent) if n.startswith(CGROUP_PREFIX)]
+        except OSError:
+            continue
+        for name in names:
+            pid = name[len(CGROUP_PREFIX) :].split("-", 1)[0]
+            if pid.isdigit() and int(pid) != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+                try:
+                    os.rmdir(os.path.join(parent, name))
+                except OSError:
+                    pass
+
+
+def leftover_cgroups() -> list[str]:
+    """The runs' cgroups that exist now in this process's cgroup parents (none once every run has ended)."""
+    found: list[str] = []
+    for parent in sandbox().cgroup_parents:
+        try:
+            found += [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(CGROUP_PREFIX)]
+        except OSError:
+            pass
+    return sorted(found)
+
+
 _CHOSEN: Sandbox | None = None
 
 
@@ -352,7 +557,8 @@ def sandbox() -> Sandbox:
                 (p, pre) for p, pre in found if _world_readable(p) and _world_readable(os.path.join(pre, "lib"))
             ]
             python, prefix = readable[0] if readable else found[0]
-            _CHOSEN = Sandbox(python, prefix, SANDBOX_ID if readable else 0)
+            version, parents = _cgroup_parents()
+            _CHOSEN = Sandbox(python, prefix, SANDBOX_ID if readable else 0, cgroup=version, cgroup_parents=parents)
     return _CHOSEN
 
 
@@ -376,7 +582,19 @@ def _command(box: Sandbox, limits: Limits, seccomp_fd: int | None, info_fd: int 
     return [*args, box.python, "-I", "-S", "-c", _HARNESS]
 
 
-def _limit(limits: Limits) -> None:  # in the child, before bwrap: inherited by everything it starts
+def _enter(limits: Limits, cgroups: tuple[str, ...], as_nobody: bool) -> None:
+    """In the child, before it execs bubblewrap: into the run's cgroups (while still root), then to
+    ``nobody`` (groups, gid, uid), then the rlimits -- inherited by everything it starts."""
+    for folder in cgroups:
+        _write(os.path.join(folder, "cgroup.procs"), str(os.getpid()))
+    if as_nobody:
+        os.setgroups([])
+        os.setresgid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)
+        os.setresuid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)
+    _limit(limits)
+
+
+def _limit(limits: Limits) -> None:
     space = limits.memory_bytes - limits.scratch_bytes
     for kind, value in (
         (resource.RLIMIT_CPU, limits.cpu_s),
@@ -405,25 +623,22 @@ def run_job(job: dict, limits: Limits | None = None) -> Run:
             filter_file.flush()
             filter_file.seek(0)
             fds += (filter_file.fileno(),)
-        proc = subprocess.Popen(
-            _command(box, limits, fds[1] if program is not None else None, info.fileno()),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=sink,
-            env=dict(ENVIRONMENT),
-            preexec_fn=lambda: _limit(limits),  # noqa: PLW1509 - rlimits must be set in the child
-            start_new_session=True,
-            pass_fds=fds,
-            user=SANDBOX_ID if as_nobody else None,
-            group=SANDBOX_ID if as_nobody else None,
-            extra_groups=[] if as_nobody else None,
-            cwd="/",
-        )
-        status, got = "ok", bytearray()
+        cgroups = _make_cgroup(box, limits) if box.cgroup else ()
         try:
-            status = _communicate(proc, payload, limits, got)
+            try:
+                proc = _launch(box, limits, fds, program is not None, info, sink, cgroups, as_nobody)
+            except subprocess.SubprocessError:
+                if not cgroups:
+                    raise
+                _no_cgroups()  # the child could not enter its cgroup (a parent's rules): run as without
+                proc = _launch(box, limits, fds, program is not None, info, sink, (), as_nobody)
+            status, got = "ok", bytearray()
+            try:
+                status = _communicate(proc, payload, limits, got)
+            finally:
+                _kill(proc, info)
         finally:
-            _kill(proc, info)
+            _remove_cgroup(cgroups)
         sink.seek(0)
         printed = sink.read(limits.output_bytes).decode(errors="replace")
     text = bytes(got).decode(errors="replace")
@@ -432,6 +647,30 @@ def run_job(job: dict, limits: Limits | None = None) -> Run:
     if status == "ok" and proc.returncode != 0:
         status = "crashed"
     return Run(rows=tuple(rows), status=status, output=printed, returncode=proc.returncode)
+
+
+def _launch(
+    box: Sandbox, limits: Limits, fds: tuple[int, ...], filtered: bool, info: Any, sink: Any,
+    cgroups: tuple[str, ...], as_nobody: bool,
+) -> subprocess.Popen:  # fmt: skip
+    return subprocess.Popen(
+        _command(box, limits, fds[1] if filtered else None, info.fileno()),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=sink,
+        env=dict(ENVIRONMENT),
+        preexec_fn=lambda: _enter(limits, cgroups, as_nobody),  # noqa: PLW1509 - must run in the child
+        start_new_session=True,
+        pass_fds=fds,
+        cwd="/",
+    )
+
+
+def _no_cgroups() -> None:
+    """Launch without cgroups from now on."""
+    global _CHOSEN
+    if _CHOSEN is not None:
+        _CHOSEN = dataclasses.replace(_CHOSEN, cgroup=None, cgroup_parents=())
 
 
 def _communicate(proc: subprocess.Popen, job: bytes, limits: Limits, out: bytearray) -> str:

@@ -75,6 +75,13 @@ CONTAINMENT = [
      "            written += 2**20\n    except OSError:\n        pass\n    try:\n        while True:\n"
      "            held.append(bytearray(16 * 2**20))\n    except MemoryError:\n        pass\n"
      "    return written + 16 * 2**20 * len(held) > {memory}"),
+    # tmpfs's size= counts bytes, not files: each empty file holds ~1 KB of kernel memory (inode, dentry)
+    # that RLIMIT_AS does not count either. It holds 400 MiB, then makes 400k empty files (~400 MB more):
+    # all of them is past the memory limit. Held only by the memory cgroup (as root, `CGROUP_ONLY`)
+    ("empty files in the scratch folder count against memory", "import os\ndef probe():\n"
+     "    held = b'x' * (400 * 2**20)\n    made = 0\n    try:\n        while made < 400000:\n"
+     "            os.close(os.open('/tmp/%x' % made, os.O_CREAT | os.O_WRONLY, 0o600))\n            made += 1\n"
+     "    except OSError:\n        return False\n    return len(held) + made * 1000 > {memory}"),
     ("one file is capped", "def probe():\n    try:\n        with open('/tmp/big', 'wb') as fh:\n"
      "            for _ in range(64):\n                fh.write(b'x' * 2**20)\n        return True\n"
      "    except OSError:\n        return False"),
@@ -102,6 +109,11 @@ CONTAINMENT = [
      "    return True"),
     ("a huge return value ends the run", "def probe():\n    return ['x' * 1000] * 100000"),
 ]  # fmt: skip
+
+#: the containment cases that only the run's memory cgroup holds (`flowrl.tasks.sandbox.Sandbox.cgroup`: as
+#: root, where a memory controller can be written); without one, only the run's CPU seconds and wall-clock
+#: time bound them (kernel memory is freed when the run ends): the test expects no escape only with a cgroup
+CGROUP_ONLY = {"empty files in the scratch folder count against memory"}
 
 # (name, response code put into the expr task's template "{response}"): the function must be wrong
 # (f = lambda x: 0 fails every add-3 test), and each tries to make the reward say it passed
@@ -186,7 +198,12 @@ def outcomes(repo: str) -> dict[str, dict[str, object]]:
                 value = code_tests.untag(body) if status == "ok" else None
             except ValueError:
                 pass
-        out["contain: " + name] = {"escaped": value is True, "status": run.status, "value": repr(value)[:200]}
+        out["contain: " + name] = {
+            "escaped": value is True,
+            "status": run.status,
+            "value": repr(value)[:200],
+            "cgroup": sandbox.sandbox().cgroup,
+        }
     tests = code_tests.parse_tests(EXPR_TESTS, where="forgery")
     for name, code in FORGERIES:
         verdict = code_tests.judge(code, tests, limits)

@@ -20,7 +20,7 @@ from flowrl.tasks import sandbox
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sandbox_cases  # noqa: E402 - a plain file the unprivileged user runs too
-from sandbox_cases import CONTAINMENT, FORGERIES, SECRET, STDIO_FORGERIES  # noqa: E402
+from sandbox_cases import CGROUP_ONLY, CONTAINMENT, FORGERIES, SECRET, STDIO_FORGERIES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 USER = "flowrl-sandbox-test"
@@ -36,6 +36,11 @@ pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bub
 
 def _check(outcome: dict, case: str) -> None:
     if case.startswith("contain: "):
+        if case.removeprefix("contain: ") in CGROUP_ONLY and outcome["cgroup"] is None and outcome["escaped"]:
+            pytest.xfail(  # the known hole without a cgroup, not a pass
+                "no memory cgroup here (not root, or no writable memory controller): the kernel memory of "
+                "empty files is bounded only by the run's CPU seconds and wall-clock time, and freed at its end"
+            )
         assert outcome["escaped"] is False, (case, outcome)
     else:
         assert outcome["passed"] == 0, (case, outcome)
@@ -250,3 +255,50 @@ def test_code_that_clears_its_death_signal_does_not_outlive_the_run():
             return
         time.sleep(0.05)
     pytest.fail(f"a sandboxed process outlived its run: pids {survivors()}")
+
+
+_FLOOD = (
+    "import os\ndef probe():\n    held = b'x' * (400 * 2**20)\n    made = 0\n    while made < 1000000:\n"
+    "        os.close(os.open('/tmp/%x' % made, os.O_CREAT | os.O_WRONLY, 0o600))\n        made += 1\n    return made"
+)
+
+
+def _own_cgroups() -> list[str]:
+    return [c for c in sandbox.leftover_cgroups() if f"{sandbox.CGROUP_PREFIX}{os.getpid()}-" in c]
+
+
+def test_as_root_a_flood_of_empty_files_is_ended_by_the_runs_memory_cgroup_and_the_trainer_lives():
+    """Empty files in the tmpfs /tmp hold kernel memory that neither RLIMIT_AS nor the tmpfs size counts.
+    With CPU and time to spare (without the cgroup it makes its million files, ~1 GB, and returns), the
+    run's memory cgroup ends it: killed inside the cgroup, or its file creation refused."""
+    box = sandbox.sandbox()
+    if box.cgroup is None:
+        pytest.skip("no memory cgroup here (not root, or no writable memory controller)")
+    limits = sandbox.Limits(wall_s=30, cpu_s=30, memory_bytes=512 * 2**20)
+    run = sandbox.run_job({"mode": "calls", "code": _FLOOD, "calls": [["probe", "()", "{}"]]}, limits)
+    assert run.status == "crashed" or (run.rows and '"error"' in run.rows[0]), run
+    assert not any('"ok"' in row for row in run.rows), run
+    from flowrl.tasks import code_tests  # the trainer, outside the cgroup, goes on
+
+    tests = code_tests.parse_tests(sandbox_cases.EXPR_TESTS, where="p")
+    assert code_tests.judge("f = lambda x: x + 3", tests).passed == (True,) * 4
+    assert _own_cgroups() == []
+
+
+def test_runs_leave_no_cgroup_behind():
+    """Each run's cgroup is removed after it, however the run ended (ok, error, timeout, killed)."""
+    if sandbox.sandbox().cgroup is None:
+        pytest.skip("no memory cgroup here (not root, or no writable memory controller)")
+    limits = sandbox.Limits(wall_s=1, cpu_s=1)
+    ended = ("def f():\n    return 1", "def f():\n    raise ValueError", "import time\ndef f():\n    time.sleep(9)")
+    for code in (*ended, "import os\ndef f():\n    os.kill(os.getpid(), 9)", "def f():\n    while True:\n        pass"):
+        sandbox.run_job({"mode": "calls", "code": code, "calls": [["f", "()", "{}"]]}, limits)
+    for _ in range(5):
+        sandbox.run_job({"mode": "calls", "code": "def f():\n    return 1", "calls": [["f", "()", "{}"]]})
+    assert _own_cgroups() == []
+
+
+def test_a_user_gets_no_cgroup_and_runs_as_before(monkeypatch):
+    """Not root: no cgroup is made (the sandbox records it) and runs go on under the rlimits alone."""
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert sandbox._cgroup_parents() == (None, ())
