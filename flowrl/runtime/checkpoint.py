@@ -15,7 +15,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -86,19 +86,23 @@ def decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
     raise ValueError(f"unknown entry {sorted(data)}")
 
 
-def save_tree(stem: Path, obj: Any) -> None:
-    """``stem``.json and ``stem``.safetensors."""
+def save_tree(stem: Path, obj: Any, stamp: Mapping[str, str] | None = None) -> None:
+    """``stem``.json and ``stem``.safetensors; ``stamp`` goes into the safetensors file's metadata
+    (what checkpoint it belongs to: `check_stamp` compares it when read back)."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
     data = encode(obj, tensors)
-    save_file(tensors, str(stem.with_suffix(".safetensors")))
+    save_file(tensors, str(stem.with_suffix(".safetensors")), metadata=dict(stamp) if stamp else None)
     stem.with_suffix(".json").write_text(json.dumps(data))
 
 
-def load_tree(stem: Path) -> Any:
+def load_tree(stem: Path, stamp: Mapping[str, str] | None = None) -> Any:
+    """What `save_tree` wrote; with ``stamp``, the safetensors file's metadata must agree (`check_stamp`)."""
     from safetensors.torch import load_file
 
+    if stamp:
+        check_stamp(stem.with_suffix(".safetensors"), stamp)
     try:
         tensors = load_file(str(stem.with_suffix(".safetensors")))
         data = json.loads(stem.with_suffix(".json").read_text())
@@ -108,6 +112,33 @@ def load_tree(stem: Path) -> Any:
             f"checkpoint file '{stem.with_suffix('.json')}' (or its .safetensors) is unreadable or corrupt: "
             f"{type(exc).__name__}: {exc}."
         ) from None
+
+
+def read_stamp(file: Path) -> dict[str, str]:
+    """The ``flowrl.*`` entries of safetensors ``file``'s metadata (empty when it has none, or cannot be
+    read: reading it then fails where its tensors are loaded, naming the file)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as fh:
+            meta = fh.metadata() or {}
+    except Exception:
+        return {}
+    return {k: v for k, v in meta.items() if k.startswith("flowrl.")}
+
+
+def check_stamp(file: Path, want: Mapping[str, str]) -> None:
+    """ConfigError naming ``file`` when its metadata says it belongs to another checkpoint (another step,
+    model or weight version) than ``want``: a file swapped in from another checkpoint folder. A file
+    without the stamp (written before flowrl stamped checkpoints) is accepted."""
+    saved = read_stamp(file)
+    for key, value in want.items():
+        if key in saved and saved[key] != value:
+            raise ConfigError(
+                f"checkpoint file '{file}' was written for {key.removeprefix('flowrl.')} {saved[key][:40]!r}, but "
+                f"its checkpoint is for {value!r}: it was copied in from another checkpoint (swapped files?). "
+                "Remove this checkpoint folder to resume from an older one."
+            )
 
 
 # ------------------------------------------------------------------ atomic folders

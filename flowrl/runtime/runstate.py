@@ -19,8 +19,13 @@ at any moment leaves the previous checkpoint as the latest.
 A checkpoint is read as untrusted input: ``state.json`` is decoded into `Manifest` (typed fields with
 bounds, unknown fields refused, at most `MAX_MANIFEST_BYTES`), ``driver.json`` is checked field by
 field (`check_driver`) before anything is restored, and a checkpoint holding a symbolic link that
-leads out of the run folder is refused (`check_inside`). Each refusal is a ConfigError naming the
-file and the field; `resume` then tries the checkpoint before it, and with none left the CLI exits 2.
+leads out of the run folder is refused (`check_inside`). Each file is stamped with what checkpoint it
+belongs to: ``driver.safetensors``'s metadata holds the step, each model's ``model.safetensors`` and
+``optimizer.safetensors`` the model's name and weight version (as its ``engine.json``), and
+``state.json`` every model's version, so a file or model folder swapped in from another checkpoint is
+refused rather than resumed from the wrong weights (a checkpoint written before the stamps is accepted
+as it is). Each refusal is a ConfigError naming the file and the field; `resume` then tries the
+checkpoint before it, and with none left the CLI exits 2.
 
 Resuming rebuilds every model as the run began (so frozen models, the KL reference among them,
 are exactly the original), then loads the trainable ones, the RNGs and the rollout state: the
@@ -80,6 +85,8 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     model: str  # the planned model's name
     seed: int
     base: list[_FileEntry] | dict[str, list[_FileEntry]] | None = None  # the base model's weight files
+    # each trainable model's weight version (its engine.json's); None: written before flowrl recorded it
+    versions: dict[str, _Count] | None = None
 
 
 @dataclass
@@ -137,13 +144,14 @@ def write(run: Path, snapshot: Snapshot, st: RunState, manifest: Mapping[str, An
             "buffers": {name: source.buffer for name, source in st.sources.items()},
             "snapshot": {f.name: getattr(snapshot, f.name) for f in fields(snapshot)},
         }
-        save_tree(tmp / "driver", driver)
+        save_tree(tmp / "driver", driver, {"flowrl.step": str(snapshot.step)})
         (tmp / STATE).write_text(
             json.dumps(
                 {
                     "format": FORMAT,
                     "step": snapshot.step,
                     "models": models,
+                    "versions": {name: int(st.trainers[name].version) for name in models},
                     "graph_state": dict(st.rt.state),
                     "data": st.stream.position(),
                     "written": time.time(),
@@ -296,7 +304,7 @@ def read(path: Path, manifest: Mapping[str, Any]) -> tuple[Path, dict[str, Any]]
                 f"checkpoint '{path}' was written for {key} {saved.get(key)!r}, but the run folder's plan has "
                 f"{want!r}; it is not this run's checkpoint."
             )
-    return path, load_tree(path / "driver")
+    return path, load_tree(path / "driver", {"flowrl.step": str(saved["step"])})
 
 
 def read_manifest(path: Path) -> Manifest:
@@ -434,12 +442,20 @@ def restore(path: Path, driver: dict[str, Any], st: RunState, sync: Callable[[],
     """Load the trainable models and the controller state saved in ``path``; ``sync`` then brings
     the generation replicas the restored weights. Returns the pipeline snapshot to resume from."""
     assert st.stream is not None
+    saved = read_manifest(path)
     for name, group in st.trainers.items():
         if group.decl.trainable:
             folder = path / "models" / name
             if not folder.is_dir():
                 raise ConfigError(f"checkpoint '{path}' has no state for model '{name}' (expected {folder}).")
             group.load_state(folder.resolve())
+            want = (saved.versions or {}).get(name)
+            if want is not None and group.version != want:
+                raise ConfigError(
+                    f"checkpoint file '{folder / 'engine.json'}': model '{name}' is at weight version "
+                    f"{group.version}, but the checkpoint's {STATE} records {want}: the folder was copied in from "
+                    "another checkpoint (swapped files?). Remove this checkpoint folder to resume from an older one."
+                )
     sync()
     for model, version in driver["generator_versions"].items():
         st.generators[model].version = version

@@ -187,13 +187,14 @@ class ValueModel(nn.Module):
         ).last_hidden_state
         return self.head(hidden).squeeze(-1)
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path, stamp: Mapping[str, str] | None = None) -> None:
         """The backbone as an HF directory plus the head in ``value_head.safetensors`` (what
-        `build_scalar_model` loads back)."""
+        `build_scalar_model` loads back); ``stamp``: `save_hf`'s."""
         from safetensors.torch import save_file
 
-        save_hf(self.backbone, path)
-        save_file({k: v.contiguous() for k, v in self.head.state_dict().items()}, str(path / VALUE_HEAD_FILE))
+        save_hf(self.backbone, path, stamp)
+        head = {k: v.contiguous() for k, v in self.head.state_dict().items()}
+        save_file(head, str(path / VALUE_HEAD_FILE), metadata={"format": "pt", **(stamp or {})})
 
 
 def scalar_checkpoint(path: str) -> str:
@@ -308,11 +309,12 @@ def same_tokenizer(a: Any, b: Any) -> bool:
     return len(a) == len(b) and a.get_vocab() == b.get_vocab()
 
 
-def save_hf(model: nn.Module, path: Path) -> None:
+def save_hf(model: nn.Module, path: Path, stamp: Mapping[str, str] | None = None) -> None:
     """Write ``model`` (an HF PreTrainedModel) as an HF directory: config.json, generation_config.json
     and model.safetensors, from any process. (transformers' ``save_pretrained`` writes nothing on
     a process whose torch.distributed rank is not 0, which a trainer's first rank need not be.)
-    A weight tied to an earlier one (lm_head to the embeddings) is stored once, as HF does."""
+    A weight tied to an earlier one (lm_head to the embeddings) is stored once, as HF does. ``stamp``:
+    more metadata for model.safetensors (a checkpoint's: which model and weight version it holds)."""
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
@@ -326,4 +328,4 @@ def save_hf(model: nn.Module, path: Path) -> None:
             continue
         seen.add(value.data_ptr())
         state[key] = value.detach().to("cpu").contiguous()
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt", **(stamp or {})})

@@ -15,7 +15,8 @@ from flowrl.backends.local.models import VALUE_HEAD_FILE, ValueModel, build_caus
 from flowrl.backends.local.parallelize import tensor
 from flowrl.backends.local.parallelize.lora import ADAPTER_FILE, merge_lora
 from flowrl.backends.local.threads import _computes, _locked
-from flowrl.errors import BackendError
+from flowrl.errors import BackendError, ConfigError
+from flowrl.runtime.checkpoint import check_stamp
 
 
 class Weights:
@@ -98,25 +99,38 @@ class Weights:
             )
         optimizer = self._optimizer_state()
         trained = self._trained_state() if self.lora is not None else None
-        self.save(path, weights)
+        stamp = self._stamp()
+        self._write(path, weights, stamp)
         if self.rank != 0:
             return
         if trained is not None:  # what resuming needs: the base comes from its own folder (or seed)
             from safetensors.torch import save_file
 
-            save_file({k: v.contiguous() for k, v in trained.items()}, str(path / ADAPTER_FILE))
+            save_file({k: v.contiguous() for k, v in trained.items()}, str(path / ADAPTER_FILE), metadata=stamp)
         if optimizer is not None:
-            save_tree(path / "optimizer", optimizer)
+            save_tree(path / "optimizer", optimizer, stamp)
         (path / "engine.json").write_text(msgspec.json.encode({"version": self.version}).decode())
+
+    def _stamp(self, version: int | None = None) -> dict[str, str]:
+        """What a checkpoint's safetensors files record of the model they belong to (`check_stamp`)."""
+        return {"flowrl.model": self.decl.name, "flowrl.version": str(self.version if version is None else version)}
 
     @_computes
     def load_state(self, path: Path) -> int:
-        """Restore what `save_state` wrote (each rank keeps its shard); returns the version."""
+        """Restore what `save_state` wrote (each rank keeps its shard); returns the version. A weights or
+        optimizer file stamped for another model or weight version than ``engine.json`` (swapped in from
+        another checkpoint) is refused naming it; one without a stamp (an older flowrl's) is accepted."""
 
         if self.lora is not None:
             return self._load_adapter_state(path)
         try:
             version = _engine_version(path)
+        except Exception as exc:
+            raise BackendError(
+                f"checkpoint of model '{self.decl.name}' in '{path}' is unreadable: {type(exc).__name__}: {exc}."
+            ) from None
+        check_stamp(path / "model.safetensors", self._stamp(version))
+        try:
             weights = _tensors(path / "model.safetensors")
             if isinstance(self.module, ValueModel):
                 weights = {f"backbone.{k}": v for k, v in weights.items()}
@@ -148,7 +162,10 @@ class Weights:
 
         try:
             version = _engine_version(path)
+            check_stamp(path / ADAPTER_FILE, self._stamp(version))
             adapter = _tensors(path / ADAPTER_FILE)
+        except ConfigError:
+            raise
         except Exception as exc:
             raise BackendError(
                 f"checkpoint of model '{self.decl.name}' in '{path}' has no readable LoRA adapters "
@@ -181,7 +198,7 @@ class Weights:
         else:
             self.module.load_state_dict(weights, strict=False)
         if self.optimizer is not None:  # a trainable model's checkpoint always holds its optimizer state
-            state = load_tree(path / "optimizer")
+            state = load_tree(path / "optimizer", self._stamp(version))
             try:
                 self._load_optimizer_state(state)
             except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as exc:
@@ -217,6 +234,10 @@ class Weights:
     @_computes
     def save(self, path: Path, weights: Mapping[str, Tensor] | None = None) -> None:
         """An HF checkpoint, written by the group's first rank (every rank calls this)."""
+        self._write(path, weights, None)
+
+    def _write(self, path: Path, weights: Mapping[str, Tensor] | None, stamp: Mapping[str, str] | None) -> None:
+        """`save`, with ``stamp`` in the weights file's metadata (a resumable checkpoint's)."""
         if weights is None and (self.distributed or self.lora is not None):
             weights = self.export_weights()
         if self.rank != 0:
@@ -227,9 +248,9 @@ class Weights:
             assert weights is not None
             module = _unsharded_copy(self, weights)
         if isinstance(module, ValueModel):
-            module.save(path)
+            module.save(path, stamp)
         else:
-            save_hf(module, path)
+            save_hf(module, path, stamp)
         self.tokenizer.save_pretrained(path)
 
 
