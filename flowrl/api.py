@@ -200,8 +200,9 @@ def run(
     except BaseException as exc:
         metrics = out / "metrics.jsonl"
         now = latest(out)
-        if not resume and (not metrics.is_file() or metrics.stat().st_size == 0):
-            shutil.rmtree(out, ignore_errors=True)  # nothing completed: no half-made run folder
+        if not resume and out_dir is None and (not metrics.is_file() or metrics.stat().st_size == 0):
+            # nothing completed: no half-made run folder (one the caller named may hold their files: kept)
+            shutil.rmtree(out, ignore_errors=True)
         elif isinstance(exc, FlowRLError) and now is not None and now != before:  # it got further: say how on
             source = p.graph.source
             graph_file = f"{source} " if source.endswith(".py") or "/" in source else ""

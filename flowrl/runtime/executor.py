@@ -200,8 +200,11 @@ class PlanExecutor:
         stop = _StopRequest(cfg.checkpoint)
         # the engines compute on the compute thread; this thread only routes (flowrl.runtime.compute)
         with runstate.holding(out_dir), stop.installed(), serial_here():
+            if not resume or not runstate.resumable(out_dir, cfg.checkpoint):
+                # killed before its first checkpoint (or a new run in a folder with a run's files): it starts over,
+                # the earlier metrics and samples kept beside it
+                runstate.set_aside(out_dir, why=" (the run starts over: it has no checkpoint)" if resume else "")
             if resume and not runstate.resumable(out_dir, cfg.checkpoint):
-                # killed before its first checkpoint: nothing to keep, start over
                 result = self._run(graph, plan, out_dir, on_step, stop, False, predictor)
                 result.resumed_from = 0
                 return result

@@ -276,6 +276,27 @@ def resume(run: Path, manifest: Mapping[str, Any], st: RunState, sync: Callable[
     )
 
 
+def set_aside(run: Path, names: tuple[str, ...] = ("metrics.jsonl", "samples.jsonl"), why: str = "") -> list[Path]:
+    """Keep what a run is about to start afresh: each non-empty file of ``names`` in ``run`` is renamed
+    ``<stem>.before-resume-N<suffix>`` (the first N not taken: an earlier one is never overwritten),
+    said in one line on stderr. Returns the new names."""
+    kept = []
+    for name in names:
+        path = run / name
+        if not path.is_file() or path.stat().st_size == 0:
+            continue
+        stem, _, suffix = name.rpartition(".")
+        n = 1
+        while os.path.lexists(run / f"{stem}.before-resume-{n}.{suffix}"):
+            n += 1
+        aside = run / f"{stem}.before-resume-{n}.{suffix}"
+        os.link(path, aside)  # fails rather than replace a file that appeared meanwhile
+        path.unlink()
+        kept.append(aside)
+        print(f"flowrl: kept the earlier {name} as {aside.name}{why}", file=sys.stderr, flush=True)
+    return kept
+
+
 def archive_trace(run: Path, resumed_from: int | None) -> None:
     """Keep the trace of the session a resumed run continues, beside the new one."""
     if not resumed_from:
@@ -486,18 +507,23 @@ _NUMBERS = {"reward": True, "kl": True, "response_length": True, "step_seconds":
 def completed_metrics(path: Path, last_step: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The step records of steps 0..``last_step`` in ``path`` and the evaluation records up to it,
     the file rewritten without what came after (steps a killed run did after its last checkpoint,
-    or a half-written line). A line before that which is not a record flowrl writes (not JSON, a
+    or a half-written line; the whole file is first kept aside by `set_aside` when a complete step is
+    dropped, so no number is lost). A line before that which is not a record flowrl writes (not JSON, a
     step out of order, a summary field that is not a number) is a ConfigError naming the line and
     field, and the file is left as it is."""
     records: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
     kept: list[dict[str, Any]] = []
     problem = ""
+    dropped = False
     if path.is_file():
         with path.open("rb") as fh:
             for number, line in enumerate(fh, 1):
-                if len(records) > last_step and _record_problem(line, -1, last_step):
-                    break  # after the checkpoint's steps: dropped, the resumed run does them again
+                if len(records) > last_step:
+                    # after the checkpoint's steps: dropped, the resumed run does them again
+                    if _record_problem(line, -1, last_step):
+                        dropped = dropped or not _record_problem(line, len(records), len(records))
+                        break
                 problem = _record_problem(line, len(records), last_step)
                 if problem:
                     problem = f"line {number}: {problem}"
@@ -507,6 +533,8 @@ def completed_metrics(path: Path, last_step: int) -> tuple[list[dict[str, Any]],
                     if record["step"] <= last_step + 1:
                         evals.append(record)
                         kept.append(record)
+                    else:
+                        dropped = True
                     continue
                 records.append(record)
                 kept.append(record)
@@ -515,6 +543,8 @@ def completed_metrics(path: Path, last_step: int) -> tuple[list[dict[str, Any]],
             f"'{path}' holds {len(records)} complete step(s), but the checkpoint is after step {last_step}; "
             f"the run folder is inconsistent{f' ({problem})' if problem else ''}. The file is left as it is."
         )
+    if dropped:
+        set_aside(path.parent, (path.name,), f" (it has steps after the checkpoint of step {last_step}: done again)")
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w") as fh:
         fh.writelines(msgspec.json.encode(r).decode() + "\n" for r in kept)
