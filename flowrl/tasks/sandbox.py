@@ -582,11 +582,18 @@ def _command(box: Sandbox, limits: Limits, seccomp_fd: int | None, info_fd: int 
     return [*args, box.python, "-I", "-S", "-c", _HARNESS]
 
 
-def _enter(limits: Limits, cgroups: tuple[str, ...], as_nobody: bool) -> None:
+def _entries(box: Sandbox, cgroups: tuple[str, ...]) -> tuple[str, ...]:
+    """The files the child writes itself ("0") into. v1: ``tasks`` (itself, one thread: the child is one
+    until it execs), which skips the kernel's global lock for moving a whole process -- that lock waits
+    out an RCU grace period, ~15 ms a run; v2: ``cgroup.procs``."""
+    return tuple(os.path.join(folder, "tasks" if box.cgroup == "v1" else "cgroup.procs") for folder in cgroups)
+
+
+def _enter(limits: Limits, entries: tuple[str, ...], as_nobody: bool) -> None:
     """In the child, before it execs bubblewrap: into the run's cgroups (while still root), then to
     ``nobody`` (groups, gid, uid), then the rlimits -- inherited by everything it starts."""
-    for folder in cgroups:
-        _write(os.path.join(folder, "cgroup.procs"), str(os.getpid()))
+    for entry in entries:
+        _write(entry, "0")
     if as_nobody:
         os.setgroups([])
         os.setresgid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)
@@ -653,13 +660,14 @@ def _launch(
     box: Sandbox, limits: Limits, fds: tuple[int, ...], filtered: bool, info: Any, sink: Any,
     cgroups: tuple[str, ...], as_nobody: bool,
 ) -> subprocess.Popen:  # fmt: skip
+    entries = _entries(box, cgroups)
     return subprocess.Popen(
         _command(box, limits, fds[1] if filtered else None, info.fileno()),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=sink,
         env=dict(ENVIRONMENT),
-        preexec_fn=lambda: _enter(limits, cgroups, as_nobody),  # noqa: PLW1509 - must run in the child
+        preexec_fn=lambda: _enter(limits, entries, as_nobody),  # noqa: PLW1509 - must run in the child
         start_new_session=True,
         pass_fds=fds,
         cwd="/",
