@@ -127,8 +127,28 @@ def from_model_dir(path: str) -> ModelSpec:
     return _from_hf_config(Path(path) / "config.json")
 
 
+#: The largest model-folder file read before parsing: a JSON config (config.json, generation_config.json,
+#: tokenizer_config.json, special_tokens_map.json, a chat template) of at most 16 MiB; a tokenizer's vocabulary
+#: (tokenizer.json, vocab.json, merges.txt, tokenizer.model, ...) of at most 256 MiB (the largest real ones are
+#: tens of MiB). A larger one is refused naming it before anything reads it.
+MAX_CONFIG_FILE_BYTES = 16 << 20
+MAX_VOCAB_FILE_BYTES = 256 << 20
+_CONFIG_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+_VOCAB_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model")
+
+
 def check_model_dir(path: str) -> None:
-    """Refuse, saying how to fix it, a ``--model`` that is not an HF model directory."""
+    """Refuse, saying how to fix it, a ``--model`` that is not an HF model directory, or one holding a
+    config or tokenizer file over `MAX_CONFIG_FILE_BYTES` / `MAX_VOCAB_FILE_BYTES` (or one that is no
+    regular file)."""
     p = Path(path)
     if not p.is_dir():
         raise ConfigError(
@@ -138,6 +158,19 @@ def check_model_dir(path: str) -> None:
         )
     if not (p / "config.json").is_file():
         raise ConfigError(f"model directory '{path}' has no config.json; it is not an HF-format model.")
+    for names, cap in ((_CONFIG_FILES, MAX_CONFIG_FILE_BYTES), (_VOCAB_FILES, MAX_VOCAB_FILE_BYTES)):
+        for name in names:
+            file = p / name
+            if not file.exists():
+                continue
+            if not file.is_file():
+                raise ConfigError(f"model directory '{path}': '{name}' is not a regular file (a folder or a device?).")
+            size = file.stat().st_size
+            if size > cap:
+                raise ConfigError(
+                    f"model directory '{path}': '{name}' is {size} bytes, more than flowrl reads for it "
+                    f"({cap} bytes); it is not a model's {name} (damaged or replaced?)."
+                )
 
 
 def for_config(model: str | None, tiny: TinyModelConfig, tokenizer_vocab: int) -> ModelSpec:

@@ -62,10 +62,22 @@ def load_tokenizer(path: str | None, trust_remote_code: bool = False) -> Any:
             f"model directory '{path}' has no usable tokenizer ({type(exc).__name__}: {exc}).{hint} Save one with "
             f"tokenizer.save_pretrained('{path}')."
         ) from None
+    length = getattr(tok, "model_max_length", None)
+    if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length < 0):
+        raise BackendError(
+            f"'{path}/tokenizer_config.json', field 'model_max_length': {str(length)[:40]!r} is not a count of tokens."
+        )
     tok.padding_side = "left"
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    if tok.eos_token_id is None:
+    try:
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        eos = tok.eos_token_id
+    except Exception as exc:  # a special token of another type, or one the vocabulary lacks
+        raise BackendError(
+            f"the tokenizer in '{path}' has unusable special tokens ({type(exc).__name__}: {str(exc)[:200]}); "
+            "see its tokenizer_config.json and special_tokens_map.json."
+        ) from None
+    if eos is None:
         raise BackendError(f"the tokenizer in '{path}' has no EOS token; generation could never stop.")
     return tok
 
@@ -135,15 +147,23 @@ def build_causal_lm(path: str | None, config: Any, seed: int, trust_remote_code:
             )
         check_remote_code(path, trust_remote_code)
         try:
-            model = AutoModelForCausalLM.from_pretrained(
+            model, info = AutoModelForCausalLM.from_pretrained(
                 path,
                 local_files_only=True,
                 dtype=torch.float32,
                 attn_implementation="eager",
                 trust_remote_code=trust_remote_code,
+                output_loading_info=True,
             )
         except Exception as exc:
             raise BackendError(f"could not load a causal LM from '{path}': {type(exc).__name__}: {exc}") from None
+        # a weight the files lack would start random, silently: refused (a tied lm_head is not stored)
+        missing = sorted(info.get("missing_keys") or ())
+        if missing:
+            raise BackendError(
+                f"model directory '{path}': its weights lack {len(missing)} tensor(s) the model needs "
+                f"({', '.join(missing[:3])}); they would start random. The files are incomplete or of another model."
+            )
     model.generation_config.pad_token_id = config.pad_token_id
     return model
 
@@ -321,7 +341,10 @@ def save_hf(model: nn.Module, path: Path, stamp: Mapping[str, str] | None = None
     model.config.save_pretrained(path)
     generation = getattr(model, "generation_config", None)
     if generation is not None and model.can_generate():
-        generation.save_pretrained(path)
+        try:
+            generation.save_pretrained(path)
+        except ValueError:  # settings transformers calls invalid (a model folder's own): kept as they were
+            generation.to_json_file(path / "generation_config.json")
     state, seen = {}, set()
     for key, value in model.state_dict().items():
         if value.data_ptr() in seen:
