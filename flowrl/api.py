@@ -195,14 +195,15 @@ def run(
         raise PlanError("resume needs the run folder to continue (out_dir).")
     out = out_dir or run_dir(p.config.out, p.config.name or graph.name)
     before = latest(out) if resume else None
+    # a folder this run makes or finds empty is removed when nothing completes; one holding files is kept
+    fresh = out_dir is None or not out.exists() or (out.is_dir() and not any(out.iterdir()))
     try:
         return ex.run(graph, p, out, on_step=on_step, resume=resume, predictor=Simulator(reg))
     except BaseException as exc:
         metrics = out / "metrics.jsonl"
         now = latest(out)
-        if not resume and out_dir is None and (not metrics.is_file() or metrics.stat().st_size == 0):
-            # nothing completed: no half-made run folder (one the caller named may hold their files: kept)
-            shutil.rmtree(out, ignore_errors=True)
+        if not resume and fresh and (not metrics.is_file() or metrics.stat().st_size == 0):
+            shutil.rmtree(out, ignore_errors=True)  # nothing completed: no half-made run folder
         elif isinstance(exc, FlowRLError) and now is not None and now != before:  # it got further: say how on
             source = p.graph.source
             graph_file = f"{source} " if source.endswith(".py") or "/" in source else ""
