@@ -154,37 +154,37 @@ def _write(tmp_path: Path, name: str, content: str | bytes) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize(
-    ("name", "content", "expected"),
-    [
-        ("h.csv", "prompt,answer\n", "cannot be read as csv"),
-        ("ws.csv", "   \n\n  \n", "cannot be read as csv"),
-        ("rag.csv", "prompt,answer\nab,ab,zz,yy\ncd\n", "row 2: the prompt ('prompt') is NoneType"),
-        ("num.csv", "prompt,answer\n1,2\n", "row 1: the prompt ('prompt') is int 1"),
-        ("lat.csv", b"prompt,answer\n\xe9\xe9,x\n", "save the file as UTF-8"),
-        ("bin.csv", bytes(range(256)) * 20, "cannot be read as csv"),
-        ("x.jsonl.gz", gzip.compress(b'{"prompt":"ab","answer":"ab"}\n'), "unknown format '.gz'"),
-        ("x.arrow", b"\x00" * 100, "unknown format '.arrow'"),
-        ("nosuffix", '{"prompt":"ab"}\n', "unknown format ''"),
-        ("a.json", "[1,2,3]", "item 1 is not an object of columns"),
-        ("e.json", "[]", "holds no rows"),
-        ("s.json", "42", "line 1 is not a JSON object of columns"),
-        ("n.json", "null", "line 1 is not a JSON object of columns"),
-        ("ws.json", "   \n \n", "holds no rows"),
-        ("ws.jsonl", "   \n \n\t\n", "holds no rows"),
-        ("sur.jsonl", b'{"prompt":"\xed\xa0\x80","answer":"a"}\n', "line 1 is not UTF-8"),
-        ("u16.jsonl", '{"prompt":"ab","answer":"a"}\n'.encode("utf-16"), "line 1 is not UTF-8"),
-        ("hi.jsonl", '{"prompt":"ab","answer":"a","x":' + "9" * 5000 + "}\n", "line 1 is not valid JSON"),
-        ("nan.jsonl", '{"prompt":"ab","answer":NaN}\n', "line 1 is not valid JSON"),
-        ("inf.jsonl", '{"prompt":"ab","answer":"a","x":Infinity}\n', "line 1 is not valid JSON"),
-        ("cr.jsonl", '{"prompt":"ab","answer":"a"}\r{"prompt":"cd","answer":"c"}\r', "line 1 is not valid JSON"),
-        ("pd.jsonl", '{"prompt":{"a":1},"answer":"a"}\n', "row 1: the prompt ('prompt') is dict"),
-        ("pl.jsonl", '{"prompt":["a","b"],"answer":"a"}\n', "row 1: the prompt ('prompt') is list"),
-        ("mr.jsonl", '{"prompt":[{"role":5,"content":"x"}],"answer":"a"}\n', "message 1 of 'prompt'"),
-        ("g.parquet", bytes(range(256)) * 16, "cannot be read as parquet"),
-        ("m.parquet", b"PAR1PAR1", "cannot be read as parquet"),
-    ],
-)
+FORMAT_CASES = [
+    ("h.csv", "prompt,answer\n", "cannot be read as csv"),
+    ("ws.csv", "   \n\n  \n", "cannot be read as csv"),
+    ("rag.csv", "prompt,answer\nab,ab,zz,yy\ncd\n", "row 2: the prompt ('prompt') is NoneType"),
+    ("num.csv", "prompt,answer\n1,2\n", "row 1: the prompt ('prompt') is int 1"),
+    ("lat.csv", b"prompt,answer\n\xe9\xe9,x\n", "save the file as UTF-8"),
+    ("bin.csv", bytes(range(256)) * 20, "cannot be read as csv"),
+    ("x.jsonl.gz", gzip.compress(b'{"prompt":"ab","answer":"ab"}\n', mtime=0), "unknown format '.gz'"),
+    ("x.arrow", b"\x00" * 100, "unknown format '.arrow'"),
+    ("nosuffix", '{"prompt":"ab"}\n', "unknown format ''"),
+    ("a.json", "[1,2,3]", "item 1 is not an object of columns"),
+    ("e.json", "[]", "holds no rows"),
+    ("s.json", "42", "line 1 is not a JSON object of columns"),
+    ("n.json", "null", "line 1 is not a JSON object of columns"),
+    ("ws.json", "   \n \n", "holds no rows"),
+    ("ws.jsonl", "   \n \n\t\n", "holds no rows"),
+    ("sur.jsonl", b'{"prompt":"\xed\xa0\x80","answer":"a"}\n', "line 1 is not UTF-8"),
+    ("u16.jsonl", '{"prompt":"ab","answer":"a"}\n'.encode("utf-16"), "line 1 is not UTF-8"),
+    ("hi.jsonl", '{"prompt":"ab","answer":"a","x":' + "9" * 5000 + "}\n", "line 1 is not valid JSON"),
+    ("nan.jsonl", '{"prompt":"ab","answer":NaN}\n', "line 1 is not valid JSON"),
+    ("inf.jsonl", '{"prompt":"ab","answer":"a","x":Infinity}\n', "line 1 is not valid JSON"),
+    ("cr.jsonl", '{"prompt":"ab","answer":"a"}\r{"prompt":"cd","answer":"c"}\r', "line 1 is not valid JSON"),
+    ("pd.jsonl", '{"prompt":{"a":1},"answer":"a"}\n', "row 1: the prompt ('prompt') is dict"),
+    ("pl.jsonl", '{"prompt":["a","b"],"answer":"a"}\n', "row 1: the prompt ('prompt') is list"),
+    ("mr.jsonl", '{"prompt":[{"role":5,"content":"x"}],"answer":"a"}\n', "message 1 of 'prompt'"),
+    ("g.parquet", bytes(range(256)) * 16, "cannot be read as parquet"),
+    ("m.parquet", b"PAR1PAR1", "cannot be read as parquet"),
+]
+
+
+@pytest.mark.parametrize(("name", "content", "expected"), FORMAT_CASES, ids=[c[0] for c in FORMAT_CASES])
 def test_a_hostile_file_of_any_format_is_refused_naming_it(tmp_path, name, content, expected):
     err = refused(cfg_for(_write(tmp_path, name, content)))
     assert name in err and expected in err, err
