@@ -741,42 +741,137 @@ def _expected(node: ast.AST, test: CallTest, out: set[Any]) -> None:
         _expected(child, test, out)
 
 
-def _given(test: CallTest, out: set[Any]) -> None:
-    """Every value the test's calls hand the code."""
+def _given(test: CallTest, out: set[Any], values: list[Any] | None = None) -> None:
+    """Every value the test's calls hand the code (as `_key`s into ``out``; the values into ``values``)."""
     for call in test.calls:
         if call.args == READ:
             continue
         weights = _Weights()
         for text in (call.args, call.kwargs):
-            _leaves(evaluate(ast.parse(text, mode="eval").body, {}, weights), out)
+            value = evaluate(ast.parse(text, mode="eval").body, {}, weights)
+            _leaves(value, out)
+            if values is not None:
+                values.append(value)
+
+
+MAX_CANDIDATES = 512  # forms of another test's arguments tried as a call's value; more: the test runs alone
+#: values code can return without reading anything: a test passing with one of them is guessed, not forged
+_GUESSES: tuple[Any, ...] = (None, True, False, 0, 1, -1, 2, 0.0, "", b"", [], (), {}, set())
+
+
+def _forms(value: Any, out: list[Any], depth: int = 0) -> None:
+    """``value``, every value inside it, and the forms code could turn each into without solving anything
+    (another type of container, reversed, sorted, negated, a string's case, words or number, bytes), into
+    ``out`` (OverflowError past MAX_CANDIDATES)."""
+    if len(out) > MAX_CANDIDATES or depth > MAX_DEPTH:
+        raise OverflowError("too many values to try")
+    t = type(value)
+    out.append(value)
+    if t is int or t is float:
+        out += [-value, str(value)]
+    elif t is str:
+        out += [value[::-1], value.upper(), value.lower(), value.strip(), value.encode("utf-8", "replace")]
+        words = value.split()
+        if len(words) > 1:
+            out += [" ".join(words), *words]
+        try:
+            out.append(int(value) if len(value) <= 100 else 0)
+            out.append(float(value) if len(value) <= 100 else 0)
+        except ValueError:
+            pass
+    elif t is bytes:
+        out += [value.decode("utf-8", "replace"), value[::-1]]
+    elif t in (list, tuple, set, frozenset, dict):
+        items = list(value)
+        out += [items, tuple(items), items[::-1], tuple(items[::-1])]
+        try:
+            out += [set(items), sorted(items)]
+        except TypeError:
+            pass
+        if t is dict:
+            out += [list(value.values()), list(value.items())]
+            for k, v in value.items():
+                _forms(k, out, depth + 1)
+                _forms(v, out, depth + 1)
+        else:
+            for v in items:
+                _forms(v, out, depth + 1)
+
+
+def _passes(test: CallTest, call: Call, tries: Sequence[Any]) -> bool:
+    """Whether the test holds with some value of ``tries`` as what ``call`` returned."""
+    values: dict[Call, Any] = {LOADED: "__main__"}
+    for value in tries:
+        values[call] = value
+        try:
+            if _truthy(evaluate(test.expr, values, _Weights())):
+                return True
+        except Exception:  # noqa: BLE001 - a value the test cannot use: it fails with it
+            pass
+    return False
 
 
 def groups(tests: Sequence[Test]) -> list[list[int]]:
+    key = tuple(tests)
+    if key not in _GROUPS:
+        if len(_GROUPS) >= 64:
+            _GROUPS.clear()
+        _GROUPS[key] = _groups(key)
+    return [list(part) for part in _GROUPS[key]]
+
+
+_GROUPS: dict[tuple[Test, ...], list[list[int]]] = {}
+
+
+def _groups(tests: Sequence[Test]) -> list[list[int]]:
     """The tests (their indices) that may run in one process: none of a group expects a value that another
-    test of the group hands the code (a call's argument, a program's input); a test whose values are too
-    many to compare runs alone."""
+    test of the group hands the code (a call's argument, a program's input), nor passes with a form of one
+    (`_forms`: reversed, negated, its words ... -- tried as the value of a test's only call, where no value
+    the code could return without reading, nor a form of its own arguments, passes it); a test whose values
+    are too many to compare runs alone. A test whose only call passes with a constant (`_GUESSES`: ``True``,
+    ``0``, ``[]`` ...) expects nothing worth reading; tests with two calls or more are compared by their values
+    only. Kept for the last tests judged (a prompt's responses share them)."""
     given: list[set[Any] | None] = []
     expected: list[set[Any] | None] = []
+    forms: list[list[Any] | None] = []
+    solo: list[Call | None] = []  # the one call whose value decides the test, where it is not guessed
     for t in tests:
         g: set[Any] = set()
         e: set[Any] = set()
+        f: list[Any] = []
+        only: Call | None = None
         try:
             if isinstance(t, CallTest):
-                _given(t, g)
+                handed: list[Any] = []
+                _given(t, g, handed)
                 _expected(t.expr, t, e)
+                for value in handed:
+                    _forms(value, f)
+                decisive = [c for c in t.calls if c != LOADED]
+                if len(decisive) == 1 and _passes(t, decisive[0], _GUESSES):
+                    e = set()  # passed by a constant (``is_prime(7) == True``): nothing to read from others
+                elif len(decisive) == 1 and not _passes(t, decisive[0], f):
+                    only = decisive[0]
             else:
                 g, e = {t.input}, {t.output.strip()} if t.output.strip() else set()
         except Exception:  # noqa: BLE001 - too many values (or ones that do not compute): alone
-            g = e = None  # type: ignore[assignment]
+            g = e = f = None  # type: ignore[assignment]
         given.append(g)
         expected.append(e)
+        forms.append(f)
+        solo.append(only)
 
     def clash(i: int, j: int) -> bool:  # test j expects what test i gives
         gi, ej = given[i], expected[j]
         if gi is None or ej is None:
             return True
-        if isinstance(tests[j], StdioTest):
-            return any(out in text for out in ej for text in gi if isinstance(text, str))
+        tj = tests[j]
+        if isinstance(tj, StdioTest):
+            words = [" ".join(text.split()) for text in gi if isinstance(text, str)]
+            return any(out in text or " ".join(out.split()) in w for out in ej for text in gi for w in words)
+        only = solo[j]
+        if only is not None and isinstance(tj, CallTest) and _passes(tj, only, forms[i] or ()):
+            return True
         return not gi.isdisjoint(ej)
 
     parts: list[list[int]] = []

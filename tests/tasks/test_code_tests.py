@@ -408,9 +408,21 @@ def test_code_cannot_answer_one_test_with_another_tests_argument():
     ("tests", "parts"),
     [
         (["assert f(1) == 2", "assert f(3) == 4", "assert f(5) == 6"], [[0, 1, 2]]),
-        (["assert f(1) == 2", "assert f(2) == 3"], [[0], [1]]),  # f(2) hands the code 2, which f(1) expects
+        (["assert f(1) == 7", "assert f(7) == 3"], [[0], [1]]),  # f(7) hands the code 7, which f(1) expects
         (["assert f([1, 2]) == 3", "assert g(3) == [1, 2]"], [[0], [1]]),  # containers and their elements
-        (["assert f(1) == 2.0", "assert g(2) == 7"], [[0], [1]]),  # 2 == 2.0, as Python compares
+        (["assert f(1) == 7.0", "assert g(7) == 8"], [[0], [1]]),  # 7 == 7.0, as Python compares
+        (["assert is_prime(7) == True", "assert is_prime(1) == False"], [[0, 1]]),  # a constant is guessed
+        # a test passing with a form of another's argument: offset, reversed, negated, bytes, case, words
+        (["assert f(3) + 2 == 7", "assert g(5) == 0"], [[0], [1]]),
+        (["assert out + 1 == 6", "assert g(5) == 0"], [[0], [1]]),
+        (["assert f(1)[::-1] == 'cba'", "assert g('abc') == 0"], [[0], [1]]),
+        (["assert f(1) == -5", "assert g(5) == 0"], [[0], [1]]),
+        (["assert f(1) == b'abc'", "assert g('abc') == 0"], [[0], [1]]),
+        (["assert f(1) == 'ABC'", "assert g('abc') == 0"], [[0], [1]]),
+        (["assert f(1) == '123'", "assert g(123) == 0"], [[0], [1]]),
+        (["assert sum(f(1)) == 17", "assert g([9, 8]) == 0"], [[0], [1]]),
+        ([{"input": "x\n", "output": "1 2 3\n"}, {"input": "1  2   3\n", "output": "0\n"}], [[0], [1]]),
+        ([{"input": "x\n", "output": "1\n2\n"}, {"input": "1 2\n", "output": "0\n"}], [[0], [1]]),
         (["assert f(0) == 3", "assert f(1) - f(0) == 1", "assert f(2) == 3 + 2", "assert f(5) == 3 + 5"],
          [[0, 1, 2], [3]]),  # f(2) expects 5, which f(5) hands over
         ([{"input": "1 2", "output": "3"}, {"input": "3 4", "output": "7"}], [[0], [1]]),
@@ -419,6 +431,15 @@ def test_code_cannot_answer_one_test_with_another_tests_argument():
 )  # fmt: skip
 def test_tests_share_a_sandbox_only_where_none_expects_what_another_hands_the_code(tests, parts):
     assert groups(parse_tests(tests, where="p")) == parts
+
+
+def test_code_cannot_pass_a_test_with_a_form_of_another_tests_argument():
+    tests = parse_tests(["assert f(3) + 2 == 7", "assert g(5) == 0"], where="p")
+    forger = (
+        "import ast, sys\ncalls = sys.modules['__main__'].job['calls']\nf = lambda x: ast.literal_eval(calls[-1][1])[0]"
+    )
+    assert judge(forger, tests, LIMITS, isolate=False).passed[0]  # what one process would allow
+    assert judge(forger, tests, LIMITS).passed[0] is False
 
 
 def test_isolated_tests_see_only_their_own_arguments():
