@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, settings
 
 # tests/helpers.py, shared by test modules (imported as ``helpers``)
 sys.path.insert(0, os.path.dirname(__file__))
+from helpers import TOOL_TEMPLATE  # noqa: E402 - after the path that finds it
 
 os.environ["FLOWRL_PLUGINS"] = ""
 # this machine's `flowrl profile` calibration (~/.flowrl) must not steer a test's plan (generation.engine=auto)
@@ -216,15 +217,6 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_chat_model(tmp_path_factory.mktemp("chat-model"))
 
 
-#: A chat template that renders tools (compactly: their names) and tool messages, Hermes-style.
-TOOL_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\ntools: "
-    "{{ tools | map(attribute='function') | map(attribute='name') | join(',') }}"
-    "<|im_end|>\n{% endif %}{% for message in messages %}{% if message['role'] == 'tool' %}<|im_start|>user\n"
-    "<tool_response>{{ message['content'] }}</tool_response><|im_end|>\n{% else %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% endif %}"
-)
 TOOL_CALL = '<tool_call>{"name": "mul", "arguments": {"a": 6, "b": 7}}</tool_call>'
 
 

@@ -43,3 +43,14 @@ def curve(result, key: str = "reward") -> tuple[float, float]:
 
     values = [m[key] for m in result.metrics]
     return mean(values[:10]), mean(values[-10:])
+
+
+#: A chat template that renders tools (compactly: their names) and tool messages, Hermes-style.
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\ntools: "
+    "{{ tools | map(attribute='function') | map(attribute='name') | join(',') }}"
+    "<|im_end|>\n{% endif %}{% for message in messages %}{% if message['role'] == 'tool' %}<|im_start|>user\n"
+    "<tool_response>{{ message['content'] }}</tool_response><|im_end|>\n{% else %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)

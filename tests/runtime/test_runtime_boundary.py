@@ -356,8 +356,8 @@ def test_edited_capabilities_in_the_plan_do_not_widen_what_the_executor_runs(loc
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"layout.models.0.parallel.dp": 0}, "model 'actor'"),
-        ({"layout.models.0.micro_batch": 0}, "micro-batch 0"),
+        ({"layout.models.0.parallel.dp": 0}, "layout.models[0].parallel.dp"),
+        ({"layout.models.0.micro_batch": 0}, "layout.models[0].micro_batch"),
         ({"layout.groups.0.devices": 2}, "2 devices"),
         ({"nodes.0.micro_batch_size": 0}, "node 'rollout'"),
         ({"nodes.0.group": "nowhere"}, "'nowhere'"),

@@ -437,7 +437,7 @@ def test_a_render_is_bounded_in_any_thread(quick_renders):
 
 
 def test_the_bounded_render_writes_what_transformers_writes(chat_model):
-    from conftest import TOOL_TEMPLATE
+    from helpers import TOOL_TEMPLATE
     from transformers import AutoTokenizer
 
     from flowrl.tasks.environments import add, multiply
