@@ -464,7 +464,7 @@ def _sum(weights: _Weights, items: Any, start: Any = 0) -> Any:
 
 
 def _round(weights: _Weights, number: Any, ndigits: Any = None) -> Any:
-    if type(number) is int and type(ndigits) is int and ndigits < -MAX_INT_BITS:  # 10 ** -ndigits
+    if isinstance(number, int) and isinstance(ndigits, int) and ndigits < -MAX_INT_BITS:  # 10 ** -ndigits, bool too
         return 0
     return round(number) if ndigits is None else round(number, ndigits)
 
@@ -798,10 +798,20 @@ def _forms(value: Any, out: list[Any], depth: int = 0) -> None:
                 _forms(v, out, depth + 1)
 
 
-def _passes(test: CallTest, call: Call, tries: Sequence[Any]) -> bool:
-    """Whether the test holds with some value of ``tries`` as what ``call`` returned."""
+#: seconds `groups` may spend trying values on one test (a test's expression can be slow on large
+#: values within the size budget, e.g. sorting a million-element list): past it, the test runs alone
+GROUPING_BUDGET_S = 0.5
+
+
+def _passes(test: CallTest, call: Call, tries: Sequence[Any], deadline: float | None = None) -> bool:
+    """Whether the test holds with some value of ``tries`` as what ``call`` returned (TimeoutError past
+    ``deadline``, a `time.monotonic` reading)."""
+    import time
+
     values: dict[Call, Any] = {LOADED: "__main__"}
     for value in tries:
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError("trying values took too long")
         values[call] = value
         try:
             if _truthy(evaluate(test.expr, values, _Weights())):
@@ -831,6 +841,8 @@ def _groups(tests: Sequence[Test]) -> list[list[int]]:
     are too many to compare runs alone. A test whose only call passes with a constant (`_GUESSES`: ``True``,
     ``0``, ``[]`` ...) expects nothing worth reading; tests with two calls or more are compared by their values
     only. Kept for the last tests judged (a prompt's responses share them)."""
+    import time
+
     given: list[set[Any] | None] = []
     expected: list[set[Any] | None] = []
     forms: list[list[Any] | None] = []
@@ -848,9 +860,10 @@ def _groups(tests: Sequence[Test]) -> list[list[int]]:
                 for value in handed:
                     _forms(value, f)
                 decisive = [c for c in t.calls if c != LOADED]
-                if len(decisive) == 1 and _passes(t, decisive[0], _GUESSES):
+                deadline = time.monotonic() + GROUPING_BUDGET_S
+                if len(decisive) == 1 and _passes(t, decisive[0], _GUESSES, deadline):
                     e = set()  # passed by a constant (``is_prime(7) == True``): nothing to read from others
-                elif len(decisive) == 1 and not _passes(t, decisive[0], f):
+                elif len(decisive) == 1 and not _passes(t, decisive[0], f, deadline):
                     only = decisive[0]
             else:
                 g, e = {t.input}, {t.output.strip()} if t.output.strip() else set()
@@ -870,7 +883,11 @@ def _groups(tests: Sequence[Test]) -> list[list[int]]:
             words = [" ".join(text.split()) for text in gi if isinstance(text, str)]
             return any(out in text or " ".join(out.split()) in w for out in ej for text in gi for w in words)
         only = solo[j]
-        if only is not None and isinstance(tj, CallTest) and _passes(tj, only, forms[i] or ()):
+        try:
+            if only is not None and isinstance(tj, CallTest):
+                if _passes(tj, only, forms[i] or (), time.monotonic() + GROUPING_BUDGET_S):
+                    return True
+        except TimeoutError:
             return True
         return not gi.isdisjoint(ej)
 

@@ -205,6 +205,7 @@ def _finishes(fn, seconds: float = 60.0):
     ("code", "test", "passes"),
     [
         ("f = lambda x: 10**4000", "assert round(f(1), -10**8) == 0", True),  # 10**(10**8) in the parent
+        ("f = lambda x: True", "assert round(f(1), -10**8) == 0", True),  # a bool is an int to round, too
         ("f = lambda x: 10**4000", "assert round(f(1), -2) == f(1)", True),
         ("f = lambda x: [[0]] * 300000", "assert sum(f(1), []) == [0] * 300000", True),  # quadratic list sum
         ("f = lambda x: [[1], [2]]", "assert sum(f(1), [0]) == [0, 1, 2] and sum(f(1)[0]) == 1", True),
