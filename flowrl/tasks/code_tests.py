@@ -965,8 +965,13 @@ def _ending(run: sandbox.Run) -> str:
 def _arguments(call: Call) -> tuple[Any, Any]:
     """What the sandbox gets for a call's arguments: their literal texts, or, computed here, plain data
     tagged as the sandbox tags what it returns (``{"v": ...}``)."""
-    if not call.computed:  # literal texts, or READ: a value the code defines
+    if call.args == READ:  # a value the code defines
         return call.args, call.kwargs
+    if not call.computed:  # literals: sent as plain data (the sandbox then needs no parser), else as texts
+        try:
+            return _arguments(Call(call.name, call.args, call.kwargs, computed=True))
+        except Exception:  # noqa: BLE001 - a literal plain data cannot carry (1j, ...): its text
+            return call.args, call.kwargs
     weights = _Weights()
     args = evaluate(ast.parse(call.args, mode="eval").body, {}, weights)
     kwargs = evaluate(ast.parse(call.kwargs, mode="eval").body, {}, weights)

@@ -81,7 +81,7 @@ ENVIRONMENT = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTH
 #: input -- the input a file on fd 0, fd 1 a fresh file -- and return what it printed), ``asserts`` (exec
 #: each test after the code; forgeable: trusted code).
 _HARNESS = r"""
-import ast, io, json, os, signal, sys
+import io, json, os, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file over the size limit: an error, not the run's end
 job = json.loads(sys.stdin.read())
 sys.stdin = io.StringIO("")
@@ -144,7 +144,10 @@ elif mode == "calls":
             return float(b) if k == "f" else bytes.fromhex(b) if k == "b" else int(b, 16)
         return v
     def given(text):  # a literal, or arguments the parent computed, as tagged plain data
-        return untag(text["v"]) if type(text) is dict else ast.literal_eval(text)
+        if type(text) is dict:
+            return untag(text["v"])
+        import ast  # a literal plain data cannot carry (1j): parsed here, imported only then
+        return ast.literal_eval(text)
     for i, (name, args, kwargs) in enumerate(job["calls"]):
         try:
             if why:

@@ -396,7 +396,7 @@ def test_code_cannot_answer_one_test_with_another_tests_argument():
     assert groups(tests) == [[0], [1]]
     forger = (
         "import ast, sys\ncalls = sys.modules['__main__'].job['calls']\n"
-        "arg = {n: ast.literal_eval(a)[0] for n, a, k in calls}\n"
+        "arg = {n: a['v'][0] if isinstance(a, dict) else ast.literal_eval(a)[0] for n, a, k in calls}\n"
         "enc = lambda s: arg['dec']\ndec = lambda s: arg['enc']\n"
     )
     assert judge(forger, tests, LIMITS).passed == (False, False)
@@ -437,7 +437,8 @@ def test_tests_share_a_sandbox_only_where_none_expects_what_another_hands_the_co
 def test_code_cannot_pass_a_test_with_a_form_of_another_tests_argument():
     tests = parse_tests(["assert f(3) + 2 == 7", "assert g(5) == 0"], where="p")
     forger = (
-        "import ast, sys\ncalls = sys.modules['__main__'].job['calls']\nf = lambda x: ast.literal_eval(calls[-1][1])[0]"
+        "import ast, sys\ncalls = sys.modules['__main__'].job['calls']\na = calls[-1][1]\n"
+        "f = lambda x: a['v'][0] if isinstance(a, dict) else ast.literal_eval(a)[0]"
     )
     assert judge(forger, tests, LIMITS, isolate=False).passed[0]  # what one process would allow
     assert judge(forger, tests, LIMITS).passed[0] is False
@@ -446,7 +447,7 @@ def test_code_cannot_pass_a_test_with_a_form_of_another_tests_argument():
 def test_isolated_tests_see_only_their_own_arguments():
     forger = (
         "import ast, sys\ncalls = sys.modules['__main__'].job['calls']\n"
-        "arg = {n: ast.literal_eval(a)[0] for n, a, k in calls}\n"
+        "arg = {n: a['v'][0] if isinstance(a, dict) else ast.literal_eval(a)[0] for n, a, k in calls}\n"
         "enc = lambda s: arg.get('dec')\ndec = lambda s: arg.get('enc')\n"
     )
     prompt = Prompt(text="p", answer="", meta={"tests": ["assert enc('abc') == 'xyz'", "assert dec('xyz') == 'abc'"]})
