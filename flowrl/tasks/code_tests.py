@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowrl.tasks import sandbox
+from flowrl.tasks.bounded import json_depth
 from flowrl.tasks.sandbox import DEFAULT_LIMITS, Limits
 
 #: functions a test's expression may use around the calls under test, evaluated here on plain values
@@ -559,28 +560,6 @@ class _Failed:
 _WHITESPACE = re.compile(r"[ \t\r\n]*")
 
 
-def _depth(text: str) -> int:
-    """The deepest nesting of ``[``/``{`` in a JSON text, strings skipped."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch in "]}":
-            depth -= 1
-    return deepest
-
-
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
@@ -593,7 +572,7 @@ def _bounded_int(digits: str) -> int:
 
 def decode_row(text: str) -> list[Any]:
     """One row the sandbox sent, as strict JSON: a list, nested at most MAX_DEPTH deep (else ValueError)."""
-    if _depth(text) > MAX_DEPTH + 4:
+    if json_depth(text, MAX_DEPTH + 4) > MAX_DEPTH + 4:
         raise ValueError("nested too deeply")
     row = json.loads(text, parse_constant=_reject_constant, parse_int=_bounded_int)
     if not isinstance(row, list) or len(row) != 3 or type(row[0]) is not int or not isinstance(row[1], str):

@@ -91,7 +91,8 @@ def as_user() -> dict:
     copy = Path(tempfile.mkdtemp(prefix="flowrl-sandbox-user-"))
     try:
         for rel in ("flowrl/__init__.py", "flowrl/errors.py", "flowrl/tasks/__init__.py", "flowrl/tasks/sandbox.py",
-                    "flowrl/tasks/code_tests.py", "tests/tasks/sandbox_cases.py"):  # fmt: skip
+                    "flowrl/tasks/code_tests.py", "flowrl/tasks/bounded.py",
+                    "tests/tasks/sandbox_cases.py"):  # fmt: skip
             (copy / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(REPO / rel, copy / rel)
         for path in [copy, *copy.rglob("*")]:
