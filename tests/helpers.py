@@ -27,6 +27,13 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
     return code, out, " ".join(err.split())
 
 
+def resume(capsys: pytest.CaptureFixture[str], folder: str | Path, *extra: str) -> tuple[int, str]:
+    """Exit status and stderr of `flowrl run --resume FOLDER EXTRA`, which never prints a traceback."""
+    code, _, err = run_cli(capsys, "run", "--resume", str(folder), *extra)
+    assert "Traceback" not in err
+    return code, err
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> str:
     """``rows`` as a jsonl file at ``path``; returns the path as a string (what a config takes)."""
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

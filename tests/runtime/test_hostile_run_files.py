@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import SMALL_RUN, run_cli
+from helpers import SMALL_RUN, resume, run_cli
 
 from flowrl.runtime import trackers as trackers_mod
 
@@ -38,12 +38,6 @@ def finished(tmp_path_factory) -> Path:
 @pytest.fixture
 def run(finished, tmp_path) -> Path:
     return Path(shutil.copytree(finished, tmp_path / "grpo", symlinks=True))
-
-
-def resume(capsys, folder: Path, *extra: str) -> tuple[int, str]:
-    code, _, err = run_cli(capsys, "run", "--resume", str(folder), *extra)
-    assert "Traceback" not in err
-    return code, err
 
 
 def edit_json(path: Path, change) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers import SMALL_RUN, run_cli
+from helpers import SMALL_RUN, resume, run_cli
 
 SETS = [a for s in SMALL_RUN for a in ("--set", s)]
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -34,12 +34,6 @@ def finished(tmp_path_factory) -> Path:
 @pytest.fixture
 def run(finished, tmp_path) -> Path:
     return Path(shutil.copytree(finished, tmp_path / "grpo", symlinks=True))
-
-
-def resume(capsys, folder: Path, *extra: str) -> tuple[int, str]:
-    code, _, err = run_cli(capsys, "run", "--resume", str(folder), *extra)
-    assert "Traceback" not in err
-    return code, err
 
 
 def _replace(path: Path, kind: str) -> None:
