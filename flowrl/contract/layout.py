@@ -12,6 +12,10 @@ from flowrl.specs import MAX_STALENESS, Spec
 Placement = Literal["colocate", "split", "standalone", "disaggregated"]
 RolloutMode = Literal["sync", "one_step_off", "async"]
 SyncStrategy = Literal["reshard", "full", "bucketed", "sparse"]
+#: how a model split into pipeline stages (pp > 1) runs its micro-batches: GPipe (every forward, then
+#: every backward: all micro-batches' activations in flight), 1F1B (at most pp in flight, the same
+#: bubble) or interleaved 1F1B (``virtual_stages`` stages per rank: the bubble shrinks by that factor)
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
 
 #: what a plan file may say (checked when a plan is read): sizes of at least one and at most the
 #: devices the planner models, so an edited plan is refused naming its field, never run (a staleness
@@ -45,6 +49,9 @@ class ModelLayout(Spec):
     parallel: Parallel  # training layout for trainable models, inference layout otherwise
     micro_batch: Annotated[int, Meta(ge=1)]  # sequences per micro-batch on each dp rank
     offload_optimizer: bool = False
+    # with pp > 1: the pipeline schedule, and stages per rank (above 1 only for "interleaved")
+    schedule: PipelineSchedule = "1f1b"
+    virtual_stages: Annotated[int, Meta(ge=1, le=64)] = 1
 
 
 class DeviceGroup(Spec):

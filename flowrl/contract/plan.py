@@ -123,6 +123,10 @@ class ExecutionPlan(Spec, kw_only=True):
                 numerics.pop(flag)
         if caps.get("pipeline_parallel") is True:
             caps.pop("pipeline_parallel")
+        for layout in (body.get("layout") or {}).get("models") or ():
+            if layout.get("schedule") == "1f1b" and layout.get("virtual_stages") == 1:  # and before pipeline schedules
+                layout.pop("schedule")
+                layout.pop("virtual_stages")
         hardware = (body["target"].get("cluster") or {}).get("hardware") or {}
         if hardware.get("tp_op_overhead") == TP_OP_OVERHEAD:  # and before tp's host work was priced
             hardware.pop("tp_op_overhead")
