@@ -79,7 +79,7 @@ for _path in reversed([str(HERE), *PATHS]):
 LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8}
 LLAMA_SMOKE = {"hidden_size": 128, "intermediate_size": 256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 #: seconds each part may take on the GPU (the parts run in this order)
-BUDGETS = {"smollm2_135m": 100, "llama_1b": 120, "vllm_update": 120, "grpo_learns": 150, "ray_one_gpu": 90}
+BUDGETS = {"smollm2_135m": 120, "llama_1b": 120, "vllm_update": 120, "grpo_learns": 150, "ray_one_gpu": 90}
 GRACE_S = 30  # after SIGTERM: a run finishes its step and reports
 MIN_PART_S = 20  # a part with less time left than this is skipped
 
@@ -249,7 +249,7 @@ def smollm_folder(where: Path | None) -> Path:
     """An HF folder of SmolLM2-135M-Instruct: ``where`` itself, or made in ``where`` from its wheel or GGUF
     file (benchmarks/real_model.py); never downloaded."""
     if where is None:
-        raise Skip("no --smollm folder given")
+        raise Skip("no --smollm folder given (nor benchmarks/real_model.py's cache folder here)")
     if (where / "config.json").is_file():
         return where
     from real_model import model_folder
@@ -349,7 +349,7 @@ def grpo_learns(args: argparse.Namespace) -> dict[str, Any]:
     stops after its step)."""
     from flowrl import api
 
-    steps = 10 if args.cpu_smoke else args.grpo_steps
+    steps = args.grpo_steps or (10 if args.cpu_smoke else 300)
     graph, plan = api.plan("grpo", overrides=[*common(args, "grpo"), f"steps={steps}"], emit=lambda s: None)
     result = api.run(graph, plan)
     rewards = [float(m["reward"]) for m in result.metrics]
@@ -456,6 +456,8 @@ def launch(name: str, args: argparse.Namespace, timeout: float, log: Path, resul
         out = json.loads(result.read_text())
         if stopped:
             out["stopped"] = stopped
+            if out["status"] == "failed":  # interrupted before a run could stop after its step
+                out["status"] = "timeout"
     else:
         tail = log.read_text(errors="replace")[-1500:]
         why = stopped or f"exit status {proc.returncode}"
@@ -481,8 +483,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--cpu-smoke", action="store_true", help="every part on the CPU at small sizes")
     parser.add_argument("--smollm", type=Path, help="SmolLM2-135M-Instruct: an HF folder, or a folder with its wheel")
     parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated parts, in order")
-    parser.add_argument("--budget", type=float, default=540, help="seconds for all parts together")
-    parser.add_argument("--grpo-steps", type=int, default=300, help="grpo_learns: steps at most (GPU)")
+    parser.add_argument("--budget", type=float, default=510, help="seconds for all parts together")
+    parser.add_argument("--grpo-steps", type=int, default=0, help="grpo_learns: steps at most (0: 300; smoke 10)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/flowrl-device"), help="logs and the JSON result")
     parser.add_argument("--device", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, default=None, help=argparse.SUPPRESS)  # run folders
@@ -490,6 +492,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.device = args.device or ("cpu" if args.cpu_smoke else "cuda")
+    if args.smollm is None:
+        from real_model import CACHE
+
+        args.smollm = CACHE if CACHE.is_dir() else None
     if args.part:
         run_part(args)
         return None
