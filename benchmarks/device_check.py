@@ -92,7 +92,22 @@ class Skip(Exception):
 
 
 def common(args: argparse.Namespace, name: str) -> list[str]:
-    return [f"device={args.device}", "progress=false", "checkpoint=false", f"out={args.work}", f"name={name}"]
+    """Every run's settings: the torch engine generates too (``auto`` could pick an installed vLLM)."""
+    run = [f"device={args.device}", "progress=false", "checkpoint=false", f"out={args.work}", f"name={name}"]
+    return [*run, "generation.engine=local"]
+
+
+def with_plugin(kind: str, name: str, module: str) -> Any:
+    """The plugin registry, with the repository's plugin ``module`` registered in this process where its
+    entry point is not installed (a checkout copied onto the device machine, not pip-installed)."""
+    import importlib
+
+    from flowrl.plugins.manager import load_plugins, registry
+
+    reg = registry()
+    if name in {e.name for e in reg.entries(kind)}:
+        return reg
+    return load_plugins(extra=[(name, importlib.import_module(module))])[1]
 
 
 def attention_kinds() -> dict[str, str | None]:
@@ -289,18 +304,14 @@ def vllm_update(args: argparse.Namespace) -> dict[str, Any]:
     if importlib.util.find_spec("vllm") is None:
         raise Skip("vllm is not installed (the device image has none; its CUDA wheel is far over 64 MiB)")
     import torch
+    from flowrl_vllm.engine import VLLMEngine  # built here from the trainer: no plugin registration needed
 
     from flowrl import api
     from flowrl.contract import EngineContext, Prompt
-    from flowrl.plugins.manager import registry
-
-    if "vllm" not in {e.name for e in registry().entries("generation_engines")}:
-        raise Skip("the flowrl-vllm plugin is not registered: pip install --no-deps -e plugins/flowrl-vllm")
-    from flowrl_vllm.engine import VLLMEngine
 
     # heads of 64 (vLLM's CPU kernels run 32, 64, ...; its GPU kernels any)
     model = ["tiny_model.hidden_size=256", "tiny_model.num_heads=4", "tiny_model.num_kv_heads=2"]
-    overrides = [*common(args, "vllm"), *model, "train.dtype=float32", "generation.engine=local"]
+    overrides = [*common(args, "vllm"), *model, "train.dtype=float32"]
     graph, plan = api.plan("grpo", overrides=[*overrides, "rollout.max_new_tokens=16"], emit=lambda s: None)
     trainers, _ = api.check(graph, plan).engines(graph, plan)
     actor = trainers["actor"]
@@ -375,14 +386,12 @@ def ray_one_gpu(args: argparse.Namespace) -> dict[str, Any]:
     if importlib.util.find_spec("ray") is None:
         raise Skip("ray is not installed (the device image has none; carry its wheel and its dependencies)")
     from flowrl import api
-    from flowrl.plugins.manager import registry
 
-    if "ray" not in {e.name for e in registry().entries("executors")}:
-        raise Skip("the flowrl-ray plugin is not registered: pip install --no-deps -e plugins/flowrl-ray")
+    reg = with_plugin("executors", "ray", "flowrl_ray")
     overrides = [*common(args, "ray"), "executor=ray", "steps=3", "rollout.prompts_per_step=8"]
-    graph, plan = api.plan("grpo", overrides=overrides, emit=lambda s: None)
+    graph, plan = api.plan("grpo", overrides=overrides, registry=reg, emit=lambda s: None)
     started = time.perf_counter()
-    result = api.run(graph, plan)
+    result = api.run(graph, plan, registry=reg)
     return {
         "status": "ok",
         "steps": len(result.metrics),
