@@ -470,12 +470,9 @@ def launch(name: str, args: argparse.Namespace, timeout: float, log: Path, resul
                 proc.wait(timeout=GRACE_S)
             except subprocess.TimeoutExpired:
                 stopped = f"budget spent: SIGKILL after {GRACE_S} s more"
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_group(proc.pid)
                 proc.wait()
-        try:  # what the part left behind in its process group (a Ray head, a vLLM engine process)
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(proc.pid)  # what the part left behind in its process group (a Ray head, a vLLM engine process)
     wall = round(time.perf_counter() - started, 1)
     if result.is_file():
         out = json.loads(result.read_text())
@@ -490,6 +487,14 @@ def launch(name: str, args: argparse.Namespace, timeout: float, log: Path, resul
     out["part_s"] = wall
     out["budget_s"] = round(timeout)
     return out
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL to the process group a part was started in (its own session: nothing else is in it)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def environment() -> dict[str, Any]:
