@@ -46,7 +46,8 @@ def test_grpo_learns_the_copy_task_with_the_actor_in_two_pipeline_stages(tmp_pat
                        "rollout.prompts_per_step=32", "rollout.samples_per_prompt=16")  # fmt: skip
     actor = plan.layout.layout("actor")
     assert (actor.parallel.pp, actor.parallel.dp, actor.schedule) == (2, 1, "1f1b")
-    assert not plan.layout.trains_as_it_generates("actor")  # pp > 1 never samples in place: generation has its own replicas
+    # pp > 1 never samples in place: generation has its own replicas
+    assert not plan.layout.trains_as_it_generates("actor")
     result = api.run(g, plan)
     m = result.metrics
     rewards = [r["reward"] for r in m]

@@ -177,7 +177,9 @@ class Staged:
         assert self.optimizer is not None
         names = {id(p): n for n, p in self.module.named_parameters()}
         state = {
-            names[id(p)]: {k: full(v).detach().to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in s.items()}
+            names[id(p)]: {
+                k: full(v).detach().to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in s.items()
+            }
             for p, s in self.optimizer.state.items()
         }
         groups = [
@@ -213,8 +215,6 @@ class Staged:
             if name not in whole["state"]:
                 continue
             self.optimizer.state[p] = {
-                k: (distribute_like(v, p) if v.shape == p.shape else v.clone())
-                if isinstance(v, Tensor)
-                else v
+                k: (distribute_like(v, p) if v.shape == p.shape else v.clone()) if isinstance(v, Tensor) else v
                 for k, v in whole["state"][name].items()
             }
