@@ -511,10 +511,10 @@ _NUMBERS = {"reward": True, "kl": True, "response_length": True, "step_seconds":
 def completed_metrics(path: Path, last_step: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The step records of steps 0..``last_step`` in ``path`` and the evaluation records up to it (restart
     records up to it are kept in the file too), the file rewritten without what came after (steps a killed
-    run did after its last checkpoint, or a half-written line; the whole file is first kept aside by `set_aside` when a complete step is
-    dropped, so no number is lost). A line before that which is not a record flowrl writes (not JSON, a
-    step out of order, a summary field that is not a number) is a ConfigError naming the line and
-    field, and the file is left as it is."""
+    run did after its last checkpoint, or a half-written line; the whole file is first kept aside by
+    `set_aside` when a complete step is dropped, so no number is lost). A line before that which is not a
+    record flowrl writes (not JSON, a step out of order, a summary field that is not a number) is a
+    ConfigError naming the line and field, and the file is left as it is."""
     records: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
     kept: list[dict[str, Any]] = []
