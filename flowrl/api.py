@@ -18,7 +18,7 @@ from flowrl.contract.hardware import ClusterSpec, HardwareSpec
 from flowrl.contract.model import ModelSpec, for_config
 from flowrl.contract.plan import ClusterTarget, ExecutionPlan
 from flowrl.contract.protocols import Executor, RunResult
-from flowrl.errors import FlowRLError, PlanError, PluginError
+from flowrl.errors import FlowRLError, PlanError, PluginError, reworded
 from flowrl.graph.ir import Graph
 from flowrl.graph.loading import build_graph, find_graph
 from flowrl.planner.hardware import cpu_cluster, with_calibration
@@ -255,18 +255,9 @@ def run(
         if not resume and fresh and (not metrics.is_file() or metrics.stat().st_size == 0):
             shutil.rmtree(out, ignore_errors=True)  # nothing completed: no half-made run folder
         elif isinstance(exc, FlowRLError) and now is not None and now != before and "--resume" not in str(exc):
-            raise _with_note(
+            raise reworded(
                 exc,
-                f"The run folder {out} keeps a checkpoint after step {now[0]}; continue it with "
+                f"{exc}\nThe run folder {out} keeps a checkpoint after step {now[0]}; continue it with "
                 f"`{resume_command(p, out)}`.",
             ) from exc.__cause__
         raise
-
-
-def _with_note(exc: FlowRLError, note: str) -> FlowRLError:
-    """``exc`` with ``note`` after its message, as its own type (with its attributes)."""
-    import copy
-
-    noted = copy.copy(exc)
-    noted.args = (f"{exc}\n{note}", *exc.args[1:])
-    return noted

@@ -50,6 +50,16 @@ class TaskError(FlowRLError):
     """An unknown task or a malformed task option."""
 
 
+def reworded(exc: FlowRLError, message: str) -> FlowRLError:
+    """``exc`` saying ``message`` instead (a prefix naming the node or step added), as its own type and with
+    its attributes (a `WorkerLostError`'s rank and pid), to raise in its place."""
+    import copy
+
+    new = copy.copy(exc)
+    new.args = (message,)
+    return new
+
+
 def did_you_mean(name: str, known: list[str]) -> str:
     """`` Did you mean 'x'?`` for the closest of ``known`` (case-insensitive), or ``""``."""
     import difflib
