@@ -97,9 +97,8 @@ def reference(tmp_path_factory) -> Path:
 
 def test_a_lost_worker_restarts_from_the_last_checkpoint_and_the_run_equals_an_uninterrupted_one(reference, tmp_path):
     result, out, lines = _run(tmp_path, "lost", [3])
-    assert lines == [
-        f"flowrl: worker rank 0 (pid {os.getpid()}) was lost in iteration 3; restart 1/3 from the checkpoint after step 1"
-    ]
+    who = f"worker rank 0 (pid {os.getpid()})"
+    assert lines == [f"flowrl: {who} was lost in iteration 3; restart 1/3 from the checkpoint after step 1"]
     assert _steps(out) == _steps(reference)  # every step once, the same numbers
     order = [(r.get("kind"), r["step"]) for r in _records(out)]
     assert order == [(None, 0), (None, 1), ("restart", 2), *((None, s) for s in range(2, STEPS))]
