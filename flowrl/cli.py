@@ -363,10 +363,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             info = r["restart"]
             what = "re-planned, " if info["replanned"] else ""
             print(
-                print(
-                    f"  restart {info['count']}: worker rank {info['rank']} lost in iteration {info['iteration']}; "
-                    f"{what}continued at step {r['step']}"
-                )
+                f"  restart {info['count']}: worker rank {info['rank']} lost in iteration {info['iteration']}; "
+                f"{what}continued at step {r['step']}"
             )
     elif folder is not None and result.resumed_from == 0:
         print(f"flowrl: {folder} had no checkpoint yet; the run started over at step 0.")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import SMALL_RUN
+from helpers import SMALL_RUN, run_cli
 
 from flowrl import api
 from flowrl.errors import WorkerLostError
@@ -143,3 +143,21 @@ def test_used_up_restarts_stop_with_the_resume_command(tmp_path):
     msg = str(info.value)
     assert "gave up after 1 restart(s) (--max-restarts 1)" in msg
     assert f"flowrl run --resume {tmp_path / 'used'}" in msg and msg.count("--resume") == 1
+
+
+def test_the_recovery_flags_are_run_settings_recorded_in_the_plan(tmp_path, capsys):
+    from flowrl.contract.plan import load_plan
+
+    sets = [a for s in SMALL_RUN for a in ("--set", s)]
+    argv = ["run", "grpo", "--steps", "1", "--quiet", "--out", str(tmp_path), *sets]
+    code, _, err = run_cli(capsys, *argv, "--max-restarts", "5", "--replan-on-loss", "--device-wait", "7")
+    assert code == 0, err
+    plan = load_plan(tmp_path / "grpo" / "plan.yaml")
+    cfg = plan.config
+    assert (cfg.max_restarts, cfg.replan_on_loss, cfg.device_wait_s) == (5, True, 7.0)
+    code, _, err = run_cli(capsys, "run", "--resume", str(tmp_path / "grpo"), "--max-restarts", "0")
+    assert code == 0, err  # a run setting: it may change on --resume
+    resumed = load_plan(tmp_path / "grpo" / "plan.yaml")
+    assert resumed.config.max_restarts == 0 and resumed.id == plan.id
+    code, _, err = run_cli(capsys, *argv, "--name", "bad", "--max-restarts", "-1")
+    assert code == 2 and "max_restarts" in err
