@@ -262,7 +262,8 @@ class RunConfig(Spec):
     # when the devices the plan needs do not come back within device_wait_s: re-plan for the devices left
     # (False: stop, printing the resume command)
     replan_on_loss: bool = False
-    device_wait_s: float = 60.0  # seconds to wait for a lost node's devices (a replacement) before that
+    # seconds a restart waits for a lost node's devices to come back (a replacement node) before it re-plans or stops
+    device_wait_s: float = 60.0
     # node -> option -> value, over the options the graph gives its nodes (--set nodes.select.mode=correct)
     nodes: dict[str, dict[str, Any]] = {}
     data: DataConfig = DataConfig()
