@@ -256,8 +256,8 @@ class RunConfig(Spec):
     save_every: int | None = None  # steps between checkpoints; None: about ten per run; 0: only at the end
     keep_checkpoints: int = 2  # the newest K step checkpoints kept in runs/<name>/checkpoints
     progress: bool = True
-    # a worker or node lost mid-run (flowrl.runtime.recovery): restarts from the last checkpoint, at most this
-    # many per invocation (0: the run stops, as a user-started `--resume` continues it)
+    # a worker or node lost mid-run (flowrl.runtime.recovery): the run restarts from its last checkpoint by
+    # itself, at most this many times per invocation (0: it stops; `flowrl run --resume DIR` continues it)
     max_restarts: int = 3
     # when the devices the plan needs do not come back within device_wait_s: re-plan for the devices left
     # (False: stop, printing the resume command)
