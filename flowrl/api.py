@@ -18,7 +18,7 @@ from flowrl.contract.hardware import ClusterSpec, HardwareSpec
 from flowrl.contract.model import ModelSpec, for_config
 from flowrl.contract.plan import ClusterTarget, ExecutionPlan
 from flowrl.contract.protocols import Executor, RunResult
-from flowrl.errors import FlowRLError, PlanError, PluginError
+from flowrl.errors import FlowRLError, PlanError, PluginError, reworded
 from flowrl.graph.ir import Graph
 from flowrl.graph.loading import build_graph, find_graph
 from flowrl.planner.hardware import cpu_cluster, with_calibration
@@ -168,6 +168,38 @@ def check(graph: Graph, p: ExecutionPlan, registry: Registry | None = None) -> E
     return ex
 
 
+def replan(graph: Graph, p: ExecutionPlan, devices: int, registry: Registry | None = None) -> ExecutionPlan:
+    """``p`` planned again for ``devices`` devices of its kind (what a cluster has left after it lost a
+    node): the same graph and config, for the same executor; ``cpu:N`` becomes this machine as ``devices``
+    CPU devices, a named cluster keeps its hardware with fewer nodes (or one node of ``devices``)."""
+    reg = registry or default_registry()
+    cfg = p.config
+    old = p.target.cluster
+    if old.on_cpu:
+        target = local_target(cfg, reg, devices)
+    else:
+        nodes, per_node = (devices // old.devices_per_node, old.devices_per_node)
+        if nodes < 1 or devices % old.devices_per_node:
+            nodes, per_node = 1, devices
+        cluster = msgspec.structs.replace(old, nodes=nodes, devices_per_node=per_node)
+        caps = of_config(executor_entry(cfg, reg).obj.capabilities, reg, cfg)
+        target = msgspec.structs.replace(
+            p.target, cluster=cluster, workload=None, numerics=caps.numerics, capabilities=caps
+        )
+    ctx = PlanContext(graph=graph, registry=reg, options=plan_options({"budget_s": 2.0}), results=PassResults())
+    initial = initial_plan(graph, p.graph.source, cfg, target)
+    new = run_passes(graph, initial, reg, passes=p.passes or PIPELINE, emit=lambda _: None, ctx=ctx)
+    check(graph, new, reg)
+    return new
+
+
+def resume_command(p: ExecutionPlan, out: Path) -> str:
+    """The command that continues the run of ``p`` in folder ``out``."""
+    source = p.graph.source
+    graph_file = f"{source} " if source.endswith(".py") or "/" in source else ""
+    return f"flowrl run {graph_file}--resume {out}"
+
+
 def run(
     graph: Graph,
     p: ExecutionPlan,
@@ -177,17 +209,24 @@ def run(
     on_step: Callable[[dict[str, Any]], None] | None = None,
     executor: Executor | None = None,
     resume: bool = False,
+    emit: Callable[[str], None] | None = None,
 ) -> RunResult:
     """Run ``p`` on its executor: ``executor`` when it has already checked the plan (``check``), else
     the one ``check`` returns, before the run folder is made. With ``resume``, ``out_dir`` is an
     earlier run's folder, continued from its newest checkpoint.
 
+    A worker or node lost mid-run restarts the run from its last checkpoint, at most
+    ``max_restarts`` times (`flowrl.runtime.recovery`; with ``replan_on_loss``, re-planned for the
+    devices left); each restart is a line through ``emit`` (default: stderr).
+
     A run that fails before its first step completes leaves no folder behind; one that fails
     later keeps its folder, and the error says how to continue from its last checkpoint."""
     import shutil
+    import sys
 
     from flowrl.runtime.checkpoint import latest
     from flowrl.runtime.executor import run_dir
+    from flowrl.runtime.recovery import run_recovering
 
     reg = registry or default_registry()
     ex = executor or check(graph, p, reg)
@@ -198,17 +237,27 @@ def run(
     # a folder this run makes or finds empty is removed when nothing completes; one holding files is kept
     fresh = out_dir is None or not out.exists() or (out.is_dir() and not any(out.iterdir()))
     try:
-        return ex.run(graph, p, out, on_step=on_step, resume=resume, predictor=Simulator(reg))
+        return run_recovering(
+            ex,
+            graph,
+            p,
+            out,
+            on_step=on_step,
+            resume=resume,
+            predictor=Simulator(reg),
+            replan=lambda plan, devices: replan(graph, plan, devices, reg),
+            resume_command=lambda plan: resume_command(plan, out),
+            emit=emit or (lambda line: print(line, file=sys.stderr, flush=True)),
+        )
     except BaseException as exc:
         metrics = out / "metrics.jsonl"
         now = latest(out)
         if not resume and fresh and (not metrics.is_file() or metrics.stat().st_size == 0):
             shutil.rmtree(out, ignore_errors=True)  # nothing completed: no half-made run folder
-        elif isinstance(exc, FlowRLError) and now is not None and now != before:  # it got further: say how on
-            source = p.graph.source
-            graph_file = f"{source} " if source.endswith(".py") or "/" in source else ""
-            raise type(exc)(
+        elif isinstance(exc, FlowRLError) and now is not None and now != before and "--resume" not in str(exc):
+            raise reworded(
+                exc,
                 f"{exc}\nThe run folder {out} keeps a checkpoint after step {now[0]}; continue it with "
-                f"`flowrl run {graph_file}--resume {out}`."
+                f"`{resume_command(p, out)}`.",
             ) from exc.__cause__
         raise

@@ -138,6 +138,9 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
         "executor": args.executor,
         "backend": args.backend,  # the older name of executor (specs.OLDER_NAMES)
         "save_every": getattr(args, "save_every", None),
+        "max_restarts": getattr(args, "max_restarts", None),
+        "replan_on_loss": True if getattr(args, "replan_on_loss", False) else None,
+        "device_wait_s": getattr(args, "device_wait", None),
         "data": {"train": args.data} if getattr(args, "data", None) else None,
         "log": {"loggers": [n.strip() for n in args.logger.split(",") if n.strip()]}
         if getattr(args, "logger", None)
@@ -255,10 +258,10 @@ def _check_model_code(cfg: Any) -> None:
 _RUN_SETTINGS_HELP = {
     "--plan": "With --plan, only where the run goes and how it checkpoints and reports may change: --out DIR, --name "
     "NAME, --save-every N, --set keep_checkpoints=N, --set progress=false, --logger NAMES, --set eval.*/log.*, "
-    "--trust-remote-code.",
+    "--max-restarts N, --replan-on-loss, --device-wait S, --trust-remote-code.",
     "--resume": "With --resume, only --steps N (to extend it) and how the run checkpoints and reports may change: "
     "--save-every N, --set keep_checkpoints=N, --set progress=false, --logger NAMES, --set eval.*/log.*, "
-    "--trust-remote-code.",
+    "--max-restarts N, --replan-on-loss, --device-wait S, --trust-remote-code.",
 }
 
 
@@ -348,11 +351,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         found = latest(folder)
         done = found[0] + 1 if found else 0
     bar = _progress(cfg.steps, enabled=cfg.progress and not args.quiet, initial=done)
-    result = api.run(graph, plan, on_step=bar.update, executor=executor, out_dir=folder, resume=folder is not None)
-    bar.close()
-    if result.resumed_from == 0:
+    try:
+        result = api.run(
+            graph, plan, on_step=bar.update, executor=executor, out_dir=folder, resume=folder is not None, emit=bar.say
+        )
+    finally:
+        bar.close()
+    if result.restarts:
+        print(f"flowrl: restarted {len(result.restarts)} time(s) after a lost worker or node:")
+        for r in result.restarts:
+            info = r["restart"]
+            what = "re-planned, " if info["replanned"] else ""
+            print(
+                f"  restart {info['count']}: worker rank {info['rank']} lost in iteration {info['iteration']}; "
+                f"{what}continued at step {r['step']}"
+            )
+    elif folder is not None and result.resumed_from == 0:
         print(f"flowrl: {folder} had no checkpoint yet; the run started over at step 0.")
-    elif result.resumed_from is not None:
+    elif folder is not None and result.resumed_from is not None:
         note = "nothing left to run" if result.resumed_from >= cfg.steps else f"continued at step {result.resumed_from}"
         print(f"flowrl: resumed from the checkpoint after step {result.resumed_from - 1} ({note}).")
     summary = _summary(result.metrics)
@@ -481,7 +497,14 @@ class _Progress:
             post["kl"] = f"{record['kl']:.3f}"
         post["tok/s"] = f"{record['tokens_per_s']:.0f}"
         self.bar.set_postfix(post, refresh=False)
-        self.bar.update(1)
+        self.bar.update(record["step"] + 1 - self.bar.n)  # a restart does steps after its checkpoint again
+
+    def say(self, line: str) -> None:
+        """A line of the progress output (a restart): above the bar, or on stderr without one."""
+        if self.bar is None:
+            print(line, file=sys.stderr, flush=True)
+        else:
+            self.bar.write(line, file=sys.stderr)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -731,6 +754,28 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         dest="save_every",
         help="write a checkpoint every N steps (default: about ten per run; 0: only at the end)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        metavar="N",
+        type=int,
+        dest="max_restarts",
+        help="restart from the last checkpoint by itself when a worker or node is lost, at most N times "
+        "(default 3; 0: stop, to be continued with --resume)",
+    )
+    p.add_argument(
+        "--replan-on-loss",
+        action="store_true",
+        dest="replan_on_loss",
+        help="when lost devices do not come back within --device-wait, re-plan for the devices left and go on "
+        "(default: stop, printing the resume command)",
+    )
+    p.add_argument(
+        "--device-wait",
+        metavar="S",
+        type=float,
+        dest="device_wait",
+        help="after a lost node, wait up to S seconds for its devices to come back (default 60)",
     )
     p.add_argument(
         "--cluster",

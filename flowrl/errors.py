@@ -27,8 +27,37 @@ class BackendError(FlowRLError):
     """A backend cannot do what the plan asks (missing model dir, bad tokenizer, ...)."""
 
 
+class WorkerLostError(BackendError):
+    """A worker process or its whole node was lost mid-run (killed, crashed, its node gone): not a fault of
+    the run's code or config, so the run may restart from its last checkpoint (``max_restarts``).
+    ``rank``, ``pid``, ``group``, ``iteration`` (None: during setup) and ``task`` say which and when."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        pid: int | None = None,
+        group: str | None = None,
+        iteration: int | None = None,
+        task: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank, self.pid, self.group, self.iteration, self.task = rank, pid, group, iteration, task
+
+
 class TaskError(FlowRLError):
     """An unknown task or a malformed task option."""
+
+
+def reworded(exc: FlowRLError, message: str) -> FlowRLError:
+    """``exc`` saying ``message`` instead (a prefix naming the node or step added), as its own type and with
+    its attributes (a `WorkerLostError`'s rank and pid), to raise in its place."""
+    import copy
+
+    new = copy.copy(exc)
+    new.args = (message,)
+    return new
 
 
 def did_you_mean(name: str, known: list[str]) -> str:

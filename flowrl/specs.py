@@ -256,6 +256,14 @@ class RunConfig(Spec):
     save_every: int | None = None  # steps between checkpoints; None: about ten per run; 0: only at the end
     keep_checkpoints: int = 2  # the newest K step checkpoints kept in runs/<name>/checkpoints
     progress: bool = True
+    # a worker or node lost mid-run (flowrl.runtime.recovery): the run restarts from its last checkpoint by
+    # itself, at most this many times per invocation (0: it stops; `flowrl run --resume DIR` continues it)
+    max_restarts: int = 3
+    # when the devices the plan needs do not come back within device_wait_s: re-plan for the devices left
+    # (False: stop, printing the resume command)
+    replan_on_loss: bool = False
+    # seconds a restart waits for a lost node's devices to come back (a replacement node) before it re-plans or stops
+    device_wait_s: float = 60.0
     # node -> option -> value, over the options the graph gives its nodes (--set nodes.select.mode=correct)
     nodes: dict[str, dict[str, Any]] = {}
     data: DataConfig = DataConfig()
@@ -341,6 +349,8 @@ class RunConfig(Spec):
             (self.threads is None or self.threads >= 1, "threads", "must be >= 1"),
             (self.save_every is None or self.save_every >= 0, "save_every", "must be >= 0 (0: only at the end)"),
             (self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1"),
+            (0 <= self.max_restarts <= 1000, "max_restarts", "must be in [0, 1000] (0: a lost worker stops the run)"),
+            (0 <= self.device_wait_s <= 86400, "device_wait_s", "must be in [0, 86400] seconds"),
             (0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)"),
             (math.isfinite(self.rollout.temperature), "rollout.temperature", "must be finite"),
             (all(0 <= b < 1 for b in self.train.betas), "train.betas", "must both be in [0, 1)"),
@@ -697,7 +707,19 @@ OLDER_NAMES = {"backend": "executor"}
 
 #: Where a run goes and how it checkpoints and reports: not plan content. They may change for a
 #: ``--plan`` or ``--resume`` run without changing what is planned (the plan's id leaves them out).
-RUN_SETTINGS = ("out", "name", "save_every", "keep_checkpoints", "progress", "eval", "log", "trust_remote_code")
+RUN_SETTINGS = (
+    "out",
+    "name",
+    "save_every",
+    "keep_checkpoints",
+    "progress",
+    "eval",
+    "log",
+    "trust_remote_code",
+    "max_restarts",
+    "replan_on_loss",
+    "device_wait_s",
+)
 
 #: Config sections and fields (dotted) added after plans were first written: a plan's id leaves
 #: them out while they hold their defaults, so a plan file an earlier flowrl wrote keeps its id.

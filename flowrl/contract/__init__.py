@@ -102,6 +102,7 @@ from flowrl.errors import (
     PlanError,
     PluginError,
     TaskError,
+    WorkerLostError,
 )
 from flowrl.graph.ir import Graph, ModelDecl
 from flowrl.specs import AlgoConfig, RunConfig
@@ -113,6 +114,7 @@ __all__ = [
     "DataRank",
     "AlgoConfig",
     "BackendError",
+    "WorkerLostError",
     "Batch",
     "Capabilities",
     "CheckedSpec",

@@ -10,6 +10,8 @@
 - An **executor** runs a plan. It says up front (``check``) whether it can: what it cannot run
   is a `PlanError` naming the feature, raised before any model is built. What the run's
   timeline is compared with comes from a `Predictor` its caller passes (`flowrl.contract.predict`).
+  A worker or node it loses mid-run is a `WorkerLostError`; its caller restarts the run from the
+  last checkpoint inside one ``session`` (`flowrl.runtime.recovery`).
 
 Engines are chosen per role in the run config (``generation.engine``, ``train.engine``), so a
 plugin may supply only generation. Plugins register them through the hooks
@@ -26,6 +28,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import msgspec
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
     import torch
     from torch import Tensor
 
@@ -213,6 +217,8 @@ class RunResult:
     last_checkpoint: Path | None = None  # the newest step checkpoint (what --resume continues from)
     resumed_from: int | None = None  # the first step this invocation ran, when it resumed
     stopped: int | None = None  # the last step run when Ctrl-C / SIGTERM stopped the run early
+    # one record per restart after a lost worker or node (flowrl.runtime.recovery), as metrics.jsonl has it
+    restarts: list[dict[str, Any]] = field(default_factory=list)
 
 
 @runtime_checkable
@@ -232,8 +238,18 @@ class Executor(Protocol):
         on_step: Callable[[dict[str, Any]], None] | None = None,
         resume: bool = False,
         predictor: Predictor | None = None,
+        events: Sequence[dict[str, Any]] = (),
     ) -> RunResult:
         """Run a plan that passed ``check`` in ``out_dir``; with ``resume``, continue the run there
         from its newest checkpoint. ``predictor``: what the run's timeline is drawn against (None:
-        the measured timeline alone)."""
+        the measured timeline alone). ``events``: records (``{"kind": "restart", "step": S, ...}``)
+        written to metrics.jsonl once it holds the steps the run continues after."""
+        ...
+
+    def session(self) -> AbstractContextManager[None]:
+        """Keeps what `run` connects to (a cluster) across the runs inside it: the restarts of one run."""
+        ...
+
+    def devices(self, plan: ExecutionPlan) -> int | None:
+        """How many devices of the kind ``plan`` runs on the executor could place now (None: it cannot tell)."""
         ...

@@ -36,7 +36,7 @@ import msgspec
 import torch
 
 from flowrl.contract.data import Prompt, Sequences, Turn
-from flowrl.errors import FlowRLError, GraphError
+from flowrl.errors import FlowRLError, GraphError, reworded
 from flowrl.runtime.batch import pad_id
 from flowrl.runtime.rewardpool import run_coroutine
 from flowrl.tasks.environments import ReplyEpisode, Step
@@ -277,7 +277,7 @@ class Episodes:
             try:  # rendered within flowrl.tasks.bounded's time and size limits
                 return tool_text(self.tokenizer, self.template, step.tool_results, ended_at_eos)
             except FlowRLError as exc:
-                raise type(exc)(f"node '{self.node}': environment '{self.env_name}': {exc}") from None
+                raise reworded(exc, f"node '{self.node}': environment '{self.env_name}': {exc}") from None
         return step.text or ""
 
     def _apply(self, row: Any, turn: Turn, step: Step, version: int, ended_at_eos: bool) -> None:

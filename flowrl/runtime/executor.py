@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -176,6 +176,17 @@ class PlanExecutor:
         worker, _ = self._worker(graph, plan, self.schedule(graph, plan))
         return worker.trainers, worker.generators
 
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """What `run` connects to and keeps across the restarts of one run (`flowrl.runtime.recovery`);
+        this executor connects to nothing. A backend with a cluster keeps its connection until the end."""
+        yield
+
+    def devices(self, plan: ExecutionPlan) -> int | None:
+        """How many devices of ``plan``'s kind this executor could place now; None: it cannot tell (this
+        executor: its one device is this process's, never lost)."""
+        return None
+
     # ------------------------------------------------------------ the run
     def run(
         self,
@@ -186,12 +197,14 @@ class PlanExecutor:
         on_step: Callable[[dict[str, Any]], None] | None = None,
         resume: bool = False,
         predictor: Predictor | None = None,
+        events: Sequence[dict[str, Any]] = (),
     ) -> RunResult:
         """Run the plan in ``out_dir``, writing a checkpoint after every ``save_every`` steps; with
         ``resume``, continue the run in ``out_dir`` from its newest usable checkpoint. Ctrl-C or
         SIGTERM stops after the current step, with a checkpoint (``RunResult.stopped``); during
         setup they interrupt at once. One process at a time holds a run folder. ``predictor``: what
-        the run's timeline is drawn against (None: what it measured alone)."""
+        the run's timeline is drawn against (None: what it measured alone). ``events``: records
+        (a restart's) written to metrics.jsonl after the steps the run continues from."""
         from flowrl.runtime import runstate
         from flowrl.runtime.compute import serial_here
 
@@ -205,10 +218,10 @@ class PlanExecutor:
                 # the earlier metrics and samples kept beside it
                 runstate.set_aside(out_dir, why=" (the run starts over: it has no checkpoint)" if resume else "")
             if resume and not runstate.resumable(out_dir, cfg.checkpoint):
-                result = self._run(graph, plan, out_dir, on_step, stop, False, predictor)
+                result = self._run(graph, plan, out_dir, on_step, stop, False, predictor, events)
                 result.resumed_from = 0
                 return result
-            return self._run(graph, plan, out_dir, on_step, stop, resume, predictor)
+            return self._run(graph, plan, out_dir, on_step, stop, resume, predictor, events)
 
     def _run(
         self,
@@ -219,6 +232,7 @@ class PlanExecutor:
         stop: _StopRequest,
         resume: bool,
         predictor: Predictor | None = None,
+        events: Sequence[dict[str, Any]] = (),
     ) -> RunResult:
         import torch
 
@@ -273,6 +287,8 @@ class PlanExecutor:
                 trackers=open_trackers(cfg.log.loggers, out_dir, out_dir.name, msgspec.to_builtins(cfg), resume),
                 reward_node=next((n.name for n in graph.nodes.values() if "rewards" in n.writes), None),
             )
+            for event in events:  # after the steps kept from before: in step order
+                log.log_extra(dict(event))
             reports = Reports(cfg, plan, parts, out_dir, log, result, on_step, resume)
             if not resume:
                 reports.evaluate(0)

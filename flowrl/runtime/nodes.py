@@ -18,7 +18,7 @@ import torch
 
 from flowrl.contract.data import Sequences, StepBatch, sequences_in
 from flowrl.contract.protocols import GenerationEngine, TrainingEngine, TrainStep
-from flowrl.errors import BackendError, FlowRLError, GraphError
+from flowrl.errors import BackendError, FlowRLError, GraphError, reworded
 from flowrl.graph.ir import Compute, Filter, Forward, Generate, Graph, Reward, Train
 from flowrl.runtime.dispatch import draw_seed
 from flowrl.runtime.rewardpool import RewardRunner, split_result
@@ -83,7 +83,7 @@ def _naming(name: str, fn: Any, *args: Any) -> Any:
     except FlowRLError as exc:
         if str(exc).startswith(f"node '{name}'"):
             raise
-        raise type(exc)(f"node '{name}': {exc}") from None
+        raise reworded(exc, f"node '{name}': {exc}") from None
 
 
 def _user(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:

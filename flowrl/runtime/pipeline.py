@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from flowrl.contract.data import GenerateResult, Part
-from flowrl.errors import FlowRLError
+from flowrl.errors import FlowRLError, reworded
 from flowrl.graph.ir import streamed_nodes
 from flowrl.runtime.compute import thread_count
 from flowrl.runtime.dispatch import concat_parts, weighted_metrics
@@ -278,7 +278,7 @@ class Pipeline:
             return self._run_unit(unit, view)
         except FlowRLError as exc:  # say which step, after the first line (which names the node)
             first, nl, rest = str(exc).partition("\n")
-            raise type(exc)(f"{first.rstrip('.')} (step {unit.step}).{nl}{rest}") from exc.__cause__
+            raise reworded(exc, f"{first.rstrip('.')} (step {unit.step}).{nl}{rest}") from exc.__cause__
 
     def _run_unit(self, unit: Unit, view: dict[str, Any]) -> tuple[str, Any, float, float]:
         CURRENT_TASK.set(unit.task.name)

@@ -500,17 +500,21 @@ def restore(path: Path, driver: dict[str, Any], st: RunState, sync: Callable[[],
 # ------------------------------------------------------------------ metrics.jsonl
 
 
+#: Records of metrics.jsonl besides the steps', by their ``kind``: an evaluation after ``step`` updates, a
+#: restart after a lost worker that continues at ``step`` (`flowrl.runtime.recovery`).
+EVENT_KINDS = ("eval", "restart")
+
 #: Fields of a step record that the CLI's summary and reward.png read: a number (or null where a step may lack it).
 _NUMBERS = {"reward": True, "kl": True, "response_length": True, "step_seconds": False}
 
 
 def completed_metrics(path: Path, last_step: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The step records of steps 0..``last_step`` in ``path`` and the evaluation records up to it,
-    the file rewritten without what came after (steps a killed run did after its last checkpoint,
-    or a half-written line; the whole file is first kept aside by `set_aside` when a complete step is
-    dropped, so no number is lost). A line before that which is not a record flowrl writes (not JSON, a
-    step out of order, a summary field that is not a number) is a ConfigError naming the line and
-    field, and the file is left as it is."""
+    """The step records of steps 0..``last_step`` in ``path`` and the evaluation records up to it (restart
+    records up to it are kept in the file too), the file rewritten without what came after (steps a killed
+    run did after its last checkpoint, or a half-written line; the whole file is first kept aside by
+    `set_aside` when a complete step is dropped, so no number is lost). A line before that which is not a
+    record flowrl writes (not JSON, a step out of order, a summary field that is not a number) is a
+    ConfigError naming the line and field, and the file is left as it is."""
     records: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
     kept: list[dict[str, Any]] = []
@@ -529,9 +533,10 @@ def completed_metrics(path: Path, last_step: int) -> tuple[list[dict[str, Any]],
                     problem = f"line {number}: {problem}"
                     break
                 record = msgspec.json.decode(line)
-                if record.get("kind") == "eval":  # after step-1 updates
+                if record.get("kind") in EVENT_KINDS:  # an evaluation after step-1 updates; a restart at step
                     if record["step"] <= last_step + 1:
-                        evals.append(record)
+                        if record["kind"] == "eval":
+                            evals.append(record)
                         kept.append(record)
                     else:
                         dropped = True
@@ -565,7 +570,7 @@ def _record_problem(line: bytes, step: int, last_step: int) -> str:
     seen = record.get("step")
     if not isinstance(seen, int) or isinstance(seen, bool):
         return f"field 'step' is {type(seen).__name__}, not an int"
-    if record.get("kind") == "eval":
+    if record.get("kind") in EVENT_KINDS:
         return "" if 0 <= seen else "field 'step' is negative"
     if seen != step:
         return f"field 'step' is {seen}, where step {step} comes"

@@ -97,6 +97,9 @@ def test_run_settings_are_config_fields() -> None:
         "eval",
         "log",
         "trust_remote_code",
+        "max_restarts",
+        "replan_on_loss",
+        "device_wait_s",
     }
 
 

@@ -240,6 +240,14 @@ class Weights:
             set_optimizer_state_dict(
                 self.module, self.optimizer, sharded, options=StateDictOptions(full_state_dict=False)
             )
+        elif any(isinstance(key, str) for key in state.get("state", {})):
+            # written by this model on several ranks (FSDP2's whole state, by parameter name), loaded on one:
+            # a run re-planned for fewer devices (flowrl.runtime.recovery)
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(
+                self.module, self.optimizer, state, options=StateDictOptions(full_state_dict=False)
+            )
         else:
             self.optimizer.load_state_dict(state)
 

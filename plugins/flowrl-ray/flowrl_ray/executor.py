@@ -7,18 +7,21 @@ that cluster. Each device group of the plan is a placement group with one bundle
 the workers form one torch.distributed process group (gloo on CPU, NCCL on GPU), with a
 subgroup per device group and a channel per weight sync.
 
-A worker that dies stops the run at once: the driver waits on every call with ``ray.wait`` and
-turns a dead actor into a `BackendError` naming the worker, its group, its pid, the iteration
-and the task; then it kills the other workers (which would otherwise wait in a collective) and
-shuts Ray down.
+A worker that dies (its process killed, its node lost) stops the attempt at once: the driver waits
+on every call with ``ray.wait`` and turns a dead actor into a `WorkerLostError` naming the worker,
+its group, its pid, the iteration and the task; then it kills the other workers (which would
+otherwise wait in a collective) and removes the placement groups. Inside a `RayExecutor.session`
+(the restarts of one run, `flowrl.runtime.recovery`) Ray stays up for the next attempt, and
+`RayExecutor.devices` says what it could place; the private Ray is shut down when the session ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +29,7 @@ import msgspec
 
 from flowrl.backends.local.device import machine as local_machine
 from flowrl.backends.local.executor import LOCAL_NUMERICS
-from flowrl.contract import BackendError, Capabilities, FlowRLError
+from flowrl.contract import BackendError, Capabilities, FlowRLError, WorkerLostError
 from flowrl.runtime.executor import PlanExecutor
 from flowrl.runtime.worker import Worker
 
@@ -81,6 +84,37 @@ class RayExecutor(PlanExecutor):
     def __init__(self, registry: Any) -> None:
         super().__init__(registry)
         self.address: str | None = None  # an existing cluster to join (`flowrl run --address`)
+        self._session = False  # inside `session`: Ray outlives each attempt's workers
+        self._owns_ray = False  # a private Ray this executor started in its session, shut down at its end
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """The restarts of one run: Ray (private or joined) stays up between them; a private Ray this
+        executor started is shut down at the end."""
+        self._session = True
+        try:
+            yield
+        finally:
+            self._session = False
+            if self._owns_ray:
+                self._owns_ray = False
+                import ray
+
+                if ray.is_initialized():
+                    ray.shutdown()
+
+    def devices(self, plan: ExecutionPlan) -> int | None:
+        """The GPUs (CPUs for a CPU plan) of the live Ray nodes; None before Ray is connected."""
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        kind = "CPU" if plan.target.cluster.on_cpu else "GPU"
+        try:
+            alive = [n for n in ray.nodes() if n.get("Alive")]
+        except Exception:  # noqa: BLE001 - the cluster is unreachable: nothing can be placed
+            return 0
+        return int(sum(n.get("Resources", {}).get(kind, 0.0) for n in alive))
 
     def device(self, plan: ExecutionPlan) -> str:
         return "cpu" if plan.target.cluster.on_cpu else "cuda:0"  # Ray gives each GPU actor one visible device
@@ -95,6 +129,8 @@ class RayExecutor(PlanExecutor):
         gpus = device != "cpu"
         _user_functions_by_value()
         started = _connect(self.address, schedule.world, gpus)
+        if started and self._session:  # kept for the session's next attempt; shut down when it ends
+            self._owns_ray, started = True, False
         transport = RayTransport(schedule, started)
         try:
             cores = int(ray.cluster_resources().get("CPU", 1)) if self.address else (os.cpu_count() or 1)
@@ -236,14 +272,16 @@ class RayTransport:
 
         dead = self._dead()
         if dead:
-            self._fail(dead[0], tag, "died", None)
+            self._died(dead[0], tag, None)
         rank, exc = errors[0]
         if isinstance(exc, ray.exceptions.RayTaskError):
             cause = exc.cause  # the worker's own exception, without Ray's traceback text
             if isinstance(cause, FlowRLError):
                 self.close()
                 raise type(cause)(*cause.args) from None
-        self._fail(rank, tag, "died" if isinstance(exc, ray.exceptions.RayActorError) else "failed", exc)
+        if isinstance(exc, ray.exceptions.RayActorError):
+            self._died(rank, tag, exc)
+        self._fail(rank, tag, "failed", exc)
 
     def _dead(self) -> list[int]:
         """Ranks whose actor is gone (asked with a short timeout)."""
@@ -259,17 +297,27 @@ class RayTransport:
                 dead.append(refs[ref])
         return sorted(dead)
 
-    def _fail(self, rank: int, tag: str, what: str, exc: Exception | None) -> None:
-        pid = self.pids[rank] if rank < len(self.pids) else "?"
+    def _died(self, rank: int, tag: str, exc: Exception | None) -> None:
+        """A worker's process or node is gone: `WorkerLostError` (the run may restart from a checkpoint)."""
+        self._fail(rank, tag, "died", exc, lost=True)
+
+    def _fail(self, rank: int, tag: str, what: str, exc: Exception | None, lost: bool = False) -> None:
+        pid = self.pids[rank] if rank < len(self.pids) else None
         when = f"in iteration {self.iteration}" if self.iteration is not None else "during setup"
         cause = str(exc).strip().splitlines() if exc is not None else []
         detail = f": {cause[-1]}" if cause else ""
         stopped = "the run is stopped and Ray shut down" if self.owns_ray else "the run and its workers are stopped"
         self.close()
-        raise BackendError(
-            f"worker rank {rank} (device group '{self.group_of(rank)}', pid {pid}) {what} {when}, task "
+        group = self.group_of(rank)
+        message = (
+            f"worker rank {rank} (device group '{group}', pid {pid if pid is not None else '?'}) {what} {when}, task "
             f"'{tag}'{detail}; {stopped}. metrics.jsonl holds the iterations that finished."
-        ) from None
+        )
+        if lost:
+            raise WorkerLostError(
+                message, rank=rank, pid=pid, group=group, iteration=self.iteration, task=tag
+            ) from None
+        raise BackendError(message) from None
 
     def spans(self) -> dict[int, list[tuple[str, float, float]]]:
         import ray
@@ -277,7 +325,11 @@ class RayTransport:
         if self.closed:
             return {}
         ranks = list(range(len(self.actors)))
-        return dict(zip(ranks, ray.get([a.spans.remote() for a in self.actors], timeout=30)))
+        try:
+            return dict(zip(ranks, ray.get([a.spans.remote() for a in self.actors], timeout=30)))
+        except ray.exceptions.RayActorError as exc:  # a worker lost between calls: the same failure path
+            self._raise([(0, exc)], "spans")  # names the worker that is gone
+            raise  # pragma: no cover - _raise always raises
 
     def close(self) -> None:
         """Stop the workers and, when this run started Ray, Ray itself. Safe to call twice."""

@@ -1,0 +1,234 @@
+"""A worker process or a whole node lost mid-run: the run restarts from its last checkpoint by itself.
+
+One local multi-node Ray cluster for the module (`ray.cluster_utils.Cluster`: a head with no CPU, two
+nodes of one CPU each, so the two ranks of a plan for ``cpu:2`` land on different nodes). A worker is
+killed by its pid (from workers.json), a node is removed with ``Cluster.remove_node``; the run goes on
+with a replacement node, re-planned for the node left (``replan_on_loss``), or stops with a message that
+says what is missing and how to resume. Never ``ray stop``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from flowrl import api
+from flowrl.errors import WorkerLostError
+from flowrl.plugins.manager import registry
+
+ray = pytest.importorskip("ray")
+cluster_utils = pytest.importorskip("ray.cluster_utils")
+psutil = pytest.importorskip("psutil")
+
+pytestmark = pytest.mark.slow  # a local Ray cluster, workers and nodes killed mid-run
+
+STEPS = 6
+TIMING = ("step_seconds", "tokens_per_s", "spans")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    c = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(2):
+        c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()  # removes its nodes only
+
+
+@pytest.fixture
+def two_nodes(cluster, monkeypatch):
+    """Two live one-CPU nodes before each test (a test may have removed one)."""
+    monkeypatch.setenv("FLOWRL_PLUGINS", "ray")
+    while len(cluster.worker_nodes) < 2:
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    return cluster
+
+
+def _plan(tmp_path: Path, *extra: str):
+    overrides = [
+        "rollout.prompts_per_step=4",
+        "rollout.samples_per_prompt=4",
+        f"steps={STEPS}",
+        "save_every=2",
+        "backend=ray",
+        "device=cpu",
+        "progress=false",
+        f"out={tmp_path}",
+        *extra,
+    ]
+    _, cfg = api.load("grpo", overrides=overrides)
+    target = api.local_target(cfg, registry(), devices=2)
+    return api.plan(
+        "grpo",
+        overrides=overrides,
+        target=target,
+        for_backend=True,
+        options={"placement": "colocate"},
+        emit=lambda s: None,
+    )
+
+
+def _records(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def _steps(folder: Path) -> list[dict]:
+    return [
+        {k: v for k, v in r.items() if k not in TIMING and not k.endswith("/seconds")}
+        for r in _records(folder)
+        if r.get("kind") is None
+    ]
+
+
+def _worker(folder: Path, rank: int) -> dict:
+    return json.loads((folder / "workers.json").read_text())[rank]
+
+
+def _node_of(cluster, pid: int):
+    """The cluster node whose raylet started the worker process ``pid``."""
+    parents = {p.pid for p in psutil.Process(pid).parents()}
+    for node in cluster.worker_nodes:
+        raylets = node.all_processes.get(ray._private.ray_constants.PROCESS_TYPE_RAYLET, [])
+        if any(info.process.pid in parents for info in raylets):
+            return node
+    raise AssertionError(f"no node of the cluster started worker pid {pid}")
+
+
+def _run(tmp_path: Path, name: str, on_step=None, *extra: str, lines: list[str] | None = None):
+    graph, plan = _plan(tmp_path, *extra)
+    out = tmp_path / name
+    out.mkdir()
+    said = lines if lines is not None else []
+    result = api.run(graph, plan, out_dir=out, on_step=on_step, emit=said.append)
+    return result, out
+
+
+def test_a_killed_worker_restarts_the_run_from_its_checkpoint_and_the_run_equals_an_uninterrupted_one(
+    two_nodes, tmp_path
+):
+    reference, ref_out = _run(tmp_path, "ref")
+    assert reference.restarts == []
+    killed: dict = {}
+    lines: list[str] = []
+
+    def on_step(record):
+        if record["step"] == 2 and not killed:  # a moment into step 3; the checkpoint is after step 1
+            killed.update(_worker(out, 1))
+            threading.Timer(0.05, os.kill, (killed["pid"], signal.SIGKILL)).start()
+
+    out = tmp_path / "killed"
+    graph, plan = _plan(tmp_path)
+    out.mkdir()
+    result = api.run(graph, plan, out_dir=out, on_step=on_step, emit=lines.append)
+    assert len(result.restarts) == 1
+    (line,) = lines
+    assert f"worker rank 1 (pid {killed['pid']}) was lost in iteration 3" in line
+    assert "restart 1/3 from the checkpoint after step 1" in line
+    steps = _steps(out)
+    assert [r["step"] for r in steps] == list(range(STEPS))  # every step once, in order
+    assert steps == _steps(ref_out)  # the same numbers as the uninterrupted run
+    restarts = [r for r in _records(out) if r.get("kind") == "restart"]
+    assert len(restarts) == 1 and restarts[0]["step"] == 2
+    assert restarts[0]["restart"]["rank"] == 1 and restarts[0]["restart"]["pid"] == killed["pid"]
+    order = [(r.get("kind"), r["step"]) for r in _records(out)]  # the restart record where the run continued
+    assert order == [(None, 0), (None, 1), ("restart", 2), *((None, s) for s in range(2, STEPS))]
+    from safetensors.torch import load_file
+
+    mine = load_file(str(out / "checkpoint" / "model.safetensors"))
+    ref = load_file(str(ref_out / "checkpoint" / "model.safetensors"))
+    assert mine.keys() == ref.keys() and all(bool((mine[k] == ref[k]).all()) for k in ref)
+    assert ray.is_initialized()  # the joined cluster stays
+
+
+def test_a_lost_node_is_replaced_and_the_run_finishes(two_nodes, tmp_path):
+    lost: dict = {}
+
+    def on_step(record):
+        if record["step"] == 2 and not lost:
+            worker = _worker(out, 1)
+            node = _node_of(two_nodes, worker["pid"])
+            lost.update(worker)
+            threading.Timer(0.05, two_nodes.remove_node, (node,)).start()
+            two_nodes.add_node(num_cpus=1)  # its replacement (from this thread: Ray sets signal handlers)
+
+    out = tmp_path / "node"
+    graph, plan = _plan(tmp_path)
+    out.mkdir()
+    lines: list[str] = []
+    result = api.run(graph, plan, out_dir=out, on_step=on_step, emit=lines.append)
+    assert len(result.restarts) == 1, lines
+    assert [r["step"] for r in _steps(out)] == list(range(STEPS))
+    assert "restart 1/3" in lines[0] and "re-planned" not in lines[0]
+
+
+def test_a_lost_node_without_replacement_stops_with_what_is_missing_and_the_resume_command(two_nodes, tmp_path):
+    def on_step(record):
+        if record["step"] == 2:
+            node = _node_of(two_nodes, _worker(out, 1)["pid"])
+            threading.Timer(0.05, two_nodes.remove_node, (node,)).start()
+
+    out = tmp_path / "short"
+    graph, plan = _plan(tmp_path, "device_wait_s=1")
+    out.mkdir()
+    with pytest.raises(WorkerLostError) as info:
+        api.run(graph, plan, out_dir=out, on_step=on_step, emit=lambda s: None)
+    msg = str(info.value)
+    assert "worker rank 1" in msg
+    assert "the cluster has 1 CPU device(s) of the 2 the plan needs after waiting 1 s" in msg
+    assert f"flowrl run --resume {out}" in msg and "--replan-on-loss" in msg
+    assert [r["step"] for r in _steps(out)][:2] == [0, 1]
+
+
+def test_a_lost_node_with_replan_on_loss_goes_on_with_the_devices_left(two_nodes, tmp_path):
+    removed: list = []
+
+    def on_step(record):
+        if record["step"] == 2 and not removed:  # once: the re-planned run has one rank
+            removed.append(_node_of(two_nodes, _worker(out, 1)["pid"]))
+            threading.Timer(0.05, two_nodes.remove_node, (removed[0],)).start()
+
+    out = tmp_path / "replan"
+    graph, plan = _plan(tmp_path, "device_wait_s=1", "replan_on_loss=true")
+    out.mkdir()
+    lines: list[str] = []
+    result = api.run(graph, plan, out_dir=out, on_step=on_step, emit=lines.append)
+    assert len(result.restarts) == 1 and result.restarts[0]["restart"]["replanned"]
+    assert "re-planned for the 1 device(s) left" in lines[0]
+    assert [r["step"] for r in _steps(out)] == list(range(STEPS))
+    from flowrl.contract.plan import load_plan
+
+    assert load_plan(out / "plan.yaml").target.cluster.devices == 1  # a later --resume runs the new plan
+
+
+def test_restarts_exhausted_stop_the_run_with_a_clear_message(two_nodes, tmp_path):
+    kills: list[int] = []
+
+    def on_step(record):
+        if record["step"] == 2:  # every attempt loses a worker in step 3
+            pid = _worker(out, 1)["pid"]
+            kills.append(pid)
+            threading.Timer(0.05, os.kill, (pid, signal.SIGKILL)).start()
+
+    out = tmp_path / "exhausted"
+    graph, plan = _plan(tmp_path, "max_restarts=1")
+    out.mkdir()
+    with pytest.raises(WorkerLostError) as info:
+        api.run(graph, plan, out_dir=out, on_step=on_step, emit=lambda s: None)
+    msg = str(info.value)
+    assert len(kills) == 2
+    assert f"pid {kills[1]}" in msg and "gave up after 1 restart(s) (--max-restarts 1)" in msg
+    assert f"flowrl run --resume {out}" in msg
+    assert [r["step"] for r in _steps(out)] == [0, 1, 2]  # what finished; the checkpoint after step 1 resumes
