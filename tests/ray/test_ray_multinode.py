@@ -204,8 +204,8 @@ def test_kill_9_of_the_driver_then_resume_on_the_cluster_equals_the_uninterrupte
     sizes = ["--set", "rollout.prompts_per_step=4", "--set", ONE_LAYER]
     plan_file = tmp_path / "plan.yaml"
     made = subprocess.run(
-        flowrl("plan", "grpo", "--address", cluster.address, "--placement", "colocate", "--steps", str(steps),
-               "--save-every", "1", *sizes, "--out", str(plan_file)),
+        flowrl("plan", "grpo", "--address", cluster.address, "--placement", "colocate", "--set", f"steps={steps}",
+               "--set", "save_every=1", *sizes, "--out", str(plan_file)),
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert made.returncode == 0, made.stderr
