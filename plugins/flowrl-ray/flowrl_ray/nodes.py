@@ -161,6 +161,8 @@ def plan_nodes(plan: ExecutionPlan, world: int) -> list[int]:
 def check_tp_inside_nodes(plan: ExecutionPlan) -> None:
     """PlanError naming the model and device group whose tensor-parallel ranks (``tp`` consecutive ranks of
     its group, one model copy) span two nodes: tp runs inside a node, data and pipeline parallelism across."""
+    from flowrl.planner.space import tp_inside_nodes
+
     layout = plan.layout
     if layout is None:
         return
@@ -170,7 +172,7 @@ def check_tp_inside_nodes(plan: ExecutionPlan) -> None:
     splits += [(g.model or "policy", g.group, g.tp, "generation") for g in (*layout.generations, layout.generation)]
     for model, group, tp, what in splits:
         g = groups.get(group)
-        if g is None or tp <= 1:
+        if g is None or tp <= 1 or tp_inside_nodes(g.first, g.devices, tp, per_node):
             continue
         for start in range(g.first, g.first + g.devices, tp):
             nodes = {d // per_node for d in range(start, min(start + tp, g.first + g.devices))}
