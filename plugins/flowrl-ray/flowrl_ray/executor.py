@@ -104,7 +104,6 @@ class RayExecutor(PlanExecutor):
     def launch(
         self, graph: Graph, plan: ExecutionPlan, schedule: Schedule, out_dir: Path
     ) -> tuple[RayTransport, dict[str, Any]]:
-        import ray
         import torch
 
         device = self.device(plan)
@@ -118,8 +117,10 @@ class RayExecutor(PlanExecutor):
         try:
             found = nodes.alive_nodes()  # a cluster of one node (a private Ray) holds every rank
             placed = nodes.assign(plan, schedule.world, found, private=len(found) == 1)
-            cores = int(ray.cluster_resources().get("CPU", 1)) if self.address else (os.cpu_count() or 1)
-            threads = plan.config.threads or max(1, cores // schedule.world)
+            if self.address:  # each node's CPUs shared by the ranks on it
+                threads = plan.config.threads or nodes.threads_per_rank(placed)
+            else:
+                threads = plan.config.threads or max(1, (os.cpu_count() or 1) // schedule.world)
             torch.set_num_threads(1)  # the driver only routes batches; the cores are the workers'
             env = {"OMP_NUM_THREADS": str(threads), "RAY_USAGE_STATS_ENABLED": "0"}
             if "FLOWRL_PLUGINS" in os.environ:

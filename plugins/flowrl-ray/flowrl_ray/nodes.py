@@ -195,16 +195,24 @@ def assign(plan: ExecutionPlan, world: int, nodes: Sequence[RayNode], private: b
     per_node = plan.target.cluster.devices_per_node
     used = max(where) + 1 if where else 0
     need = {k: where.count(k) for k in range(used)}
-    fit = [n for n in usable(nodes, gpus)]
+    fit = usable(nodes, gpus)
     kind = "GPU" if gpus else "CPU"
     if len(fit) < used or any(fit[k].devices(gpus) < need[k] for k in range(used)):
         have = ", ".join(n.describe() for n in nodes) or "no alive node"
         raise BackendError(
-            f"the plan places {world} ranks on {used} node(s) of {per_node} {kind} (cluster {plan.target.cluster.label});"
-            f" the Ray cluster has {have}. Plan for the cluster you have (`flowrl run --address ...` without "
-            "--cluster plans for its nodes)."
+            f"the plan places {world} ranks on {used} node(s) of {per_node} {kind} (cluster "
+            f"{plan.target.cluster.label}); the Ray cluster has {have}. Plan for the cluster you have "
+            "(`flowrl run --address ...` without --cluster plans for its nodes)."
         )
     return [fit[k] for k in where]
+
+
+def threads_per_rank(ranks: Sequence[RayNode]) -> int:
+    """Compute threads for each rank: its node's CPUs shared by the ranks placed there (the fewest over nodes)."""
+    count: dict[str, int] = {}
+    for n in ranks:
+        count[n.node_id] = count.get(n.node_id, 0) + 1
+    return max(1, min((n.cpus // count[n.node_id] for n in ranks), default=1))
 
 
 def node_table(ranks: Sequence[RayNode], where: Sequence[int]) -> list[dict[str, Any]]:
