@@ -81,8 +81,10 @@ def _pin_args(p: argparse.ArgumentParser) -> None:
 
 def _pins(args: argparse.Namespace) -> dict[str, Any]:
     pins = {"placement": args.placement, "weight_sync": args.sync}
-    if any(pins.values()) and not args.cluster:
-        raise ConfigError("--placement / --sync choose among a cluster's plans; add --cluster (e.g. --cluster cpu:2).")
+    if any(pins.values()) and not args.cluster and not getattr(args, "address", None):
+        raise ConfigError(
+            "--placement / --sync choose among a cluster's plans; add --cluster (e.g. --cluster cpu:2) or --address."
+        )
     return pins
 
 
@@ -92,8 +94,10 @@ def _requirements(args: argparse.Namespace) -> dict[str, Any]:
     items = getattr(args, "require", None) or []
     if not items:
         return {}
-    if not args.cluster:
-        raise ConfigError("--require chooses among a cluster's plans; add --cluster (e.g. --cluster 16xA100-80G).")
+    if not args.cluster and not getattr(args, "address", None):
+        raise ConfigError(
+            "--require chooses among a cluster's plans; add --cluster (e.g. --cluster 16xA100-80G) or --address."
+        )
     from flowrl import api
     from flowrl.planner.constraints import parse_requirements
 
@@ -316,6 +320,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         kwargs = _load_kwargs(args)
         target = _cluster_target(args, kwargs, for_run=True) if args.cluster else None
+        if args.address:
+            target = _joined_target(args, kwargs, target)
         graph, plan = api.plan(
             _need_graph(args),
             emit=print,
@@ -527,6 +533,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     kwargs = _load_kwargs(args)
     if args.cluster:
         target = _cluster_target(args, kwargs)
+    if args.address:
+        target = _joined_target(args, kwargs, target)
     if not args.cluster and args.workload:
         raise ConfigError(
             "--workload plans for a cluster; add --cluster (e.g. --cluster 16xA100-80G --model llama-7b)."
@@ -554,7 +562,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         results=results,
         passes=passes,
         for_backend=_executor_flag(args) is not None
-        or (args.cluster is not None and cpu_devices(args.cluster) is not None),
+        or (args.cluster is not None and cpu_devices(args.cluster) is not None)
+        or bool(args.address),
         **kwargs,
     )
     placed = results.place
@@ -642,6 +651,35 @@ def _cluster_target(args: argparse.Namespace, load_kwargs: dict[str, Any], for_r
         )
     _, cfg = api.load(_need_graph(args), **load_kwargs)  # the model this run config builds
     return ClusterTarget(cluster=cluster, model=api.model_spec(cfg), workload=workload)
+
+
+def _joined_target(args: argparse.Namespace, load_kwargs: dict[str, Any], given: Any) -> Any:
+    """With --address: the Ray cluster's alive nodes as the ClusterTarget (nodes x the smallest node's GPUs,
+    or CPUs on a cluster without GPUs), planned for the executor that joins it (default 'ray'); with
+    --cluster, ``given`` once checked against those nodes."""
+    import msgspec
+
+    from flowrl import api
+    from flowrl.planner.hardware import with_calibration
+    from flowrl.plugins.manager import registry
+
+    if _executor_flag(args) is None:
+        args.executor = load_kwargs["flags"]["executor"] = "ray"
+    _, cfg = api.load(_need_graph(args), **load_kwargs)
+    entry = api.executor_entry(cfg, registry())
+    join = entry.meta.get("cluster")
+    if join is None:
+        raise ConfigError(
+            f"--address joins an existing cluster; executor '{cfg.executor}' cannot (use --executor ray)."
+        )
+    if given is not None:
+        join(cfg, args.address, given.cluster)
+        return given
+    cluster = join(cfg, args.address, None)
+    if cluster.on_cpu:  # the cluster's CPUs, as `--cluster cpu:N` plans this machine's
+        load_kwargs["overrides"] = [*load_kwargs["overrides"], "device=cpu"]
+        _, cfg = api.load(_need_graph(args), **load_kwargs)
+    return msgspec.structs.replace(api.local_target(cfg, registry()), cluster=with_calibration(cluster))
 
 
 def _timeline(path: str, tune: Any, name: str) -> None:
@@ -835,6 +873,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--timeline", metavar="PNG", help="draw the winner's predicted timeline (and write the spans as JSON beside it)"
+    )
+    p.add_argument(
+        "--address",
+        metavar="ADDR",
+        help="plan for the nodes of this running Ray cluster ('auto' or host:port); with --cluster, check it has them",
     )
     p.add_argument("--budget", type=float, default=8.0, help="search time budget in seconds (default 8)")
     p.add_argument("--cost-model", default="analytic", help="a registered cost model")

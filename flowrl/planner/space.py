@@ -73,6 +73,15 @@ def tp_options(heads: int, kv_heads: int, per_node: int, limit: int, intermediat
     ]
 
 
+def tp_inside_nodes(first: int, devices: int, tp: int, per_node: int) -> bool:
+    """Whether every row of ``tp`` consecutive devices of the group ``first .. first + devices - 1`` (one
+    model copy's tensor-parallel ranks) lies on one node of ``per_node`` devices: tp runs inside a node."""
+    return all(
+        start // per_node == (min(start + tp, first + devices) - 1) // per_node
+        for start in range(first, first + devices, tp)
+    )
+
+
 def group_sizes(total: int, per_node: int) -> list[int]:
     """Sizes a device group may take: any part of one node, beyond it any number of whole nodes
     (each model's layout then needs dp x tp x pp to fill it, with dp dividing the batch)."""
@@ -111,6 +120,8 @@ def skeletons(
     ) -> None:
         g = next(x for x in groups if x.name == gen_group)
         for tp in tp_options(heads, kv_heads, per_node, g.devices, intermediate):
+            if not tp_inside_nodes(g.first, g.devices, tp, per_node):  # a group across a node boundary
+                continue
             gen = GenerationLayout(group=gen_group, tp=tp, replicas=g.devices // tp)
             policies = [RolloutPolicy()]
             policies.append(RolloutPolicy(staleness=1, partial=True, overprovision=0.25))
@@ -197,6 +208,8 @@ def layouts(
     tp 1 only (a model its engine does not split tensor-parallel)."""
     out = []
     for tp in tp_options(heads, kv_heads, per_node, group.devices, intermediate) if split else [1]:
+        if not tp_inside_nodes(group.first, group.devices, tp, per_node):  # a group across a node boundary
+            continue
         for pp in _divisors(group.devices // tp):
             if layers % pp:
                 continue

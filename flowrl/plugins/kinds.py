@@ -48,7 +48,14 @@ KINDS: tuple[Kind, ...] = (
     Kind("filters", "filter function", "fn(inputs, algo, **options)", node_function=True),
     Kind("environments", "environment", "factory(task, **options)", node_function=True),
     Kind("tasks", "task"),
-    Kind("executors", "executor", "factory(registry)", meta_calls={"machine": ("machine(cfg)", False)}),
+    Kind(
+        "executors",
+        "executor",
+        "factory(registry)",
+        # machine: this machine as one device; cluster: the nodes of the cluster at --address (or the given
+        # cluster, checked against them)
+        meta_calls={"machine": ("machine(cfg)", False), "cluster": ("cluster(cfg, address, given)", False)},
+    ),
     Kind("generation_engines", "generation engine", "factory(ctx)"),
     Kind("training_engines", "training engine", "factory(ctx)"),
     Kind("passes", "pass", "fn(ctx, plan)"),

@@ -3,9 +3,13 @@
 Without an address it starts a private Ray on this machine (``address="local"``) with the CPUs
 or GPUs the plan needs, and shuts it down at the end (``ray.shutdown()`` only; never ``ray
 stop``, which would stop every Ray on the machine). With an address (``--address``) it joins
-that cluster. Each device group of the plan is a placement group with one bundle per device;
-the workers form one torch.distributed process group (gloo on CPU, NCCL on GPU), with a
-subgroup per device group and a channel per weight sync.
+that cluster. Ranks are placed by node (`flowrl_ray.nodes`): device ``i`` of the plan lives on
+plan node ``i // devices_per_node``, plan node ``k`` on the cluster's ``k``-th node (head first, then by
+node id), and the ranks of one device group on one node share a placement group (STRICT_PACK, pinned
+to that node). ``workers.json`` records every rank's node. Before any model is built, every worker
+proves it sees the run folder (`flowrl_ray.shared`): checkpoints are written there by rank 0 and read
+back by every rank. The workers form one torch.distributed process group (gloo on CPU, NCCL on GPU)
+that meets at rank 0's node, with a subgroup per device group and a channel per weight sync.
 
 A worker that dies (its process killed, its node lost) stops the attempt at once: the driver waits
 on every call with ``ray.wait`` and turns a dead actor into a `WorkerLostError` naming the worker,
@@ -34,7 +38,7 @@ from flowrl.runtime.executor import PlanExecutor
 from flowrl.runtime.worker import Worker
 
 if TYPE_CHECKING:
-    from flowrl.contract import ExecutionPlan, Graph, HardwareSpec, RunConfig
+    from flowrl.contract import ClusterSpec, ExecutionPlan, Graph, HardwareSpec, RunConfig
     from flowrl.runtime.schedule import Schedule
 
 #: Seconds to wait for the cluster to grant a placement group before saying it lacks the devices.
@@ -61,6 +65,18 @@ class RayWorker(Worker):
             s.bind(("", 0))
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
+
+    def node_id(self) -> str:
+        """The Ray node this worker runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def probe_folder(self, folder: str, token: str, rank: int, node: str) -> str | None:
+        """The run folder's check from this worker (`flowrl_ray.shared`): why it is not shared, or None."""
+        from flowrl_ray.shared import worker_side
+
+        return worker_side(folder, token, rank, node)
 
 
 class RayExecutor(PlanExecutor):
@@ -122,25 +138,34 @@ class RayExecutor(PlanExecutor):
     def launch(
         self, graph: Graph, plan: ExecutionPlan, schedule: Schedule, out_dir: Path
     ) -> tuple[RayTransport, dict[str, Any]]:
-        import ray
         import torch
 
         device = self.device(plan)
         gpus = device != "cpu"
         _user_functions_by_value()
+        from flowrl_ray import nodes, shared
+
+        nodes.check_tp_inside_nodes(plan)
         started = _connect(self.address, schedule.world, gpus)
         if started and self._session:  # kept for the session's next attempt; shut down when it ends
             self._owns_ray, started = True, False
         transport = RayTransport(schedule, started)
         try:
-            cores = int(ray.cluster_resources().get("CPU", 1)) if self.address else (os.cpu_count() or 1)
-            threads = plan.config.threads or max(1, cores // schedule.world)
+            found = nodes.alive_nodes()  # a cluster of one node (a private Ray) holds every rank
+            placed = nodes.assign(plan, schedule.world, found, private=len(found) == 1)
+            if self.address:  # each node's CPUs shared by the ranks on it
+                threads = plan.config.threads or nodes.threads_per_rank(placed)
+            else:
+                threads = plan.config.threads or max(1, (os.cpu_count() or 1) // schedule.world)
             torch.set_num_threads(1)  # the driver only routes batches; the cores are the workers'
             env = {"OMP_NUM_THREADS": str(threads), "RAY_USAGE_STATS_ENABLED": "0"}
             if "FLOWRL_PLUGINS" in os.environ:
                 env["FLOWRL_PLUGINS"] = os.environ["FLOWRL_PLUGINS"]
-            transport.start(threads, device, gpus, env)
-            (out_dir / "workers.json").write_text(json.dumps(transport.describe(), indent=1))
+            transport.start(threads, device, gpus, env, placed)
+            table = nodes.node_table(placed, nodes.plan_nodes(plan, schedule.world))
+            workers = [{**w, **t} for w, t in zip(transport.describe(), table)]
+            (out_dir / "workers.json").write_text(json.dumps(workers, indent=1))
+            shared.check(out_dir, placed, lambda method, args: transport.call(range(len(args)), method, args, "setup"))
             host, port = transport.call([0], "endpoint", [()], "setup")[0]
             init = f"tcp://{host}:{port}"
             args = [(graph.models, plan, schedule, init)] * schedule.world
@@ -164,13 +189,7 @@ def _connect(address: str | None, world: int, gpus: bool) -> bool:
     if ray.is_initialized():  # e.g. a test module's shared session
         return False
     if address:
-        try:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise BackendError(
-                f"no Ray cluster at --address {address} ({type(exc).__name__}: {exc}). Start one (`ray start "
-                "--head` on its head node) or drop --address to run on a private Ray on this machine."
-            ) from None
+        join(address)
         have = ray.cluster_resources()
         need = {"GPU" if gpus else "CPU": float(world)}
         short = {k: v for k, v in need.items() if have.get(k, 0.0) < v}
@@ -200,6 +219,33 @@ def _connect(address: str | None, world: int, gpus: bool) -> bool:
     return True
 
 
+def join(address: str) -> None:
+    """Connect this process to the Ray cluster at ``address`` ('auto' or host:port)."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise BackendError(
+            f"no Ray cluster at --address {address} ({type(exc).__name__}: {exc}). Start one (`ray start "
+            "--head` on its head node) or drop --address to run on a private Ray on this machine."
+        ) from None
+
+
+def cluster(cfg: RunConfig, address: str, given: ClusterSpec | None) -> ClusterSpec:
+    """The planner's cluster for a run that joins ``address``: its alive nodes (`flowrl_ray.nodes`), or
+    ``given`` once checked against them."""
+    from flowrl_ray import nodes
+
+    found = nodes.discover(address)
+    if given is not None:
+        nodes.check_cluster(given, found, address)
+        return given
+    return nodes.cluster_of(found, machine(cfg), address)
+
+
 class RayTransport:
     """The driver's handle on the worker actors."""
 
@@ -215,23 +261,38 @@ class RayTransport:
     def group_of(self, rank: int) -> str:
         return next(g.name for g in self.schedule.groups if rank in g.ranks)
 
-    def start(self, threads: int, device: str, gpus: bool, env: dict[str, str]) -> None:
+    def start(self, threads: int, device: str, gpus: bool, env: dict[str, str], placed: Sequence[Any]) -> None:
+        """Start every rank's actor on its node (``placed``: each rank's `flowrl_ray.nodes.RayNode`): the
+        ranks of a device group on one node share a placement group pinned there."""
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         remote = ray.remote(RayWorker)
         bundle = {"CPU": 1.0, "GPU": 1.0} if gpus else {"CPU": 1.0}
         for g in self.schedule.groups:
-            pg = placement_group([dict(bundle)] * g.size, strategy="PACK", name=f"flowrl-{g.name}")
-            self.placement_groups.append(pg)
-            ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
-            if not ready:
-                raise BackendError(
-                    f"Ray could not place device group '{g.name}' ({g.size} x {bundle}) within "
-                    f"{PLACEMENT_TIMEOUT_S:.0f} s; the cluster has {ray.available_resources()} free."
+            on_node: dict[str, list[int]] = {}
+            for rank in g.ranks:
+                on_node.setdefault(placed[rank].node_id, []).append(rank)
+            bundle_of: dict[int, tuple[Any, int]] = {}
+            for node_id, ranks in on_node.items():
+                pg = placement_group(
+                    [dict(bundle)] * len(ranks),
+                    strategy="STRICT_PACK",
+                    name=f"flowrl-{g.name}-{node_id[:8]}",
+                    bundle_label_selector=[{NODE_ID_LABEL_KEY: node_id}] * len(ranks),
                 )
-            for i, rank in enumerate(g.ranks):
+                self.placement_groups.append(pg)
+                ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+                if not ready:
+                    raise BackendError(
+                        f"Ray could not place device group '{g.name}' ({len(ranks)} x {bundle} on "
+                        f"{placed[ranks[0]].describe()}) within {PLACEMENT_TIMEOUT_S:.0f} s; the cluster has "
+                        f"{ray.available_resources()} free."
+                    )
+                bundle_of.update({rank: (pg, i) for i, rank in enumerate(ranks)})
+            for rank in g.ranks:
+                pg, i = bundle_of[rank]
                 actor = remote.options(
                     num_cpus=1,
                     num_gpus=1 if gpus else 0,
@@ -242,6 +303,13 @@ class RayTransport:
                 ).remote(rank, self.schedule.world, None, threads, device)
                 self.actors.append(actor)
         self.pids = self.call(list(range(self.schedule.world)), "pid", [()] * self.schedule.world, "setup")
+        where = self.call(list(range(self.schedule.world)), "node_id", [()] * self.schedule.world, "setup")
+        wrong = [r for r, n in enumerate(where) if n != placed[r].node_id]
+        if wrong:
+            raise BackendError(
+                f"Ray placed worker rank {wrong[0]} on node {where[wrong[0]][:12]}, not on its planned "
+                f"{placed[wrong[0]].describe()}."
+            )
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"rank": r, "group": self.group_of(r), "pid": pid} for r, pid in enumerate(self.pids)]
