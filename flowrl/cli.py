@@ -661,21 +661,23 @@ def _joined_target(args: argparse.Namespace, load_kwargs: dict[str, Any], given:
 
     from flowrl import api
     from flowrl.planner.hardware import with_calibration
+    from flowrl.planner.nodes import check_cluster, joined_cluster
     from flowrl.plugins.manager import registry
 
     if _executor_flag(args) is None:
         args.executor = load_kwargs["flags"]["executor"] = "ray"
     _, cfg = api.load(_need_graph(args), **load_kwargs)
     entry = api.executor_entry(cfg, registry())
-    join = entry.meta.get("cluster")
-    if join is None:
+    discover = entry.meta.get("nodes")
+    if discover is None:
         raise ConfigError(
             f"--address joins an existing cluster; executor '{cfg.executor}' cannot (use --executor ray)."
         )
+    found = discover(args.address)
     if given is not None:
-        join(cfg, args.address, given.cluster)
+        check_cluster(given.cluster, found, args.address)
         return given
-    cluster = join(cfg, args.address, None)
+    cluster = joined_cluster(found, entry.meta["machine"](cfg), args.address)
     if cluster.on_cpu:  # the cluster's CPUs, as `--cluster cpu:N` plans this machine's
         load_kwargs["overrides"] = [*load_kwargs["overrides"], "device=cpu"]
         _, cfg = api.load(_need_graph(args), **load_kwargs)

@@ -36,7 +36,14 @@ from flowrl.contract.data import (
     adds_special_tokens,
     sequences_in,
 )
-from flowrl.contract.hardware import ClusterSpec, GenerationCalibration, HardwareSpec, load_hardware, save_hardware
+from flowrl.contract.hardware import (
+    ClusterNode,
+    ClusterSpec,
+    GenerationCalibration,
+    HardwareSpec,
+    load_hardware,
+    save_hardware,
+)
 from flowrl.contract.hooks import Register, hookimpl
 from flowrl.contract.layout import (
     ClusterPlan,
@@ -119,6 +126,7 @@ __all__ = [
     "Capabilities",
     "CheckedSpec",
     "ClusterPlan",
+    "ClusterNode",
     "ClusterSpec",
     "ClusterTarget",
     "ConfigError",

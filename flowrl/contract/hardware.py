@@ -214,3 +214,21 @@ def load_hardware(path: str | Path) -> HardwareSpec:
         raise ConfigError(f"hardware file '{path}' does not exist.")
     data = read_document(path)
     return convert(coerce_numbers(data, HardwareSpec), HardwareSpec, f"hardware file '{path}'")
+
+
+class ClusterNode(msgspec.Struct, frozen=True, kw_only=True):
+    """One alive node of a cluster an executor joins (`flowrl run --address`), as it discovered it."""
+
+    node_id: str  # the cluster's id of the node (Ray: its hex node id)
+    ip: str  # the node manager's address: where its workers' process groups listen
+    head: bool
+    cpus: int
+    gpus: int
+    accelerator: str | None = None  # the GPUs' kind as the cluster names it (Ray: H100, A100-40G...), if any
+
+    def devices(self, gpus: bool) -> int:
+        """Devices this node offers a plan: its GPUs, or its CPUs for a plan on CPU."""
+        return self.gpus if gpus else self.cpus
+
+    def describe(self) -> str:
+        return f"{'head ' if self.head else ''}node {self.node_id[:12]} ({self.ip}, {self.cpus} CPU, {self.gpus} GPU)"

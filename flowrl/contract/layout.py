@@ -43,6 +43,15 @@ def samples_in_place(parallel: Parallel, generation_tp: int) -> bool:
     return parallel.dp == 1 and parallel.pp == 1 and parallel.tp == generation_tp
 
 
+def tp_inside_nodes(first: int, devices: int, tp: int, per_node: int) -> bool:
+    """Whether every row of ``tp`` consecutive devices of the group ``first .. first + devices - 1`` (one
+    model copy's tensor-parallel ranks) lies on one node of ``per_node`` devices: tp runs inside a node."""
+    return all(
+        start // per_node == (min(start + tp, first + devices) - 1) // per_node
+        for start in range(first, first + devices, tp)
+    )
+
+
 class ModelLayout(Spec):
     model: str
     group: str

@@ -19,6 +19,7 @@ from flowrl.contract.layout import (
     Placement,
     RolloutPolicy,
     WeightSync,
+    tp_inside_nodes,
 )
 
 # ------------------------------------------------------------------ enumeration
@@ -71,15 +72,6 @@ def tp_options(heads: int, kv_heads: int, per_node: int, limit: int, intermediat
         and (kv_heads % t == 0 or t % kv_heads == 0)
         and (intermediate is None or intermediate % t == 0)
     ]
-
-
-def tp_inside_nodes(first: int, devices: int, tp: int, per_node: int) -> bool:
-    """Whether every row of ``tp`` consecutive devices of the group ``first .. first + devices - 1`` (one
-    model copy's tensor-parallel ranks) lies on one node of ``per_node`` devices: tp runs inside a node."""
-    return all(
-        start // per_node == (min(start + tp, first + devices) - 1) // per_node
-        for start in range(first, first + devices, tp)
-    )
 
 
 def group_sizes(total: int, per_node: int) -> list[int]:

@@ -52,9 +52,9 @@ KINDS: tuple[Kind, ...] = (
         "executors",
         "executor",
         "factory(registry)",
-        # machine: this machine as one device; cluster: the nodes of the cluster at --address (or the given
-        # cluster, checked against them)
-        meta_calls={"machine": ("machine(cfg)", False), "cluster": ("cluster(cfg, address, given)", False)},
+        # machine: this machine as one device; nodes: the alive nodes (flowrl.contract.ClusterNode) of the
+        # cluster at --address, which the planner plans for (flowrl.planner.nodes)
+        meta_calls={"machine": ("machine(cfg)", False), "nodes": ("nodes(address)", False)},
     ),
     Kind("generation_engines", "generation engine", "factory(ctx)"),
     Kind("training_engines", "training engine", "factory(ctx)"),

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from flowrl.contract.layout import DeviceGroup
+from flowrl.contract.layout import DeviceGroup, tp_inside_nodes
 from flowrl.planner.modelspec import MODEL_PRESETS
-from flowrl.planner.space import Roles, layouts, skeletons, tp_inside_nodes
+from flowrl.planner.space import Roles, layouts, skeletons
 
 
 @pytest.mark.parametrize(

@@ -40,7 +40,7 @@ def test_the_tables_the_manager_uses_derive_from_kinds() -> None:
     assert list(manager.SINGULAR) == names
     assert set(manager.CALLS) == {k.name for k in KINDS if k.call is not None}
     assert manager.META_CALLS == {
-        "executors": {"machine": ("machine(cfg)", False), "cluster": ("cluster(cfg, address, given)", False)},
+        "executors": {"machine": ("machine(cfg)", False), "nodes": ("nodes(address)", False)},
         "cli_commands": {"run": ("run(args)", True)},
     }
     assert NODE_FUNCTION_KINDS == ("compute_functions", "losses", "reward_functions", "filters", "environments")

@@ -74,11 +74,17 @@ def named_nodes() -> dict[str, str]:
     }
 
 
+def discovered(cfg, address, given):
+    """The cluster `flowrl run --address ADDRESS [--cluster GIVEN]` plans for."""
+    from flowrl.planner.nodes import joined_cluster
+    from flowrl_ray.executor import machine, nodes
+
+    return joined_cluster(nodes(address), machine(cfg), address, given)
+
+
 def joined_plan(graph: str, out: Path, *extra: str, **options):
     """``graph`` planned for the cluster's nodes, as `flowrl run --address` plans it."""
     import msgspec
-
-    from flowrl_ray.executor import cluster as discovered
 
     overrides = ["progress=false", "backend=ray", "device=cpu", f"out={out}", *extra]
     _, cfg = api.load(graph, overrides=overrides)
@@ -91,7 +97,6 @@ def test_the_cluster_nodes_become_the_plan_cluster_and_a_larger_cluster_is_refus
     cluster, tmp_path
 ):
     from flowrl_ray import nodes
-    from flowrl_ray.executor import cluster as discovered
 
     found = nodes.alive_nodes()
     assert [named_nodes()[n.node_id] for n in found] == ["node_a", "node_b"]  # the head first

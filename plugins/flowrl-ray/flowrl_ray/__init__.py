@@ -9,12 +9,12 @@ from flowrl.contract import hookimpl
 
 @hookimpl
 def register_executors(register: Any) -> None:
-    from flowrl_ray.executor import RayExecutor, cluster, machine  # Ray itself loads only when a run starts
+    from flowrl_ray.executor import RayExecutor, machine, nodes  # Ray itself loads only when a run starts
 
     register(
         "ray",
         RayExecutor,
         machine=machine,
-        cluster=cluster,
+        nodes=nodes,
         description="each device of the plan a Ray actor: FSDP2 data parallel, planned weight sync",
     )

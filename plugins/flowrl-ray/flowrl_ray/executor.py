@@ -38,7 +38,7 @@ from flowrl.runtime.executor import PlanExecutor
 from flowrl.runtime.worker import Worker
 
 if TYPE_CHECKING:
-    from flowrl.contract import ClusterSpec, ExecutionPlan, Graph, HardwareSpec, RunConfig
+    from flowrl.contract import ClusterNode, ExecutionPlan, Graph, HardwareSpec, RunConfig
     from flowrl.runtime.schedule import Schedule
 
 #: Seconds to wait for the cluster to grant a placement group before saying it lacks the devices.
@@ -234,16 +234,12 @@ def join(address: str) -> None:
         ) from None
 
 
-def cluster(cfg: RunConfig, address: str, given: ClusterSpec | None) -> ClusterSpec:
-    """The planner's cluster for a run that joins ``address``: its alive nodes (`flowrl_ray.nodes`), or
-    ``given`` once checked against them."""
-    from flowrl_ray import nodes
+def nodes(address: str) -> list[ClusterNode]:
+    """The alive nodes of the Ray cluster at ``address`` (`flowrl_ray.nodes.discover`), which the planner
+    plans for (`flowrl.planner.nodes`) when a run joins it with ``--address``."""
+    from flowrl_ray.nodes import discover
 
-    found = nodes.discover(address)
-    if given is not None:
-        nodes.check_cluster(given, found, address)
-        return given
-    return nodes.cluster_of(found, machine(cfg), address)
+    return discover(address)
 
 
 class RayTransport:
@@ -262,7 +258,7 @@ class RayTransport:
         return next(g.name for g in self.schedule.groups if rank in g.ranks)
 
     def start(self, threads: int, device: str, gpus: bool, env: dict[str, str], placed: Sequence[Any]) -> None:
-        """Start every rank's actor on its node (``placed``: each rank's `flowrl_ray.nodes.RayNode`): the
+        """Start every rank's actor on its node (``placed``: each rank's `flowrl.contract.ClusterNode`): the
         ranks of a device group on one node share a placement group pinned there."""
         import ray
         from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group

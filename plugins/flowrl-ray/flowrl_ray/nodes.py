@@ -1,9 +1,8 @@
 """The nodes of a Ray cluster as the planner and the executor see them.
 
-Discovery (`discover`, `cluster_of`): the alive nodes of the cluster at ``--address``, each with its
-CPU and GPU counts, become the planner's cluster, ``nodes x devices_per_node`` (the smallest node's
-count; a device is one GPU, or on a cluster without GPUs one CPU). A cluster given with ``--cluster``
-is checked against them instead (`check_cluster`).
+Discovery (`discover`): the alive nodes of the cluster at ``--address``, each with its CPU and GPU
+counts (`flowrl.contract.ClusterNode`), which the planner turns into its cluster
+(`flowrl.planner.nodes`).
 
 Placement (`plan_nodes`, `assign`, `check_tp_inside_nodes`): device ``i`` of a plan lives on plan node
 ``i // devices_per_node``; plan node ``k`` is the ``k``-th Ray node in a fixed order, the head first and
@@ -17,37 +16,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
-from flowrl.contract import BackendError
-from flowrl.errors import ConfigError, PlanError
+from flowrl.contract import BackendError, PlanError
+from flowrl.contract.hardware import ClusterNode
+from flowrl.contract.layout import tp_inside_nodes
 
 if TYPE_CHECKING:
-    from flowrl.contract import ClusterSpec, ExecutionPlan, HardwareSpec
+    from flowrl.contract import ExecutionPlan
 
 #: The resource Ray gives the head node only.
 HEAD_RESOURCE = "node:__internal_head__"
 
 
-class RayNode(msgspec.Struct, frozen=True, kw_only=True):
-    """One alive node of a Ray cluster."""
-
-    node_id: str  # Ray's hex node id
-    ip: str  # the node manager's address: where its workers' process groups listen
-    head: bool
-    cpus: int
-    gpus: int
-    accelerator: str | None = None  # Ray's ``accelerator_type:<NAME>`` resource (e.g. H100), if any
-
-    def devices(self, gpus: bool) -> int:
-        """Devices this node offers a plan: its GPUs, or its CPUs for a plan on CPU."""
-        return self.gpus if gpus else self.cpus
-
-    def describe(self) -> str:
-        return f"{'head ' if self.head else ''}node {self.node_id[:12]} ({self.ip}, {self.cpus} CPU, {self.gpus} GPU)"
-
-
-def alive_nodes() -> list[RayNode]:
+def alive_nodes() -> list[ClusterNode]:
     """The connected cluster's alive nodes: the head first, then by node id (the order plan nodes map to)."""
     import ray
 
@@ -58,7 +38,7 @@ def alive_nodes() -> list[RayNode]:
         res = n.get("Resources", {})
         accel = next((k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")), None)
         found.append(
-            RayNode(
+            ClusterNode(
                 node_id=n["NodeID"],
                 ip=n["NodeManagerAddress"],
                 head=HEAD_RESOURCE in res,
@@ -70,7 +50,7 @@ def alive_nodes() -> list[RayNode]:
     return sorted(found, key=lambda n: (not n.head, n.node_id))
 
 
-def discover(address: str) -> list[RayNode]:
+def discover(address: str) -> list[ClusterNode]:
     """The alive nodes of the cluster at ``address`` (joined for the look-up, then left, unless this
     process is connected already)."""
     import ray
@@ -86,69 +66,6 @@ def discover(address: str) -> list[RayNode]:
         ray.shutdown()
 
 
-def usable(nodes: Sequence[RayNode], gpus: bool) -> list[RayNode]:
-    """The nodes that offer at least one device of the kind (a head started with ``--num-cpus 0`` does not)."""
-    return [n for n in nodes if n.devices(gpus) >= 1]
-
-
-def cluster_of(nodes: Sequence[RayNode], machine: HardwareSpec, address: str) -> ClusterSpec:
-    """The planner's cluster for ``nodes``: GPUs when any node has them (their preset named by Ray's
-    accelerator type), else CPUs (each one device of ``machine``'s CPU, as ``cpu:N`` cuts it)."""
-    from flowrl.contract import ClusterSpec
-    from flowrl.planner.hardware import cpu_cluster
-
-    gpus = any(n.gpus for n in nodes)
-    mine = usable(nodes, gpus)
-    if not mine:
-        raise ConfigError(f"the Ray cluster at --address {address} has no node with a CPU or GPU to run workers on.")
-    per_node = min(n.devices(gpus) for n in mine)
-    if gpus:
-        hardware = _gpu_hardware(mine, address)
-        per_node = min(per_node, hardware.devices_per_node)
-    else:
-        hardware = cpu_cluster(machine, per_node).hardware
-    return ClusterSpec(nodes=len(mine), devices_per_node=per_node, hardware=hardware)
-
-
-def _gpu_hardware(nodes: Sequence[RayNode], address: str) -> HardwareSpec:
-    from flowrl.planner.hardware import HARDWARE_PRESETS
-
-    kinds = sorted({n.accelerator or "?" for n in nodes})
-    if len(kinds) > 1 or kinds[0] == "?":
-        raise ConfigError(
-            f"the Ray cluster at --address {address} has GPUs of kinds {', '.join(kinds)} ('?': Ray does not say); "
-            "name the cluster to plan for with --cluster (e.g. --cluster 2x8xH100-80G)."
-        )
-    exact = {k.lower(): v for k, v in HARDWARE_PRESETS.items()}
-    kind = kinds[0].lower()
-    found = exact.get(kind) or next(
-        (v for k, v in exact.items() if k.startswith(kind + "-") and sum(x.startswith(kind + "-") for x in exact) == 1),
-        None,
-    )
-    if found is None:
-        raise ConfigError(
-            f"the Ray cluster at --address {address} has {kinds[0]} GPUs, which match no hardware preset "
-            f"({', '.join(HARDWARE_PRESETS)}); name the cluster with --cluster (a preset or a cluster file)."
-        )
-    return found
-
-
-def check_cluster(cluster: ClusterSpec, nodes: Sequence[RayNode], address: str) -> None:
-    """ConfigError naming what the Ray cluster lacks to be ``cluster``: nodes, or devices on a node."""
-    gpus = not cluster.on_cpu
-    kind = "GPU" if gpus else "CPU"
-    fit = [n for n in nodes if n.devices(gpus) >= cluster.devices_per_node]
-    if len(fit) >= cluster.nodes:
-        return
-    have = ", ".join(f"{n.node_id[:12]} {n.devices(gpus)} {kind}" for n in nodes) or "no alive node"
-    raise ConfigError(
-        f"--cluster {cluster.label} needs {cluster.nodes} node(s) with {cluster.devices_per_node} {kind} each; the Ray "
-        f"cluster at --address {address} has {len(fit)} such node(s) ({have}): it is short of "
-        f"{cluster.nodes - len(fit)} node(s) with {cluster.devices_per_node} {kind}. Drop --cluster to plan for the "
-        "nodes it has."
-    )
-
-
 # ------------------------------------------------------------------ placement
 
 
@@ -161,8 +78,6 @@ def plan_nodes(plan: ExecutionPlan, world: int) -> list[int]:
 def check_tp_inside_nodes(plan: ExecutionPlan) -> None:
     """PlanError naming the model and device group whose tensor-parallel ranks (``tp`` consecutive ranks of
     its group, one model copy) span two nodes: tp runs inside a node, data and pipeline parallelism across."""
-    from flowrl.planner.space import tp_inside_nodes
-
     layout = plan.layout
     if layout is None:
         return
@@ -184,7 +99,7 @@ def check_tp_inside_nodes(plan: ExecutionPlan) -> None:
                 )
 
 
-def assign(plan: ExecutionPlan, world: int, nodes: Sequence[RayNode], private: bool) -> list[RayNode]:
+def assign(plan: ExecutionPlan, world: int, nodes: Sequence[ClusterNode], private: bool) -> list[ClusterNode]:
     """The Ray node of every rank. A private Ray is one node that holds every rank; a joined cluster's
     plan node ``k`` is its ``k``-th node able to hold ``devices_per_node`` devices (head first, then by
     id). BackendError naming what is short when there are too few."""
@@ -195,7 +110,7 @@ def assign(plan: ExecutionPlan, world: int, nodes: Sequence[RayNode], private: b
     per_node = plan.target.cluster.devices_per_node
     used = max(where) + 1 if where else 0
     need = {k: where.count(k) for k in range(used)}
-    fit = usable(nodes, gpus)
+    fit = [n for n in nodes if n.devices(gpus) >= 1]
     kind = "GPU" if gpus else "CPU"
     if len(fit) < used or any(fit[k].devices(gpus) < need[k] for k in range(used)):
         have = ", ".join(n.describe() for n in nodes) or "no alive node"
@@ -207,7 +122,7 @@ def assign(plan: ExecutionPlan, world: int, nodes: Sequence[RayNode], private: b
     return [fit[k] for k in where]
 
 
-def threads_per_rank(ranks: Sequence[RayNode]) -> int:
+def threads_per_rank(ranks: Sequence[ClusterNode]) -> int:
     """Compute threads for each rank: its node's CPUs shared by the ranks placed there (the fewest over nodes)."""
     count: dict[str, int] = {}
     for n in ranks:
@@ -215,6 +130,6 @@ def threads_per_rank(ranks: Sequence[RayNode]) -> int:
     return max(1, min((n.cpus // count[n.node_id] for n in ranks), default=1))
 
 
-def node_table(ranks: Sequence[RayNode], where: Sequence[int]) -> list[dict[str, Any]]:
+def node_table(ranks: Sequence[ClusterNode], where: Sequence[int]) -> list[dict[str, Any]]:
     """Per rank, its plan node and the Ray node it was placed on (for workers.json)."""
     return [{"node": k, "node_id": n.node_id, "node_ip": n.ip} for k, n in zip(where, ranks)]

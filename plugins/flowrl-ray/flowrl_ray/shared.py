@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from flowrl.errors import ConfigError
+from flowrl.contract import ConfigError
 
 #: The probe's folder inside the run folder's cache (removed after the check).
 PROBE = "shared-probe"
@@ -47,7 +47,7 @@ def worker_side(folder: str, token: str, rank: int, node: str) -> str | None:
 
 
 def check(run: Path, ranks: Sequence[Any], call: Any) -> None:
-    """Probe ``run`` from every rank. ``ranks``: each rank's node (a `flowrl_ray.nodes.RayNode`);
+    """Probe ``run`` from every rank. ``ranks``: each rank's node (a `flowrl.contract.ClusterNode`);
     ``call(method, args_per_rank)`` runs ``method`` on every rank and returns the results."""
     folder = (run / ".cache" / PROBE).resolve()
     shutil.rmtree(folder, ignore_errors=True)

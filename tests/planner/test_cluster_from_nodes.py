@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import pytest
 
+from flowrl.contract import ClusterNode
 from flowrl.errors import ConfigError
 from flowrl.planner.hardware import HARDWARE_PRESETS, cpu_cluster, parse_cluster
-from flowrl_ray.nodes import RayNode, check_cluster, cluster_of
+from flowrl.planner.nodes import check_cluster, cluster_of
 
 pytest.importorskip("ray")
 
 MACHINE = cpu_cluster(HARDWARE_PRESETS["A100-80G"], 1).hardware  # any HardwareSpec stands for this machine
 
 
-def node(i: int, cpus: int, gpus: int = 0, accelerator: str | None = None, head: bool = False) -> RayNode:
-    return RayNode(node_id=f"{i:056x}", ip=f"10.0.0.{i}", head=head, cpus=cpus, gpus=gpus, accelerator=accelerator)
+def node(i: int, cpus: int, gpus: int = 0, accelerator: str | None = None, head: bool = False) -> ClusterNode:
+    return ClusterNode(node_id=f"{i:056x}", ip=f"10.0.0.{i}", head=head, cpus=cpus, gpus=gpus, accelerator=accelerator)
 
 
 def test_gpu_nodes_become_nodes_x_gpus_of_their_preset_and_a_driver_only_head_is_left_out():
