@@ -86,3 +86,26 @@ def test_greedy_sampling_is_argmax_decoding_and_draws_nothing():
 class _Cache:
     def batch_select_indices(self, index: torch.Tensor) -> None:
         pass
+
+
+def test_sampling_draws_from_the_callers_seed_on_every_device():
+    """On the CPU the engine draws from the caller's generator itself; on an accelerator from a device
+    generator seeded from it (it once drew from one seeded with the model's seed, the same on every
+    generation replica, whatever seed a replica was sent)."""
+    import pytest
+
+    from flowrl.backends.local.engine import on_device
+
+    host = torch.Generator().manual_seed(5)
+    assert on_device(host, torch.device("cpu")) is host
+    assert on_device(None, torch.device("cpu")) is None
+    if not torch.cuda.is_available():
+        pytest.skip("the device branch needs CUDA")
+    cuda = torch.device("cuda")
+
+    def draws(seed: int) -> torch.Tensor:
+        g = on_device(torch.Generator().manual_seed(seed), cuda)
+        return torch.rand(64, generator=g, device=cuda).cpu()
+
+    assert torch.equal(draws(1), draws(1))  # the caller's seed decides the draws
+    assert not torch.equal(draws(1), draws(2))  # replicas sent different seeds draw differently

@@ -33,7 +33,17 @@ from flowrl.contract.responses import Response, ResponseRules, prompt_rows, resp
 from flowrl.errors import BackendError
 from flowrl.graph.ir import ModelDecl
 from flowrl.runtime.batch import position_ids, ragged, trim
-from flowrl.runtime.dispatch import micro_batches
+from flowrl.runtime.dispatch import draw_seed, micro_batches
+
+
+def on_device(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
+    """What sampling on ``device`` draws from: the caller's host ``generator`` on the CPU; elsewhere a
+    generator on the device (a host generator cannot drive device sampling) seeded from it, so that the
+    caller's seed decides the draws there too -- each generation replica draws its own numbers (its seed
+    differs), and a resumed run draws what the uninterrupted one did."""
+    if generator is None or device.type == "cpu":
+        return generator
+    return torch.Generator(device=device).manual_seed(draw_seed(generator))
 
 
 class LocalModel(Training, Weights, Staged):
@@ -73,8 +83,6 @@ class LocalModel(Training, Weights, Staged):
         self.version = 0
         self.restores = 0  # checkpoints loaded (`Weights._restore`)
         self.oom_splits, self.warned_oom = 0, False  # micro-batches split after running out of memory
-        # sampling draws on the model's device; a CPU generator cannot drive CUDA sampling
-        self.sampler = torch.Generator(device=device).manual_seed(spec.seed) if device.type != "cpu" else None
         self.optimizer: torch.optim.Optimizer | None = None
         opt = spec.optimizer
         if decl.trainable:
@@ -198,7 +206,7 @@ class LocalModel(Training, Weights, Staged):
                     top_p=roll.top_p,
                     greedy=greedy,
                     ignore_eos=roll.ignore_eos,
-                    generator=self.sampler or generator,
+                    generator=on_device(generator, self.device),
                 )
             # batches live on the host between nodes
             lengths = alive.sum(-1).long().tolist()
