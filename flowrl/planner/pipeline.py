@@ -36,7 +36,9 @@ VIRTUAL_STAGES = (2, 4, 8)
 
 def schedule_problem(schedule: str, pp: int, virtual_stages: int, micro_batches: int, layers: int) -> str | None:
     """Why a model of ``layers`` decoder layers cannot run ``schedule`` over ``pp`` ranks with ``virtual_stages``
-    stages each and ``micro_batches`` micro-batches per step (torch 2.13's rules), or None when it can."""
+    stages each and ``micro_batches`` micro-batches per step, or None when it can: torch 2.13's rules (1F1B: at
+    least pp micro-batches), and interleaved 1F1B's micro-batches a multiple of pp (Megatron's rule, which the
+    torch engine keeps: it pads a step to it), its pp x v stages dividing the layers."""
     if schedule not in SCHEDULES:
         return f"schedule '{schedule}' is none of {', '.join(SCHEDULES)}"
     if pp == 1:
@@ -53,11 +55,8 @@ def schedule_problem(schedule: str, pp: int, virtual_stages: int, micro_batches:
         return "the interleaved schedule needs virtual_stages >= 2"
     if layers % (pp * virtual_stages):
         return f"pp {pp} x virtual_stages {virtual_stages} does not divide the {layers} layers"
-    if micro_batches < pp:
-        return f"interleaved 1F1B needs at least pp = {pp} micro-batches per step, not {micro_batches}"
-    rounds = max(1, micro_batches // pp)
-    if micro_batches % rounds:
-        return f"interleaved 1F1B needs the {micro_batches} micro-batches to be a multiple of its {rounds} rounds"
+    if micro_batches % pp:  # torch 2.13 takes any multiple of its rounds; the torch engine pads to a multiple of pp
+        return f"interleaved 1F1B needs a multiple of pp = {pp} micro-batches per step, not {micro_batches}"
     return None
 
 
