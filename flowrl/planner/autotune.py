@@ -201,7 +201,7 @@ class Tuner:
             )
             if self.capabilities is not None:
                 options = [lay for lay in options if supports_layout(self.capabilities, lay)]
-            options = [lay for lay in options if self.constraints.fits_layout(model, lay.parallel)]
+            options = [lay for lay in options if self.constraints.fits_layout(model, lay)]
             if self.micro_batch is not None:  # the configured micro-batch, within each rank's share of the batch
                 options = list(
                     dict.fromkeys(
