@@ -92,13 +92,40 @@ def activation_bytes(
     logits = model.vocab * 4 * (2 if training else 1) / p.tp
     if p.pp == 1:
         return int(tokens * (kept + working + logits))
-    peaks = []
+    return max(
+        held + transient
+        for held, transient in stage_activations(
+            model, numerics, layout, seq_len, training=training, micro_steps=micro_steps
+        )
+    )
+
+
+def stage_activations(
+    model: ModelSpec, numerics: Numerics, layout: ModelLayout, seq_len: int, *, training: bool, micro_steps: int = 1
+) -> list[tuple[int, int]]:
+    """Each pipeline stage's (pp > 1; one per rank) activations at its peak, as (held, transient): ``held``
+    what it keeps for the backward of its micro-batches in flight (`pipeline.in_flight`; its layers' kept
+    tensors, and on the last stage the logits of those its schedule keeps), ``transient`` one layer's working
+    set of the micro-batch it computes (and on the last stage its logits, forward only)."""
+    p = layout.parallel
+    b = numerics.activation_bytes
+    tokens = layout.micro_batch * seq_len
+    layers = model.layers // p.pp
+    scores = model.heads * seq_len if numerics.eager_attention else 0
+    whole = REPLICATED_HIDDEN * model.hidden if p.tp > 1 else 0
+    working = (whole + ((16 * model.hidden - whole) + 2 * model.intermediate + scores) / p.tp) * b
+    kept = (model.hidden * b if numerics.recompute else working) * layers
+    logits = model.vocab * 4 * (2 if training else 1) / p.tp
+    out = []
     for rank in range(p.pp):
-        flight = pipe.in_flight(layout.schedule, p.pp, layout.virtual_stages, micro_steps, rank) if training else 0
         last = rank == p.pp - 1
-        held = pipe.logits_in_flight(layout.schedule, micro_steps) if training and last else int(last)
-        peaks.append(tokens * (flight * kept + working + held * logits))
-    return int(max(peaks))
+        if training:
+            flight = pipe.in_flight(layout.schedule, p.pp, layout.virtual_stages, micro_steps, rank)
+            held = flight * kept + (pipe.logits_in_flight(layout.schedule, micro_steps) * logits if last else 0)
+            out.append((int(tokens * held), int(tokens * working)))
+        else:
+            out.append((0, int(tokens * (working + (logits if last else 0)))))
+    return out
 
 
 def compute_copy_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout) -> int:
