@@ -63,6 +63,12 @@ class EngineContext:
     # the model's tensor-parallel size in its training layout, or a generation engine's in its replica, whose
     # ranks are then ``group``'s (for engines that declare model_parallel)
     tp: int = 1
+    # the model's pipeline layout (training engines that declare pipeline_parallel): ``pp`` pipeline ranks
+    # (outermost: rank // (world // pp)), run by ``schedule`` (gpipe, 1f1b, interleaved) with
+    # ``virtual_stages`` stages per rank
+    pp: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
     # the layout keeps the model's optimizer states in host memory between steps (for engines that
     # declare optimizer_offload)
     offload: bool = False

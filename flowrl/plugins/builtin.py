@@ -127,10 +127,13 @@ def register_training_engines(register: Register) -> None:
         "local",
         _local_training_engine,
         description="HF models in this process: forward, AdamW train steps (FSDP2 data parallel x DTensor "
-        "tensor parallel over a group)",
-        # tensor parallel: DTensor over a group's tp ranks (flowrl/backends/local/parallelize/tensor.py); no pipeline
+        "tensor parallel x pipeline stages over a group)",
+        # tensor parallel: DTensor over a group's tp ranks (flowrl/backends/local/parallelize/tensor.py); pipeline:
+        # stages over its pp ranks by torch.distributed.pipelining's schedules (parallelize/pipeline.py)
         # offload: FSDP2's CPUOffloadPolicy on a group, optimizer states in host memory between steps in one process
-        capabilities=EngineCapabilities(model_parallel=True, optimizer_offload=True, own_outputs=True),
+        capabilities=EngineCapabilities(
+            model_parallel=True, pipeline_parallel=True, optimizer_offload=True, own_outputs=True
+        ),
     )
 
 

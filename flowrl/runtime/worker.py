@@ -242,6 +242,9 @@ class Worker:
                 world=len(ranks),
                 group=self.dp_groups.get(place.group),
                 tp=plan.layout.layout(name).parallel.tp,
+                pp=plan.layout.layout(name).parallel.pp,
+                schedule=plan.layout.layout(name).schedule,
+                virtual_stages=plan.layout.layout(name).virtual_stages,
                 offload=plan.layout.layout(name).offload_optimizer,
                 trust_remote_code=plan.config.trust_remote_code,
             )

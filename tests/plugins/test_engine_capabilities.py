@@ -1,7 +1,8 @@
 """Engines declare what they can compute; an executor's capabilities are what it can place and
 schedule, composed with its engines'. A plugin engine that declares tensor parallelism is accepted
-by the Ray executor's check without any executor change; the local engine runs tensor parallel too,
-but a layout split by layers (pp) is refused, naming the feature."""
+by the Ray executor's check without any executor change; the local engine runs tensor parallel and
+pipeline stages too; an engine declaring no pipeline parallelism has a layout split by layers (pp)
+refused, naming the feature, and so does the one-process executor."""
 
 from __future__ import annotations
 
@@ -64,23 +65,39 @@ def test_a_tensor_parallel_engine_plugin_is_accepted_by_the_ray_executor(reg) ->
     executor.check(graph, plan)  # accepted: no executor code knows about engine 'tp'
 
 
-def test_a_pipeline_parallel_layout_is_refused_naming_the_feature(reg) -> None:
-    """The local engine splits a model tensor-parallel, not by layers: a hand-edited pp 2 layout is
-    refused before any model is built."""
-    graph, plan = tp2_plan(reg, "local")
+def _pp2(plan):
+    """``plan`` hand-edited: the actor in 2 pipeline stages instead of 2 tensor slices."""
     actor = plan.layout.layout("actor")
     split = msgspec.structs.replace(actor, parallel=msgspec.structs.replace(actor.parallel, tp=1, pp=2))
     models = tuple(split if m.model == "actor" else m for m in plan.layout.models)
-    edited = msgspec.structs.replace(plan, layout=msgspec.structs.replace(plan.layout, models=models))
+    return msgspec.structs.replace(plan, layout=msgspec.structs.replace(plan.layout, models=models))
+
+
+def test_a_pipeline_parallel_layout_is_refused_naming_the_feature(reg) -> None:
+    """Engine 'tp' splits a model tensor-parallel, not by layers: a hand-edited pp 2 layout is refused
+    before any model is built."""
+    graph, plan = tp2_plan(reg, "tp")
+    edited = _pp2(plan)
     with pytest.raises(PlanError, match="no pipeline parallelism"):
         api.executor(edited, reg).check(graph, edited)
 
 
-def test_the_local_engine_is_planned_tensor_parallel(reg) -> None:
+def test_the_local_engine_is_planned_tensor_parallel_and_placed_in_pipeline_stages(reg) -> None:
     graph, plan = tp2_plan(reg, "local")
     assert plan.layout.layout("actor").parallel.tp == 2
-    assert plan.target.capabilities.model_parallel and not plan.target.capabilities.pipeline_parallel
+    assert plan.target.capabilities.model_parallel and plan.target.capabilities.pipeline_parallel
     api.executor(plan, reg).check(graph, plan)
+    edited = _pp2(plan)
+    api.executor(edited, reg).check(graph, edited)  # the Ray executor places it, the engine cuts its stages
+
+
+def test_the_one_process_executor_refuses_pipeline_stages_by_name() -> None:
+    from flowrl.backends.local.executor import LocalExecutor
+    from flowrl.contract.capabilities import unsupported
+
+    graph, plan = tp2_plan(load_plugins(allow={"ray"})[1], "local")
+    said = unsupported(LocalExecutor.capabilities, _pp2(plan).layout, 1)
+    assert any("model 'actor' split pp 2 (no pipeline parallelism" in s for s in said), said
 
 
 def test_compose_takes_the_executors_placement_and_the_engines_computation() -> None:

@@ -38,7 +38,7 @@ def test_a_splitting_generation_engine_beside_the_local_trainer_may_run_generati
     assert expected.generation_parallel  # what compose says: the generation engine splits its model
     run = for_run(executor, reg, ["local"], ["splitter"])
     assert run.generation_parallel
-    assert run.model_parallel and not run.pipeline_parallel  # the local trainer splits tensor-parallel only
+    assert run.model_parallel and run.pipeline_parallel  # the local trainer splits tensor-parallel and by layers
 
 
 class MisdeclaredEngines:
@@ -62,6 +62,14 @@ def test_an_engine_registered_with_something_else_than_engine_capabilities_is_re
         load_plugins(entry_points=False, extra=[("tp-typo", MisdeclaredEngines(capabilities))])
 
 
+class PlainTrainer:
+    """A training engine that declares nothing: one unsplit model per rank."""
+
+    @hookimpl
+    def register_training_engines(self, register: Any) -> None:
+        register("plain", _factory)
+
+
 class AnyLayoutExecutor:
     """An executor plugin that places any layout on any number of devices (as the Ray executor does)."""
 
@@ -76,16 +84,16 @@ class AnyLayoutExecutor:
 
 
 def test_requiring_pp_of_an_engine_that_splits_no_layers_names_the_engine_not_divisibility() -> None:
-    """`--require actor.pp=2` with the local training engine (which declares no pipeline parallelism)
-    on an executor that could place it: the message must say that the engine cannot split a model,
-    not that "pp must divide the model's layers" (2 divides the tiny model's 2 layers)."""
+    """`--require actor.pp=2` with a training engine that declares no pipeline parallelism on an
+    executor that could place it: the message must say that the engine cannot split a model, not that
+    "pp must divide the model's layers" (2 divides the tiny model's 2 layers)."""
     from flowrl import api
     from flowrl.errors import PlanError
     from flowrl.planner.constraints import parse_requirements
 
-    reg = load_plugins(entry_points=False, extra=[("placer", AnyLayoutExecutor())])[1]
+    reg = load_plugins(entry_points=False, extra=[("placer", AnyLayoutExecutor()), ("plain", PlainTrainer())])[1]
     overrides = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "executor=placer"]
-    overrides += ["train.engine=local", "generation.engine=local"]
+    overrides += ["train.engine=plain", "generation.engine=local"]
     graph, cfg = api.load("grpo", registry=reg, overrides=overrides)
     assert cfg.tiny_model.num_layers % 2 == 0
     target = api.local_target(cfg, reg, devices=2)

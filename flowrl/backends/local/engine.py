@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from flowrl.backends.local.generation import last_logits_only, sample
 from flowrl.backends.local.packing import pack, response_logprobs, response_values
+from flowrl.backends.local.staged import Staged
 from flowrl.backends.local.parallelize import Parallelized, precision
 from flowrl.backends.local.parallelize.lora import MergedCopy, adapters_off, merge_lora
 from flowrl.backends.local.parallelize.tensor import token_logprobs
@@ -35,7 +36,7 @@ from flowrl.runtime.batch import position_ids, ragged, trim
 from flowrl.runtime.dispatch import micro_batches
 
 
-class LocalModel(Training, Weights):
+class LocalModel(Training, Weights, Staged):
     """One graph model (actor, critic, reference, ...) held in this process."""
 
     resumable = True
@@ -59,6 +60,7 @@ class LocalModel(Training, Weights):
         # optimizer states in host memory between steps (FSDP2's shards live there; one process moves them)
         self.offload, self.host_optimizer = model.spec.offload, model.host_optimizer
         self.autocast = model.autocast  # one process computing in bfloat16: forward passes under autocast
+        self.pipeline = model.pipeline  # pipeline stages on this rank (`Staged` runs passes over them)
         self.merged: MergedCopy | None = None  # what a LoRA model under autocast samples from (`_sampling_module`)
         self.tokenizer = tokenizer
         self.hf_config = hf_config
@@ -104,7 +106,7 @@ class LocalModel(Training, Weights):
     def shard_layout(self) -> str | None:
         """How `export_local_shards` cuts the weights: the torch engine's tensor-parallel slices (`parallelize.tensor`)
         over ``tp`` ranks; None when the model is whole on each rank or trains LoRA adapters (merged whole)."""
-        return f"torch-tp{self.dims.tensor}" if self.dims.tensor > 1 and self.lora is None else None
+        return f"torch-tp{self.dims.tensor}" if self.dims.tensor > 1 and self.lora is None and self.dims.pipeline == 1 else None
 
     def __getstate__(self) -> dict[str, Any]:  # a copy (deepcopy) takes a lock of its own
         return {k: v for k, v in vars(self).items() if k != "lock"}
@@ -162,6 +164,11 @@ class LocalModel(Training, Weights):
         `flowrl.contract.responses` (EOS, stop strings, budget, the model's context)."""
         if self.decl.scalar_head:
             raise BackendError(f"model '{self.decl.name}' has a scalar head and cannot generate.")
+        if self.pipeline is not None:
+            raise BackendError(
+                f"model '{self.decl.name}' is split into pipeline stages (pp {self.dims.pipeline}) and never samples "
+                "in place; it generates on its plan's generation layout, from its exported weights."
+            )
         rules, roll = self.rules, self.sampling
         prompts = prompt_rows(prompt_ids, prompt_mask)
         rooms = [self.context - len(p) - len(r.ids) for p, r in zip(prompts, responses)]
@@ -274,6 +281,8 @@ class LocalModel(Training, Weights):
         if self.decl.scalar_head and self.text_tokenizer is None:
             _check_ids(self, seqs)
         micro = micro_batch or len(seqs)
+        if self.pipeline is not None:
+            return self._forward_staged(seqs, output, micro)
         parts = self._micro_batches(seqs, torch.arange(len(seqs)), 1, micro)[0]
         width = seqs.response_ids.shape[1]
         out: Tensor | None = None

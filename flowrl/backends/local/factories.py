@@ -40,13 +40,16 @@ def local_model(
     group: Any = None,
     offload: bool = False,
     tp: int = 1,
+    pp: int = 1,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
 ) -> LocalModel:
     """A `LocalModel` over ``module`` made ready for rank ``rank`` of ``world`` ranks of ``group``, split
-    ``tp`` ways tensor-parallel (data parallel over the rest), ``offload``: optimizer states in host memory."""
-    dims = ParallelDims.of(decl.name, world, rank, tensor=tp)
-    ready = parallelize(
-        module, dims, ParallelSpec.of(decl, spec, offload), device=device, group=group, hf_config=hf_config
-    )
+    ``tp`` ways tensor-parallel and into ``pp`` pipeline ranks (``virtual_stages`` stages each, run by
+    ``schedule``), data parallel over the rest; ``offload``: optimizer states in host memory."""
+    dims = ParallelDims.of(decl.name, world, rank, tensor=tp, pipeline=pp)
+    pspec = ParallelSpec.of(decl, spec, offload, schedule, virtual_stages)
+    ready = parallelize(module, dims, pspec, device=device, group=group, hf_config=hf_config)
     return LocalModel(decl, ready, tokenizer, hf_config, spec, device)
 
 
@@ -75,7 +78,7 @@ def training_engine(ctx: EngineContext) -> LocalModel:
         module = ValueModel(lm) if ctx.decl.scalar_head else lm
     engine = local_model(
         ctx.decl, module, tokenizer, hf_config, spec, torch.device(ctx.device), ctx.rank, ctx.world, ctx.group,
-        offload=ctx.offload, tp=ctx.tp,
+        offload=ctx.offload, tp=ctx.tp, pp=ctx.pp, schedule=ctx.schedule, virtual_stages=ctx.virtual_stages,
     )  # fmt: skip
     if writer is not None and not same_tokenizer(writer, tokenizer):
         if not ctx.decl.scalar_head or ctx.decl.role == "critic":

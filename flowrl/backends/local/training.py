@@ -41,6 +41,7 @@ class Training:
     version: int
     oom_splits: int
     warned_oom: bool
+    pipeline: Any  # the model's pipeline stages on this rank (None: none); `Staged` runs them
 
     @_locked
     def train(self, loss: LossFn, batch: StepBatch, step: TrainStep) -> dict[str, float]:
@@ -64,13 +65,14 @@ class Training:
                 # every rank's micro-batches (similar lengths together): all ranks take as many micro-steps
                 shares = self._micro_batches(seqs, mb, self.dims.data, micro)  # a tp row's ranks take the same rows
                 parts, steps = shares[self.dims.data_index], max(len(p) for p in shares)
-                while True:  # a micro-batch whose backward ran out of memory: the mini-batch again, split
-                    try:
-                        acc = self._accumulate(loss, batch, step, mb, parts, steps)
-                        break
-                    except _SplitAndRestart as again:
-                        parts[again.index : again.index + 1] = again.halves
-                if self.dims.tensor > 1:  # DTensor slices over the tp mesh beside FSDP shards and whole tensors
+                if self.pipeline is not None:  # in stages: one schedule step (no split: its ranks run in step)
+                    acc = self._accumulate_staged(loss, batch, step, mb, parts, steps)  # type: ignore[attr-defined]
+                else:
+                    acc = self._accumulate_splitting(loss, batch, step, mb, parts, steps)
+                if self.pipeline is not None:  # one norm over every stage's gradients
+                    params = list(self.module.parameters())
+                    norm = tensor.clip_grad_norm(params, opt.grad_clip, across=self.pipeline.group)
+                elif self.dims.tensor > 1:  # DTensor slices over the tp mesh beside FSDP shards and whole tensors
                     norm = tensor.clip_grad_norm(list(self.module.parameters()), opt.grad_clip)
                 else:
                     norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), opt.grad_clip)
@@ -102,7 +104,19 @@ class Training:
         if self.oom_splits > splits_before:  # micro-batches split after running out of memory
             out["oom_splits"] = float(self.oom_splits - splits_before)
         out["pad_frac"] = 1.0 - useful / computed if computed else 0.0  # padding among the tokens computed
+        if self.pipeline is not None:  # this rank's share of the step spent waiting on other stages
+            out["pp_bubble"] = self.pipeline.times.reset().bubble
         return out
+
+    def _accumulate_splitting(
+        self, loss: LossFn, batch: StepBatch, step: TrainStep, mb: Tensor, parts: list[Tensor], steps: int
+    ) -> _Accumulated:
+        """`_accumulate`; a micro-batch whose backward ran out of memory: the mini-batch again, split."""
+        while True:
+            try:
+                return self._accumulate(loss, batch, step, mb, parts, steps)
+            except _SplitAndRestart as again:
+                parts[again.index : again.index + 1] = again.halves
 
     def _optimizer_step(self) -> None:
         """AdamW's step; with ``offload`` on a one-process accelerator, its states come from host memory

@@ -45,6 +45,8 @@ class Weights:
 
     def _state(self) -> dict[str, Tensor]:
         """The module's whole state dict on the host, as it is (LoRA adapters apart)."""
+        if getattr(self, "pipeline", None) is not None:  # every stage's, gathered
+            return self._staged_state()  # type: ignore[attr-defined]
         if self.distributed:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -141,6 +143,9 @@ class Weights:
             ) from None
         expected = _untied_keys(self.module)
         missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - set(self.module.state_dict()))
+        if getattr(self, "pipeline", None) is not None:  # the other stages' tensors: theirs to load
+            weights = {k: v for k, v in weights.items() if k in self.module.state_dict()}
+            unexpected = []
         if missing or unexpected:
             raise BackendError(
                 f"checkpoint of model '{self.decl.name}' in '{path}' does not fit the model: missing "
@@ -149,8 +154,11 @@ class Weights:
         return self._restore(weights, path, version)
 
     def _trained_names(self) -> set[str]:
-        """The parameters a LoRA model trains: its adapters, and a value head."""
-        return {n for n, p in self.module.named_parameters() if p.requires_grad}
+        """The parameters a LoRA model trains: its adapters, and a value head (every stage's)."""
+        names = {n for n, p in self.module.named_parameters() if p.requires_grad}
+        if getattr(self, "pipeline", None) is not None:
+            return set(self._gather_stages(dict.fromkeys(names)))  # type: ignore[attr-defined]
+        return names
 
     def _trained_state(self) -> dict[str, Tensor]:
         """What a LoRA model trains, full on every rank."""
@@ -213,6 +221,8 @@ class Weights:
     def _optimizer_state(self) -> dict[str, Any] | None:
         if self.optimizer is None:
             return None
+        if getattr(self, "pipeline", None) is not None:
+            return self._staged_optimizer_state()  # type: ignore[attr-defined]
         if self.distributed:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -221,7 +231,9 @@ class Weights:
 
     def _load_optimizer_state(self, state: dict[str, Any]) -> None:
         assert self.optimizer is not None
-        if self.distributed:
+        if getattr(self, "pipeline", None) is not None:
+            self._load_staged_optimizer_state(state)  # type: ignore[attr-defined]
+        elif self.distributed:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
             sharded = tensor.sharded_optimizer_state(self.module, state)

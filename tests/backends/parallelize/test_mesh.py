@@ -49,11 +49,19 @@ def test_only_a_trainable_model_over_several_data_ranks_is_sharded():
     assert ParallelDims.of("m", world=2, tensor=2).distributed(False)  # tensor slices are DTensors
 
 
-@pytest.mark.parametrize("size", ["pipeline", "context", "expert"])
+@pytest.mark.parametrize("size", ["context", "expert"])
 def test_dimensions_no_module_builds_yet_are_refused_by_name(size):
     dims = ParallelDims(model="actor", world=2, data=1 if size != "expert" else 2, **{size: 2})
     with pytest.raises(BackendError, match=rf"does not split models by {size} \(2\) yet"):
         build_mesh(dims, None, "cpu", trainable=True)
+
+
+@pytest.mark.parametrize(("rank", "stage", "shard", "column"), [(0, 0, 0, 0), (3, 0, 1, 1), (4, 1, 0, 0), (7, 1, 1, 1)])
+def test_the_pipeline_is_outermost(rank, stage, shard, column):
+    """pp2 x dp2 x tp2 over 8 ranks: stage ``r // (dp x tp)``, then data rows, then tensor columns."""
+    dims = ParallelDims.of("actor", world=8, rank=rank, tensor=2, pipeline=2)
+    assert (dims.pipeline_index, dims.data_index, dims.tensor_index) == (stage, shard, column)
+    assert dims.distributed(False)  # no rank holds a model in stages whole
 
 
 def test_one_rank_builds_no_mesh():

@@ -1,6 +1,7 @@
-"""`parallelize` refuses the mesh dimensions no module under the parallelize home applies yet (pipeline,
-context, expert), naming the model and the dimension, before it builds a process group; and a model
-whose sizes do not multiply to its group is refused by name before any module is touched."""
+"""`parallelize` refuses the mesh dimensions no module under the parallelize home applies yet (context,
+expert), naming the model and the dimension, and pipeline stages a model cannot be cut into, before it
+builds a process group; and a model whose sizes do not multiply to its group is refused by name before
+any module is touched."""
 
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ def _spec(lora=None) -> ParallelSpec:
 @pytest.mark.parametrize(
     ("dims", "named"),
     [
-        (ParallelDims(model="critic", world=2, pipeline=2), "pipeline (2)"),
         (ParallelDims(model="critic", world=2, context=2), "context (2)"),
         (ParallelDims(model="critic", world=2, data=2, expert=2), "expert (2)"),
     ],
@@ -45,8 +45,10 @@ def test_a_tensor_size_that_does_not_divide_the_group_names_the_model():
 
 
 def test_a_refused_pipeline_leaves_the_module_as_it_was(tiny):
-    """Refusals come before any transform: no adapters on a module that is then refused."""
+    """Refusals come before any transform: no adapters on a module that is then refused (the tiny model's
+    2 decoder layers cannot make 4 stages)."""
     module = tiny()
-    with pytest.raises(BackendError, match="pipeline"):
-        parallelize(module, ParallelDims(model="critic", world=2, pipeline=2), _spec(LoraConfig(rank=2)), device=CPU)
+    with pytest.raises(BackendError, match=r"model 'critic' has 2 decoder layers, fewer than its 4 x 1 pipeline stages"):
+        parallelize(module, ParallelDims(model="critic", world=4, pipeline=4), _spec(LoraConfig(rank=2)), device=CPU)
     assert not any(".lora_" in n for n, _ in module.named_parameters())
+    assert len(module.backbone.layers if hasattr(module, "backbone") else module.model.layers) == 2

@@ -8,9 +8,11 @@ The order, and why (each step needs what the ones before it left):
    splits the layers (the torch engine refuses LoRA with tensor parallelism).
 2. **Tensor parallelism** (`tensor`): each decoder layer's projections become DTensor slices over the
    tensor mesh (Megatron's split), the embedding and LM head over the vocabulary.
-3. **Pipeline stages**: the hook point where a model would be cut into stages over the pipeline mesh
-   (after tensor slicing, before FSDP2 wraps the stage's layers); `mesh.ParallelDims.check_built`
-   refuses pipeline > 1 until a module here builds them.
+3. **Pipeline stages** (`pipeline`): the tensor-sliced (LoRA'd) model is cut to this rank's stages --
+   contiguous decoder layers, the embeddings on the first stage, the final norm and head on the last
+   -- over the pipeline ranks (outermost: stage rank ``r // (dp x tp)``); FSDP2 then shards each
+   stage over its pipeline rank's data ranks, and the engine runs train steps and forward passes
+   through torch.distributed.pipelining's schedules (GPipe, 1F1B, interleaved 1F1B).
 4. **Recomputation** (`recompute`): each decoder layer recomputes its activations in the backward.
 5. **Numerics** (`precision.set_attention`): the attention kernel.
 6. **FSDP2** (`fsdp`): a trainable model over several data ranks is sharded per decoder layer and at
@@ -31,7 +33,7 @@ import msgspec
 import torch
 from torch import nn
 
-from flowrl.backends.local.parallelize import fsdp, lora, offload, precision, recompute, tensor
+from flowrl.backends.local.parallelize import fsdp, lora, offload, pipeline, precision, recompute, tensor
 from flowrl.backends.local.parallelize.mesh import Mesh, ParallelDims, build_mesh
 from flowrl.specs import LoraConfig
 
@@ -52,11 +54,16 @@ class ParallelSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     recompute: bool = False
     offload: bool = False
     seed: int = 0
+    schedule: str = "1f1b"  # with pipeline stages: the schedule (pipeline.SCHEDULES)
+    virtual_stages: int = 1  # stages per pipeline rank (interleaved)
 
     @classmethod
-    def of(cls, decl: Any, run: Any, offload: bool = False) -> ParallelSpec:
-        """The spec of graph model ``decl`` resolved as ``run`` (a `ModelRun`); ``offload`` from its layout.
-        A frozen model takes no adapters, recomputes nothing and offloads nothing."""
+    def of(
+        cls, decl: Any, run: Any, offload: bool = False, schedule: str = "1f1b", virtual_stages: int = 1
+    ) -> ParallelSpec:
+        """The spec of graph model ``decl`` resolved as ``run`` (a `ModelRun`); ``offload``, ``schedule``
+        and ``virtual_stages`` from its layout. A frozen model takes no adapters, recomputes nothing and
+        offloads nothing."""
         numerics = run.numerics
         trainable = bool(decl.trainable)
         return cls(
@@ -68,6 +75,8 @@ class ParallelSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             recompute=bool(numerics.recompute and trainable),
             offload=bool(offload and trainable),
             seed=run.seed,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
         )
 
 
@@ -76,7 +85,8 @@ class Parallelized:
     """A module `parallelize` made ready, and what the engine must do around it: ``autocast`` (forward
     passes under bfloat16 autocast), ``host_optimizer`` (optimizer states to host memory between steps),
     ``sharded`` (FSDP2 shards it over ``dims.data`` ranks), ``distributed`` (its weights are DTensors:
-    whole state dicts are gathered)."""
+    whole state dicts are gathered), ``pipeline`` (its stages on this rank and how they run; None: no
+    stages)."""
 
     module: nn.Module
     dims: ParallelDims
@@ -86,6 +96,7 @@ class Parallelized:
     distributed: bool
     autocast: bool
     host_optimizer: bool
+    pipeline: pipeline.Pipeline | None = None
 
 
 def parallelize(
@@ -106,24 +117,41 @@ def parallelize(
     lora.check_split(spec.lora, dims.tensor, spec.name)
     if dims.tensor > 1:
         tensor.check_splits(hf_config if hf_config is not None else module.config, dims.tensor, spec.name)
+    if dims.pipeline > 1:
+        pipeline.check_split(module, dims.pipeline, spec.virtual_stages, spec.schedule, spec.name)
     module = module.to(device)
     if spec.lora is not None:
         lora.add_lora(module, spec.lora, spec.seed, spec.name)
     grid = build_mesh(dims, group, device.type, spec.trainable)
     if grid.tensor is not None:
         tensor.parallelize(module, grid.tensor)
-    # pipeline stages: cut the tensor-sliced module into stages over the pipeline mesh here, before
-    # FSDP2 wraps each stage's layers (mesh.ParallelDims.check_built refuses pipeline > 1 until then)
+    stages: list[pipeline.Stage] = []
+    if dims.pipeline > 1:  # this rank's stages of the tensor-sliced module, before FSDP2 wraps their layers
+        stages = pipeline.split(module, dims.pipeline_index, dims.pipeline, spec.virtual_stages)
     if spec.recompute:
         recompute.apply(module, spec.name)
     precision.set_attention(module, spec.attention, spec.name)
     sharded = dims.sharded(spec.trainable)
     if sharded:
         policy = offload.fsdp_policy(device) if spec.offload else None
-        fsdp.apply(module, grid.data, precision.fsdp_policy(spec.dtype), policy)
+        for part in stages or [module]:  # each stage is a root of its own (its forward is what runs)
+            fsdp.apply(part, grid.data, precision.fsdp_policy(spec.dtype), policy)
     half = precision.half(spec.dtype)
     if spec.lora is not None and half and not sharded:  # autocast computes the frozen base in bfloat16 anyway
         lora.store_base(module, torch.bfloat16)
+    staged = None
+    if stages:
+        staged = pipeline.Pipeline(
+            stages=stages,
+            group=grid.pipeline,
+            pp=dims.pipeline,
+            index=dims.pipeline_index,
+            virtual=spec.virtual_stages,
+            schedule=spec.schedule,
+            device=device,
+            hidden=int(module.config.hidden_size),
+            act_dtype=None if half else torch.float32,  # bfloat16: torch infers what passes between stages
+        )
     return Parallelized(
         module=module,
         dims=dims,
@@ -133,4 +161,5 @@ def parallelize(
         distributed=dims.distributed(spec.trainable),
         autocast=half and not sharded,
         host_optimizer=spec.offload and not sharded and device.type != "cpu",
+        pipeline=staged,
     )

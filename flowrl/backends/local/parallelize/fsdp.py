@@ -15,8 +15,16 @@ from torch import nn
 
 
 def decoder_layers(module: nn.Module) -> list[nn.Module]:
-    """``module``'s decoder layers (the first ``...layers`` ModuleList; a `ValueModel`'s backbone's)."""
-    found = next((m for n, m in module.named_modules() if n.endswith("layers") and isinstance(m, nn.ModuleList)), ())
+    """``module``'s decoder layers (the first ``...layers`` ModuleList; a `ValueModel`'s backbone's; a
+    pipeline stage's `pipeline.StageLayers`)."""
+    found = next(
+        (
+            m
+            for n, m in module.named_modules()
+            if n.endswith("layers") and (isinstance(m, nn.ModuleList) or getattr(m, "decoder_stage", False))
+        ),
+        (),
+    )
     return list(found)
 
 

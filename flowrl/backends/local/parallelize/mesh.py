@@ -1,11 +1,13 @@
 """One device mesh per model, from the engine's context (torchtitan's ``ParallelDims``, our own).
 
 A model's device group of ``world`` ranks is split into ``pipeline x data x context x tensor``
-ranks (expert parallelism, when a model has experts, folds into the data x tensor ranks):
-rank ``r`` sits at data row ``r // (context x tensor)`` and tensor column ``r % tensor`` (the
-ranks of one row hold one copy of the model between them and compute the same rows). Only
-``data`` and ``tensor`` are built today; ``pipeline``, ``context`` and ``expert`` above 1 are refused
-by name until a module under `flowrl.backends.local.parallelize` applies them.
+ranks (expert parallelism, when a model has experts, folds into the data x tensor ranks), the
+pipeline outermost: rank ``r`` is pipeline rank (stage) ``r // (data x context x tensor)``, at data
+row ``r // (context x tensor) % data`` and tensor column ``r % tensor`` (the ranks of one row hold
+one copy of the model between them -- its stages over the pipeline ranks, its slices over the tensor
+ranks -- and compute the same rows). ``data``, ``tensor`` and ``pipeline`` are built; ``context``
+and ``expert`` above 1 are refused by name until a module under `flowrl.backends.local.parallelize`
+applies them.
 
 `ParallelDims` is pure (no torch.distributed); `build_mesh` makes the process groups.
 """
@@ -83,19 +85,25 @@ class ParallelDims(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     def tensor_index(self) -> int:
         return self.rank % self.tensor
 
+    @property
+    def pipeline_index(self) -> int:
+        """Which pipeline rank this rank is (its stages: `pipeline.stages_of`)."""
+        return self.rank // (self.data * self.context * self.tensor)
+
     def sharded(self, trainable: bool) -> bool:
         """Whether FSDP2 shards the model: a trainable model over several data ranks (a frozen one keeps
         a full replica per data rank and scores its shard of the rows)."""
         return trainable and self.data > 1
 
     def distributed(self, trainable: bool) -> bool:
-        """Whether the model's weights are DTensors (FSDP2 shards, tensor slices): whole state dicts are
-        gathered, and one rank cannot split a micro-batch that ran out of memory on its own."""
-        return self.sharded(trainable) or self.tensor > 1
+        """Whether the model's weights are DTensors (FSDP2 shards, tensor slices) or in pipeline stages
+        (no rank holds them all): whole state dicts are gathered, and one rank cannot split a micro-batch
+        that ran out of memory on its own."""
+        return self.sharded(trainable) or self.tensor > 1 or self.pipeline > 1
 
     def check_built(self) -> None:
         """Refuse the dimensions no module applies yet, naming them."""
-        todo = {k: v for k, v in (("pipeline", self.pipeline), ("context", self.context), ("expert", self.expert))}
+        todo = {k: v for k, v in (("context", self.context), ("expert", self.expert))}
         todo = {k: v for k, v in todo.items() if v > 1}
         if todo:
             raise BackendError(
@@ -107,10 +115,13 @@ class ParallelDims(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
 @dataclass(frozen=True)
 class Mesh:
     """The device meshes a model is split over: ``data`` (FSDP2; None: not sharded) and ``tensor``
-    (DTensor slices; None: whole). Both are dimensions of one 2D mesh when both exist."""
+    (DTensor slices; None: whole) -- both dimensions of one 2D mesh when both exist, the mesh of this
+    rank's pipeline rank when the model is in stages -- and ``pipeline``, the process group of the
+    ranks at this rank's (data, tensor) place in every pipeline rank (None: no stages)."""
 
     data: Any = None
     tensor: Any = None
+    pipeline: Any = None
 
 
 def build_mesh(dims: ParallelDims, group: Any, device_type: str, trainable: bool) -> Mesh:
@@ -118,6 +129,14 @@ def build_mesh(dims: ParallelDims, group: Any, device_type: str, trainable: bool
     a (data, tensor) mesh when the model is split tensor-parallel, else the group itself as the data
     mesh when FSDP2 shards it, else nothing."""
     dims.check_built()
+    if dims.pipeline > 1:
+        from flowrl.backends.local.parallelize import pipeline
+
+        made = pipeline.groups(group, dims.pipeline, dims.data, dims.tensor, device_type)
+        mesh = made.stage_mesh
+        if dims.tensor > 1:
+            return Mesh(data=mesh["dp"] if dims.sharded(trainable) else None, tensor=mesh["tp"], pipeline=made.pipeline)
+        return Mesh(data=mesh if dims.sharded(trainable) else None, pipeline=made.pipeline)
     if dims.tensor > 1:
         from flowrl.backends.local.parallelize import tensor
 

@@ -191,6 +191,11 @@ def sharded_optimizer_state(module: nn.Module, whole: dict[str, Any]) -> dict[st
     return {**whole, "state": state}
 
 
+def full(tensor: Tensor) -> Tensor:
+    """A DTensor whole (gathered over its mesh: every rank of it calls this); a plain tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def local(tensor: Tensor) -> Tensor:
     """A DTensor's piece on this rank; a plain tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
@@ -236,11 +241,12 @@ class _Summed(torch.autograd.Function):
         return grad, None
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> Tensor:
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, across: Any = None) -> Tensor:
     """`torch.nn.utils.clip_grad_norm_` for parameters that are DTensors over several meshes (tp
     slices, FSDP shards) and plain tensors: each gradient's squared norm from its local part, summed
-    over the mesh dimensions it is sharded on (replicated ones count once); every rank clips by the
-    same global norm, which it returns."""
+    over the mesh dimensions it is sharded on (replicated ones count once), and over the process group
+    ``across`` (pipeline stages: each holds other parameters); every rank clips by the same global
+    norm, which it returns."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -259,6 +265,8 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> Tensor:
         for group in groups:
             dist.all_reduce(value, group=group)
         total = total + value.cpu()
+    if across is not None:
+        dist.all_reduce(total, group=across)
     norm = total.sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for g in grads:

@@ -1,0 +1,213 @@
+"""Run by test_pipeline.py as WORLD processes (the ranks of a gloo group): the same model built whole in
+this process and in pipeline stages over them (pp=2; with 4 ranks also pp2 x dp2 and pp2 x tp2); their
+forward passes, one train step per loss and a checkpoint's resume are compared. Rank 0 writes the
+comparison as JSON to the file it is given.
+
+    python tests/backends/parallelize/pipeline_worker.py RANK PORT OUT WORLD
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import msgspec
+import torch
+
+OVERRIDES = [
+    "rollout.prompts_per_step=4",
+    "rollout.samples_per_prompt=2",
+    "progress=false",
+    "checkpoint=false",
+    "device=cpu",
+    "train.dtype=float32",
+    "train.mini_batches=2",
+]
+# (loss, algo options, model): every built-in loss, and every way a loss aggregates (as the dp test)
+LOSS_CASES = [
+    ("ppo", {}, "actor"),
+    ("ppo", {"loss_agg": "seq-mean-token-mean"}, "actor"),
+    ("ppo", {"loss_agg": "seq-mean-token-sum-norm", "loss_norm": 24}, "actor"),
+    ("gspo", {}, "actor"),
+    ("sft", {}, "actor"),
+    ("sequence_pg", {}, "actor"),  # a plugin's sequence-level loss
+    ("value", {}, "critic"),
+]
+# layouts by world: name -> (pp, tp, schedule, virtual stages, extra overrides)
+LAYOUTS = {
+    2: {
+        "gpipe": (2, 1, "gpipe", 1, []),
+        "1f1b": (2, 1, "1f1b", 1, []),
+        "interleaved": (2, 1, "interleaved", 2, ["tiny_model.num_layers=4"]),
+    },
+    4: {
+        "pp2-dp2": (2, 1, "1f1b", 1, []),
+        "pp2-tp2": (2, 2, "1f1b", 1, ["tiny_model.num_heads=4", "tiny_model.num_kv_heads=2"]),
+    },
+}
+
+
+def _engine(graph, plan, model, **dist):
+    from flowrl.backends.local.factories import training_engine
+    from flowrl.contract.protocols import EngineContext
+
+    run = plan.model_run(model)
+    torch.manual_seed(run.seed)
+    return training_engine(EngineContext(decl=graph.models[model], spec=run, device="cpu", **dist))
+
+
+def _loss(name):
+    from flowrl.algorithms.ops import LOSSES
+
+    if name == "sequence_pg":
+        from flowrl_example import sequence_pg_loss
+
+        return sequence_pg_loss, "seq-mean"
+    fn, meta = LOSSES[name]
+    return fn, meta["aggregate"]
+
+
+def _step(algo, name, micro):
+    from flowrl.contract.protocols import TrainStep
+    from flowrl.specs import loss_unit
+
+    fn, aggregate = _loss(name)
+    step = TrainStep(
+        node="train",
+        sequences_key="responses",
+        output="values" if name == "value" else "logprobs",
+        micro_batch=micro,
+        epochs=1,
+        mini_batches=2,
+        algo=algo,
+        generator=torch.Generator().manual_seed(7),
+        unit=loss_unit(aggregate, algo),
+    )
+    return fn, step
+
+
+def _rows(whole):
+    """15 rows of responses from 1 token to the whole budget (uneven shares, empty micro-batch slots)."""
+    from flowrl.tasks.builtin import Copy
+
+    prompts = Copy().prompts(random.Random(0), 5)
+    seqs = whole.generate(prompts, n=3, greedy=False, generator=torch.Generator().manual_seed(0)).sequences
+    width = seqs.response_ids.shape[1]
+    lengths = torch.tensor([1 + (i * 7) % width for i in range(len(seqs))])
+    return seqs.replaced(response_mask=(torch.arange(width)[None, :] < lengths[:, None]).float())
+
+
+def _batch(seqs, logp, values):
+    noise = torch.Generator().manual_seed(1)
+    width = seqs.response_ids.shape[1]
+    return {
+        "responses": seqs,
+        "old_logprobs": logp + 0.05 * torch.randn(len(seqs), width, generator=noise),  # ratios off 1: some clip
+        "ref_logprobs": logp - 0.01,
+        "advantages": torch.randn(len(seqs), 1, generator=noise) * seqs.response_mask,
+        "values": values,
+        "returns": torch.randn(len(seqs), width, generator=noise) * seqs.response_mask,
+    }
+
+
+def compare(rank: int, world: int, layout: str) -> dict:
+    import torch.distributed as dist
+
+    from flowrl import api
+
+    pp, tp, schedule, virtual, extra = LAYOUTS[world][layout]
+    graph, plan = api.plan("ppo", overrides=[*OVERRIDES, *extra], emit=lambda s: None)
+    split = dict(rank=rank, world=world, group=dist.group.WORLD, tp=tp, pp=pp, schedule=schedule, virtual_stages=virtual)
+    whole = {m: _engine(graph, plan, m) for m in ("actor", "critic")}
+    staged = {m: _engine(graph, plan, m, **split) for m in ("actor", "critic")}
+    seqs = _rows(whole["actor"])
+    result: dict = {"layout": layout, "losses": {}}
+    logp = whole["actor"].forward(seqs, "logprobs", 4)
+    values = whole["critic"].forward(seqs, "values", 4)
+    mask = seqs.response_mask  # past a row's response, outputs are whatever its micro-batch's width left
+    result["forward"] = {
+        "logprobs": float(((staged["actor"].forward(seqs, "logprobs", 4) - logp) * mask).abs().max()),
+        "values": float(((staged["critic"].forward(seqs, "values", 4) - values) * mask).abs().max()),
+        "scores": float(
+            (staged["critic"].forward(seqs, "scores", 3) - whole["critic"].forward(seqs, "scores", 0)).abs().max()
+        ),
+    }
+    starts = {m: (whole[m].export_weights(), staged[m].export_weights()) for m in whole}
+    result["same_start"] = all(
+        sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a) for a, b in starts.values()
+    )
+    batch = _batch(seqs, logp, values)
+    for name, options, model in LOSS_CASES:
+        algo = msgspec.structs.replace(plan.config.algo, **options)
+        fn, step1 = _step(algo, name, len(seqs))
+        _, step2 = _step(algo, name, 3)
+        before1, before2 = whole[model].export_weights(), staged[model].export_weights()
+        stats1 = whole[model].train(fn, batch, step1)
+        stats2 = staged[model].train(fn, batch, step2)
+        after1, after2 = whole[model].export_weights(), staged[model].export_weights()
+        moved = max(float((after1[k] - before1[k]).abs().max()) for k in after1)
+        diff = max(float(((after1[k] - before1[k]) - (after2[k] - before2[k])).abs().max()) for k in after1)
+        result["losses"][f"{name} {options}"] = {
+            "loss": [stats1["loss"], stats2["loss"]],
+            "grad_norm": [stats1["grad_norm"], stats2["grad_norm"]],
+            "moved": moved,
+            "diff": diff,
+            "stats": sorted(set(stats1) & set(stats2)),
+            "bubble": stats2.get("pp_bubble"),
+        }
+    return result
+
+
+def resumed(rank: int, world: int, folder: Path) -> dict:
+    """A pp=2 model's checkpoint (`save_state` after a step) restored into a new pp=2 engine and into one
+    process: the weights, and the next step's weights, bit for bit."""
+    import torch.distributed as dist
+
+    from flowrl import api
+
+    graph, plan = api.plan("ppo", overrides=OVERRIDES, emit=lambda s: None)
+    split = dict(rank=rank, world=world, group=dist.group.WORLD, pp=2)
+    whole = _engine(graph, plan, "actor")
+    first = _engine(graph, plan, "actor", **split)
+    seqs = _rows(whole)
+    logp = whole.forward(seqs, "logprobs", 0)
+    batch = _batch(seqs, logp, logp)
+    fn, _ = _step(plan.config.algo, "ppo", 3)
+    first.train(fn, batch, _step(plan.config.algo, "ppo", 3)[1])
+    folder.mkdir(exist_ok=True)
+    first.save_state(folder)
+    dist.barrier()  # rank 0 wrote it
+    again = _engine(graph, plan, "actor", **split)
+    version = again.load_state(folder)
+    restored = _same_bits(first.export_weights(), again.export_weights())
+    first.train(fn, batch, _step(plan.config.algo, "ppo", 3)[1])
+    again.train(fn, batch, _step(plan.config.algo, "ppo", 3)[1])
+    return {
+        "version": version,
+        "restored": restored,
+        "next_step": _same_bits(first.export_weights(), again.export_weights()),
+    }
+
+
+def _same_bits(a: dict, b: dict) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+
+
+def main(rank: int, port: int, out: str, world: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = {layout: compare(rank, world, layout) for layout in LAYOUTS[world]}
+    if world == 2:
+        results["resume"] = resumed(rank, world, Path(out).with_name("ckpt-pp2"))
+    if rank == 0:
+        with open(out, "w") as fh:
+            json.dump(results, fh)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))

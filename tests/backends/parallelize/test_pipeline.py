@@ -1,0 +1,98 @@
+"""Pipeline parallelism in the torch engine (flowrl/backends/local/parallelize/pipeline.py,
+flowrl/backends/local/staged.py): a model cut into pp=2 stages over two gloo processes -- by the GPipe,
+1F1B and interleaved (2 stages per rank, 4 layers) schedules -- computes what one process computes: the
+forward passes (log-probs, values, scores), and a train step for every built-in loss and every way a
+loss aggregates (loss, gradient norm and update); a checkpoint of it resumes bit for bit. With four
+processes, pp2 x dp2 (FSDP2 over each stage) and pp2 x tp2 (DTensor slices inside each stage) do too.
+Processes of this machine, spawned (no Ray)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flowrl.algorithms.ops import LOSSES
+
+WORKER = Path(__file__).with_name("pipeline_worker.py")
+sys.path.insert(0, str(WORKER.parent))
+from pipeline_worker import LAYOUTS, LOSS_CASES  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _spawn(tmp_path_factory, world: int) -> dict:
+    """Every layout's comparison for ``world`` ranks, from one group of processes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path_factory.mktemp("pp") / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the processes share this machine's cores: one thread each
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(rank), str(port), str(out), str(world)], env=env, stderr=subprocess.PIPE
+        )
+        for rank in range(world)
+    ]
+    errors = [p.communicate(timeout=900)[1].decode()[-3000:] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errors
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return _spawn(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return _spawn(tmp_path_factory, 4)
+
+
+LAYOUT_NAMES = [(2, n) for n in LAYOUTS[2]] + [(4, n) for n in LAYOUTS[4]]
+
+
+@pytest.fixture(params=LAYOUT_NAMES, ids=[n for _, n in LAYOUT_NAMES])
+def layout(request):
+    world, name = request.param
+    return request.getfixturevalue("two" if world == 2 else "four")[name]
+
+
+def test_every_built_in_loss_is_compared():
+    assert set(LOSSES) <= {name for name, _, _ in LOSS_CASES}
+
+
+def test_the_stages_export_the_whole_model(layout):
+    assert layout["same_start"]  # built from the same seed; the export gathers every stage (and dp/tp piece)
+
+
+def test_pipelined_forward_passes_equal_the_one_process_passes(layout):
+    forward = layout["forward"]
+    assert forward["logprobs"] < 1e-5 and forward["values"] < 1e-5 and forward["scores"] < 1e-5, forward
+
+
+@pytest.mark.parametrize("case", [f"{name} {options}" for name, options, _ in LOSS_CASES])
+def test_a_pipelined_train_step_equals_the_one_process_step(layout, case):
+    """Loss and gradient norm to fp32 rounding (over dp ranks the loss stat is a rank's own rows', as
+    without stages); the update too -- with tp slices, up to AdamW's normalisation of near-zero gradients
+    (a weight moves by about lr whichever way a tiny gradient rounds; the tp tests allow 10 % of lr)."""
+    got = layout["losses"][case]
+    (l1, l2), (n1, n2) = got["loss"], got["grad_norm"]
+    if "dp" not in layout["layout"]:
+        assert abs(l1 - l2) < 1e-5 * max(1.0, abs(l1)), got
+    assert abs(n1 - n2) < 1e-5 * max(1.0, n1), got
+    assert got["moved"] > 1e-4  # the step did something
+    tolerance = 0.1 * got["moved"] if "tp" in layout["layout"] else 1e-5 * max(1.0, got["moved"] * 100)
+    assert got["diff"] < tolerance, got
+    assert {"loss", "grad_norm", "pad_frac"} <= set(got["stats"])  # the last stage's stats reach every rank
+    assert 0.0 <= got["bubble"] < 1.0  # measured: the share of the step this rank waited on the other stage
+
+
+def test_a_resumed_pp2_model_continues_bit_for_bit(two):
+    resumed = two["resume"]
+    assert resumed == {"version": 1, "restored": True, "next_step": True}
