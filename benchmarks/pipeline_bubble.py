@@ -143,6 +143,15 @@ def stage_actor():
             times.reset = kept
             fn, meta = LOSSES[train["loss"]]
             saved = SavedBytes({p.untyped_storage().data_ptr() for p in engine.module.parameters()})
+            run_schedule = engine.pipeline.run
+
+            def counted(
+                *args: Any, **kwargs: Any
+            ) -> Any:  # in the thread the engine computes in (hooks are per thread)
+                with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                    return run_schedule(*args, **kwargs)
+
+            engine.pipeline.run = counted
             out = {
                 "compute": [],
                 "total": [],
@@ -157,8 +166,7 @@ def stage_actor():
                     generator=torch.Generator().manual_seed(i), unit=loss_unit(meta["aggregate"], train["algo"]),
                 )  # fmt: skip
                 saved.peak = saved.now
-                with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-                    engine.train(fn, batch, step)
+                engine.train(fn, batch, step)
                 if i:
                     t = captured[-1]
                     out["compute"].append(t.compute)
@@ -281,7 +289,9 @@ def main() -> None:
             compute = [statistics.median(g["compute"]) for g in got]
             total = [statistics.median(g["total"]) for g in got]
             idle = [1 - c / t for c, t in zip(compute, total)]
+            per_step = pred["micro_batches"] * pred["steps"] * cfg.train.epochs  # micro-batches a rank computes
             measured = {
+                "stage_s": [c / per_step for c in compute],
                 "idle": idle,
                 "bubble": min(idle),
                 "imbalance": max(compute) * len(compute) / sum(compute),
@@ -301,6 +311,7 @@ def main() -> None:
                     "imbalance": ratio(measured["imbalance"], pred["imbalance"]),
                     "held_bytes": [ratio(m, p) for m, p in zip(measured["held_bytes"], pred["held_bytes"])],
                     "step_s": ratio(measured["step_s"], pred["step_s"]),
+                    "stage_s": [ratio(m, p) for m, p in zip(measured["stage_s"], pred["stage_s"])],
                 },
                 "workers": sorted(set(where)),
             }
@@ -321,7 +332,8 @@ def main() -> None:
             )
             for s in range(2):
                 print(
-                    f"      stage {s}: idle {pred['idle'][s]:.1%} vs {idle[s]:.1%}; activations held "
+                    f"      stage {s}: {pred['stage_s'][s] * 1e3:.2f} vs {measured['stage_s'][s] * 1e3:.2f} ms per "
+                    f"micro-batch; idle {pred['idle'][s]:.1%} vs {idle[s]:.1%}; activations held "
                     f"{pred['held_bytes'][s] / 2**20:.2f} vs {measured['held_bytes'][s] / 2**20:.2f} MiB",
                     flush=True,
                 )
