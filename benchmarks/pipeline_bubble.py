@@ -213,8 +213,9 @@ def rollouts(decl: Any, run: Any, cfg: Any) -> dict:
 
 
 def predict(plan: Any, node: Any, seq_len: int) -> dict:
-    """The planner's pipeline terms for the plan's actor train step: per stage its time per micro-batch, idle
-    share and held activation bytes; the bubble (the slowest stage's idle share) and the imbalance."""
+    """The planner's pipeline terms for the plan's actor train step: per stage its time per micro-batch, its
+    share of the step not computing (idle, sending, receiving: as the engine's hook measures) and held
+    activation bytes; the bubble (the slowest stage's share not computing) and the imbalance."""
     import msgspec
 
     from flowrl.planner import memory as mem
@@ -231,9 +232,9 @@ def predict(plan: Any, node: Any, seq_len: int) -> dict:
     return {
         "micro_batches": pc.micro_batches,
         "steps": pc.steps,
-        "stage_s": pc.per_rank,
-        "idle": pc.idle,
-        "bubble": pc.bubble,
+        "stage_s": list(pc.compute),  # computing, as the engine's hook times it (its sends apart)
+        "idle": pc.not_computing,  # sends and receives included, as the engine's hook counts them
+        "bubble": min(pc.not_computing),  # the slowest stage's
         "imbalance": pc.imbalance,
         "step_s": pc.seconds * cfg.train.epochs,
         "held_bytes": held,

@@ -69,8 +69,15 @@ class PipelineCost:
 
     @property
     def idle(self) -> list[float]:
-        """Each rank's idle fraction of a step."""
+        """Each rank's idle fraction of a step (neither computing nor sending)."""
         return pipe.idle(self.per_rank, self.micro_batches, self.virtual_stages)
+
+    @property
+    def not_computing(self) -> list[float]:
+        """Each rank's fraction of a step spent not computing: idle, or in its sends and receives (what the
+        torch engine's `Pipeline.times` measures as its bubble, with communication)."""
+        step = self.step_s
+        return [1 - self.micro_batches * c / step for c in self.compute]
 
     @property
     def imbalance(self) -> float:
