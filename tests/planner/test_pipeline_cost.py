@@ -272,3 +272,12 @@ def test_schedule_problems_name_torchs_rule():
     assert pipe.schedule_problem("interleaved", 4, 2, 12, 32) is None
     assert pipe.schedule_problem("gpipe", 4, 2, 8, 32) is not None  # one stage per rank
     assert pipe.schedule_problem("gpipe", 4, 1, 1, 32) is None
+
+
+def test_sends_and_receives_count_as_not_computing_not_as_idle():
+    cost = CostModel(LLAMA, H100)
+    pc = cost.pipeline(layout(2, micro_batch=2), 32, 1024, backward=True)
+    assert all(x > 0 for x in pc.p2p)
+    for idle, away in zip(pc.idle, pc.not_computing):
+        assert away > idle  # the engine's hook counts a rank's transfers with its wait
+    assert pc.not_computing[0] - pc.idle[0] == pytest.approx(pc.micro_batches * pc.p2p[0] / pc.step_s)
