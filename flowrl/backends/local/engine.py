@@ -19,10 +19,10 @@ from torch import Tensor, nn
 
 from flowrl.backends.local.generation import last_logits_only, sample
 from flowrl.backends.local.packing import pack, response_logprobs, response_values
-from flowrl.backends.local.staged import Staged
 from flowrl.backends.local.parallelize import Parallelized, precision
 from flowrl.backends.local.parallelize.lora import MergedCopy, adapters_off, merge_lora
 from flowrl.backends.local.parallelize.tensor import token_logprobs
+from flowrl.backends.local.staged import Staged
 from flowrl.backends.local.threads import _computes, _locked
 from flowrl.backends.local.training import Training, adamw
 from flowrl.backends.local.weights import Weights
@@ -106,7 +106,11 @@ class LocalModel(Training, Weights, Staged):
     def shard_layout(self) -> str | None:
         """How `export_local_shards` cuts the weights: the torch engine's tensor-parallel slices (`parallelize.tensor`)
         over ``tp`` ranks; None when the model is whole on each rank or trains LoRA adapters (merged whole)."""
-        return f"torch-tp{self.dims.tensor}" if self.dims.tensor > 1 and self.lora is None and self.dims.pipeline == 1 else None
+        return (
+            f"torch-tp{self.dims.tensor}"
+            if self.dims.tensor > 1 and self.lora is None and self.dims.pipeline == 1
+            else None
+        )
 
     def __getstate__(self) -> dict[str, Any]:  # a copy (deepcopy) takes a lock of its own
         return {k: v for k, v in vars(self).items() if k != "lock"}

@@ -3,7 +3,7 @@ step's mini-batch and a forward pass run through the stages by the model's sched
 and optimizer state of the stages gathered whole (exports, checkpoints) or restored (each rank its own).
 
 A mini-batch: this data rank's micro-batches (`flowrl.runtime.dispatch.micro_batches`, as without
-stages), padded to one row count and one width (the schedule's static shapes: a padding row repeats a
+stages; halved where the schedule needs more of them, `split_to`), padded to one row count and one width (the schedule's static shapes: a padding row repeats a
 real one and counts nothing), run as one schedule step. The last stage computes the same loss function
 on each micro-batch's real rows, weighed by its share of the mini-batch as `Training._accumulate` does,
 so the accumulated gradients are the one-process mini-batch gradient; the loss's stats and the tokens
@@ -42,6 +42,18 @@ def slots(parts: list[Tensor], n: int, fallback: int) -> tuple[Tensor, Tensor]:
         rows += part + [fill] * (width - len(part))
         target += [at + j for j in range(len(part))] + [-1] * (width - len(part))
     return torch.tensor(rows, dtype=torch.long), torch.tensor(target, dtype=torch.long)
+
+
+def split_to(parts: list[Tensor], n: int) -> list[Tensor]:
+    """``parts`` (row indices) cut until there are ``n`` of them where rows allow, the largest halved
+    first: a schedule that needs more micro-batches than a call has (1F1B: one per stage) computes
+    smaller ones rather than empty ones."""
+    parts = list(parts)
+    while len(parts) < n and any(len(p) > 1 for p in parts):
+        at = max(range(len(parts)), key=lambda i: len(parts[i]))
+        half = (len(parts[at]) + 1) // 2
+        parts[at : at + 1] = [parts[at][:half], parts[at][half:]]
+    return parts
 
 
 def inputs_of(seqs: Sequences) -> dict[str, Tensor]:
@@ -83,7 +95,7 @@ class Staged:
             )
         parts = self._micro_batches(seqs, torch.arange(len(seqs)), 1, micro)[0]  # type: ignore[attr-defined]
         n = self.pipeline.micro_batches(max(len(parts), 1))
-        rows, target = slots(parts, n, 0)
+        rows, target = slots(split_to(parts, n), n, 0)
         view = trim({"s": seqs.select(rows)}, "s")["s"].to(self.device)
         width = seqs.response_ids.shape[1]
         result = torch.zeros((len(seqs), width) if output != "scores" else (len(seqs),), dtype=torch.float32)
@@ -114,7 +126,7 @@ class Staged:
         seqs: Sequences = batch[key]
         whole = share_of(seqs, mb, step.unit)
         n = self.pipeline.micro_batches(steps)
-        rows, target = slots(parts, n, int(mb[0]))
+        rows, target = slots(split_to(parts, n), n, int(mb[0]))
         view = to_device(trim(select_rows(batch, rows, len(seqs)), key), self.device)
         acc = _Accumulated()
         # FSDP averages gradients over its data-parallel ranks: scale by them so they sum, as one process would
@@ -177,7 +189,9 @@ class Staged:
         assert self.optimizer is not None
         names = {id(p): n for n, p in self.module.named_parameters()}
         state = {
-            names[id(p)]: {k: full(v).detach().to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in s.items()}
+            names[id(p)]: {
+                k: full(v).detach().to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in s.items()
+            }
             for p, s in self.optimizer.state.items()
         }
         groups = [
@@ -213,8 +227,6 @@ class Staged:
             if name not in whole["state"]:
                 continue
             self.optimizer.state[p] = {
-                k: (distribute_like(v, p) if v.shape == p.shape else v.clone())
-                if isinstance(v, Tensor)
-                else v
+                k: (distribute_like(v, p) if v.shape == p.shape else v.clone()) if isinstance(v, Tensor) else v
                 for k, v in whole["state"][name].items()
             }

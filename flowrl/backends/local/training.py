@@ -56,6 +56,8 @@ class Training:
             return {}
         micro = step.micro_batch or n_rows
         stats: dict[str, list[float]] = {}
+        if self.pipeline is not None:  # the bubble of this step's schedule steps only (not forward passes')
+            self.pipeline.times.reset()
         skipped, splits_before = 0, self.oom_splits  # optimizer steps skipped for a non-finite gradient
         computed = useful = 0  # tokens the micro-batches computed, and how many of them were not padding
         self.module.train()

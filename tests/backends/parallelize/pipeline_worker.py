@@ -119,7 +119,9 @@ def compare(rank: int, world: int, layout: str) -> dict:
 
     pp, tp, schedule, virtual, extra = LAYOUTS[world][layout]
     graph, plan = api.plan("ppo", overrides=[*OVERRIDES, *extra], emit=lambda s: None)
-    split = dict(rank=rank, world=world, group=dist.group.WORLD, tp=tp, pp=pp, schedule=schedule, virtual_stages=virtual)
+    split = dict(
+        rank=rank, world=world, group=dist.group.WORLD, tp=tp, pp=pp, schedule=schedule, virtual_stages=virtual
+    )
     whole = {m: _engine(graph, plan, m) for m in ("actor", "critic")}
     staged = {m: _engine(graph, plan, m, **split) for m in ("actor", "critic")}
     seqs = _rows(whole["actor"])

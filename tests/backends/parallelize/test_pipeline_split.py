@@ -101,3 +101,13 @@ def _four_layers(module):
     module.model.layers = nn.ModuleList([*layers, *copy.deepcopy(layers)])
     module.config.num_hidden_layers = 4
     return module
+
+
+def test_a_call_with_fewer_micro_batches_than_the_schedule_needs_computes_smaller_ones():
+    from flowrl.backends.local.staged import slots, split_to
+
+    parts = split_to([torch.arange(5)], 2)  # 1F1B over 2 stages: one micro-batch of 5 rows becomes 3 + 2
+    assert [p.tolist() for p in parts] == [[0, 1, 2], [3, 4]]
+    rows, target = slots(parts, 2, 0)  # one row count: the second micro-batch repeats its last row, counted -1
+    assert rows.tolist() == [0, 1, 2, 3, 4, 4] and target.tolist() == [0, 1, 2, 3, 4, -1]
+    assert len(split_to([torch.arange(1)], 2)) == 1  # one row cannot be halved: the schedule's other is empty

@@ -48,7 +48,9 @@ def test_a_refused_pipeline_leaves_the_module_as_it_was(tiny):
     """Refusals come before any transform: no adapters on a module that is then refused (the tiny model's
     2 decoder layers cannot make 4 stages)."""
     module = tiny()
-    with pytest.raises(BackendError, match=r"model 'critic' has 2 decoder layers, fewer than its 4 x 1 pipeline stages"):
+    with pytest.raises(
+        BackendError, match=r"model 'critic' has 2 decoder layers, fewer than its 4 x 1 pipeline stages"
+    ):
         parallelize(module, ParallelDims(model="critic", world=4, pipeline=4), _spec(LoraConfig(rank=2)), device=CPU)
     assert not any(".lora_" in n for n, _ in module.named_parameters())
     assert len(module.backbone.layers if hasattr(module, "backbone") else module.model.layers) == 2

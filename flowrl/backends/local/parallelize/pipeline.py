@@ -144,9 +144,7 @@ class Stage(nn.Module):
         from position ``start`` on (the hidden state at t predicts token t + 1), at ``temperature``."""
         self.output, self.start, self.temperature = output, start, temperature
 
-    def forward(
-        self, x: Tensor, attention_mask: Tensor, position_ids: Tensor, tokens: Tensor, last: Tensor
-    ) -> Tensor:
+    def forward(self, x: Tensor, attention_mask: Tensor, position_ids: Tensor, tokens: Tensor, last: Tensor) -> Tensor:
         from transformers.masking_utils import create_causal_mask
 
         hidden = self.embed_tokens(x) if self.is_first else x
@@ -342,7 +340,9 @@ class Pipeline:
                 first = torch.empty(rows, width, dtype=ids.dtype, device="meta")
                 shapes["input_args"] = (first,) if stage.is_first else (grads,)
                 out = (
-                    torch.empty((rows,) if output == "scores" else (rows, out_width), dtype=torch.float32, device="meta")
+                    torch.empty(
+                        (rows,) if output == "scores" else (rows, out_width), dtype=torch.float32, device="meta"
+                    )
                     if stage.is_last
                     else grads
                 )
