@@ -30,7 +30,7 @@ def start(out: str | None, prefix: str) -> tuple[Path, Any, Any]:
     return tmp, hw, cluster
 
 
-def run_variant(
+def plan_variant(
     name: str,
     graph_src: str,
     cluster: Any,
@@ -44,8 +44,7 @@ def run_variant(
     overrides: tuple[str, ...] = (),
 ) -> tuple[Any, Any]:
     """Plan ``graph_src`` for ``cluster`` (placement and sync pinned, layouts required) with fixed-length
-    responses (EOS ignored), and run the plan on Ray for ``steps`` steps into ``out/runs/NAME``.
-    Returns (the plan, the run's result)."""
+    responses (EOS ignored), to run on Ray for ``steps`` steps into ``out/runs/NAME``. Returns (graph, plan)."""
     from flowrl import api
     from flowrl.contract.plan import ClusterTarget
     from flowrl.planner.constraints import parse_requirements
@@ -76,7 +75,31 @@ def run_variant(
     )
     target = ClusterTarget(cluster=cluster, model=api.model_spec(cfg), workload=w)
     options = {"placement": placement, "weight_sync": sync, "require": need}
-    graph, plan = api.plan(
+    return api.plan(
         graph_src, overrides=settings, target=target, for_backend=True, options=options, emit=lambda s: None
     )
+
+
+def run_variant(
+    name: str,
+    graph_src: str,
+    cluster: Any,
+    out: Path,
+    *,
+    steps: int,
+    max_new_tokens: int,
+    placement: str | None = None,
+    sync: str | None = None,
+    require: tuple[str, ...] = (),
+    overrides: tuple[str, ...] = (),
+) -> tuple[Any, Any]:
+    """Plan ``graph_src`` for ``cluster`` (placement and sync pinned, layouts required) with fixed-length
+    responses (EOS ignored), and run the plan on Ray for ``steps`` steps into ``out/runs/NAME``.
+    Returns (the plan, the run's result)."""
+    from flowrl import api
+
+    graph, plan = plan_variant(
+        name, graph_src, cluster, out, steps=steps, max_new_tokens=max_new_tokens, placement=placement, sync=sync,
+        require=require, overrides=overrides,
+    )  # fmt: skip
     return plan, api.run(graph, plan)

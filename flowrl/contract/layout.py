@@ -62,6 +62,13 @@ class ModelLayout(Spec):
     schedule: PipelineSchedule = "1f1b"
     virtual_stages: Annotated[int, Meta(ge=1, le=64)] = 1
 
+    def describe_schedule(self) -> str:
+        """`` 1f1b``, `` gpipe`` or `` int2`` (interleaved, 2 stages per rank) for a layout split into pipeline
+        stages; empty for pp = 1."""
+        if self.parallel.pp == 1:
+            return ""
+        return f" int{self.virtual_stages}" if self.schedule == "interleaved" else f" {self.schedule}"
+
 
 class DeviceGroup(Spec):
     name: str
@@ -166,7 +173,7 @@ class ClusterPlan(Spec):
         for g in self.groups:
             members = [m for m in self.models if m.group == g.name]
             descr = ", ".join(
-                f"{m.model}(dp{m.parallel.dp} tp{m.parallel.tp} pp{m.parallel.pp} "
+                f"{m.model}(dp{m.parallel.dp} tp{m.parallel.tp} pp{m.parallel.pp}{m.describe_schedule()} "
                 f"mb{m.micro_batch}{' off' if m.offload_optimizer else ''})"
                 for m in members
             )

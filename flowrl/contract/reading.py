@@ -193,6 +193,13 @@ def _verify_layout(graph: Graph, plan: ExecutionPlan) -> None:
             raise PlanError(
                 f"model '{m.model}': tp {p.tp} must divide {spec.heads} heads and pp {p.pp} the {spec.layers} layers."
             )
+        v = m.virtual_stages
+        if (v > 1) != (m.schedule == "interleaved" and p.pp > 1) or spec.layers % (p.pp * v):
+            raise PlanError(
+                f"model '{m.model}': schedule '{m.schedule}' with virtual_stages {v} over pp {p.pp}: only the "
+                f"interleaved schedule with pp > 1 takes virtual_stages above 1 (and needs them), and pp x "
+                f"virtual_stages must divide the {spec.layers} layers."
+            )
         if mini_batch is not None and (mini_batch % p.dp or not 1 <= m.micro_batch <= mini_batch // p.dp):
             raise PlanError(
                 f"model '{m.model}': dp {p.dp} must divide the mini-batch of {mini_batch} sequences and "

@@ -31,6 +31,7 @@ from flowrl.contract.workload import WorkloadSpec, mean_length, sample_lengths
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Forward, Graph, Train
 from flowrl.planner import memory as mem
+from flowrl.planner import pipeline as pipe
 from flowrl.planner.constraints import Constraints
 from flowrl.planner.cost import CostModel
 from flowrl.planner.hardware import cost_provenance
@@ -64,6 +65,7 @@ class TuneResult:
     infeasible: list[Infeasible] = field(default_factory=list)
     seconds: float = 0.0
     roofline: dict[str, float] = field(default_factory=dict)
+    pipelines: list[str] = field(default_factory=list)  # the winner's pipeline terms (`Tuner.pipelines`)
 
     @property
     def best(self) -> ClusterPlan:
@@ -199,7 +201,7 @@ class Tuner:
             )
             if self.capabilities is not None:
                 options = [lay for lay in options if supports_layout(self.capabilities, lay)]
-            options = [lay for lay in options if self.constraints.fits_layout(model, lay.parallel)]
+            options = [lay for lay in options if self.constraints.fits_layout(model, lay)]
             if self.micro_batch is not None:  # the configured micro-batch, within each rank's share of the batch
                 options = list(
                     dict.fromkeys(
@@ -207,6 +209,12 @@ class Tuner:
                         for lay in options
                     )
                 )
+                spec = self.specs[model]  # a pipeline schedule that needs more micro-batches than that gives can't run
+                options = [
+                    lay
+                    for lay in options
+                    if pipe.layout_problem(lay, spec, batch // lay.parallel.dp // lay.micro_batch) is None
+                ]
             scored = [self.score(lay) for lay in options]
             scored.sort(key=lambda x: (x[1], x[2] + x[3]))
             front: list[tuple[ModelLayout, float, int, int]] = []
@@ -237,7 +245,9 @@ class Tuner:
         seconds = self.forwards[lay.model] * cost.forward(lay, self.w.sequences, seq, backward=False, sharded=trainable)
         if trainable:
             seconds += self.w.ppo_epochs * (
-                cost.forward(lay, self.w.sequences, seq, backward=True, sharded=trainable)
+                cost.forward(
+                    lay, self.w.sequences, seq, backward=True, sharded=trainable, mini_batches=self.w.mini_batches
+                )
                 + self.w.mini_batches * cost.optimizer_step(lay)
             )
         states = mem.state_bytes(spec, self.numerics, lay, trainable)
@@ -457,7 +467,39 @@ class Tuner:
         )
         result.roofline = self.roofline(ranked[0])
         ranked[0] = self._sealed(ranked[0], result.roofline)
+        result.pipelines = self.pipelines(ranked[0].plan)
         return result
+
+    def pipelines(self, plan: ClusterPlan) -> list[str]:
+        """What each model split into pipeline stages pays for it, one line each: its micro-batches per step,
+        the bubble, each stage's time per micro-batch against the mean (the first holds the embedding, the last
+        the LM head and the loss), the micro-batches in flight on each stage, and the stage crossings."""
+        lines = []
+        for lay in plan.models:
+            p = lay.parallel
+            if p.pp == 1:
+                continue
+            trainable = lay.model in self.roles.trainable
+            seq = int(round(padded_length(self.lengths, self.w.prompt_length, lay.micro_batch * p.dp)))
+            minis = self.w.mini_batches if trainable else 1
+            pc = self.costs[lay.model].pipeline(
+                lay, self.w.sequences, seq, backward=trainable, sharded=trainable, mini_batches=minis
+            )
+            per = pc.per_rank
+            mean = sum(per) / len(per)
+            flight = [pipe.in_flight(lay.schedule, p.pp, lay.virtual_stages, pc.micro_batches, r) for r in range(p.pp)]
+            crossings = p.pp * lay.virtual_stages - 1
+            kind = "train step" if trainable else "forward"
+            lines.append(
+                f"  pipeline {lay.model} pp{p.pp}{lay.describe_schedule()} ({kind}): "
+                f"{pc.micro_batches} micro-batches x {pc.steps} step(s); bubble {pc.bubble:.0%} of a step; stage "
+                f"time per micro-batch {' : '.join(f'{u / mean:.2f}' for u in per)} of the mean (first: embedding, "
+                f"last: LM head + loss); in flight "
+                + (" / ".join(f"{x:g}" for x in flight) if trainable else "1")
+                + f" micro-batches per stage; {crossings} stage crossing(s) per micro-batch"
+                f" ({sum(pc.p2p) / max(sum(per), 1e-30):.0%} of stage time)"
+            )
+        return lines
 
     def _promising_first(self, candidates: list[ClusterPlan]) -> list[ClusterPlan]:
         """The order to simulate in, so that a budget that runs out has seen the promising plans first:
@@ -488,6 +530,7 @@ class Tuner:
         result = TuneResult(ranked=[candidate], considered=1)
         result.roofline = self.roofline(candidate)
         result.ranked[0] = self._sealed(candidate, result.roofline)
+        result.pipelines = self.pipelines(plan)
         result.seconds = time.perf_counter() - t0
         return result
 
@@ -664,6 +707,7 @@ def explain(
             f"{g}: {u:.0%} busy, {gib(pred.memory_bytes.get(g, 0))}/device" for g, u in pred.utilization.items()
         )
     )
+    lines += result.pipelines
     roof = result.roofline
     lines.append(
         f"  roofline: {roof['flops'] / 1e15:.1f} PFLOP/iteration -> {roof['compute_bound_s']:.2f}s at "

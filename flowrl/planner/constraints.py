@@ -9,6 +9,7 @@ Keys:
 - ``rollout.mode=MODE`` (as ``--set rollout.mode``: sync, one_step_off, async, partial, ...)
 - ``generation.tp=N`` (tensor parallelism of each generation replica)
 - ``MODEL.dp=N``, ``MODEL.tp=N``, ``MODEL.pp=N`` (one graph model's parallel layout)
+- ``MODEL.schedule=gpipe|1f1b|interleaved``, ``MODEL.virtual_stages=N`` (its pipeline schedule, pp > 1)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from flowrl.specs import Spec
 PLACEMENTS = ("colocate", "split", "standalone", "disaggregated")
 SYNCS = ("reshard", "full", "bucketed", "sparse")
 PARALLEL = ("dp", "tp", "pp")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 class Constraints(Spec):
@@ -30,9 +32,13 @@ class Constraints(Spec):
     rollout_mode: str | None = None
     generation_tp: int | None = None
     parallel: dict[str, dict[str, int]] = {}  # model -> {"dp"|"tp"|"pp": size}
+    # model -> {"schedule": gpipe|1f1b|interleaved, "virtual_stages": N} (pipeline stages, pp > 1)
+    pipeline: dict[str, dict[str, str | int]] = {}
 
     def __bool__(self) -> bool:
-        return any((self.placement, self.weight_sync, self.rollout_mode, self.generation_tp, self.parallel))
+        return any(
+            (self.placement, self.weight_sync, self.rollout_mode, self.generation_tp, self.parallel, self.pipeline)
+        )
 
     def describe(self) -> str:
         parts = [
@@ -42,10 +48,15 @@ class Constraints(Spec):
         parts.append(f"rollout.mode={self.rollout_mode}" if self.rollout_mode else "")
         parts.append(f"generation.tp={self.generation_tp}" if self.generation_tp else "")
         parts += [f"{m}.{k}={v}" for m, dims in self.parallel.items() for k, v in dims.items()]
+        parts += [f"{m}.{k}={v}" for m, dims in self.pipeline.items() for k, v in dims.items()]
         return " ".join(p for p in parts if p)
 
-    def fits_layout(self, model: str, parallel: Any) -> bool:
-        return all(getattr(parallel, k) == v for k, v in self.parallel.get(model, {}).items())
+    def fits_layout(self, model: str, layout: Any) -> bool:
+        """Whether ``layout`` (a `ModelLayout` of ``model``) has the required sizes, and, split into pipeline
+        stages, the required schedule."""
+        if not all(getattr(layout.parallel, k) == v for k, v in self.parallel.get(model, {}).items()):
+            return False
+        return all(getattr(layout, k) == v for k, v in self.pipeline.get(model, {}).items())
 
 
 def _count(key: str, value: str) -> int:
@@ -61,7 +72,7 @@ def _count(key: str, value: str) -> int:
 def parse_requirements(items: Iterable[str], models: Iterable[str]) -> Constraints:
     """``KEY=VALUE`` strings as Constraints; ``models``: the graph's models (for ``MODEL.tp``)."""
     models = list(models)
-    out: dict[str, Any] = {"parallel": {}}
+    out: dict[str, Any] = {"parallel": {}, "pipeline": {}}
     seen: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -92,9 +103,19 @@ def parse_requirements(items: Iterable[str], models: Iterable[str]) -> Constrain
                     f"{', '.join(models)}."
                 )
             out["parallel"].setdefault(model, {})[dim] = _count(key, value)
+        elif "." in key and key.rsplit(".", 1)[1] in ("schedule", "virtual_stages"):
+            model, field = key.rsplit(".", 1)
+            if model not in models:
+                raise ConfigError(
+                    f"--require {item}: the graph has no model '{model}'.{did_you_mean(model, models)} Its models: "
+                    f"{', '.join(models)}."
+                )
+            if field == "schedule" and value not in SCHEDULES:
+                raise ConfigError(f"--require {item}: one of {', '.join(SCHEDULES)}.")
+            out["pipeline"].setdefault(model, {})[field] = value if field == "schedule" else _count(key, value)
         else:
             raise ConfigError(
                 f"--require {item}: unknown key '{key}'. Keys: placement, sync, rollout.mode, generation.tp, "
-                f"MODEL.dp / MODEL.tp / MODEL.pp (models: {', '.join(models)})."
+                f"MODEL.dp / MODEL.tp / MODEL.pp / MODEL.schedule / MODEL.virtual_stages (models: {', '.join(models)})."
             )
     return Constraints(**out)

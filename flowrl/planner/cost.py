@@ -27,11 +27,63 @@ import numpy as np
 from flowrl.contract.hardware import GenerationCalibration, HardwareSpec, is_cpu
 from flowrl.contract.layout import ModelLayout
 from flowrl.contract.model import ModelSpec
+from flowrl.planner import pipeline as pipe
 from flowrl.planner.efficiency import EfficiencyCurve, curve_for
 
 BF16 = 2
 FP32 = 4
 ADAM_STATE_BYTES = 12  # fp32 master weights + two moments per parameter
+
+
+@dataclass(frozen=True)
+class PipelineCost:
+    """One pipelined pass of a layout split into stages (pp > 1): ``steps`` flushes (mini-batches) of
+    ``micro_batches`` micro-batches per dp rank, each rank's seconds per micro-batch (``compute``: FLOPs,
+    kernels, collectives; ``p2p``: its stage-boundary transfers)."""
+
+    schedule: str
+    pp: int
+    virtual_stages: int
+    micro_batches: int
+    steps: int
+    compute: tuple[float, ...]
+    p2p: tuple[float, ...]
+
+    @property
+    def per_rank(self) -> list[float]:
+        return [c + t for c, t in zip(self.compute, self.p2p)]
+
+    @property
+    def step_s(self) -> float:
+        """Seconds of one flush: `pipeline.step_seconds`."""
+        return pipe.step_seconds(self.per_rank, self.micro_batches, self.virtual_stages)
+
+    @property
+    def seconds(self) -> float:
+        return self.steps * self.step_s
+
+    @property
+    def bubble(self) -> float:
+        """The fraction of a step the slowest rank idles (`pipeline.bubble`)."""
+        return pipe.bubble(self.per_rank, self.micro_batches, self.virtual_stages)
+
+    @property
+    def idle(self) -> list[float]:
+        """Each rank's idle fraction of a step (neither computing nor sending)."""
+        return pipe.idle(self.per_rank, self.micro_batches, self.virtual_stages)
+
+    @property
+    def not_computing(self) -> list[float]:
+        """Each rank's fraction of a step spent not computing: idle, or in its sends and receives (what the
+        torch engine's `Pipeline.times` measures as its bubble, with communication)."""
+        step = self.step_s
+        return [1 - self.micro_batches * c / step for c in self.compute]
+
+    @property
+    def imbalance(self) -> float:
+        """The slowest rank's time per micro-batch over the mean rank's (1: balanced stages)."""
+        per_rank = self.per_rank
+        return max(per_rank) * len(per_rank) / sum(per_rank)
 
 
 @dataclass(frozen=True)
@@ -155,33 +207,89 @@ class CostModel:
         return self.model.layers * 9 + 3
 
     def forward(
-        self, layout: ModelLayout, sequences: int, seq_len: int, *, backward: bool, sharded: bool = False
+        self,
+        layout: ModelLayout,
+        sequences: int,
+        seq_len: int,
+        *,
+        backward: bool,
+        sharded: bool = False,
+        mini_batches: int = 1,
     ) -> float:
-        """Forward (x3 with backward) of ``sequences`` on one model in its layout.
+        """Forward (x3 with backward) of ``sequences`` on one model in its layout, in ``mini_batches`` steps.
 
-        Pipeline bubble: (pp - 1) / (micro-batches + pp - 1) of the step is idle. ``sharded`` (a
-        trainable model over dp > 1, FSDP): every micro-batch all-gathers each layer's weights.
+        ``sharded`` (a trainable model over dp > 1, FSDP): every micro-batch all-gathers each layer's
+        weights. Split into pipeline stages (pp > 1): `pipeline`'s steps, one per mini-batch.
         """
         p = layout.parallel
+        if p.pp > 1:
+            return self.pipeline(
+                layout, sequences, seq_len, backward=backward, sharded=sharded, mini_batches=mini_batches
+            ).seconds
         per_rank = max(sequences // p.dp, 1)
         micro = max(per_rank // layout.micro_batch, 1)
         flops = per_rank * seq_len * self.model.flops_per_token(seq_len // 2) * (3 if backward else 1)
         efficiency = self.efficiency(min(layout.micro_batch, per_rank) * seq_len, seq_len, p.tp)
-        compute = self.matmul(flops, p.tp * p.pp, efficiency)  # one dp rank's work spread over its tp x pp devices
-        bubble = (p.pp - 1) / (micro + p.pp - 1) if p.pp > 1 else 0.0
-        compute = compute / (1 - bubble)
+        compute = self.matmul(flops, p.tp, efficiency)  # one dp rank's work spread over its tp devices
         tokens_mb = layout.micro_batch * seq_len
-        comm = micro * self.tp_pass(tokens_mb, p.tp, self.model.layers // p.pp, backward, head=True)
-        if p.pp > 1:  # activations (and their gradients) cross pp - 1 stage boundaries per micro-batch
-            bw, lat = self.link(p.tp * p.pp)
-            comm += (
-                micro * (p.pp - 1) * (2 if backward else 1) * (tokens_mb * self.model.hidden * BF16 / p.tp / bw + lat)
-            )
-        overhead = micro * (self.model.layers // p.pp) * self.hw.kernel_overhead * (2 if backward else 1)
+        comm = micro * self.tp_pass(tokens_mb, p.tp, self.model.layers, backward, head=True)
+        overhead = micro * self.model.layers * self.hw.kernel_overhead * (2 if backward else 1)
         if sharded and p.dp > 1:  # one FSDP unit per decoder layer and the root
-            units = self.model.layers // p.pp + 1
-            comm += micro * units * self.allreduce(self.param_bytes / (p.tp * p.pp) / units, p.dp, span=p.size) / 2
+            units = self.model.layers + 1
+            comm += micro * units * self.allreduce(self.param_bytes / p.tp / units, p.dp, span=p.size) / 2
         return compute + comm + overhead
+
+    def pipeline(
+        self,
+        layout: ModelLayout,
+        sequences: int,
+        seq_len: int,
+        *,
+        backward: bool,
+        sharded: bool = False,
+        mini_batches: int = 1,
+    ) -> PipelineCost:
+        """A pass of ``sequences`` through a model cut into ``pp`` stages (`pipeline.py`): per mini-batch, each
+        dp rank's m micro-batches flow through the stages as ``layout.schedule`` orders them. Each rank pays
+        per micro-batch its layers' FLOPs (the last also the LM head's, and the log-softmax's bytes), its
+        kernels, its tensor-parallel collectives, its FSDP gathers and its stage-boundary sends and receives
+        (``v`` times as many interleaved); the slowest rank sets the pace."""
+        p, v = layout.parallel, layout.virtual_stages
+        per_rank_rows = max(sequences // p.dp, 1)
+        micro = max(per_rank_rows // layout.micro_batch, 1)
+        steps = max(min(mini_batches, micro), 1)
+        m = max(micro // steps, 1)
+        tokens_mb = min(layout.micro_batch, per_rank_rows) * seq_len
+        efficiency = self.efficiency(tokens_mb, seq_len, p.tp)
+        passes = 3 if backward else 1
+        directions = 2 if backward else 1
+        layers = pipe.rank_layers(self.model, p.pp)
+        bw, lat = self.link(p.tp * p.pp)
+        crossing = tokens_mb * self.model.hidden * BF16 / p.tp / bw + lat  # one boundary, one direction
+        compute, p2p = [], []
+        for rank in range(p.pp):
+            flops = tokens_mb * pipe.rank_flops_per_token(self.model, p.pp, rank, seq_len // 2) * passes
+            seconds = self.matmul(flops, p.tp, efficiency)
+            seconds += self.tp_pass(tokens_mb, p.tp, layers, backward, head=rank == p.pp - 1)
+            seconds += layers * self.hw.kernel_overhead * (2 if backward else 1)
+            if rank == p.pp - 1:  # the loss: fp32 logits read and log-probs written (and their gradients)
+                seconds += self.stream(tokens_mb * self.model.vocab * FP32 * (5 if backward else 2) / p.tp)
+            if sharded and p.dp > 1:  # one FSDP unit per decoder layer and the stage's root
+                units = layers + 1
+                held = pipe.rank_parameters(self.model, p.pp, rank) * BF16 / p.tp
+                seconds += units * self.allreduce(held / units, p.dp, span=p.size) / 2
+            sends = pipe.crossings(p.pp, v, rank) * directions * crossing
+            compute.append(seconds)
+            p2p.append(sends)
+        return PipelineCost(
+            schedule=layout.schedule,
+            pp=p.pp,
+            virtual_stages=v,
+            micro_batches=m,
+            steps=steps,
+            compute=tuple(compute),
+            p2p=tuple(p2p),
+        )
 
     def tp_pass(
         self,
@@ -214,7 +322,7 @@ class CostModel:
     def optimizer_step(self, layout: ModelLayout) -> float:
         """Gradient all-reduce over dp (ZeRO-1 reduce-scatter + all-gather) and the AdamW update."""
         p = layout.parallel
-        shard = self.params / (p.tp * p.pp)
+        shard = pipe.largest_rank_parameters(self.model, p.pp) / p.tp  # the largest stage's (pp > 1)
         units = self.model.layers // p.pp + 1  # one reduce-scatter per FSDP unit
         grads = self.allreduce(shard * BF16, p.dp, span=p.size) + (units - 1) * p.dp * self.link(p.size)[1] * (p.dp > 1)
         update = self.stream(shard / p.dp * (ADAM_STATE_BYTES * 2 + BF16 * 2))

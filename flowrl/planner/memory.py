@@ -6,7 +6,9 @@ how many sequences a generation replica decodes at once) comes in as `Numerics`,
 backend declares.
 
     states       = P/(tp*pp) * weight_bytes  (+ grad_bytes + optimizer_bytes/dp when trainable)
+                   (pp > 1: the largest stage's parameters, not P/pp: `pipeline.rank_parameters`)
     activations  = tokens of one micro-batch * (kept across layers + one layer's working set) + logits
+                   (pp > 1: kept for every micro-batch in flight on a stage: `pipeline.in_flight`)
     generation   = weights/tp + KV cache of the sequences one replica decodes at once
 """
 
@@ -18,6 +20,7 @@ from flowrl.contract.hardware import HardwareSpec
 from flowrl.contract.layout import GenerationLayout, ModelLayout
 from flowrl.contract.model import ModelSpec
 from flowrl.contract.numerics import Numerics
+from flowrl.planner import pipeline as pipe
 
 GiB = 1024**3
 REPLICATED_HIDDEN = 5  # of a layer's working set (16 x hidden, below), the hidden-sized tensors tp does not split
@@ -31,10 +34,11 @@ def state_bytes(
     model: ModelSpec, numerics: Numerics, layout: ModelLayout, trainable: bool, trained: int | None = None
 ) -> int:
     """One device's weights, and for a trainable model its gradients and optimizer states, of the
-    ``trained`` parameters (LoRA adapters) or all (None)."""
+    ``trained`` parameters (LoRA adapters) or all (None). Split into pipeline stages, the largest stage's:
+    the first (embedding) or the last (final norm and LM head)."""
     p = layout.parallel
     zero3 = p.dp if sharded(numerics, layout, trainable) else 1
-    shard = model.parameters() / (p.tp * p.pp * zero3)
+    shard = pipe.largest_rank_parameters(model, p.pp) / (p.tp * zero3)  # pp > 1: the first or last stage's
     total = shard * numerics.weight_bytes
     if trainable:
         grads = shard if trained is None else trained / (p.tp * p.pp * zero3)
@@ -60,10 +64,15 @@ def micro_steps(rows: int, layout: ModelLayout, size: int, mini_batches: int = 1
     return max(-(-mine // max(size, 1)), 1)
 
 
-def activation_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout, seq_len: int, *, training: bool) -> int:
+def activation_bytes(
+    model: ModelSpec, numerics: Numerics, layout: ModelLayout, seq_len: int, *, training: bool, micro_steps: int = 1
+) -> int:
     """Peak activations of one micro-batch: what is kept across layers for backward (the layer
     inputs with recomputation, every layer's working set without), one layer's working set,
-    and fp32 logits (and their gradient when training)."""
+    and fp32 logits (and their gradient when training). Split into pipeline stages (pp > 1), the
+    largest stage's: a train step keeps what its layers keep for every micro-batch in flight there
+    (``micro_steps``: micro-batches per step, `pipeline.in_flight`), the last stage also the logits
+    of those its schedule keeps (`pipeline.logits_in_flight`)."""
     p = layout.parallel
     b = numerics.activation_bytes
     tokens = layout.micro_batch * seq_len
@@ -81,13 +90,48 @@ def activation_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout, 
     else:
         kept = working * layers
     logits = model.vocab * 4 * (2 if training else 1) / p.tp
-    return int(tokens * (kept + working + logits))
+    if p.pp == 1:
+        return int(tokens * (kept + working + logits))
+    return max(
+        held + transient
+        for held, transient in stage_activations(
+            model, numerics, layout, seq_len, training=training, micro_steps=micro_steps
+        )
+    )
+
+
+def stage_activations(
+    model: ModelSpec, numerics: Numerics, layout: ModelLayout, seq_len: int, *, training: bool, micro_steps: int = 1
+) -> list[tuple[int, int]]:
+    """Each pipeline stage's (pp > 1; one per rank) activations at its peak, as (held, transient): ``held``
+    what it keeps for the backward of its micro-batches in flight (`pipeline.in_flight`; its layers' kept
+    tensors, and on the last stage the logits of those its schedule keeps), ``transient`` one layer's working
+    set of the micro-batch it computes (and on the last stage its logits, forward only)."""
+    p = layout.parallel
+    b = numerics.activation_bytes
+    tokens = layout.micro_batch * seq_len
+    layers = model.layers // p.pp
+    scores = model.heads * seq_len if numerics.eager_attention else 0
+    whole = REPLICATED_HIDDEN * model.hidden if p.tp > 1 else 0
+    working = (whole + ((16 * model.hidden - whole) + 2 * model.intermediate + scores) / p.tp) * b
+    kept = (model.hidden * b if numerics.recompute else working) * layers
+    logits = model.vocab * 4 * (2 if training else 1) / p.tp
+    out = []
+    for rank in range(p.pp):
+        last = rank == p.pp - 1
+        if training:
+            flight = pipe.in_flight(layout.schedule, p.pp, layout.virtual_stages, micro_steps, rank)
+            held = flight * kept + (pipe.logits_in_flight(layout.schedule, micro_steps) * logits if last else 0)
+            out.append((int(tokens * held), int(tokens * working)))
+        else:
+            out.append((0, int(tokens * (working + (logits if last else 0)))))
+    return out
 
 
 def compute_copy_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout) -> int:
     """The copy of one device's weights a model computes with, while it computes (`Numerics.compute_copy_bytes`)."""
     p = layout.parallel
-    return int(model.parameters() / (p.tp * p.pp) * numerics.compute_copy_bytes)
+    return int(pipe.largest_rank_parameters(model, p.pp) / p.tp * numerics.compute_copy_bytes)
 
 
 def gathered_bytes(
@@ -99,9 +143,12 @@ def gathered_bytes(
     step a layer's unsharded gradient, or, gathering whole over ``micro_steps`` > 1 micro-batches of a
     mini-batch, the whole model's, accumulated until the last reduces it."""
     p = layout.parallel
-    layer = model.layer_parameters() / (p.tp * p.pp)
     layers = model.layers // p.pp
-    root = (model.vocab * model.hidden * (1 if model.tied_embeddings else 2) + model.hidden) / p.tp
+    layer = model.layer_parameters() / p.tp
+    if p.pp == 1:
+        root = (model.vocab * model.hidden * (1 if model.tied_embeddings else 2) + model.hidden) / p.tp
+    else:  # the largest stage's root: the embedding, or the final norm and LM head
+        root = (pipe.largest_rank_parameters(model, p.pp) - layers * model.layer_parameters()) / p.tp
     held = ((layers if numerics.gather_whole else 2) * layer + root) * (
         numerics.compute_copy_bytes or numerics.weight_bytes
     )
@@ -124,7 +171,7 @@ def pass_bytes(
     """One micro-batch's peak beyond the model's states: its activations, and its compute copy -- kept
     for the backward unless each layer is recomputed from its input -- or, sharded, what it gathers
     (``micro_steps``: a train step's micro-batches per mini-batch on one rank)."""
-    acts = activation_bytes(model, numerics, layout, seq_len, training=training)
+    acts = activation_bytes(model, numerics, layout, seq_len, training=training, micro_steps=micro_steps)
     if sharded(numerics, layout, trainable):
         return acts + gathered_bytes(model, numerics, layout, training=training, micro_steps=micro_steps)
     return acts + (0 if training and numerics.recompute else compute_copy_bytes(model, numerics, layout))

@@ -437,7 +437,7 @@ def simulate(
                 c, layout = costs[node.model], plan.layout(node.model)
                 epochs, minis = (train_steps or {}).get(name, (workload.ppo_epochs, workload.mini_batches))
                 seconds = epochs * c.forward(
-                    layout, n_rows, padded, backward=True, sharded=sharded
+                    layout, n_rows, padded, backward=True, sharded=sharded, mini_batches=minis
                 ) + epochs * minis * c.optimizer_step(layout)
                 flops_total += 3 * epochs * n_rows * seq_len * c.model.flops_per_token(seq_len // 2)
             else:

@@ -2,9 +2,11 @@
 
 A `ClusterPlan` is one point of the space. `skeletons()` enumerates placements, device-group
 sizes, generation layouts, rollout policies and weight-sync strategies; `layouts()`
-enumerates one model's (dp, tp, pp, micro-batch, offload) options on a group. Every
-candidate already satisfies divisibility (tp divides heads and fits in a node, pp divides
-layers, dp divides the batch); memory is checked by the cost model.
+enumerates one model's (dp, tp, pp, micro-batch, offload) options on a group, and with pp > 1
+its pipeline schedules (GPipe, 1F1B, interleaved 1F1B with v stages per rank: `schedules()`).
+Every candidate already satisfies divisibility (tp divides heads and fits in a node, pp divides
+layers, pp x v divides them interleaved, dp divides the batch) and the schedule's rules on its
+micro-batches; memory is checked by the cost model.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from flowrl.contract.layout import (
     GenerationLayout,
     ModelLayout,
     Parallel,
+    PipelineSchedule,
     Placement,
     RolloutPolicy,
     WeightSync,
     tp_inside_nodes,
 )
+from flowrl.planner import pipeline as pipe
 
 # ------------------------------------------------------------------ enumeration
 
@@ -212,14 +216,29 @@ def layouts(
             for mb in _pow2_upto(per_rank):  # memory (checked later) bounds it on accelerators
                 if per_rank % mb:
                     continue
-                for off in (False, True) if trainable else (False,):
-                    out.append(
-                        ModelLayout(
-                            model=model,
-                            group=group.name,
-                            parallel=Parallel(dp=dp, tp=tp, pp=pp),
-                            micro_batch=mb,
-                            offload_optimizer=off,
+                for schedule, virtual in schedules(pp, layers, per_rank // mb):
+                    for off in (False, True) if trainable else (False,):
+                        out.append(
+                            ModelLayout(
+                                model=model,
+                                group=group.name,
+                                parallel=Parallel(dp=dp, tp=tp, pp=pp),
+                                micro_batch=mb,
+                                offload_optimizer=off,
+                                schedule=schedule,
+                                virtual_stages=virtual,
+                            )
                         )
-                    )
     return out
+
+
+def schedules(pp: int, layers: int, micro_batches: int) -> list[tuple[PipelineSchedule, int]]:
+    """The (schedule, virtual stages per rank) a model of ``layers`` layers split into ``pp`` stages may run with
+    ``micro_batches`` micro-batches per step: GPipe, 1F1B and interleaved 1F1B with each of
+    `pipeline.VIRTUAL_STAGES` that divides the layers (torch's rules: `pipeline.schedule_problem`); one
+    stage (the default, 1F1B with v = 1) for pp = 1."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    options: list[tuple[PipelineSchedule, int]] = [("gpipe", 1), ("1f1b", 1)]
+    options += [("interleaved", v) for v in pipe.VIRTUAL_STAGES]
+    return [(s, v) for s, v in options if pipe.schedule_problem(s, pp, v, micro_batches, layers) is None]

@@ -36,6 +36,9 @@ def test_explain_shows_the_constrained_plan_beside_the_unconstrained_winner(caps
         ("speed=fast", "unknown key 'speed'"),
         ("placement", "write KEY=VALUE"),
         ("generation.tp=3", "no plan for this graph on this cluster has generation tp 3"),
+        ("actor.schedule=zigzag", "one of gpipe, 1f1b, interleaved"),
+        ("critic.schedule=gpipe", "the graph has no model 'critic'"),
+        ("actor.virtual_stages=0", "give a whole number >= 1"),
     ],
 )
 def test_bad_requirements_are_named(capsys, require, message):
@@ -46,3 +49,22 @@ def test_bad_requirements_are_named(capsys, require, message):
 def test_require_needs_a_cluster(capsys):
     assert main(["plan", "grpo", "--require", "placement=colocate"]) == 2
     assert "add --cluster" in capsys.readouterr().err
+
+
+def test_a_required_pipeline_schedule_holds_in_the_plan_and_explain_prices_it(tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    require = [
+        "--require",
+        "actor.pp=4",
+        "--require",
+        "actor.schedule=interleaved",
+        "--require",
+        "actor.virtual_stages=2",
+    ]
+    assert main(["plan", "grpo", *CLUSTER, *require, "--explain", "--out", str(out)]) == 0
+    lay = load_plan(out).layout.layout("actor")
+    assert (lay.parallel.pp, lay.schedule, lay.virtual_stages) == (4, "interleaved", 2)
+    text = capsys.readouterr().out
+    assert "pp4 int2" in text  # the plan summary
+    line = next(x for x in text.splitlines() if x.strip().startswith("pipeline actor pp4 int2 (train step)"))
+    assert "bubble" in line and "in flight" in line and "7 stage crossing(s)" in line

@@ -14,6 +14,7 @@ import torch
 from flowrl import api
 from flowrl.contract.data import Sequences
 from flowrl.planner import memory as mem
+from flowrl.planner.constraints import parse_requirements
 from flowrl.planner.passes import PassResults
 from flowrl.plugins.manager import registry
 from flowrl.runtime.dispatch import micro_batches
@@ -36,7 +37,8 @@ def _plan(*extra: str, results: PassResults | None = None):
         overrides=overrides,
         target=target,
         for_backend=True,
-        options={"placement": "colocate"},
+        # the actor FSDP2-sharded over both ranks (the engine could split it into pipeline stages instead)
+        options={"placement": "colocate", "require": parse_requirements(["actor.dp=2"], ["actor", "ref"])},
         results=results,
         emit=lambda s: None,
     )[1]

@@ -6,6 +6,7 @@ after a train step equal these states)."""
 from __future__ import annotations
 
 from flowrl import api
+from flowrl.planner.constraints import parse_requirements
 from flowrl.plugins.manager import registry
 
 OVERRIDES = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "progress=false", "train.dtype=float32"]
@@ -15,7 +16,9 @@ def _plan(*extra: str, devices: int = 2):
     overrides = [*OVERRIDES, *extra]
     _, cfg = api.load("grpo", overrides=overrides)
     target = api.local_target(cfg, registry(), devices=devices)
-    pins = {"placement": "colocate"} if devices > 1 else {}  # both models over both ranks
+    # both models over both ranks, the actor FSDP2-sharded (the engine could split it into pipeline stages instead)
+    sharded = {"require": parse_requirements(["actor.dp=2"], ["actor", "ref"])}
+    pins = {"placement": "colocate", **sharded} if devices > 1 else {}
     return api.plan(
         "grpo", overrides=overrides, target=target, for_backend=devices > 1, options=pins, emit=lambda s: None
     )[1]

@@ -87,7 +87,8 @@ def raw_options(t: Tuner, model: str, group) -> list[tuple[ModelLayout, float, i
         heads=t.model.heads, kv_heads=t.model.kv_heads, layers=t.model.layers, batch=batch,
     ):  # fmt: skip
         states = mem.state_bytes(t.model, t.numerics, lay, trainable)
-        acts = mem.activation_bytes(t.model, t.numerics, lay, t.max_len, training=trainable)
+        steps = mem.micro_steps(t.w.sequences, lay, lay.micro_batch, t.w.mini_batches)  # a pipeline's in flight
+        acts = mem.activation_bytes(t.model, t.numerics, lay, t.max_len, training=trainable, micro_steps=steps)
         out.append((lay, 0.0, states, acts))
     return out
 

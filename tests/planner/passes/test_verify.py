@@ -63,6 +63,10 @@ BROKEN: dict[str, tuple[Callable[[ExecutionPlan], dict[str, Any]], str]] = {
         lambda p: _model(p, "actor", micro_batch=7),
         "model 'actor': dp 1 must divide the mini-batch of 6 sequences and micro-batch 7",
     ),
+    "virtual stages without the interleaved schedule": (
+        lambda p: _model(p, "actor", virtual_stages=2),
+        "model 'actor': schedule '1f1b' with virtual_stages 2 over pp 1: only the interleaved schedule",
+    ),
     "generation outside the cluster": (
         lambda p: _layout(p, generation=GenerationLayout(group="all", tp=1, replicas=2)),
         "generation of 'actor': tp 1 x 2 replicas must fill group 'all'",
