@@ -665,6 +665,11 @@ def _joined_target(args: argparse.Namespace, load_kwargs: dict[str, Any], given:
     from flowrl.plugins.manager import registry
 
     if _executor_flag(args) is None:
+        if "ray" not in registry().names("executors"):
+            raise ConfigError(
+                "--address joins a Ray cluster, and no Ray executor is installed (pip install -e plugins/flowrl-ray); "
+                "drop --address to run on this machine."
+            )
         args.executor = load_kwargs["flags"]["executor"] = "ray"
     _, cfg = api.load(_need_graph(args), **load_kwargs)
     entry = api.executor_entry(cfg, registry())
