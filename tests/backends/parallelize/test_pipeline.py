@@ -1,8 +1,9 @@
 """Pipeline parallelism in the torch engine (flowrl/backends/local/parallelize/pipeline.py,
 flowrl/backends/local/staged.py): a model cut into pp=2 stages over two gloo processes -- by the GPipe,
-1F1B and interleaved (2 stages per rank, 4 layers) schedules -- computes what one process computes: the
-forward passes (log-probs, values, scores), and a train step for every built-in loss and every way a
-loss aggregates (loss, gradient norm and update); a checkpoint of it resumes bit for bit. With four
+1F1B and interleaved (2 stages per rank, 4 layers) schedules, and with an LM head tied to the embeddings
+-- computes what one process computes: the forward passes (log-probs, values, scores), and a train step
+for every built-in loss and every way a loss aggregates (loss, gradient norm and update); a checkpoint
+of it resumes bit for bit. With four
 processes, pp2 x dp2 (FSDP2 over each stage) and pp2 x tp2 (DTensor slices inside each stage) do too.
 Processes of this machine, spawned (no Ray)."""
 
@@ -93,6 +94,21 @@ def test_a_pipelined_train_step_equals_the_one_process_step(layout, case):
     assert 0.0 <= got["bubble"] < 1.0  # measured: the share of the step this rank waited on the other stage
 
 
-def test_a_resumed_pp2_model_continues_bit_for_bit(two):
-    resumed = two["resume"]
-    assert resumed == {"version": 1, "restored": True, "next_step": True}
+def test_a_tied_heads_two_copies_stay_equal_bit_for_bit(two):
+    """The first stage's embedding and the last stage's copy of it after seven train steps (the layout's
+    steps above, equal to the one-process steps of the tied model)."""
+    assert two["tied"]["tied_copies_equal"]
+
+
+@pytest.mark.parametrize("name", ["resume", "resume-tied"])
+def test_a_resumed_pp2_model_continues_bit_for_bit(two, name):
+    """A tied head's checkpoint stores the weight once (the embedding's name), its config still tied."""
+    resumed = two[name]
+    tied = name == "resume-tied"
+    assert resumed == {
+        "version": 1,
+        "restored": True,
+        "next_step": True,
+        "head_stored": not tied,
+        "tie_word_embeddings": tied,
+    }

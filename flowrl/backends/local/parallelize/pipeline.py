@@ -65,8 +65,8 @@ def _base(module: nn.Module) -> nn.Module:
 
 def check_split(module: nn.Module, pp: int, virtual: int, schedule: str, name: str) -> None:
     """Refuse, by name, a model ``pp x virtual`` stages cannot split: fewer decoder layers than stages,
-    an LM head tied to the embeddings (the first and last stages would share it), a decoder not laid out
-    as Llama's (embeddings, layers, norm, rotary embedding), or an unknown schedule."""
+    a decoder not laid out as Llama's (embeddings, layers, norm, rotary embedding), or an unknown
+    schedule. (An LM head tied to the embeddings splits: `TiedWeight`.)"""
     if schedule not in SCHEDULES:
         raise BackendError(f"model '{name}': pipeline schedule '{schedule}' is not one of {', '.join(SCHEDULES)}.")
     if virtual > 1 and schedule != "interleaved":
@@ -85,12 +85,6 @@ def check_split(module: nn.Module, pp: int, virtual: int, schedule: str, name: s
         raise BackendError(
             f"model '{name}' has {n_layers} decoder layers, fewer than its {pp} x {virtual} pipeline stages. "
             "Plan a smaller pp (or fewer virtual stages)."
-        )
-    head = getattr(module, "lm_head", None)
-    if head is not None and head.weight is base.embed_tokens.weight:
-        raise BackendError(
-            f"model '{name}' ties its LM head to its token embeddings; the first and last pipeline stages "
-            "cannot share them. Plan it with pp=1."
         )
 
 
@@ -173,12 +167,63 @@ class Stage(nn.Module):
         return token_logprobs(logits, tokens, self.temperature)
 
 
+def tied_names(module: nn.Module) -> tuple[str, str] | None:
+    """The names of ``module``'s token embedding and of the LM head weight tied to it (one parameter under
+    two names, as HF's ``tie_word_embeddings`` makes it), or None when the head has a weight of its own."""
+    head = getattr(module, "lm_head", None)
+    embedding = _base(module).embed_tokens.weight
+    if head is None or head.weight is not embedding:
+        return None
+    names = [n for n, p in module.named_parameters(remove_duplicate=False) if p is embedding]
+    head_name = next(n for n in names if n.startswith("lm_head."))
+    return next(n for n in names if n != head_name), head_name
+
+
+@dataclass(frozen=True)
+class TiedWeight:
+    """An LM head tied to the token embeddings, as Megatron splits it: the first stage holds the embedding
+    (``embedding``, its one-process name), the last stage a copy of it as its head weight (``head``),
+    initialised equal. After each backward the two copies' gradients are summed over ``group`` (the
+    first and last pipeline ranks at one (dp, tp) place) -- both then take the same optimizer step and
+    stay equal bit for bit; the gradient norm counts the shared weight once (on the first rank). A
+    middle pipeline rank holds neither: ``name`` (this rank's copy) and ``group`` are None there.
+    Exports name both, as the one-process state dict does; an HF file stores it once (as
+    ``embedding``), which fills the head's copy when loaded."""
+
+    embedding: str
+    head: str
+    name: str | None
+    group: Any
+
+    @property
+    def is_copy(self) -> bool:
+        """Whether this rank's parameter is the head's copy (not counted in the gradient norm)."""
+        return self.name == self.head
+
+
+def tie_group(pipeline_group: Any, pp: int, index: int) -> Any:
+    """The process group of the first and last ranks of ``pipeline_group`` (``pp`` ranks, in stage order;
+    this rank is the ``index``-th), made by those two ranks only; None on the others."""
+    import torch.distributed as dist
+
+    if pp == 2:
+        return pipeline_group
+    if index not in (0, pp - 1):
+        return None
+    ranks = dist.get_process_group_ranks(pipeline_group)
+    return dist.new_group([ranks[0], ranks[-1]], use_local_synchronization=True)
+
+
 def split(module: nn.Module, pp_index: int, pp: int, virtual: int) -> list[Stage]:
     """Cut ``module`` (LoRA'd, tensor-sliced) in place to what pipeline rank ``pp_index`` of ``pp`` holds
     with ``virtual`` stages per rank: its layers (under their global names), the embeddings only on the
-    first rank, the final norm and head only on the last; returns its `Stage` s, in stage order."""
+    first rank, the final norm and head only on the last (a head tied to the embeddings: a copy of
+    them, `TiedWeight`); returns its `Stage` s, in stage order."""
     base = _base(module)
     count = pp * virtual
+    if tied_names(module) is not None and pp_index == pp - 1:  # the last rank's own copy, equal at the start
+        weight = module.lm_head.weight
+        module.lm_head.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
     ranges = layer_ranges(len(base.layers), count)
     mine = stages_of(pp_index, pp, virtual)
     stages = [Stage(module, s, count, ranges[s]) for s in mine]
@@ -271,6 +316,7 @@ class Pipeline:
     device: torch.device
     hidden: int
     act_dtype: torch.dtype | None
+    tied: TiedWeight | None = None  # an LM head tied to the embeddings (None: none)
     times: PipelineTimes = field(default_factory=PipelineTimes)
 
     def __post_init__(self) -> None:
