@@ -237,7 +237,10 @@ def _same_bits(a: dict, b: dict) -> bool:
 def main(rank: int, port: int, out: str, world: int) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    from flowrl.runtime.compute import on_compute_thread
+
+    torch.set_num_threads(1)  # and on the engine's compute thread (a forked rank keeps its parent's count)
+    on_compute_thread(torch.set_num_threads, 1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     results = {layout: compare(rank, world, layout) for layout in LAYOUTS[world]}
     if world == 2:
@@ -247,6 +250,17 @@ def main(rank: int, port: int, out: str, world: int) -> None:
         with open(out, "w") as fh:
             json.dump(results, fh)
     dist.destroy_process_group()
+
+
+def run(rank: int, port: int, out: str, world: int) -> None:
+    """`main`, a failure's traceback written to ``rank-RANK.err`` beside ``out`` (what the test reports)."""
+    import traceback
+
+    try:
+        main(rank, port, out, world)
+    except BaseException:
+        Path(out).with_name(f"rank-{rank}.err").write_text(traceback.format_exc())
+        raise
 
 
 if __name__ == "__main__":

@@ -5,14 +5,12 @@ flowrl/backends/local/staged.py): a model cut into pp=2 stages over two gloo pro
 for every built-in loss and every way a loss aggregates (loss, gradient norm and update); a checkpoint
 of it resumes bit for bit. With four
 processes, pp2 x dp2 (FSDP2 over each stage) and pp2 x tp2 (DTensor slices inside each stage) do too.
-Processes of this machine, spawned (no Ray)."""
+Processes of this machine, forked by a fork server (no Ray)."""
 
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,21 +25,38 @@ from pipeline_worker import LAYOUTS, LOSS_CASES  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
+# what every worker imports, imported once by the fork server that forks them (a fresh interpreter per
+# rank spent most of this module's time importing torch and transformers)
+PRELOAD = ["torch", "torch.distributed.pipelining", "transformers", "transformers.models.llama.modeling_llama",
+           "flowrl.api", "flowrl.backends.local.factories", "pipeline_worker"]  # fmt: skip
+
+
 def _spawn(tmp_path_factory, world: int) -> dict:
-    """Every layout's comparison for ``world`` ranks, from one group of processes."""
+    """Every layout's comparison for ``world`` ranks, from one group of processes forked by a fork server
+    that imported the workers' modules once (each rank one torch thread: they share this machine's cores)."""
+    import multiprocessing
+
+    import pipeline_worker
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path_factory.mktemp("pp") / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the processes share this machine's cores: one thread each
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(rank), str(port), str(out), str(world)], env=env, stderr=subprocess.PIPE
-        )
-        for rank in range(world)
-    ]
-    errors = [p.communicate(timeout=900)[1].decode()[-3000:] for p in procs]
-    assert all(p.returncode == 0 for p in procs), errors
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # no effect where this process's fork server already runs
+    procs = [ctx.Process(target=pipeline_worker.run, args=(rank, port, str(out), world)) for rank in range(world)]
+    with pytest.MonkeyPatch.context() as env:  # the fork server, if this starts it, imports torch at one thread
+        env.setenv("OMP_NUM_THREADS", "1")
+        for p in procs:
+            p.start()
+    for p in procs:
+        p.join(timeout=900)
+    for p in procs:  # a rank left waiting on one that failed
+        if p.is_alive():
+            p.kill()
+            p.join()
+    errors = [f.read_text()[-3000:] for f in sorted(out.parent.glob("rank-*.err"))]
+    assert all(p.exitcode == 0 for p in procs), errors or [p.exitcode for p in procs]
     return json.loads(out.read_text())
 
 
