@@ -230,6 +230,35 @@ def _stored(folder: Path) -> dict:
     return {"head_stored": "lm_head.weight" in keys, "tie_word_embeddings": bool(config.get("tie_word_embeddings"))}
 
 
+def bf16_step(rank: int, world: int) -> dict:
+    """A bfloat16 pp=2 train step that computes its own old log-probs (the sampler's beside them: the gap)
+    and one process's: their stats. (In bfloat16 torch infers the stages' shapes, calling the loss once
+    on placeholder activations, which must count for nothing.)"""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from flowrl.contract.data import StepBatch
+    from flowrl.tasks.builtin import Copy
+
+    graph, plan = _plan(["train.dtype=bfloat16"])
+    whole = _engine(graph, plan, "actor")
+    staged = _engine(graph, plan, "actor", rank=rank, world=world, group=dist.group.WORLD, pp=2)
+    prompts = Copy().prompts(random.Random(0), 5)
+    rollout = whole.generate(prompts, n=3, greedy=False, generator=torch.Generator().manual_seed(0))
+    seqs = rollout.sequences
+    versions = torch.full_like(seqs.response_ids, whole.version) * seqs.response_mask.long()
+    seqs = seqs.replaced(logprobs=rollout.logprobs, versions=versions)
+    batch = StepBatch(columns=_batch(seqs, rollout.logprobs, rollout.logprobs))
+    out = {}
+    for name, engine in (("whole", whole), ("staged", staged)):
+        fn, step = _step(plan.config.algo, "ppo", 4)
+        step = dataclasses.replace(step, own=("old_logprobs",), mini_batches=1)  # the gap before any update
+        stats = engine.train(fn, batch, step)
+        out[name] = {k: stats[k] for k in ("loss", "grad_norm", "pad_frac", "logprob_gap", "logprob_gap_max")}
+    return out
+
+
 def _same_bits(a: dict, b: dict) -> bool:
     return sorted(a) == sorted(b) and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
 
@@ -246,6 +275,7 @@ def main(rank: int, port: int, out: str, world: int) -> None:
     if world == 2:
         results["resume"] = resumed(rank, world, Path(out).with_name("ckpt-pp2"))
         results["resume-tied"] = resumed(rank, world, Path(out).with_name("ckpt-pp2-tied"), tied=True)
+        results["bf16"] = bf16_step(rank, world)
     if rank == 0:
         with open(out, "w") as fh:
             json.dump(results, fh)

@@ -394,13 +394,23 @@ class Pipeline:
                 )
                 shapes["output_args"] = (out,)
             built.append(PipelineStage(stage, stage.index, stage.count, self.device, group=self.group, **shapes))
+        inferring = [False]  # inside torch's metadata inference (shapes not given: bfloat16)
+
+        def micro_loss(out: Tensor, target: Tensor) -> Tensor:
+            if inferring[0]:  # placeholder activations, not a micro-batch: the loss must count nothing
+                return out.float().sum() * 0.0
+            assert loss is not None
+            return loss(out, target)
+
         kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+        fn = micro_loss if loss is not None else None
         if self.schedule == "interleaved":
-            sched = ScheduleInterleaved1F1B(built, n_micro, loss_fn=loss, scale_grads=False)
+            sched = ScheduleInterleaved1F1B(built, n_micro, loss_fn=fn, scale_grads=False)
         else:
-            sched = kinds[self.schedule](built[0], n_micro, loss_fn=loss, scale_grads=False)
+            sched = kinds[self.schedule](built[0], n_micro, loss_fn=fn, scale_grads=False)
         for b in built:
             _time_backward(b, self.times)
+            _flag_inference(b, inferring)
         kwargs = {k: inputs[k] for k in ("attention_mask", "position_ids", "tokens", "last")}
         args = (ids,) if self.index == 0 else ()
         began = time.perf_counter()
@@ -411,6 +421,25 @@ class Pipeline:
         self.times.total += time.perf_counter() - began
         self.times.calls += 1
         return result if self.is_last else None
+
+
+def _flag_inference(stage: Any, inferring: list[bool]) -> None:
+    """Set ``inferring[0]`` while ``stage`` (a ``PipelineStage``) infers its gradients' metadata: torch
+    (2.13) then calls the schedule's loss function once on the last stage's output of placeholder
+    activations (``torch.empty``) with the first micro-batch's target -- a call that, counted, added a
+    garbage loss, share and statistics (``logprob_gap`` among them) to every bfloat16 train step."""
+    inner = getattr(stage, "_backward_metadata_inference", None)
+    if inner is None:  # a torch without it infers no metadata through the loss
+        return
+
+    def flagged(*args: Any, **kwargs: Any) -> Any:
+        inferring[0] = True
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            inferring[0] = False
+
+    stage._backward_metadata_inference = flagged
 
 
 def _time_backward(stage: Any, times: PipelineTimes) -> None:
