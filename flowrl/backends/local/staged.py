@@ -3,8 +3,10 @@ step's mini-batch and a forward pass run through the stages by the model's sched
 and optimizer state of the stages gathered whole (exports, checkpoints) or restored (each rank its own).
 
 A mini-batch: this data rank's micro-batches (`flowrl.runtime.dispatch.micro_batches`, as without
-stages; halved where the schedule needs more of them, `split_to`), padded to one row count and one width (the schedule's static shapes: a padding row repeats a
-real one and counts nothing), run as one schedule step. The last stage computes the same loss function
+stages; halved where the schedule needs more of them, `split_to`), padded to one row count and one
+width (the schedule's static shapes: a padding row repeats a real one and counts nothing), run as one
+schedule step; a tied LM head's two copies then have their gradients summed (`Staged._sum_tied_grads`).
+The last stage computes the same loss function
 on each micro-batch's real rows, weighed by its share of the mini-batch as `Training._accumulate` does,
 so the accumulated gradients are the one-process mini-batch gradient; the loss's stats and the tokens
 counted reach every rank of the pipeline from the last one. A forward pass: its micro-batches the same
@@ -161,6 +163,31 @@ class Staged:
         dist.broadcast_object_list(box, src=self.pipeline.last_rank(), group=self.pipeline.group)
         acc.total, acc.share, acc.computed, acc.useful, acc.stats = box[0]
         return acc
+
+    def _sum_tied_grads(self) -> tuple[nn.Parameter, ...]:
+        """A tied LM head's two copies (`pp.TiedWeight`): each one's gradient becomes their sum, over the
+        first and last pipeline ranks (the one-process gradient of the shared weight); returns the
+        copy the gradient norm must not count again (the head's, on the last rank), else none."""
+        import torch.distributed as dist
+
+        from flowrl.backends.local.parallelize.tensor import local
+
+        tied = self.pipeline.tied
+        if tied is None or tied.name is None:
+            return ()
+        param = dict(self.module.named_parameters())[tied.name]
+        if param.grad is None:  # no gradient reached it: zeros, so the sum is the other copy's
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(local(param.grad), group=tied.group)
+        return (param,) if tied.is_copy else ()
+
+    def _with_tied(self, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``weights`` with a tied LM head's copy (`pp.TiedWeight`) taken from the embedding where they
+        hold it once (an HF file), as the one-process model reads them."""
+        tied = self.pipeline.tied
+        if tied is not None and tied.head not in weights and tied.embedding in weights:
+            return {**weights, tied.head: weights[tied.embedding]}
+        return weights
 
     def _gather_stages(self, mine: dict[str, Any]) -> dict[str, Any]:
         """The union of every pipeline rank's ``mine`` (a dict keyed by tensor name), on every rank."""

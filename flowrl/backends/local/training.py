@@ -71,9 +71,10 @@ class Training:
                     acc = self._accumulate_staged(loss, batch, step, mb, parts, steps)  # type: ignore[attr-defined]
                 else:
                     acc = self._accumulate_splitting(loss, batch, step, mb, parts, steps)
-                if self.pipeline is not None:  # one norm over every stage's gradients
+                if self.pipeline is not None:  # one norm over every stage's gradients (a tied weight's once)
+                    copy = self._sum_tied_grads()  # type: ignore[attr-defined]
                     params = list(self.module.parameters())
-                    norm = tensor.clip_grad_norm(params, opt.grad_clip, across=self.pipeline.group)
+                    norm = tensor.clip_grad_norm(params, opt.grad_clip, across=self.pipeline.group, uncounted=copy)
                 elif self.dims.tensor > 1:  # DTensor slices over the tp mesh beside FSDP shards and whole tensors
                     norm = tensor.clip_grad_norm(list(self.module.parameters()), opt.grad_clip)
                 else:

@@ -79,6 +79,8 @@ class Weights:
                 "cannot be replaced by full weights."
             )
         if self.distributed:  # each rank keeps its pieces (tp slices, FSDP2 shards) of the whole weights
+            if getattr(self, "pipeline", None) is not None:  # a tied head's copy from the embedding
+                weights = self._with_tied(dict(weights))  # type: ignore[attr-defined]
             missing = _untied_keys(self.module) - set(weights)
             if missing:
                 raise BackendError(f"weights for model '{self.decl.name}' lack {sorted(missing)[:3]}.")
@@ -141,6 +143,8 @@ class Weights:
             raise BackendError(
                 f"checkpoint of model '{self.decl.name}' in '{path}' is unreadable: {type(exc).__name__}: {exc}."
             ) from None
+        if getattr(self, "pipeline", None) is not None:  # a tied head's copy from the embedding (stored once)
+            weights = self._with_tied(weights)  # type: ignore[attr-defined]
         expected = _untied_keys(self.module)
         missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - set(self.module.state_dict()))
         if getattr(self, "pipeline", None) is not None:  # the other stages' tensors: theirs to load

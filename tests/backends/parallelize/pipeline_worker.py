@@ -1,7 +1,7 @@
 """Run by test_pipeline.py as WORLD processes (the ranks of a gloo group): the same model built whole in
-this process and in pipeline stages over them (pp=2; with 4 ranks also pp2 x dp2 and pp2 x tp2); their
-forward passes, one train step per loss and a checkpoint's resume are compared. Rank 0 writes the
-comparison as JSON to the file it is given.
+this process and in pipeline stages over them (pp=2, also with an LM head tied to the embeddings; with 4
+ranks pp2 x dp2 and pp2 x tp2); their forward passes, one train step per loss and a checkpoint's resume
+are compared. Rank 0 writes the comparison as JSON to the file it is given.
 
     python tests/backends/parallelize/pipeline_worker.py RANK PORT OUT WORLD
 """
@@ -35,27 +35,50 @@ LOSS_CASES = [
     ("sequence_pg", {}, "actor"),  # a plugin's sequence-level loss
     ("value", {}, "critic"),
 ]
-# layouts by world: name -> (pp, tp, schedule, virtual stages, extra overrides)
+# layouts by world: name -> (pp, tp, schedule, virtual stages, extra overrides, LM head tied to the embeddings)
 LAYOUTS = {
     2: {
-        "gpipe": (2, 1, "gpipe", 1, []),
-        "1f1b": (2, 1, "1f1b", 1, []),
-        "interleaved": (2, 1, "interleaved", 2, ["tiny_model.num_layers=4"]),
+        "gpipe": (2, 1, "gpipe", 1, [], False),
+        "1f1b": (2, 1, "1f1b", 1, [], False),
+        "interleaved": (2, 1, "interleaved", 2, ["tiny_model.num_layers=4"], False),
+        "tied": (2, 1, "1f1b", 1, [], True),
     },
     4: {
-        "pp2-dp2": (2, 1, "1f1b", 1, []),
-        "pp2-tp2": (2, 2, "1f1b", 1, ["tiny_model.num_heads=4", "tiny_model.num_kv_heads=2"]),
+        "pp2-dp2": (2, 1, "1f1b", 1, [], False),
+        "pp2-tp2": (2, 2, "1f1b", 1, ["tiny_model.num_heads=4", "tiny_model.num_kv_heads=2"], False),
     },
 }
+_PLANS: dict = {}
 
 
-def _engine(graph, plan, model, **dist):
-    from flowrl.backends.local.factories import training_engine
+def _plan(extra):
+    """The ppo graph and plan with ``extra`` overrides (planned once per process)."""
+    from flowrl import api
+
+    key = tuple(extra)
+    if key not in _PLANS:
+        _PLANS[key] = api.plan("ppo", overrides=[*OVERRIDES, *extra], emit=lambda s: None)
+    return _PLANS[key]
+
+
+def _engine(graph, plan, model, tied=False, **dist):
+    """The torch engine of ``model`` (split over ``dist``'s ranks when given); ``tied``: a tiny Llama whose
+    LM head is tied to its embeddings (HF's tie_word_embeddings, as SmolLM2's), built as the engine's
+    factory builds one."""
+    from flowrl.backends.local.factories import local_model, training_engine
+    from flowrl.backends.local.models import build_model, load_tokenizer, model_config
     from flowrl.contract.protocols import EngineContext
 
-    run = plan.model_run(model)
+    run, decl = plan.model_run(model), graph.models[model]
     torch.manual_seed(run.seed)
-    return training_engine(EngineContext(decl=graph.models[model], spec=run, device="cpu", **dist))
+    if not tied:
+        return training_engine(EngineContext(decl=decl, spec=run, device="cpu", **dist))
+    tokenizer = load_tokenizer(run.checkpoint)
+    config = model_config(run.checkpoint, run.tiny, tokenizer)
+    config.tie_word_embeddings = True
+    module = build_model(run.checkpoint, config, run.seed, decl.scalar_head, decl.name)
+    assert decl.scalar_head or module.lm_head.weight is module.model.embed_tokens.weight
+    return local_model(decl, module, tokenizer, config, run, torch.device("cpu"), **dist)
 
 
 def _loss(name):
@@ -115,15 +138,13 @@ def _batch(seqs, logp, values):
 def compare(rank: int, world: int, layout: str) -> dict:
     import torch.distributed as dist
 
-    from flowrl import api
-
-    pp, tp, schedule, virtual, extra = LAYOUTS[world][layout]
-    graph, plan = api.plan("ppo", overrides=[*OVERRIDES, *extra], emit=lambda s: None)
+    pp, tp, schedule, virtual, extra, tied = LAYOUTS[world][layout]
+    graph, plan = _plan(extra)
     split = dict(
         rank=rank, world=world, group=dist.group.WORLD, tp=tp, pp=pp, schedule=schedule, virtual_stages=virtual
     )
-    whole = {m: _engine(graph, plan, m) for m in ("actor", "critic")}
-    staged = {m: _engine(graph, plan, m, **split) for m in ("actor", "critic")}
+    whole = {m: _engine(graph, plan, m, tied) for m in ("actor", "critic")}
+    staged = {m: _engine(graph, plan, m, tied, **split) for m in ("actor", "critic")}
     seqs = _rows(whole["actor"])
     result: dict = {"layout": layout, "losses": {}}
     logp = whole["actor"].forward(seqs, "logprobs", 4)
@@ -159,20 +180,24 @@ def compare(rank: int, world: int, layout: str) -> dict:
             "stats": sorted(set(stats1) & set(stats2)),
             "bubble": stats2.get("pp_bubble"),
         }
+    if tied:  # the first stage's embedding and the last stage's copy of it, after every step above
+        weights = staged["actor"].export_weights()
+        result["tied_copies_equal"] = _same_bits(
+            {"w": weights["model.embed_tokens.weight"]}, {"w": weights["lm_head.weight"]}
+        )
     return result
 
 
-def resumed(rank: int, world: int, folder: Path) -> dict:
-    """A pp=2 model's checkpoint (`save_state` after a step) restored into a new pp=2 engine and into one
-    process: the weights, and the next step's weights, bit for bit."""
+def resumed(rank: int, world: int, folder: Path, tied: bool = False) -> dict:
+    """A pp=2 model's checkpoint (`save_state` after a step) restored into a new pp=2 engine: the weights,
+    and the next step's weights, bit for bit. ``tied``: its LM head tied to its embeddings (stored once
+    in the checkpoint, under the embedding's name, with the config's tie_word_embeddings kept)."""
     import torch.distributed as dist
 
-    from flowrl import api
-
-    graph, plan = api.plan("ppo", overrides=OVERRIDES, emit=lambda s: None)
+    graph, plan = _plan([])
     split = dict(rank=rank, world=world, group=dist.group.WORLD, pp=2)
-    whole = _engine(graph, plan, "actor")
-    first = _engine(graph, plan, "actor", **split)
+    whole = _engine(graph, plan, "actor", tied)
+    first = _engine(graph, plan, "actor", tied, **split)
     seqs = _rows(whole)
     logp = whole.forward(seqs, "logprobs", 0)
     batch = _batch(seqs, logp, logp)
@@ -181,7 +206,8 @@ def resumed(rank: int, world: int, folder: Path) -> dict:
     folder.mkdir(exist_ok=True)
     first.save_state(folder)
     dist.barrier()  # rank 0 wrote it
-    again = _engine(graph, plan, "actor", **split)
+    stored = _stored(folder)
+    again = _engine(graph, plan, "actor", tied, **split)
     version = again.load_state(folder)
     restored = _same_bits(first.export_weights(), again.export_weights())
     first.train(fn, batch, _step(plan.config.algo, "ppo", 3)[1])
@@ -190,7 +216,47 @@ def resumed(rank: int, world: int, folder: Path) -> dict:
         "version": version,
         "restored": restored,
         "next_step": _same_bits(first.export_weights(), again.export_weights()),
+        **stored,
     }
+
+
+def _stored(folder: Path) -> dict:
+    """What the checkpoint's HF files say of the LM head: stored as its own tensor, and tied in the config."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as fh:
+        keys = set(fh.keys())
+    config = json.loads((folder / "config.json").read_text())
+    return {"head_stored": "lm_head.weight" in keys, "tie_word_embeddings": bool(config.get("tie_word_embeddings"))}
+
+
+def bf16_step(rank: int, world: int) -> dict:
+    """A bfloat16 pp=2 train step that computes its own old log-probs (the sampler's beside them: the gap)
+    and one process's: their stats. (In bfloat16 torch infers the stages' shapes, calling the loss once
+    on placeholder activations, which must count for nothing.)"""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from flowrl.contract.data import StepBatch
+    from flowrl.tasks.builtin import Copy
+
+    graph, plan = _plan(["train.dtype=bfloat16"])
+    whole = _engine(graph, plan, "actor")
+    staged = _engine(graph, plan, "actor", rank=rank, world=world, group=dist.group.WORLD, pp=2)
+    prompts = Copy().prompts(random.Random(0), 5)
+    rollout = whole.generate(prompts, n=3, greedy=False, generator=torch.Generator().manual_seed(0))
+    seqs = rollout.sequences
+    versions = torch.full_like(seqs.response_ids, whole.version) * seqs.response_mask.long()
+    seqs = seqs.replaced(logprobs=rollout.logprobs, versions=versions)
+    batch = StepBatch(columns=_batch(seqs, rollout.logprobs, rollout.logprobs))
+    out = {}
+    for name, engine in (("whole", whole), ("staged", staged)):
+        fn, step = _step(plan.config.algo, "ppo", 4)
+        step = dataclasses.replace(step, own=("old_logprobs",), mini_batches=1)  # the gap before any update
+        stats = engine.train(fn, batch, step)
+        out[name] = {k: stats[k] for k in ("loss", "grad_norm", "pad_frac", "logprob_gap", "logprob_gap_max")}
+    return out
 
 
 def _same_bits(a: dict, b: dict) -> bool:
@@ -200,15 +266,31 @@ def _same_bits(a: dict, b: dict) -> bool:
 def main(rank: int, port: int, out: str, world: int) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    from flowrl.runtime.compute import on_compute_thread
+
+    torch.set_num_threads(1)  # and on the engine's compute thread (a forked rank keeps its parent's count)
+    on_compute_thread(torch.set_num_threads, 1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     results = {layout: compare(rank, world, layout) for layout in LAYOUTS[world]}
     if world == 2:
         results["resume"] = resumed(rank, world, Path(out).with_name("ckpt-pp2"))
+        results["resume-tied"] = resumed(rank, world, Path(out).with_name("ckpt-pp2-tied"), tied=True)
+        results["bf16"] = bf16_step(rank, world)
     if rank == 0:
         with open(out, "w") as fh:
             json.dump(results, fh)
     dist.destroy_process_group()
+
+
+def run(rank: int, port: int, out: str, world: int) -> None:
+    """`main`, a failure's traceback written to ``rank-RANK.err`` beside ``out`` (what the test reports)."""
+    import traceback
+
+    try:
+        main(rank, port, out, world)
+    except BaseException:
+        Path(out).with_name(f"rank-{rank}.err").write_text(traceback.format_exc())
+        raise
 
 
 if __name__ == "__main__":

@@ -1,17 +1,16 @@
 """Pipeline parallelism in the torch engine (flowrl/backends/local/parallelize/pipeline.py,
 flowrl/backends/local/staged.py): a model cut into pp=2 stages over two gloo processes -- by the GPipe,
-1F1B and interleaved (2 stages per rank, 4 layers) schedules -- computes what one process computes: the
-forward passes (log-probs, values, scores), and a train step for every built-in loss and every way a
-loss aggregates (loss, gradient norm and update); a checkpoint of it resumes bit for bit. With four
+1F1B and interleaved (2 stages per rank, 4 layers) schedules, and with an LM head tied to the embeddings
+-- computes what one process computes: the forward passes (log-probs, values, scores), and a train step
+for every built-in loss and every way a loss aggregates (loss, gradient norm and update); a checkpoint
+of it resumes bit for bit. With four
 processes, pp2 x dp2 (FSDP2 over each stage) and pp2 x tp2 (DTensor slices inside each stage) do too.
-Processes of this machine, spawned (no Ray)."""
+Processes of this machine, forked by a fork server (no Ray)."""
 
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,21 +25,38 @@ from pipeline_worker import LAYOUTS, LOSS_CASES  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
+# what every worker imports, imported once by the fork server that forks them (a fresh interpreter per
+# rank spent most of this module's time importing torch and transformers)
+PRELOAD = ["torch", "torch.distributed.pipelining", "transformers", "transformers.models.llama.modeling_llama",
+           "flowrl.api", "flowrl.backends.local.factories", "pipeline_worker"]  # fmt: skip
+
+
 def _spawn(tmp_path_factory, world: int) -> dict:
-    """Every layout's comparison for ``world`` ranks, from one group of processes."""
+    """Every layout's comparison for ``world`` ranks, from one group of processes forked by a fork server
+    that imported the workers' modules once (each rank one torch thread: they share this machine's cores)."""
+    import multiprocessing
+
+    import pipeline_worker
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path_factory.mktemp("pp") / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the processes share this machine's cores: one thread each
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(rank), str(port), str(out), str(world)], env=env, stderr=subprocess.PIPE
-        )
-        for rank in range(world)
-    ]
-    errors = [p.communicate(timeout=900)[1].decode()[-3000:] for p in procs]
-    assert all(p.returncode == 0 for p in procs), errors
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # no effect where this process's fork server already runs
+    procs = [ctx.Process(target=pipeline_worker.run, args=(rank, port, str(out), world)) for rank in range(world)]
+    with pytest.MonkeyPatch.context() as env:  # the fork server, if this starts it, imports torch at one thread
+        env.setenv("OMP_NUM_THREADS", "1")
+        for p in procs:
+            p.start()
+    for p in procs:
+        p.join(timeout=900)
+    for p in procs:  # a rank left waiting on one that failed
+        if p.is_alive():
+            p.kill()
+            p.join()
+    errors = [f.read_text()[-3000:] for f in sorted(out.parent.glob("rank-*.err"))]
+    assert all(p.exitcode == 0 for p in procs), errors or [p.exitcode for p in procs]
     return json.loads(out.read_text())
 
 
@@ -93,6 +109,33 @@ def test_a_pipelined_train_step_equals_the_one_process_step(layout, case):
     assert 0.0 <= got["bubble"] < 1.0  # measured: the share of the step this rank waited on the other stage
 
 
-def test_a_resumed_pp2_model_continues_bit_for_bit(two):
-    resumed = two["resume"]
-    assert resumed == {"version": 1, "restored": True, "next_step": True}
+def test_a_tied_heads_two_copies_stay_equal_bit_for_bit(two):
+    """The first stage's embedding and the last stage's copy of it after seven train steps (the layout's
+    steps above, equal to the one-process steps of the tied model)."""
+    assert two["tied"]["tied_copies_equal"]
+
+
+@pytest.mark.parametrize("name", ["resume", "resume-tied"])
+def test_a_resumed_pp2_model_continues_bit_for_bit(two, name):
+    """A tied head's checkpoint stores the weight once (the embedding's name), its config still tied."""
+    resumed = two[name]
+    tied = name == "resume-tied"
+    assert resumed == {
+        "version": 1,
+        "restored": True,
+        "next_step": True,
+        "head_stored": not tied,
+        "tie_word_embeddings": tied,
+    }
+
+
+def test_a_bf16_pp2_step_counts_only_its_micro_batches(two):
+    """The sampler's and the trainer's log-probs agree bit for bit on this CPU in bfloat16 (the same torch
+    kernels: decode with a KV cache and the full forward), in one process and over pp=2 stages alike; the
+    pp=2 step's loss and padding are its micro-batches' only (torch's shape inference calls the loss once
+    more, on placeholder activations, before them)."""
+    whole, staged = two["bf16"]["whole"], two["bf16"]["staged"]
+    assert staged["logprob_gap"] == whole["logprob_gap"] and staged["logprob_gap_max"] == whole["logprob_gap_max"]
+    assert staged["pad_frac"] == pytest.approx(whole["pad_frac"], abs=1e-9), (whole, staged)
+    assert staged["loss"] == pytest.approx(whole["loss"], rel=2e-2, abs=1e-3), (whole, staged)
+    assert staged["grad_norm"] == pytest.approx(whole["grad_norm"], rel=5e-2), (whole, staged)

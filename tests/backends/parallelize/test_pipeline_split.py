@@ -82,11 +82,20 @@ def test_chained_stages_compute_a_scalar_heads_values_and_scores(tiny):
     assert torch.allclose(outs["scores"], values.gather(1, last[:, None]).squeeze(1), atol=1e-6)
 
 
-def test_a_tied_head_is_refused_by_name(tiny):
+def test_a_tied_head_splits_into_an_equal_copy_on_the_last_stage(tiny):
+    assert pipeline.tied_names(tiny()) is None
     module = tiny()
-    module.lm_head.weight = module.model.embed_tokens.weight
-    with pytest.raises(BackendError, match="model 'actor' ties its LM head to its token embeddings"):
-        pipeline.check_split(module, 2, 1, "1f1b", "actor")
+    module.lm_head.weight = module.model.embed_tokens.weight  # as HF's tie_word_embeddings ties them
+    pipeline.check_split(module, 2, 1, "1f1b", "actor")  # no refusal
+    assert pipeline.tied_names(module) == ("model.embed_tokens.weight", "lm_head.weight")
+    first, last = copy.deepcopy(module), copy.deepcopy(module)
+    pipeline.split(first, 0, 2, 1)
+    pipeline.split(last, 1, 2, 1)
+    assert first.lm_head is None and last.model.embed_tokens is None
+    copied = last.lm_head.weight
+    assert isinstance(copied, torch.nn.Parameter) and copied.requires_grad
+    assert torch.equal(copied, module.model.embed_tokens.weight)
+    assert copied.data_ptr() != module.model.embed_tokens.weight.data_ptr()
 
 
 def test_virtual_stages_need_the_interleaved_schedule(tiny):

@@ -13,6 +13,8 @@ The order, and why (each step needs what the ones before it left):
    -- over the pipeline ranks (outermost: stage rank ``r // (dp x tp)``); FSDP2 then shards each
    stage over its pipeline rank's data ranks, and the engine runs train steps and forward passes
    through torch.distributed.pipelining's schedules (GPipe, 1F1B, interleaved 1F1B).
+   An LM head tied to the embeddings becomes a copy on the last stage whose gradient is summed with
+   the first stage's (`pipeline.TiedWeight`, as Megatron does).
 4. **Recomputation** (`recompute`): each decoder layer recomputes its activations in the backward.
 5. **Numerics** (`precision.set_attention`): the attention kernel.
 6. **FSDP2** (`fsdp`): a trainable model over several data ranks is sharded per decoder layer and at
@@ -126,8 +128,14 @@ def parallelize(
     if grid.tensor is not None:
         tensor.parallelize(module, grid.tensor)
     stages: list[pipeline.Stage] = []
+    tied = None
     if dims.pipeline > 1:  # this rank's stages of the tensor-sliced module, before FSDP2 wraps their layers
+        names = pipeline.tied_names(module)
         stages = pipeline.split(module, dims.pipeline_index, dims.pipeline, spec.virtual_stages)
+        if names is not None:  # the first rank holds the embedding, the last its copy as the head
+            at = {0: names[0], dims.pipeline - 1: names[1]}.get(dims.pipeline_index)
+            group = pipeline.tie_group(grid.pipeline, dims.pipeline, dims.pipeline_index)
+            tied = pipeline.TiedWeight(embedding=names[0], head=names[1], name=at, group=group)
     if spec.recompute:
         recompute.apply(module, spec.name)
     precision.set_attention(module, spec.attention, spec.name)
@@ -151,6 +159,7 @@ def parallelize(
             device=device,
             hidden=int(module.config.hidden_size),
             act_dtype=None if half else torch.float32,  # bfloat16: torch infers what passes between stages
+            tied=tied,
         )
     return Parallelized(
         module=module,

@@ -65,8 +65,8 @@ def _base(module: nn.Module) -> nn.Module:
 
 def check_split(module: nn.Module, pp: int, virtual: int, schedule: str, name: str) -> None:
     """Refuse, by name, a model ``pp x virtual`` stages cannot split: fewer decoder layers than stages,
-    an LM head tied to the embeddings (the first and last stages would share it), a decoder not laid out
-    as Llama's (embeddings, layers, norm, rotary embedding), or an unknown schedule."""
+    a decoder not laid out as Llama's (embeddings, layers, norm, rotary embedding), or an unknown
+    schedule. (An LM head tied to the embeddings splits: `TiedWeight`.)"""
     if schedule not in SCHEDULES:
         raise BackendError(f"model '{name}': pipeline schedule '{schedule}' is not one of {', '.join(SCHEDULES)}.")
     if virtual > 1 and schedule != "interleaved":
@@ -85,12 +85,6 @@ def check_split(module: nn.Module, pp: int, virtual: int, schedule: str, name: s
         raise BackendError(
             f"model '{name}' has {n_layers} decoder layers, fewer than its {pp} x {virtual} pipeline stages. "
             "Plan a smaller pp (or fewer virtual stages)."
-        )
-    head = getattr(module, "lm_head", None)
-    if head is not None and head.weight is base.embed_tokens.weight:
-        raise BackendError(
-            f"model '{name}' ties its LM head to its token embeddings; the first and last pipeline stages "
-            "cannot share them. Plan it with pp=1."
         )
 
 
@@ -173,12 +167,63 @@ class Stage(nn.Module):
         return token_logprobs(logits, tokens, self.temperature)
 
 
+def tied_names(module: nn.Module) -> tuple[str, str] | None:
+    """The names of ``module``'s token embedding and of the LM head weight tied to it (one parameter under
+    two names, as HF's ``tie_word_embeddings`` makes it), or None when the head has a weight of its own."""
+    head = getattr(module, "lm_head", None)
+    embedding = _base(module).embed_tokens.weight
+    if head is None or head.weight is not embedding:
+        return None
+    names = [n for n, p in module.named_parameters(remove_duplicate=False) if p is embedding]
+    head_name = next(n for n in names if n.startswith("lm_head."))
+    return next(n for n in names if n != head_name), head_name
+
+
+@dataclass(frozen=True)
+class TiedWeight:
+    """An LM head tied to the token embeddings, as Megatron splits it: the first stage holds the embedding
+    (``embedding``, its one-process name), the last stage a copy of it as its head weight (``head``),
+    initialised equal. After each backward the two copies' gradients are summed over ``group`` (the
+    first and last pipeline ranks at one (dp, tp) place) -- both then take the same optimizer step and
+    stay equal bit for bit; the gradient norm counts the shared weight once (on the first rank). A
+    middle pipeline rank holds neither: ``name`` (this rank's copy) and ``group`` are None there.
+    Exports name both, as the one-process state dict does; an HF file stores it once (as
+    ``embedding``), which fills the head's copy when loaded."""
+
+    embedding: str
+    head: str
+    name: str | None
+    group: Any
+
+    @property
+    def is_copy(self) -> bool:
+        """Whether this rank's parameter is the head's copy (not counted in the gradient norm)."""
+        return self.name == self.head
+
+
+def tie_group(pipeline_group: Any, pp: int, index: int) -> Any:
+    """The process group of the first and last ranks of ``pipeline_group`` (``pp`` ranks, in stage order;
+    this rank is the ``index``-th), made by those two ranks only; None on the others."""
+    import torch.distributed as dist
+
+    if pp == 2:
+        return pipeline_group
+    if index not in (0, pp - 1):
+        return None
+    ranks = dist.get_process_group_ranks(pipeline_group)
+    return dist.new_group([ranks[0], ranks[-1]], use_local_synchronization=True)
+
+
 def split(module: nn.Module, pp_index: int, pp: int, virtual: int) -> list[Stage]:
     """Cut ``module`` (LoRA'd, tensor-sliced) in place to what pipeline rank ``pp_index`` of ``pp`` holds
     with ``virtual`` stages per rank: its layers (under their global names), the embeddings only on the
-    first rank, the final norm and head only on the last; returns its `Stage` s, in stage order."""
+    first rank, the final norm and head only on the last (a head tied to the embeddings: a copy of
+    them, `TiedWeight`); returns its `Stage` s, in stage order."""
     base = _base(module)
     count = pp * virtual
+    if tied_names(module) is not None and pp_index == pp - 1:  # the last rank's own copy, equal at the start
+        weight = module.lm_head.weight
+        module.lm_head.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
     ranges = layer_ranges(len(base.layers), count)
     mine = stages_of(pp_index, pp, virtual)
     stages = [Stage(module, s, count, ranges[s]) for s in mine]
@@ -271,6 +316,7 @@ class Pipeline:
     device: torch.device
     hidden: int
     act_dtype: torch.dtype | None
+    tied: TiedWeight | None = None  # an LM head tied to the embeddings (None: none)
     times: PipelineTimes = field(default_factory=PipelineTimes)
 
     def __post_init__(self) -> None:
@@ -348,13 +394,23 @@ class Pipeline:
                 )
                 shapes["output_args"] = (out,)
             built.append(PipelineStage(stage, stage.index, stage.count, self.device, group=self.group, **shapes))
+        inferring = [False]  # inside torch's metadata inference (shapes not given: bfloat16)
+
+        def micro_loss(out: Tensor, target: Tensor) -> Tensor:
+            if inferring[0]:  # placeholder activations, not a micro-batch: the loss must count nothing
+                return out.float().sum() * 0.0
+            assert loss is not None
+            return loss(out, target)
+
         kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+        fn = micro_loss if loss is not None else None
         if self.schedule == "interleaved":
-            sched = ScheduleInterleaved1F1B(built, n_micro, loss_fn=loss, scale_grads=False)
+            sched = ScheduleInterleaved1F1B(built, n_micro, loss_fn=fn, scale_grads=False)
         else:
-            sched = kinds[self.schedule](built[0], n_micro, loss_fn=loss, scale_grads=False)
+            sched = kinds[self.schedule](built[0], n_micro, loss_fn=fn, scale_grads=False)
         for b in built:
             _time_backward(b, self.times)
+            _flag_inference(b, inferring)
         kwargs = {k: inputs[k] for k in ("attention_mask", "position_ids", "tokens", "last")}
         args = (ids,) if self.index == 0 else ()
         began = time.perf_counter()
@@ -365,6 +421,25 @@ class Pipeline:
         self.times.total += time.perf_counter() - began
         self.times.calls += 1
         return result if self.is_last else None
+
+
+def _flag_inference(stage: Any, inferring: list[bool]) -> None:
+    """Set ``inferring[0]`` while ``stage`` (a ``PipelineStage``) infers its gradients' metadata: torch
+    (2.13) then calls the schedule's loss function once on the last stage's output of placeholder
+    activations (``torch.empty``) with the first micro-batch's target -- a call that, counted, added a
+    garbage loss, share and statistics (``logprob_gap`` among them) to every bfloat16 train step."""
+    inner = getattr(stage, "_backward_metadata_inference", None)
+    if inner is None:  # a torch without it infers no metadata through the loss
+        return
+
+    def flagged(*args: Any, **kwargs: Any) -> Any:
+        inferring[0] = True
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            inferring[0] = False
+
+    stage._backward_metadata_inference = flagged
 
 
 def _time_backward(stage: Any, times: PipelineTimes) -> None:

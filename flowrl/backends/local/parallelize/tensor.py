@@ -241,18 +241,24 @@ class _Summed(torch.autograd.Function):
         return grad, None
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float, across: Any = None) -> Tensor:
+def clip_grad_norm(
+    params: list[nn.Parameter], max_norm: float, across: Any = None, uncounted: tuple[nn.Parameter, ...] = ()
+) -> Tensor:
     """`torch.nn.utils.clip_grad_norm_` for parameters that are DTensors over several meshes (tp
     slices, FSDP shards) and plain tensors: each gradient's squared norm from its local part, summed
     over the mesh dimensions it is sharded on (replicated ones count once), and over the process group
     ``across`` (pipeline stages: each holds other parameters); every rank clips by the same global
-    norm, which it returns."""
+    norm, which it returns. ``uncounted`` (among ``params``) are clipped but not counted: a copy of a
+    weight another rank counts (a tied LM head's on the last pipeline stage)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     sums: dict[tuple[Any, ...], Tensor] = {}
     grads = [p.grad for p in params if p.grad is not None]
+    skip = {id(p.grad) for p in uncounted if p.grad is not None}
     for g in grads:
+        if id(g) in skip:
+            continue
         if isinstance(g, DTensor):
             key = tuple(g.device_mesh.get_group(d) for d, pl in enumerate(g.placements) if pl.is_shard())
             local = g.to_local()
