@@ -210,19 +210,27 @@ class Staged:
 
     def _staged_optimizer_state(self) -> dict[str, Any]:
         """The whole optimizer state by parameter name (``state``: name -> its tensors, whole;
-        ``param_groups``: settings and parameter names), every stage's."""
+        ``param_groups``: settings and parameter names), every stage's, as the one-process model names
+        it: a tied LM head's copy (`pp.TiedWeight`, whose state equals the embedding's) is left out, the
+        shared weight stored once under the embedding's name, so the state loads into any layout."""
         from flowrl.backends.local.parallelize.tensor import full
 
         assert self.optimizer is not None
-        names = {id(p): n for n, p in self.module.named_parameters()}
+        tied = self.pipeline.tied
+        copy = tied.head if tied is not None and tied.is_copy else None
+        names = {id(p): n for n, p in self.module.named_parameters() if n != copy}
         state = {
             names[id(p)]: {
                 k: full(v).detach().to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in s.items()
             }
             for p, s in self.optimizer.state.items()
+            if id(p) in names
         }
         groups = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [names[id(p)] for p in g["params"] if id(p) in names],
+            }
             for g in self.optimizer.param_groups
         ]
         import torch.distributed as dist
@@ -237,23 +245,30 @@ class Staged:
         return {"state": whole_state, "param_groups": whole_groups}
 
     def _load_staged_optimizer_state(self, whole: dict[str, Any]) -> None:
-        """Take `_staged_optimizer_state` (of any pipeline split of this model): each parameter its own
-        state, held as it is held (tp slices, FSDP2 shards); each group's settings from the saved group
-        holding its first parameter."""
+        """Take a whole optimizer state by parameter name (`_staged_optimizer_state` of any pipeline split
+        of this model, or FSDP2's whole state): each parameter its own state, held as it is held (tp
+        slices, FSDP2 shards) -- a tied LM head's copy the embedding's, where the state holds the shared
+        weight once; each group's settings from the saved group holding its first parameter."""
         from flowrl.backends.local.parallelize.tensor import distribute_like
 
         assert self.optimizer is not None
         params = dict(self.module.named_parameters())
         by_name = {n: g for g in whole["param_groups"] for n in g["params"]}
+        tied = self.pipeline.tied
+        if tied is not None and tied.head not in by_name and tied.embedding in by_name:
+            by_name[tied.head] = by_name[tied.embedding]
         for group in self.optimizer.param_groups:
-            own = [n for n, p in params.items() if any(p is q for q in group["params"])]
+            own = [n for n, p in params.items() if n in by_name and any(p is q for q in group["params"])]
             if own:
                 saved = by_name[own[0]]
                 group.update({k: v for k, v in saved.items() if k != "params"})
         for name, p in params.items():
-            if name not in whole["state"]:
+            source = name
+            if tied is not None and name == tied.head and name not in whole["state"]:
+                source = tied.embedding  # stored once, under the embedding's name
+            if source not in whole["state"]:
                 continue
             self.optimizer.state[p] = {
                 k: (distribute_like(v, p) if v.shape == p.shape else v.clone()) if isinstance(v, Tensor) else v
-                for k, v in whole["state"][name].items()
+                for k, v in whole["state"][source].items()
             }

@@ -216,8 +216,28 @@ def resumed(rank: int, world: int, folder: Path, tied: bool = False) -> dict:
         "version": version,
         "restored": restored,
         "next_step": _same_bits(first.export_weights(), again.export_weights()),
+        "one_process": _one_process_next_step(graph, plan, tied, folder, batch, first.export_weights()),
         **stored,
     }
+
+
+def _one_process_next_step(graph, plan, tied: bool, folder: Path, batch: dict, staged_next: dict) -> bool | str:
+    """The pp=2 checkpoint in ``folder`` resumed in one process (a user going on on one machine, or a run
+    re-planned for fewer devices): whether its next step's weights are the pp=2 model's (``staged_next``)
+    to fp32 rounding, or the error resuming raised."""
+    from flowrl.errors import FlowRLError
+
+    one = _engine(graph, plan, "actor", tied)
+    try:
+        one.load_state(folder)
+    except FlowRLError as exc:
+        return str(exc)
+    fn, step = _step(plan.config.algo, "ppo", 3)
+    one.train(fn, batch, step)
+    weights = one.export_weights()
+    return sorted(weights) == sorted(staged_next) and all(
+        float((weights[k] - staged_next[k]).abs().max()) < 1e-5 for k in weights
+    )
 
 
 def _stored(folder: Path) -> dict:

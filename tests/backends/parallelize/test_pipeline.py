@@ -117,13 +117,15 @@ def test_a_tied_heads_two_copies_stay_equal_bit_for_bit(two):
 
 @pytest.mark.parametrize("name", ["resume", "resume-tied"])
 def test_a_resumed_pp2_model_continues_bit_for_bit(two, name):
-    """A tied head's checkpoint stores the weight once (the embedding's name), its config still tied."""
+    """A tied head's checkpoint stores the weight once (the embedding's name), its config still tied; in
+    one process it resumes too (weights and optimizer state: the next step is the pp=2 model's)."""
     resumed = two[name]
     tied = name == "resume-tied"
     assert resumed == {
         "version": 1,
         "restored": True,
         "next_step": True,
+        "one_process": True,
         "head_stored": not tied,
         "tie_word_embeddings": tied,
     }
