@@ -231,6 +231,30 @@ class Tuner:
             self._layout_cache[key] = front
         return [(msgspec.structs.replace(lay, group=group.name), *rest) for lay, *rest in self._layout_cache[key]]
 
+    def _schedule_problem(self, models: list[str]) -> str | None:
+        """Why a required pipeline schedule (``MODEL.schedule`` / ``MODEL.virtual_stages``) of one of ``models``
+        fits no pipeline size of this cluster (`pipeline.schedule_problem`, its decoder layers named), or None."""
+        for model in models:
+            need = self.constraints.pipeline.get(model)
+            if not need:
+                continue
+            layers = self.specs[model].layers
+            sizes = self.constraints.parallel.get(model, {}).get("pp")
+            pps = [sizes] if sizes else list(range(2, self.cluster.devices + 1))
+            schedule = str(need.get("schedule", "interleaved" if int(need.get("virtual_stages", 1)) > 1 else "1f1b"))
+            vs = [int(need["virtual_stages"])] if "virtual_stages" in need else (
+                list(pipe.VIRTUAL_STAGES) if schedule == "interleaved" else [1]
+            )  # fmt: skip
+            problems = [pipe.schedule_problem(schedule, pp, v, pp, layers) for pp in pps for v in vs]
+            if problems and all(problems):
+                return (
+                    f"model '{model}' ({layers} decoder layers) cannot run --require "
+                    f"{' '.join(f'{model}.{k}={v}' for k, v in need.items())} over pp {', '.join(map(str, pps))}: "
+                    f"{problems[0]}. Require a schedule its layers allow (gpipe or 1f1b: pp dividing the layers; "
+                    "interleaved: pp x virtual_stages dividing them), or a model with more layers."
+                )
+        return None
+
     def score(self, lay: ModelLayout) -> tuple[ModelLayout, float, int, int]:
         """(layout, seconds per iteration of its forward and train nodes, static bytes, activation bytes)."""
         key = msgspec.structs.replace(lay, group="")  # the group's name changes nothing
@@ -623,6 +647,9 @@ class Tuner:
                     "but it trains LoRA adapters, which the torch engine does not split. Drop the tp requirement, or "
                     "train it without LoRA (train.lora.rank=0)."
                 )
+            staged = self._schedule_problem(models)
+            if staged is not None:
+                return f"no plan fits {self.graph.name} on {self.cluster.devices} x {hw.name}: {staged}"
             return (
                 f"no plan fits {self.graph.name} on {self.cluster.devices} x {hw.name}: no parallel layout of "
                 f"{', '.join(models)}{f' with --require {required}' if required else ''} fills a device group of "

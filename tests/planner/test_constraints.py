@@ -3,6 +3,8 @@ and --explain sets the best constrained plan beside the unconstrained winner."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from flowrl.cli import main
@@ -68,3 +70,14 @@ def test_a_required_pipeline_schedule_holds_in_the_plan_and_explain_prices_it(tm
     assert "pp4 int2" in text  # the plan summary
     line = next(x for x in text.splitlines() if x.strip().startswith("pipeline actor pp4 int2 (train step)"))
     assert "bubble" in line and "in flight" in line and "7 stage crossing(s)" in line
+
+
+def test_a_required_schedule_the_models_layers_do_not_allow_names_the_model_and_its_layers(tmp_path, capsys):
+    """A 2-layer model cut into pp 2 x 2 interleaved stages: refused, naming the model and why."""
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cluster = ["--cluster", "2xA100-80G", "--model", str(tmp_path / "config.json")]
+    assert main(["plan", "grpo", *cluster, "--require", "actor.schedule=interleaved"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "model 'actor' (2 decoder layers)" in err and "pp 2 x virtual_stages 2 does not divide the 2 layers" in err
