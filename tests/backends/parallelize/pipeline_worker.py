@@ -240,6 +240,34 @@ def _one_process_next_step(graph, plan, tied: bool, folder: Path, batch: dict, s
     )
 
 
+def resumed_from_dp(rank: int, world: int, folder: Path) -> dict:
+    """A tied-head model's FSDP2 dp=2 checkpoint (the shared weight's optimizer state stored once, under the
+    embedding's name) resumed in pp=2 stages: the next step's weights are the dp=2 model's, and the last
+    stage's copy of the head takes the embedding's optimizer state, so the two copies stay equal."""
+    import torch.distributed as dist
+
+    graph, plan = _plan([])
+    whole = _engine(graph, plan, "actor", True)
+    dp = _engine(graph, plan, "actor", True, rank=rank, world=world, group=dist.group.WORLD)
+    seqs = _rows(whole)
+    logp = whole.forward(seqs, "logprobs", 0)
+    batch = _batch(seqs, logp, logp)
+    fn, _ = _step(plan.config.algo, "ppo", 3)
+    dp.train(fn, batch, _step(plan.config.algo, "ppo", 3)[1])
+    folder.mkdir(exist_ok=True)
+    dp.save_state(folder)
+    dist.barrier()  # rank 0 wrote it
+    staged = _engine(graph, plan, "actor", True, rank=rank, world=world, group=dist.group.WORLD, pp=2)
+    staged.load_state(folder)
+    dp.train(fn, batch, _step(plan.config.algo, "ppo", 3)[1])
+    staged.train(fn, batch, _step(plan.config.algo, "ppo", 3)[1])
+    a, b = dp.export_weights(), staged.export_weights()
+    return {
+        "next_step": sorted(a) == sorted(b) and all(float((a[k] - b[k]).abs().max()) < 1e-5 for k in a),
+        "copies_equal": _same_bits({"w": b["model.embed_tokens.weight"]}, {"w": b["lm_head.weight"]}),
+    }
+
+
 def _stored(folder: Path) -> dict:
     """What the checkpoint's HF files say of the LM head: stored as its own tensor, and tied in the config."""
     from safetensors import safe_open
@@ -295,6 +323,7 @@ def main(rank: int, port: int, out: str, world: int) -> None:
     if world == 2:
         results["resume"] = resumed(rank, world, Path(out).with_name("ckpt-pp2"))
         results["resume-tied"] = resumed(rank, world, Path(out).with_name("ckpt-pp2-tied"), tied=True)
+        results["resume-from-dp2-tied"] = resumed_from_dp(rank, world, Path(out).with_name("ckpt-dp2-tied"))
         results["bf16"] = bf16_step(rank, world)
     if rank == 0:
         with open(out, "w") as fh:

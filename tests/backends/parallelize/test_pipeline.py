@@ -131,6 +131,11 @@ def test_a_resumed_pp2_model_continues_bit_for_bit(two, name):
     }
 
 
+def test_a_tied_heads_dp2_checkpoint_resumes_in_pp2_with_both_copies_equal(two):
+    """The dp=2 checkpoint holds the shared weight's optimizer state once; the head's copy takes it too."""
+    assert two["resume-from-dp2-tied"] == {"next_step": True, "copies_equal": True}
+
+
 def test_a_bf16_pp2_step_counts_only_its_micro_batches(two):
     """The sampler's and the trainer's log-probs agree bit for bit on this CPU in bfloat16 (the same torch
     kernels: decode with a KV cache and the full forward), in one process and over pp=2 stages alike; the
