@@ -193,11 +193,14 @@ def replan(graph: Graph, p: ExecutionPlan, devices: int, registry: Registry | No
     return new
 
 
-def resume_command(p: ExecutionPlan, out: Path) -> str:
-    """The command that continues the run of ``p`` in folder ``out``."""
+def resume_command(p: ExecutionPlan, out: Path, address: str | None = None) -> str:
+    """The command that continues the run of ``p`` in folder ``out``; ``address``: the Ray cluster the run
+    joined (``--address``), which the resumed run must join again (without it, it would start a private Ray
+    on this machine)."""
     source = p.graph.source
     graph_file = f"{source} " if source.endswith(".py") or "/" in source else ""
-    return f"flowrl run {graph_file}--resume {out}"
+    joined = f" --address {address}" if address else ""
+    return f"flowrl run {graph_file}--resume {out}{joined}"
 
 
 def run(
@@ -230,6 +233,7 @@ def run(
 
     reg = registry or default_registry()
     ex = executor or check(graph, p, reg)
+    address = getattr(ex, "address", None)  # a joined Ray cluster (`--address`): a resume joins it again
     if resume and out_dir is None:
         raise PlanError("resume needs the run folder to continue (out_dir).")
     out = out_dir or run_dir(p.config.out, p.config.name or graph.name)
@@ -246,7 +250,7 @@ def run(
             resume=resume,
             predictor=Simulator(reg),
             replan=lambda plan, devices: replan(graph, plan, devices, reg),
-            resume_command=lambda plan: resume_command(plan, out),
+            resume_command=lambda plan: resume_command(plan, out, address),
             emit=emit or (lambda line: print(line, file=sys.stderr, flush=True)),
         )
     except BaseException as exc:
@@ -258,6 +262,6 @@ def run(
             raise reworded(
                 exc,
                 f"{exc}\nThe run folder {out} keeps a checkpoint after step {now[0]}; continue it with "
-                f"`{resume_command(p, out)}`.",
+                f"`{resume_command(p, out, address)}`.",
             ) from exc.__cause__
         raise

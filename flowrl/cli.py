@@ -378,7 +378,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         note = "nothing left to run" if result.resumed_from >= cfg.steps else f"continued at step {result.resumed_from}"
         print(f"flowrl: resumed from the checkpoint after step {result.resumed_from - 1} ({note}).")
     summary = _summary(result.metrics)
-    again = " ".join(["flowrl run", *_file_arg(plan), "--resume", str(result.out_dir)])
+    again = api.resume_command(plan, result.out_dir, args.address)
     if result.stopped is not None:
         print(f"flowrl: stopped after step {result.stopped}. {summary}")
         print(f"  checkpoint: {result.last_checkpoint}")

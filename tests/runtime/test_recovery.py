@@ -62,10 +62,14 @@ class _LosesItsWorker(PlanExecutor):
         return _Losing(transport, self.lose_at), built
 
 
-def _run(tmp_path: Path, name: str, lose_at: list[int], *extra: str) -> tuple[Any, Path, list[str]]:
+def _run(
+    tmp_path: Path, name: str, lose_at: list[int], *extra: str, address: str | None = None
+) -> tuple[Any, Path, list[str]]:
     overrides = [*SMALL_RUN, f"steps={STEPS}", "save_every=2", f"out={tmp_path}", f"name={name}", *extra]
     graph, plan = api.plan("grpo", overrides=overrides, emit=lambda s: None)
     ex = _LosesItsWorker(registry(), list(lose_at))
+    if address is not None:  # as the Ray executor of a run that joined a cluster (`--address`)
+        ex.address = address  # type: ignore[attr-defined]
     ex.check(graph, plan)
     out = tmp_path / name
     lines: list[str] = []
@@ -130,6 +134,13 @@ def test_max_restarts_0_stops_as_before(tmp_path):
     assert info.value.lines == []  # type: ignore[attr-defined]
     assert "died in iteration 3" in str(info.value)
     assert f"flowrl run --resume {tmp_path / 'zero'}" in str(info.value)  # it got further: how to continue
+
+
+def test_the_resume_command_of_a_run_that_joined_a_cluster_joins_it_again(tmp_path):
+    with pytest.raises(WorkerLostError) as info:
+        _run(tmp_path, "joined", [3], "max_restarts=0", address="10.0.0.1:6379")
+    # without --address the resumed run would start a private Ray on this machine instead of the cluster
+    assert f"flowrl run --resume {tmp_path / 'joined'} --address 10.0.0.1:6379" in str(info.value)
 
 
 def test_a_run_without_checkpoints_does_not_restart(tmp_path):
