@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 #: Seconds to wait for the cluster to grant a placement group before saying it lacks the devices.
 PLACEMENT_TIMEOUT_S = 60.0
+#: Seconds to wait for a TCP connection to the GCS port of ``--address host:port`` before saying nothing is there.
+CONNECT_TIMEOUT_S = 10.0
 #: Seconds between liveness checks while a call runs.
 POLL_S = 0.5
 #: Seconds a node that lost a worker has to run a probe task before it counts as gone: a crashed node stays
@@ -264,6 +266,12 @@ def join(address: str) -> None:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    why = _unreachable(address)
+    if why:  # Ray itself would retry for minutes before it gives up
+        raise BackendError(
+            f"no Ray cluster at --address {address} ({why}). Start one (`ray start --head` on its head node), "
+            "check the host and port `ray start` printed, or drop --address to run on a private Ray on this machine."
+        )
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -271,6 +279,21 @@ def join(address: str) -> None:
             f"no Ray cluster at --address {address} ({type(exc).__name__}: {exc}). Start one (`ray start "
             "--head` on its head node) or drop --address to run on a private Ray on this machine."
         ) from None
+
+
+def _unreachable(address: str) -> str:
+    """Why nothing answers at a ``host:port`` address (a TCP connection to its GCS port within
+    `CONNECT_TIMEOUT_S`), or "" when something does, or the address is another form ('auto', ``ray://``)."""
+    import socket
+
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or not port.isdigit() or "://" in address:
+        return ""
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
+            return ""
+    except OSError as exc:
+        return f"nothing answers at {host}:{port}: {exc.strerror or exc}"
 
 
 def nodes(address: str) -> list[ClusterNode]:
