@@ -171,16 +171,19 @@ def check(graph: Graph, p: ExecutionPlan, registry: Registry | None = None) -> E
 def replan(graph: Graph, p: ExecutionPlan, devices: int, registry: Registry | None = None) -> ExecutionPlan:
     """``p`` planned again for ``devices`` devices of its kind (what a cluster has left after it lost a
     node): the same graph and config, for the same executor; ``cpu:N`` becomes this machine as ``devices``
-    CPU devices, a named cluster keeps its hardware with fewer nodes (or one node of ``devices``)."""
+    CPU devices, a cluster of several nodes (GPUs, or a joined cluster's CPUs) keeps its hardware with fewer
+    nodes (or one node of ``devices``)."""
     reg = registry or default_registry()
     cfg = p.config
     old = p.target.cluster
-    if old.on_cpu:
+    nodes, per_node = (devices // old.devices_per_node, old.devices_per_node)
+    if nodes < 1 or devices % old.devices_per_node:
+        nodes, per_node = 1, devices
+    if old.on_cpu:  # this machine's CPUs, or a joined cluster's CPU nodes: fewer nodes of the same size
         target = local_target(cfg, reg, devices)
+        if old.nodes > 1 and per_node == old.devices_per_node:
+            target = msgspec.structs.replace(target, cluster=msgspec.structs.replace(old, nodes=nodes))
     else:
-        nodes, per_node = (devices // old.devices_per_node, old.devices_per_node)
-        if nodes < 1 or devices % old.devices_per_node:
-            nodes, per_node = 1, devices
         cluster = msgspec.structs.replace(old, nodes=nodes, devices_per_node=per_node)
         caps = of_config(executor_entry(cfg, reg).obj.capabilities, reg, cfg)
         target = msgspec.structs.replace(

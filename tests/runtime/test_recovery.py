@@ -156,6 +156,34 @@ def test_used_up_restarts_stop_with_the_resume_command(tmp_path):
     assert f"flowrl run --resume {tmp_path / 'used'}" in msg and msg.count("--resume") == 1
 
 
+def test_replanning_a_plan_for_cpu_nodes_keeps_their_shape_so_the_nodes_left_can_hold_it(monkeypatch):
+    """A run that joined a cluster of three one-CPU nodes and lost one goes on with two one-CPU nodes."""
+    import msgspec
+
+    from flowrl.contract import ClusterNode
+    from flowrl.planner.nodes import cluster_of
+
+    pytest.importorskip("ray")
+    from flowrl_ray.nodes import assign
+
+    monkeypatch.setenv("FLOWRL_PLUGINS", "ray")
+
+    def node(i: int) -> ClusterNode:
+        return ClusterNode(node_id=f"{i:056x}", ip=f"10.0.0.{i}", head=i == 0, cpus=1 if i else 0, gpus=0)
+
+    overrides = [*SMALL_RUN, "device=cpu", "backend=ray"]
+    _, cfg = api.load("grpo", overrides=overrides)
+    reg = registry()
+    spec = cluster_of([node(i) for i in range(4)], api.local_target(cfg, reg).cluster.hardware, "auto")
+    target = msgspec.structs.replace(api.local_target(cfg, reg), cluster=spec)
+    graph, plan = api.plan("grpo", overrides=overrides, target=target, for_backend=True, emit=lambda s: None)
+    assert (plan.target.cluster.nodes, plan.target.cluster.devices_per_node) == (3, 1)
+    new = api.replan(graph, plan, 2, reg)
+    assert (new.target.cluster.nodes, new.target.cluster.devices_per_node) == (2, 1)
+    left = [node(1), node(3)]
+    assert assign(new, new.target.cluster.devices, left, private=False) == left  # one rank on each node left
+
+
 def test_the_recovery_flags_are_run_settings_recorded_in_the_plan(tmp_path, capsys):
     from flowrl.contract.plan import load_plan
 
