@@ -120,6 +120,17 @@ def test_a_worker_lost_before_the_first_checkpoint_restarts_at_step_0(reference,
     assert [(r.get("kind"), r["step"]) for r in _records(out)][:2] == [("restart", 0), (None, 0)]
 
 
+def test_the_summary_says_a_worker_lost_during_setup_so():
+    from flowrl.cli import restart_line
+
+    info = {"count": 1, "rank": 1, "iteration": None, "replanned": False}
+    assert (
+        restart_line({"step": 0, "restart": info}) == "restart 1: worker rank 1 lost during setup; continued at step 0"
+    )
+    info = {**info, "iteration": 7, "replanned": True}
+    assert restart_line({"step": 6, "restart": info}).endswith("lost in iteration 7; re-planned, continued at step 6")
+
+
 def test_two_losses_keep_both_restart_records(reference, tmp_path):
     result, out, lines = _run(tmp_path, "twice", [3, 5])
     assert len(result.restarts) == 2 and "restart 2/3 from the checkpoint after step 3" in lines[1]

@@ -167,6 +167,8 @@ class RayExecutor(PlanExecutor):
                 continue
             try:
                 ray.get(ref)
+            except ray.exceptions.RayTaskError:  # it ran there and failed (another flowrl there): alive
+                pass
             except Exception:  # noqa: BLE001 - the task failed with its node: gone
                 gone.add(node_id)
                 continue
