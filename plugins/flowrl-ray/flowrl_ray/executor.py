@@ -120,6 +120,7 @@ class RayExecutor(PlanExecutor):
             yield
         finally:
             self._session = False
+            self._suspects.clear()  # probes of this session's Ray
             if self._owns_ray:
                 self._owns_ray = False
                 import ray
