@@ -171,16 +171,19 @@ def check(graph: Graph, p: ExecutionPlan, registry: Registry | None = None) -> E
 def replan(graph: Graph, p: ExecutionPlan, devices: int, registry: Registry | None = None) -> ExecutionPlan:
     """``p`` planned again for ``devices`` devices of its kind (what a cluster has left after it lost a
     node): the same graph and config, for the same executor; ``cpu:N`` becomes this machine as ``devices``
-    CPU devices, a named cluster keeps its hardware with fewer nodes (or one node of ``devices``)."""
+    CPU devices, a cluster of several nodes (GPUs, or a joined cluster's CPUs) keeps its hardware with fewer
+    nodes (or one node of ``devices``)."""
     reg = registry or default_registry()
     cfg = p.config
     old = p.target.cluster
-    if old.on_cpu:
+    nodes, per_node = (devices // old.devices_per_node, old.devices_per_node)
+    if nodes < 1 or devices % old.devices_per_node:
+        nodes, per_node = 1, devices
+    if old.on_cpu:  # this machine's CPUs, or a joined cluster's CPU nodes: fewer nodes of the same size
         target = local_target(cfg, reg, devices)
+        if old.nodes > 1 and per_node == old.devices_per_node:
+            target = msgspec.structs.replace(target, cluster=msgspec.structs.replace(old, nodes=nodes))
     else:
-        nodes, per_node = (devices // old.devices_per_node, old.devices_per_node)
-        if nodes < 1 or devices % old.devices_per_node:
-            nodes, per_node = 1, devices
         cluster = msgspec.structs.replace(old, nodes=nodes, devices_per_node=per_node)
         caps = of_config(executor_entry(cfg, reg).obj.capabilities, reg, cfg)
         target = msgspec.structs.replace(
@@ -193,11 +196,14 @@ def replan(graph: Graph, p: ExecutionPlan, devices: int, registry: Registry | No
     return new
 
 
-def resume_command(p: ExecutionPlan, out: Path) -> str:
-    """The command that continues the run of ``p`` in folder ``out``."""
+def resume_command(p: ExecutionPlan, out: Path, address: str | None = None) -> str:
+    """The command that continues the run of ``p`` in folder ``out``; ``address``: the Ray cluster the run
+    joined (``--address``), which the resumed run must join again (without it, it would start a private Ray
+    on this machine)."""
     source = p.graph.source
     graph_file = f"{source} " if source.endswith(".py") or "/" in source else ""
-    return f"flowrl run {graph_file}--resume {out}"
+    joined = f" --address {address}" if address else ""
+    return f"flowrl run {graph_file}--resume {out}{joined}"
 
 
 def run(
@@ -230,6 +236,7 @@ def run(
 
     reg = registry or default_registry()
     ex = executor or check(graph, p, reg)
+    address = getattr(ex, "address", None)  # a joined Ray cluster (`--address`): a resume joins it again
     if resume and out_dir is None:
         raise PlanError("resume needs the run folder to continue (out_dir).")
     out = out_dir or run_dir(p.config.out, p.config.name or graph.name)
@@ -246,7 +253,7 @@ def run(
             resume=resume,
             predictor=Simulator(reg),
             replan=lambda plan, devices: replan(graph, plan, devices, reg),
-            resume_command=lambda plan: resume_command(plan, out),
+            resume_command=lambda plan: resume_command(plan, out, address),
             emit=emit or (lambda line: print(line, file=sys.stderr, flush=True)),
         )
     except BaseException as exc:
@@ -258,6 +265,6 @@ def run(
             raise reworded(
                 exc,
                 f"{exc}\nThe run folder {out} keeps a checkpoint after step {now[0]}; continue it with "
-                f"`{resume_command(p, out)}`.",
+                f"`{resume_command(p, out, address)}`.",
             ) from exc.__cause__
         raise

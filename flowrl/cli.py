@@ -366,19 +366,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if result.restarts:
         print(f"flowrl: restarted {len(result.restarts)} time(s) after a lost worker or node:")
         for r in result.restarts:
-            info = r["restart"]
-            what = "re-planned, " if info["replanned"] else ""
-            print(
-                f"  restart {info['count']}: worker rank {info['rank']} lost in iteration {info['iteration']}; "
-                f"{what}continued at step {r['step']}"
-            )
+            print(f"  {restart_line(r)}")
     elif folder is not None and result.resumed_from == 0:
         print(f"flowrl: {folder} had no checkpoint yet; the run started over at step 0.")
     elif folder is not None and result.resumed_from is not None:
         note = "nothing left to run" if result.resumed_from >= cfg.steps else f"continued at step {result.resumed_from}"
         print(f"flowrl: resumed from the checkpoint after step {result.resumed_from - 1} ({note}).")
     summary = _summary(result.metrics)
-    again = " ".join(["flowrl run", *_file_arg(plan), "--resume", str(result.out_dir)])
+    again = api.resume_command(plan, result.out_dir, args.address)
     if result.stopped is not None:
         print(f"flowrl: stopped after step {result.stopped}. {summary}")
         print(f"  checkpoint: {result.last_checkpoint}")
@@ -409,6 +404,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not calibrated:
             print(f"  calibrate:  `flowrl calibrate {result.out_dir}` fits the planner to what this run measured")
     return 0
+
+
+def restart_line(record: dict[str, Any]) -> str:
+    """A restart record (`flowrl.runtime.recovery`) as a line of the run's summary."""
+    info = record["restart"]
+    what = "re-planned, " if info["replanned"] else ""
+    when = f"in iteration {info['iteration']}" if info["iteration"] is not None else "during setup"
+    who = f"worker rank {info['rank']}" if info["rank"] is not None else "a worker"
+    return f"restart {info['count']}: {who} lost {when}; {what}continued at step {record['step']}"
 
 
 def _engine_choice(engine: str, predicted: Mapping[str, float]) -> str:

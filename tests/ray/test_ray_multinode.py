@@ -251,3 +251,16 @@ def test_kill_9_of_the_driver_then_resume_on_the_cluster_equals_the_uninterrupte
     for name, tensor in load_file(str(ref.out_dir / "checkpoint" / "model.safetensors")).items():
         other = load_file(str(folder / "checkpoint" / "model.safetensors"))[name]
         assert tensor.equal(other), name
+
+
+def test_an_address_where_no_ray_cluster_listens_is_refused_at_once_naming_it():
+    import socket
+
+    from flowrl_ray.executor import join
+
+    with socket.socket() as s:  # a port on this machine that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    with pytest.raises(BackendError, match=rf"no Ray cluster at --address {address} \(nothing answers"):
+        join(address)  # Ray itself retries for minutes

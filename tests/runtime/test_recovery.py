@@ -62,10 +62,14 @@ class _LosesItsWorker(PlanExecutor):
         return _Losing(transport, self.lose_at), built
 
 
-def _run(tmp_path: Path, name: str, lose_at: list[int], *extra: str) -> tuple[Any, Path, list[str]]:
+def _run(
+    tmp_path: Path, name: str, lose_at: list[int], *extra: str, address: str | None = None
+) -> tuple[Any, Path, list[str]]:
     overrides = [*SMALL_RUN, f"steps={STEPS}", "save_every=2", f"out={tmp_path}", f"name={name}", *extra]
     graph, plan = api.plan("grpo", overrides=overrides, emit=lambda s: None)
     ex = _LosesItsWorker(registry(), list(lose_at))
+    if address is not None:  # as the Ray executor of a run that joined a cluster (`--address`)
+        ex.address = address  # type: ignore[attr-defined]
     ex.check(graph, plan)
     out = tmp_path / name
     lines: list[str] = []
@@ -116,6 +120,17 @@ def test_a_worker_lost_before_the_first_checkpoint_restarts_at_step_0(reference,
     assert [(r.get("kind"), r["step"]) for r in _records(out)][:2] == [("restart", 0), (None, 0)]
 
 
+def test_the_summary_says_a_worker_lost_during_setup_so():
+    from flowrl.cli import restart_line
+
+    info = {"count": 1, "rank": 1, "iteration": None, "replanned": False}
+    assert (
+        restart_line({"step": 0, "restart": info}) == "restart 1: worker rank 1 lost during setup; continued at step 0"
+    )
+    info = {**info, "iteration": 7, "replanned": True}
+    assert restart_line({"step": 6, "restart": info}).endswith("lost in iteration 7; re-planned, continued at step 6")
+
+
 def test_two_losses_keep_both_restart_records(reference, tmp_path):
     result, out, lines = _run(tmp_path, "twice", [3, 5])
     assert len(result.restarts) == 2 and "restart 2/3 from the checkpoint after step 3" in lines[1]
@@ -132,6 +147,13 @@ def test_max_restarts_0_stops_as_before(tmp_path):
     assert f"flowrl run --resume {tmp_path / 'zero'}" in str(info.value)  # it got further: how to continue
 
 
+def test_the_resume_command_of_a_run_that_joined_a_cluster_joins_it_again(tmp_path):
+    with pytest.raises(WorkerLostError) as info:
+        _run(tmp_path, "joined", [3], "max_restarts=0", address="10.0.0.1:6379")
+    # without --address the resumed run would start a private Ray on this machine instead of the cluster
+    assert f"flowrl run --resume {tmp_path / 'joined'} --address 10.0.0.1:6379" in str(info.value)
+
+
 def test_a_run_without_checkpoints_does_not_restart(tmp_path):
     with pytest.raises(WorkerLostError, match="keeps no checkpoint"):
         _run(tmp_path, "nockpt", [3], "checkpoint=false")
@@ -143,6 +165,34 @@ def test_used_up_restarts_stop_with_the_resume_command(tmp_path):
     msg = str(info.value)
     assert "gave up after 1 restart(s) (--max-restarts 1)" in msg
     assert f"flowrl run --resume {tmp_path / 'used'}" in msg and msg.count("--resume") == 1
+
+
+def test_replanning_a_plan_for_cpu_nodes_keeps_their_shape_so_the_nodes_left_can_hold_it(monkeypatch):
+    """A run that joined a cluster of three one-CPU nodes and lost one goes on with two one-CPU nodes."""
+    import msgspec
+
+    from flowrl.contract import ClusterNode
+    from flowrl.planner.nodes import cluster_of
+
+    pytest.importorskip("ray")
+    from flowrl_ray.nodes import assign
+
+    monkeypatch.setenv("FLOWRL_PLUGINS", "ray")
+
+    def node(i: int) -> ClusterNode:
+        return ClusterNode(node_id=f"{i:056x}", ip=f"10.0.0.{i}", head=i == 0, cpus=1 if i else 0, gpus=0)
+
+    overrides = [*SMALL_RUN, "device=cpu", "backend=ray"]
+    _, cfg = api.load("grpo", overrides=overrides)
+    reg = registry()
+    spec = cluster_of([node(i) for i in range(4)], api.local_target(cfg, reg).cluster.hardware, "auto")
+    target = msgspec.structs.replace(api.local_target(cfg, reg), cluster=spec)
+    graph, plan = api.plan("grpo", overrides=overrides, target=target, for_backend=True, emit=lambda s: None)
+    assert (plan.target.cluster.nodes, plan.target.cluster.devices_per_node) == (3, 1)
+    new = api.replan(graph, plan, 2, reg)
+    assert (new.target.cluster.nodes, new.target.cluster.devices_per_node) == (2, 1)
+    left = [node(1), node(3)]
+    assert assign(new, new.target.cluster.devices, left, private=False) == left  # one rank on each node left
 
 
 def test_the_recovery_flags_are_run_settings_recorded_in_the_plan(tmp_path, capsys):

@@ -43,8 +43,13 @@ if TYPE_CHECKING:
 
 #: Seconds to wait for the cluster to grant a placement group before saying it lacks the devices.
 PLACEMENT_TIMEOUT_S = 60.0
+#: Seconds to wait for a TCP connection to the GCS port of ``--address host:port`` before saying nothing is there.
+CONNECT_TIMEOUT_S = 10.0
 #: Seconds between liveness checks while a call runs.
 POLL_S = 0.5
+#: Seconds a node that lost a worker has to run a probe task before it counts as gone: a crashed node stays
+#: alive in Ray's node table until its heartbeats time out (tens of seconds), and nothing can be placed on it.
+PROBE_S = 15.0
 
 
 def machine(cfg: RunConfig) -> HardwareSpec:
@@ -102,6 +107,9 @@ class RayExecutor(PlanExecutor):
         self.address: str | None = None  # an existing cluster to join (`flowrl run --address`)
         self._session = False  # inside `session`: Ray outlives each attempt's workers
         self._owns_ray = False  # a private Ray this executor started in its session, shut down at its end
+        # nodes that lost a worker in an earlier attempt, until they answer a probe or leave the node table:
+        # node id -> the probe task's ref (None until sent)
+        self._suspects: dict[str, Any] = {}
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
@@ -112,6 +120,7 @@ class RayExecutor(PlanExecutor):
             yield
         finally:
             self._session = False
+            self._suspects.clear()  # probes of this session's Ray
             if self._owns_ray:
                 self._owns_ray = False
                 import ray
@@ -125,12 +134,47 @@ class RayExecutor(PlanExecutor):
 
         if not ray.is_initialized():
             return None
-        kind = "CPU" if plan.target.cluster.on_cpu else "GPU"
         try:
-            alive = [n for n in ray.nodes() if n.get("Alive")]
+            alive = self._live_nodes()
         except Exception:  # noqa: BLE001 - the cluster is unreachable: nothing can be placed
             return 0
-        return int(sum(n.get("Resources", {}).get(kind, 0.0) for n in alive))
+        return sum(n.devices(not plan.target.cluster.on_cpu) for n in alive)
+
+    def _live_nodes(self) -> list[ClusterNode]:
+        """The alive nodes (`flowrl_ray.nodes.alive_nodes`) less those that lost a worker and do not run a probe
+        task within `PROBE_S` (a crashed node Ray has not yet marked dead: what is placed there never starts)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from flowrl_ray import nodes
+
+        found = nodes.alive_nodes()
+        ids = {n.node_id for n in found}
+        gone: set[str] = set()
+        for node_id in list(self._suspects):
+            if node_id not in ids:  # Ray marked it dead: it is simply not in the table any more
+                del self._suspects[node_id]
+                continue
+            ref = self._suspects[node_id]
+            first = ref is None
+            if first:
+                strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+                ref = self._suspects[node_id] = (
+                    ray.remote(num_cpus=0)(_here).options(scheduling_strategy=strategy).remote()
+                )
+            ready, _ = ray.wait([ref], timeout=PROBE_S if first else 0)
+            if not ready:
+                gone.add(node_id)
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayTaskError:  # it ran there and failed (another flowrl there): alive
+                pass
+            except Exception:  # noqa: BLE001 - the task failed with its node: gone
+                gone.add(node_id)
+                continue
+            del self._suspects[node_id]  # it answered: only the worker was lost
+        return [n for n in found if n.node_id not in gone]
 
     def device(self, plan: ExecutionPlan) -> str:
         return "cpu" if plan.target.cluster.on_cpu else "cuda:0"  # Ray gives each GPU actor one visible device
@@ -149,9 +193,9 @@ class RayExecutor(PlanExecutor):
         started = _connect(self.address, schedule.world, gpus)
         if started and self._session:  # kept for the session's next attempt; shut down when it ends
             self._owns_ray, started = True, False
-        transport = RayTransport(schedule, started)
+        transport = RayTransport(schedule, started, self._suspects)
         try:
-            found = nodes.alive_nodes()  # a cluster of one node (a private Ray) holds every rank
+            found = self._live_nodes()  # a cluster of one node (a private Ray) holds every rank
             placed = nodes.assign(plan, schedule.world, found, private=len(found) == 1)
             if self.address:  # each node's CPUs shared by the ranks on it
                 threads = plan.config.threads or nodes.threads_per_rank(placed)
@@ -225,6 +269,12 @@ def join(address: str) -> None:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    why = _unreachable(address)
+    if why:  # Ray itself would retry for minutes before it gives up
+        raise BackendError(
+            f"no Ray cluster at --address {address} ({why}). Start one (`ray start --head` on its head node), "
+            "check the host and port `ray start` printed, or drop --address to run on a private Ray on this machine."
+        )
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -232,6 +282,21 @@ def join(address: str) -> None:
             f"no Ray cluster at --address {address} ({type(exc).__name__}: {exc}). Start one (`ray start "
             "--head` on its head node) or drop --address to run on a private Ray on this machine."
         ) from None
+
+
+def _unreachable(address: str) -> str:
+    """Why nothing answers at a ``host:port`` address (a TCP connection to its GCS port within
+    `CONNECT_TIMEOUT_S`), or "" when something does, or the address is another form ('auto', ``ray://``)."""
+    import socket
+
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or not port.isdigit() or "://" in address:
+        return ""
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
+            return ""
+    except OSError as exc:
+        return f"nothing answers at {host}:{port}: {exc.strerror or exc}"
 
 
 def nodes(address: str) -> list[ClusterNode]:
@@ -245,9 +310,11 @@ def nodes(address: str) -> list[ClusterNode]:
 class RayTransport:
     """The driver's handle on the worker actors."""
 
-    def __init__(self, schedule: Schedule, owns_ray: bool) -> None:
+    def __init__(self, schedule: Schedule, owns_ray: bool, suspects: dict[str, Any] | None = None) -> None:
         self.schedule = schedule
         self.owns_ray = owns_ray
+        self.suspects = suspects if suspects is not None else {}  # the node of a lost worker goes here
+        self.placed: Sequence[ClusterNode] = ()
         self.actors: list[Any] = []
         self.pids: list[int] = []
         self.placement_groups: list[Any] = []
@@ -264,6 +331,7 @@ class RayTransport:
         from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        self.placed = placed
         remote = ray.remote(RayWorker)
         bundle = {"CPU": 1.0, "GPU": 1.0} if gpus else {"CPU": 1.0}
         for g in self.schedule.groups:
@@ -363,6 +431,8 @@ class RayTransport:
 
     def _died(self, rank: int, tag: str, exc: Exception | None) -> None:
         """A worker's process or node is gone: `WorkerLostError` (the run may restart from a checkpoint)."""
+        if rank < len(self.placed):  # its node may be gone too: probed before anything is placed there again
+            self.suspects.setdefault(self.placed[rank].node_id, None)
         self._fail(rank, tag, "died", exc, lost=True)
 
     def _fail(self, rank: int, tag: str, what: str, exc: Exception | None, lost: bool = False) -> None:
@@ -425,6 +495,11 @@ class RayTransport:
             ray.shutdown()
             while ray.is_initialized() and time.time() < deadline:  # pragma: no cover - shutdown is synchronous
                 time.sleep(0.1)
+
+
+def _here() -> bool:
+    """The probe task: it runs, so its node is alive."""
+    return True
 
 
 def _user_functions_by_value() -> None:
