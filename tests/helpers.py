@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,3 +62,19 @@ TOOL_TEMPLATE = (
     "{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% endif %}"
 )
+
+
+def cpu_plan(graph: str, overrides: list[str], devices: int = 2, require: tuple[str, ...] = (), **pins: Any):
+    """(graph, plan) of ``graph`` for this machine cut into ``devices`` CPU devices, for the Ray executor.
+    ``require``: layouts a test needs (e.g. ``actor.dp=2``: the tuner may pick pipeline stages for small
+    jobs); ``pins``: the planner's other options (placement, sync)."""
+    from flowrl import api
+    from flowrl.planner.constraints import parse_requirements
+    from flowrl.plugins.manager import registry
+
+    overrides = [*overrides, "backend=ray", "device=cpu"]
+    g, cfg = api.load(graph, overrides=overrides)
+    target = api.local_target(cfg, registry(), devices=devices)
+    if require:
+        pins["require"] = parse_requirements(list(require), list(g.models))
+    return api.plan(graph, overrides=overrides, target=target, for_backend=True, options=pins, emit=lambda s: None)

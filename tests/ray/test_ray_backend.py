@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import Any
 
 import msgspec
 import pytest
 import torch
+from helpers import cpu_plan
 
 from flowrl import api
 from flowrl.algorithms.ops import LOSSES
@@ -33,12 +35,9 @@ SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "progress
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
 
 
-def cpu2_plan(graph: str, tmp_path, *extra: str, **pins: str):
+def cpu2_plan(graph: str, tmp_path, *extra: str, require: tuple[str, ...] = (), **pins: Any):
     """A plan of ``graph`` for this machine as two devices, for the Ray executor."""
-    overrides = [*SMALL, "backend=ray", "device=cpu", f"out={tmp_path}", *extra]
-    _, cfg = api.load(graph, overrides=overrides)
-    target = api.local_target(cfg, registry(), devices=2)
-    return api.plan(graph, overrides=overrides, target=target, for_backend=True, options=pins, emit=lambda s: None)
+    return cpu_plan(graph, [*SMALL, f"out={tmp_path}", *extra], 2, require, **pins)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -98,7 +97,7 @@ LOSS_CASES = [
 def test_a_two_rank_fsdp2_train_step_equals_the_one_process_step(tmp_path):
     """... with the actor's optimizer offloaded (FSDP2's CPUOffloadPolicy: the shards, their gradients
     and the optimizer states in host memory), which the layout asks for and the local engine declares."""
-    g2, plan2 = cpu2_plan("grpo", tmp_path, placement="colocate")
+    g2, plan2 = cpu2_plan("grpo", tmp_path, placement="colocate", require=("actor.dp=2",))
     assert plan2.layout.layout("actor").parallel.dp == 2
     offloaded = [msgspec.structs.replace(m, offload_optimizer=m.model == "actor") for m in plan2.layout.models]
     plan2 = msgspec.structs.replace(plan2, layout=msgspec.structs.replace(plan2.layout, models=tuple(offloaded)))
@@ -203,7 +202,9 @@ def test_a_resumed_fsdp2_run_restores_every_shard_and_equals_the_uninterrupted_r
     from flowrl.contract.plan import load_plan
     from flowrl.runtime.executor import run_dir
 
-    g, plan = cpu2_plan("grpo", tmp_path, "steps=4", "save_every=2", "checkpoint=true", placement="colocate")
+    g, plan = cpu2_plan(
+        "grpo", tmp_path, "steps=4", "save_every=2", "checkpoint=true", placement="colocate", require=("actor.dp=2",)
+    )
     assert plan.layout.placement == "colocate" and plan.layout.layout("actor").parallel.dp == 2  # FSDP2 over 2 ranks
 
     whole = api.run(g, plan, out_dir=run_dir(str(tmp_path), "whole"))

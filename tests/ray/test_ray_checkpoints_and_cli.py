@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import cpu_plan
 
 from flowrl import api
 from flowrl.errors import BackendError
-from flowrl.plugins.manager import registry
 
 ray = pytest.importorskip("ray")
 
@@ -36,12 +36,9 @@ CLI_SMALL = ["--steps", "2", "--set", "rollout.prompts_per_step=4", "--set", "ro
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
 
 
-def plan_for(graph: str, out: Path, *extra: str, devices: int = 2, **pins: str):
+def plan_for(graph: str, out: Path, *extra: str, devices: int = 2, require: tuple[str, ...] = (), **pins: str):
     """A plan of ``graph`` for this machine as ``devices`` CPU devices, for the Ray executor."""
-    overrides = [*SMALL, "backend=ray", "device=cpu", f"out={out}", *extra]
-    _, cfg = api.load(graph, overrides=overrides)
-    target = api.local_target(cfg, registry(), devices=devices)
-    return api.plan(graph, overrides=overrides, target=target, for_backend=True, options=pins, emit=lambda s: None)
+    return cpu_plan(graph, [*SMALL, f"out={out}", *extra], devices, require, **pins)
 
 
 def run_capturing_final_weights(g, plan, out: Path) -> tuple[Any, dict[str, dict[str, torch.Tensor]]]:
@@ -140,7 +137,9 @@ def test_split_ppo_critic_checkpoint_holds_its_backbone_and_head(tmp_path):
 def test_colocated_dp2_ppo_with_frozen_reference_checkpoints_match_the_sharded_trainers(tmp_path):
     """Its trace.json is a Chrome trace Perfetto keeps whole: worker setup spans happen before the
     trace's origin, and they must not get negative timestamps."""
-    g, plan = plan_for("ppo", tmp_path, "steps=1", "checkpoint=true", placement="colocate")
+    g, plan = plan_for(
+        "ppo", tmp_path, "steps=1", "checkpoint=true", placement="colocate", require=("actor.dp=2", "critic.dp=2")
+    )
     assert all(m.parallel.dp == 2 for m in plan.layout.models)  # ref is frozen and replicated, actor/critic FSDP2
     result, final = run_capturing_final_weights(g, plan, tmp_path / "run")
     assert_checkpoints_hold(result, final)
