@@ -196,16 +196,8 @@ def resumed(rank: int, world: int, folder: Path, tied: bool = False) -> dict:
 
     graph, plan = _plan([])
     split = dict(rank=rank, world=world, group=dist.group.WORLD, pp=2)
-    whole = _engine(graph, plan, "actor", tied)
     first = _engine(graph, plan, "actor", tied, **split)
-    seqs = _rows(whole)
-    logp = whole.forward(seqs, "logprobs", 0)
-    batch = _batch(seqs, logp, logp)
-    fn, _ = _step(plan.config.algo, "ppo", 3)
-    first.train(fn, batch, _step(plan.config.algo, "ppo", 3)[1])
-    folder.mkdir(exist_ok=True)
-    first.save_state(folder)
-    dist.barrier()  # rank 0 wrote it
+    fn, batch = _trained_and_saved(first, graph, plan, tied, folder)
     stored = _stored(folder)
     again = _engine(graph, plan, "actor", tied, **split)
     version = again.load_state(folder)
@@ -234,10 +226,29 @@ def _one_process_next_step(graph, plan, tied: bool, folder: Path, batch: dict, s
         return str(exc)
     fn, step = _step(plan.config.algo, "ppo", 3)
     one.train(fn, batch, step)
-    weights = one.export_weights()
-    return sorted(weights) == sorted(staged_next) and all(
-        float((weights[k] - staged_next[k]).abs().max()) < 1e-5 for k in weights
-    )
+    return _close(one.export_weights(), staged_next)
+
+
+def _trained_and_saved(engine, graph, plan, tied: bool, folder: Path) -> tuple:
+    """``engine`` after one ppo step on the rows a whole model samples, its state saved in ``folder``
+    (rank 0 writes it; every rank waits): the loss function and the batch, for the steps that follow."""
+    import torch.distributed as dist
+
+    whole = _engine(graph, plan, "actor", tied)
+    seqs = _rows(whole)
+    logp = whole.forward(seqs, "logprobs", 0)
+    batch = _batch(seqs, logp, logp)
+    fn, step = _step(plan.config.algo, "ppo", 3)
+    engine.train(fn, batch, step)
+    folder.mkdir(exist_ok=True)
+    engine.save_state(folder)
+    dist.barrier()  # rank 0 wrote it
+    return fn, batch
+
+
+def _close(a: dict, b: dict) -> bool:
+    """Whether two exports name the same tensors, equal to fp32 rounding (1e-5)."""
+    return sorted(a) == sorted(b) and all(float((a[k] - b[k]).abs().max()) < 1e-5 for k in a)
 
 
 def resumed_from_dp(rank: int, world: int, folder: Path) -> dict:
@@ -247,23 +258,15 @@ def resumed_from_dp(rank: int, world: int, folder: Path) -> dict:
     import torch.distributed as dist
 
     graph, plan = _plan([])
-    whole = _engine(graph, plan, "actor", True)
     dp = _engine(graph, plan, "actor", True, rank=rank, world=world, group=dist.group.WORLD)
-    seqs = _rows(whole)
-    logp = whole.forward(seqs, "logprobs", 0)
-    batch = _batch(seqs, logp, logp)
-    fn, _ = _step(plan.config.algo, "ppo", 3)
-    dp.train(fn, batch, _step(plan.config.algo, "ppo", 3)[1])
-    folder.mkdir(exist_ok=True)
-    dp.save_state(folder)
-    dist.barrier()  # rank 0 wrote it
+    fn, batch = _trained_and_saved(dp, graph, plan, True, folder)
     staged = _engine(graph, plan, "actor", True, rank=rank, world=world, group=dist.group.WORLD, pp=2)
     staged.load_state(folder)
     dp.train(fn, batch, _step(plan.config.algo, "ppo", 3)[1])
     staged.train(fn, batch, _step(plan.config.algo, "ppo", 3)[1])
     a, b = dp.export_weights(), staged.export_weights()
     return {
-        "next_step": sorted(a) == sorted(b) and all(float((a[k] - b[k]).abs().max()) < 1e-5 for k in a),
+        "next_step": _close(a, b),
         "copies_equal": _same_bits({"w": b["model.embed_tokens.weight"]}, {"w": b["lm_head.weight"]}),
     }
 
