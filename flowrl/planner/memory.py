@@ -73,25 +73,9 @@ def activation_bytes(
     largest stage's: a train step keeps what its layers keep for every micro-batch in flight there
     (``micro_steps``: micro-batches per step, `pipeline.in_flight`), the last stage also the logits
     of those its schedule keeps (`pipeline.logits_in_flight`)."""
-    p = layout.parallel
-    b = numerics.activation_bytes
-    tokens = layout.micro_batch * seq_len
-    layers = model.layers // p.pp
-    scores = model.heads * seq_len if numerics.eager_attention else 0
-    # tensor parallel splits the heads' and the MLP's tensors; the layer's input, its norms and the
-    # residual stream stay whole on every rank without sequence parallelism (Korthikanti et al. 2022:
-    # 10sbh of a layer's 34sbh bytes are not split)
-    whole = REPLICATED_HIDDEN * model.hidden if p.tp > 1 else 0
-    working = (whole + ((16 * model.hidden - whole) + 2 * model.intermediate + scores) / p.tp) * b
-    if not training:
-        kept = 0.0
-    elif numerics.recompute:
-        kept = model.hidden * b * layers
-    else:
-        kept = working * layers
-    logits = model.vocab * 4 * (2 if training else 1) / p.tp
-    if p.pp == 1:
-        return int(tokens * (kept + working + logits))
+    if layout.parallel.pp == 1:
+        working, kept, logits = _per_token(model, numerics, layout, seq_len, training)
+        return int(layout.micro_batch * seq_len * ((kept if training else 0.0) + working + logits))
     return max(
         held + transient
         for held, transient in stage_activations(
@@ -108,14 +92,8 @@ def stage_activations(
     tensors, and on the last stage the logits of those its schedule keeps), ``transient`` one layer's working
     set of the micro-batch it computes (and on the last stage its logits, forward only)."""
     p = layout.parallel
-    b = numerics.activation_bytes
     tokens = layout.micro_batch * seq_len
-    layers = model.layers // p.pp
-    scores = model.heads * seq_len if numerics.eager_attention else 0
-    whole = REPLICATED_HIDDEN * model.hidden if p.tp > 1 else 0
-    working = (whole + ((16 * model.hidden - whole) + 2 * model.intermediate + scores) / p.tp) * b
-    kept = (model.hidden * b if numerics.recompute else working) * layers
-    logits = model.vocab * 4 * (2 if training else 1) / p.tp
+    working, kept, logits = _per_token(model, numerics, layout, seq_len, training)
     out = []
     for rank in range(p.pp):
         last = rank == p.pp - 1
@@ -126,6 +104,25 @@ def stage_activations(
         else:
             out.append((0, int(tokens * (working + (logits if last else 0)))))
     return out
+
+
+def _per_token(
+    model: ModelSpec, numerics: Numerics, layout: ModelLayout, seq_len: int, training: bool
+) -> tuple[float, float, float]:
+    """Bytes per token of a micro-batch on one rank: (one layer's working set, what the rank's ``layers //
+    pp`` decoder layers keep for the backward (their inputs with recomputation, every working set without),
+    the fp32 logits over its vocabulary slice, with their gradient when ``training``)."""
+    p = layout.parallel
+    b = numerics.activation_bytes
+    scores = model.heads * seq_len if numerics.eager_attention else 0
+    # tensor parallel splits the heads' and the MLP's tensors; the layer's input, its norms and the
+    # residual stream stay whole on every rank without sequence parallelism (Korthikanti et al. 2022:
+    # 10sbh of a layer's 34sbh bytes are not split)
+    whole = REPLICATED_HIDDEN * model.hidden if p.tp > 1 else 0
+    working = (whole + ((16 * model.hidden - whole) + 2 * model.intermediate + scores) / p.tp) * b
+    kept = (model.hidden * b if numerics.recompute else working) * (model.layers // p.pp)
+    logits = model.vocab * 4 * (2 if training else 1) / p.tp
+    return working, kept, logits
 
 
 def compute_copy_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout) -> int:
