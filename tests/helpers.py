@@ -78,3 +78,34 @@ def cpu_plan(graph: str, overrides: list[str], devices: int = 2, require: tuple[
     if require:
         pins["require"] = parse_requirements(list(require), list(g.models))
     return api.plan(graph, overrides=overrides, target=target, for_backend=True, options=pins, emit=lambda s: None)
+
+
+#: metrics that measure time, which no two runs share (with every ``*/seconds`` and ``*/pp_bubble``)
+TIMED = ("step_seconds", "tokens_per_s", "spans")
+
+
+def untimed(rows: list[dict]) -> list[dict]:
+    """Metrics rows without what measures time: what two runs of one plan must agree on."""
+    return [{k: v for k, v in r.items() if k not in TIMED and not k.endswith(("/seconds", "pp_bubble"))} for r in rows]
+
+
+def metrics_rows(folder: Path) -> list[dict]:
+    """Every row of the run folder's metrics.jsonl (steps, and events such as restarts)."""
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def resumed_after_step_1(graph: Any, plan: Any, tmp_path: Path) -> tuple[Any, Any]:
+    """(the whole run, the run resumed from its step-1 checkpoint) of a 4-step ``plan`` that checkpoints every
+    2 steps: the whole run's folder copied without its last checkpoint, as if killed after step 1, then resumed
+    (two runs, not three)."""
+    import shutil
+
+    from flowrl import api
+    from flowrl.contract.plan import load_plan
+    from flowrl.runtime.executor import run_dir
+
+    whole = api.run(graph, plan, out_dir=run_dir(str(tmp_path), "whole"))
+    part = tmp_path / "part"
+    shutil.copytree(whole.out_dir, part)
+    shutil.rmtree(part / "checkpoints" / "step-000003")
+    return whole, api.run(graph, load_plan(part / "plan.yaml"), out_dir=part, resume=True)

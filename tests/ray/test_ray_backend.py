@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Any
 
 import msgspec
 import pytest
 import torch
-from helpers import cpu_plan
+from helpers import cpu_plan, resumed_after_step_1, untimed
 
 from flowrl import api
 from flowrl.algorithms.ops import LOSSES
@@ -199,27 +198,15 @@ def test_rollout_modes_overlap_generation_with_training_on_two_groups(tmp_path, 
 
 
 def test_a_resumed_fsdp2_run_restores_every_shard_and_equals_the_uninterrupted_run(tmp_path):
-    from flowrl.contract.plan import load_plan
-    from flowrl.runtime.executor import run_dir
-
     g, plan = cpu2_plan(
         "grpo", tmp_path, "steps=4", "save_every=2", "checkpoint=true", placement="colocate", require=("actor.dp=2",)
     )
     assert plan.layout.placement == "colocate" and plan.layout.layout("actor").parallel.dp == 2  # FSDP2 over 2 ranks
 
-    whole = api.run(g, plan, out_dir=run_dir(str(tmp_path), "whole"))
-    part = tmp_path / "part"  # the run as if killed after its step-1 checkpoint (two Ray runs, not three)
-    shutil.copytree(whole.out_dir, part)
-    shutil.rmtree(part / "checkpoints" / "step-000003")
-    resumed = api.run(g, load_plan(part / "plan.yaml"), out_dir=part, resume=True)
+    whole, resumed = resumed_after_step_1(g, plan, tmp_path)
     assert resumed.resumed_from == 2
-
-    def stripped(metrics):
-        return [{k: v for k, v in r.items() if k not in ("step_seconds", "tokens_per_s", "spans")} for r in metrics]
-
-    same = [{k: v for k, v in r.items() if not k.endswith("/seconds")} for r in stripped(whole.metrics)]
-    again = [{k: v for k, v in r.items() if not k.endswith("/seconds")} for r in stripped(resumed.metrics)]
-    assert [r["step"] for r in again] == [0, 1, 2, 3] and same == again
+    again = untimed(resumed.metrics)
+    assert [r["step"] for r in again] == [0, 1, 2, 3] and untimed(whole.metrics) == again
 
 
 def test_dynamic_sampling_and_a_graph_files_own_loss_run_on_ray(tmp_path):

@@ -21,7 +21,7 @@ from pathlib import Path
 from statistics import mean
 
 import pytest
-from helpers import ONE_LAYER
+from helpers import ONE_LAYER, metrics_rows, untimed
 from safetensors.torch import load_file
 
 from flowrl import api
@@ -34,7 +34,6 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # a two-node Ray cluster, runs across it
 
 ROOT = Path(__file__).resolve().parents[2]
-TIMING = ("step_seconds", "tokens_per_s", "spans")
 
 
 @pytest.fixture(scope="module")
@@ -200,8 +199,7 @@ def _alive(pid: int) -> bool:
 
 
 def _stripped(folder: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line]
-    return [{k: v for k, v in r.items() if k not in TIMING and not k.endswith("/seconds")} for r in rows]
+    return untimed(metrics_rows(folder))
 
 
 def test_kill_9_of_the_driver_then_resume_on_the_cluster_equals_the_uninterrupted_run(cluster, tmp_path):

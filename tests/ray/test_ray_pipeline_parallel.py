@@ -9,13 +9,10 @@ One Ray session of two CPUs serves the module.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
+from helpers import cpu_plan, resumed_after_step_1, untimed
 
 from flowrl import api
-from flowrl.planner.constraints import parse_requirements
-from flowrl.plugins.manager import registry
 
 ray = pytest.importorskip("ray")
 
@@ -25,13 +22,7 @@ SMALL = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "progress
 
 def pp2_plan(tmp_path, *extra: str):
     """A colocated cpu:2 plan of grpo with the actor in 2 pipeline stages."""
-    overrides = [*SMALL, "backend=ray", "device=cpu", f"out={tmp_path}", *extra]
-    graph, cfg = api.load("grpo", overrides=overrides)
-    target = api.local_target(cfg, registry(), devices=2)
-    need = parse_requirements(["actor.pp=2", "placement=colocate"], graph.models)
-    return api.plan(
-        "grpo", overrides=overrides, target=target, for_backend=True, options={"require": need}, emit=lambda s: None
-    )
+    return cpu_plan("grpo", [*SMALL, f"out={tmp_path}", *extra], 2, ("actor.pp=2", "placement=colocate"))
 
 
 def mean(xs):
@@ -59,23 +50,8 @@ def test_grpo_learns_the_copy_task_with_the_actor_in_two_pipeline_stages(tmp_pat
 
 
 def test_a_resumed_pp2_run_equals_the_uninterrupted_run(tmp_path):
-    from flowrl.contract.plan import load_plan
-    from flowrl.runtime.executor import run_dir
-
     g, plan = pp2_plan(tmp_path, "steps=4", "save_every=2", "checkpoint=true")
-    whole = api.run(g, plan, out_dir=run_dir(str(tmp_path), "whole"))
-    part = tmp_path / "part"  # the run as if killed after its step-1 checkpoint (two Ray runs, not three)
-    shutil.copytree(whole.out_dir, part)
-    shutil.rmtree(part / "checkpoints" / "step-000003")
-    resumed = api.run(g, load_plan(part / "plan.yaml"), out_dir=part, resume=True)
+    whole, resumed = resumed_after_step_1(g, plan, tmp_path)
     assert resumed.resumed_from == 2
-
-    def stripped(metrics):
-        timed = ("step_seconds", "tokens_per_s", "spans")
-        return [
-            {k: v for k, v in r.items() if k not in timed and not k.endswith(("/seconds", "pp_bubble"))}
-            for r in metrics
-        ]
-
-    again = stripped(resumed.metrics)
-    assert [r["step"] for r in again] == [0, 1, 2, 3] and stripped(whole.metrics) == again
+    again = untimed(resumed.metrics)
+    assert [r["step"] for r in again] == [0, 1, 2, 3] and untimed(whole.metrics) == again

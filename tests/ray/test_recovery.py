@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import metrics_rows, untimed
 
 from flowrl import api
 from flowrl.errors import WorkerLostError
@@ -29,7 +30,6 @@ psutil = pytest.importorskip("psutil")
 pytestmark = pytest.mark.slow  # a local Ray cluster, workers and nodes killed mid-run
 
 STEPS = 6
-TIMING = ("step_seconds", "tokens_per_s", "spans")
 
 
 @pytest.fixture(scope="module")
@@ -93,16 +93,8 @@ def _plan(tmp_path: Path, *extra: str):
     )
 
 
-def _records(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-
-
 def _steps(folder: Path) -> list[dict]:
-    return [
-        {k: v for k, v in r.items() if k not in TIMING and not k.endswith(("/seconds", "pp_bubble"))}  # timed
-        for r in _records(folder)
-        if r.get("kind") is None
-    ]
+    return untimed([r for r in metrics_rows(folder) if r.get("kind") is None])
 
 
 def _worker(folder: Path, rank: int) -> dict:
@@ -154,10 +146,10 @@ def test_a_killed_worker_restarts_the_run_from_its_checkpoint_and_the_run_equals
     ref_steps = _steps(ref_out)
     differ = sorted({k for a, b in zip(steps, ref_steps) for k in a.keys() | b.keys() if a.get(k) != b.get(k)})
     assert steps == ref_steps, differ  # the same numbers as the uninterrupted run
-    restarts = [r for r in _records(out) if r.get("kind") == "restart"]
+    restarts = [r for r in metrics_rows(out) if r.get("kind") == "restart"]
     assert len(restarts) == 1 and restarts[0]["step"] == 2
     assert restarts[0]["restart"]["rank"] == 1 and restarts[0]["restart"]["pid"] == killed["pid"]
-    order = [(r.get("kind"), r["step"]) for r in _records(out)]  # the restart record where the run continued
+    order = [(r.get("kind"), r["step"]) for r in metrics_rows(out)]  # the restart record where the run continued
     assert order == [(None, 0), (None, 1), ("restart", 2), *((None, s) for s in range(2, STEPS))]
     from safetensors.torch import load_file
 

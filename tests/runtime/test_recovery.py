@@ -6,13 +6,12 @@ checkpoints; a clear stop once the restarts are used up."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import SMALL_RUN, run_cli
+from helpers import SMALL_RUN, metrics_rows, run_cli, untimed
 
 from flowrl import api
 from flowrl.errors import WorkerLostError
@@ -20,7 +19,6 @@ from flowrl.plugins.manager import registry
 from flowrl.runtime.executor import PlanExecutor
 
 STEPS = 6
-TIMING = ("step_seconds", "tokens_per_s", "spans")
 
 
 class _Losing:
@@ -81,16 +79,8 @@ def _run(
     return result, out, lines
 
 
-def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def _steps(out: Path) -> list[dict]:
-    return [
-        {k: v for k, v in r.items() if k not in TIMING and not k.endswith("/seconds")}
-        for r in _records(out)
-        if r.get("kind") is None
-    ]
+    return untimed([r for r in metrics_rows(out) if r.get("kind") is None])
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +94,7 @@ def test_a_lost_worker_restarts_from_the_last_checkpoint_and_the_run_equals_an_u
     who = f"worker rank 0 (pid {os.getpid()})"
     assert lines == [f"flowrl: {who} was lost in iteration 3; restart 1/3 from the checkpoint after step 1"]
     assert _steps(out) == _steps(reference)  # every step once, the same numbers
-    order = [(r.get("kind"), r["step"]) for r in _records(out)]
+    order = [(r.get("kind"), r["step"]) for r in metrics_rows(out)]
     assert order == [(None, 0), (None, 1), ("restart", 2), *((None, s) for s in range(2, STEPS))]
     (restart,) = result.restarts
     assert restart["restart"]["count"] == 1 and restart["restart"]["checkpoint_step"] == 1
@@ -117,7 +107,7 @@ def test_a_worker_lost_before_the_first_checkpoint_restarts_at_step_0(reference,
     result, out, lines = _run(tmp_path, "early", [1])
     assert "from step 0 (no checkpoint yet)" in lines[0]
     assert _steps(out) == _steps(reference)
-    assert [(r.get("kind"), r["step"]) for r in _records(out)][:2] == [("restart", 0), (None, 0)]
+    assert [(r.get("kind"), r["step"]) for r in metrics_rows(out)][:2] == [("restart", 0), (None, 0)]
 
 
 def test_the_summary_says_a_worker_lost_during_setup_so():
@@ -131,11 +121,11 @@ def test_the_summary_says_a_worker_lost_during_setup_so():
     assert restart_line({"step": 6, "restart": info}).endswith("lost in iteration 7; re-planned, continued at step 6")
 
 
-def test_two_losses_keep_both_restart_records(reference, tmp_path):
+def test_two_losses_keep_both_restartmetrics_rows(reference, tmp_path):
     result, out, lines = _run(tmp_path, "twice", [3, 5])
     assert len(result.restarts) == 2 and "restart 2/3 from the checkpoint after step 3" in lines[1]
     assert _steps(out) == _steps(reference)
-    restarts = [r["step"] for r in _records(out) if r.get("kind") == "restart"]
+    restarts = [r["step"] for r in metrics_rows(out) if r.get("kind") == "restart"]
     assert restarts == [2, 4]
 
 
