@@ -432,6 +432,16 @@ def episode_reward(
     return scores + env_weight * torch.tensor(env, dtype=torch.float32), metrics
 
 
+def agent_reward(prompts: list[Prompt], responses: list[str], task: Any) -> tuple[Tensor, dict[str, float]]:
+    """The reward each episode's agent returned (`flowrl.agents`: 0 when it returned None, the
+    node's ``failure_reward`` when it failed), read from the episode's turns. Metric ``solved``: the
+    fraction rewarded 1 or more."""
+    import torch
+
+    scores = torch.tensor([float(getattr(r, "env_reward", 0.0)) for r in responses], dtype=torch.float32)
+    return scores, {"solved": round(float((scores >= 1.0).float().mean()), 4) if len(scores) else 0.0}
+
+
 def verbosity_cost(prompts: list[Prompt], responses: list[str], task: Any) -> tuple[Tensor, dict[str, float]]:
     """A toy safety cost: 1 for a response longer than its reference answer (it says more than
     asked), else 0 (metric ``violations``: the fraction that cost)."""
@@ -620,4 +630,5 @@ REWARD_FUNCTIONS = {
     "code": code_reward,
     "http": http_reward,
     "episode": episode_reward,
+    "agent": agent_reward,
 }

@@ -128,7 +128,9 @@ class _Node(Spec, frozen=True, kw_only=True, tag_field="kind"):
 class Generate(_Node, frozen=True, tag="generate"):
     """Sample `n` responses per prompt from `model` (greedy=True: one argmax response). With
     `env`, each response is an episode of up to `turns` model turns, the environment answering
-    after each; only the model's tokens are trained."""
+    after each; with `agent`, an episode of the user's agent, whose up to `turns` requests to the
+    run's OpenAI-compatible endpoint are its model turns (`flowrl.runtime.agents`). Only the
+    model's tokens are trained."""
 
     model: str
     n: int = 1
@@ -137,6 +139,15 @@ class Generate(_Node, frozen=True, tag="generate"):
     turns: int = 1
     turn_tokens: int | None = None  # model tokens per turn (None: the response budget over the turns)
     env_tokens: int | None = None  # environment text per episode (None: within the response budget)
+    agent: str | None = None  # a registered agent, or 'module:function' / 'file.py:function'
+    timeout: float = 120.0  # an agent's own seconds per episode (waiting on the endpoint not counted)
+    concurrency: int = 64  # agent episodes running at once
+    failure_reward: float = 0.0  # the reward of an episode whose agent raised, timed out or gave no number
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether each response is an episode of several turns (an environment's or an agent's)."""
+        return self.env is not None or self.agent is not None
 
     samples = True
     write_count = (1, 2)
@@ -155,6 +166,8 @@ class Generate(_Node, frozen=True, tag="generate"):
         parts = [f"n={self.n}"]
         if self.greedy:
             parts.append("greedy")
+        if self.agent is not None:
+            parts.append(f"agent={self.agent} turns={self.turns} timeout={self.timeout:g}s")
         if self.env is not None:
             parts.append(f"env={self.env} turns={self.turns}")
             if self.turn_tokens is not None:
@@ -397,6 +410,10 @@ class Graph:
         turns: int = 1,
         turn_tokens: int | None = None,
         env_tokens: int | None = None,
+        agent: str | None = None,
+        timeout: float = 120.0,
+        concurrency: int = 64,
+        failure_reward: float = 0.0,
         **options: Any,
     ) -> str:
         """Sample ``n`` responses per prompt. With ``env`` (a registered environment), each response
@@ -404,20 +421,50 @@ class Graph:
         most ``turn_tokens`` each (default: the response budget over the turns), with at most
         ``env_tokens`` of environment text (default: what the response budget leaves); a given
         ``env_tokens`` makes the response budget ``turns * turn_tokens + env_tokens``. ``options``
-        then go to the environment."""
+        then go to the environment.
+
+        With ``agent`` (a registered agent, or ``'module:function'`` / ``'file.py:function'``), each
+        response is an episode of the user's agent talking to the policy through the run's
+        OpenAI-compatible endpoint: up to ``turns`` requests of at most ``turn_tokens`` each, at most
+        ``concurrency`` episodes at once, ``timeout`` seconds of the agent's own time each; an agent
+        that raises, times out or returns no number scores ``failure_reward``. ``options`` then go
+        to the agent (`flowrl.agents`)."""
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
             raise GraphError(f"node '{name}': n must be >= 1 and <= {MAX_SAMPLES} (a whole number), got {n!r}.")
         if env is not None and (not isinstance(env, str) or not env):
             raise GraphError(f"node '{name}': env must be the name of a registered environment, got {env!r}.")
         if isinstance(turns, bool) or not isinstance(turns, int) or not 1 <= turns <= 64:
             raise GraphError(f"node '{name}': turns must be a whole number in [1, 64], got {turns!r}.")
-        if turns > 1 and env is None:
-            raise GraphError(f"node '{name}': turns={turns} needs an environment to answer between turns (env=NAME).")
+        if agent is not None and (not isinstance(agent, str) or not agent):
+            raise GraphError(
+                f"node '{name}': agent must name a registered agent or 'module:function', got {agent!r}."
+            )
+        if agent is not None and env is not None:
+            raise GraphError(f"node '{name}': give env=NAME or agent=NAME, not both (an agent runs its own environment).")
+        if agent is not None and env_tokens is not None:
+            raise GraphError(f"node '{name}': env_tokens is a budget of environment episodes; agent episodes share the response budget.")
+        if agent is None:
+            for key, value in (("timeout", timeout), ("concurrency", concurrency), ("failure_reward", failure_reward)):
+                if value != {"timeout": 120.0, "concurrency": 64, "failure_reward": 0.0}[key]:
+                    raise GraphError(f"node '{name}': {key} is a setting of agent episodes; it needs agent=NAME.")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
+            raise GraphError(f"node '{name}': timeout must be seconds in (0, 86400], got {timeout!r}.")
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or not 1 <= concurrency <= 4096:
+            raise GraphError(f"node '{name}': concurrency must be a whole number in [1, 4096], got {concurrency!r}.")
+        if isinstance(failure_reward, bool) or not isinstance(failure_reward, (int, float)):
+            raise GraphError(f"node '{name}': failure_reward must be a number, got {failure_reward!r}.")
+        if turns > 1 and env is None and agent is None:
+            raise GraphError(
+                f"node '{name}': turns={turns} needs an environment or an agent to answer between turns "
+                "(env=NAME or agent=NAME)."
+            )
         for key, value in (("turn_tokens", turn_tokens), ("env_tokens", env_tokens)):
             if value is None:
                 continue
-            if env is None:
-                raise GraphError(f"node '{name}': {key} is a budget of multi-turn episodes; it needs env=NAME.")
+            if env is None and (agent is None or key == "env_tokens"):
+                raise GraphError(
+                    f"node '{name}': {key} is a budget of multi-turn episodes; it needs env=NAME (or agent=NAME)."
+                )
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "turn_tokens" else 0):
                 raise GraphError(
                     f"node '{name}': {key} must be a whole number >= {int(key == 'turn_tokens')}, got {value!r}."
@@ -436,6 +483,10 @@ class Graph:
                 turns=turns,
                 turn_tokens=turn_tokens,
                 env_tokens=env_tokens,
+                agent=agent,
+                timeout=float(timeout),
+                concurrency=concurrency,
+                failure_reward=float(failure_reward),
                 options=options,
             )
         )

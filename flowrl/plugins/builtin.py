@@ -75,6 +75,13 @@ def register_environments(register: Register) -> None:
 
 
 @hookimpl
+def register_agents(register: Register) -> None:
+    from flowrl.agents.command import command
+
+    register("command", command, description=_doc(command))
+
+
+@hookimpl
 def register_tasks(register: Register) -> None:
     from flowrl.tasks.builtin import BUILTIN_TASKS
     from flowrl.tasks.dataset import DataTask

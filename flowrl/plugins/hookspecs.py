@@ -55,6 +55,13 @@ def register_environments(register: Register) -> None:
 
 
 @hookspec
+def register_agents(register: Register) -> None:
+    """Register agents for generate nodes with ``agent=NAME``: ``register(name, factory)`` with
+    ``factory(task, **options)`` returning a callable (sync or async) that plays one episode against
+    the policy's OpenAI-compatible endpoint and returns its reward (`flowrl.agents`)."""
+
+
+@hookspec
 def register_tasks(register: Register) -> None:
     """Register verifiable tasks: ``register(name, task_class)``."""
 

@@ -47,6 +47,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("reward_functions", "reward function", "fn(prompts, responses, task, **options)", node_function=True),
     Kind("filters", "filter function", "fn(inputs, algo, **options)", node_function=True),
     Kind("environments", "environment", "factory(task, **options)", node_function=True),
+    Kind("agents", "agent", "factory(task, **options)", node_function=True),
     Kind("tasks", "task"),
     Kind(
         "executors",

@@ -119,6 +119,7 @@ def _source(
         draw=stream,
         rounds=_rounds(graph, gen, rt, cfg.rollout.prompts_per_step),
         episodes=_episodes(gen, rt, built[gen.model][0], budget),
+        agents=_agents(gen, rt, built[gen.model][0], budget),
     )
 
 
@@ -163,3 +164,18 @@ def _episodes(gen: Generate, rt: NodeRuntime, tokenizer: Any, budget: int) -> An
     factory = rt.functions["environments"][gen.env]
     _, options = rt.options[gen.name]
     return Episodes.build(gen, factory, rt.task, options, tokenizer, budget, rt.rewards.concurrency)
+
+
+def _agents(gen: Generate, rt: NodeRuntime, tokenizer: Any, budget: int) -> Any:
+    """Agent episodes for a generate node with an agent, served through the run's endpoint."""
+    if gen.agent is None:
+        return None
+    from flowrl import agents
+    from flowrl.runtime import agents as rollouts
+    from flowrl.runtime.episodes import _tokenizer_template
+
+    registered = not agents.is_reference(gen.agent)
+    fn = rt.functions["agents"][gen.agent] if registered else agents.load(gen.agent, gen.name)
+    _, options = rt.options[gen.name]
+    template = getattr(rt.task, "template", None) or _tokenizer_template(tokenizer)
+    return rollouts.build(gen, fn, registered, rt.task, options, tokenizer, template, budget, gen.model)

@@ -325,6 +325,8 @@ class PlanExecutor:
                 trace.add_workers(transport.spans())
             except Exception:  # a dead worker keeps its spans
                 pass
+            for source in parts.sources.values():  # the agents' endpoints
+                source.close()
             transport.close()
             parts.rt.rewards.close()  # the reward workers
             ran = result.resumed_from is None or result.resumed_from < cfg.steps

@@ -252,10 +252,16 @@ class StepRollout:
     draw: Callable[[int], list[Prompt]]  # the next prompts of the run's stream
     rounds: Rounds | None = None  # a filter keeps groups of this node's rows (dynamic sampling)
     episodes: Any = None  # multi-turn: an `Episodes` that runs the environment between turns
+    agents: Any = None  # agent episodes: `flowrl.runtime.agents.AgentRollouts`
     buffer: RolloutBuffer = field(init=False)
 
     def __post_init__(self) -> None:
         self.buffer = RolloutBuffer(eta=self.policy.staleness)
+
+    def close(self) -> None:
+        """Stop what the rollouts keep between steps (the agents' endpoint)."""
+        if self.agents is not None:
+            self.agents.close()
 
     def run(
         self, step: int, version: int, prompts: Sequence[Prompt] | None, rng: torch.Generator
@@ -272,11 +278,11 @@ class StepRollout:
             self.buffer.taken.extend(self.buffer.add(prompts))
             self.buffer.prompts.clear()
             metrics = {**self._metrics(seqs, tokens, version, 0, 0), "carried": 0, "in_flight": 0}
-            if self.episodes is not None:
-                metrics.update(self.episodes.take_metrics(seqs))
+            metrics.update(self._turn_metrics(seqs))
             return GenerateResult(None, seqs, metrics, [Part(seqs, list(prompts))])
         buf = self.buffer
-        restarted = buf.enforce(version, step)
+        agents = self.agents
+        restarted = agents.enforce(buf, version, step) if agents is not None else buf.enforce(version, step)
         carried = len(buf.groups())
         before = {id(r): len(r.tokens) for r in buf.rows}  # tokens sampled in earlier steps (recycled)
         want = self.prompts_per_step
@@ -294,6 +300,12 @@ class StepRollout:
         of = lambda row: buf.prompts[row.group]  # noqa: E731
         while True:
             todo = [r for r in buf.rows if not r.finished]
+            if agents is not None:  # the agents' requests, a decode chunk of those in flight
+                if new_prompts:
+                    buf.rows.extend(agents.launch(new_groups, new_prompts, self.n, step))
+                    new_prompts = []
+                generated += agents.pump(gen, rng, gen.version, self.chunk_tokens)
+                todo = []
             if new_prompts:  # the first chunk of new prompts: the engine tokenises them
                 engine_prompts = new_prompts if episodes is None else [episodes.prompt(p) for p in new_prompts]
                 out = gen.generate(
@@ -324,7 +336,7 @@ class StepRollout:
                 emitted += ready
             if full:
                 break
-            if all(r.finished for r in buf.rows):
+            if all(r.finished for r in buf.rows) and agents is None:
                 raise BackendError(
                     f"rollout of model '{self.model}': every response finished, but the batch is not full."
                 )
@@ -334,15 +346,16 @@ class StepRollout:
         recycled = sum(before.get(id(r), 0) for r in rows)
         metrics = self._metrics(seqs, generated, version, restarted, recycled)
         metrics.update(carried=carried, in_flight=len(buf.groups()))
-        if episodes is not None:
-            metrics.update(episodes.take_metrics(seqs))
+        metrics.update(self._turn_metrics(seqs))
         return GenerateResult(batch_prompts if self.policy.partial else None, seqs, metrics, parts)
 
     def _sample(self, prompts: Sequence[Prompt], rng: torch.Generator) -> tuple[Sequences, int]:
         """One generation call for ``prompts`` at the engine's version (an episode per row with an
         environment); the responses with their log-probs and versions, and the tokens sampled."""
         gen = self.generator
-        if self.episodes is not None:
+        if self.agents is not None:
+            seqs = self.agents.run(gen, prompts, self.n, rng, gen.version)
+        elif self.episodes is not None:
             seqs = self.episodes.run(gen, prompts, self.n, rng, gen.version, greedy=self.greedy)
         else:
             out = gen.generate(prompts, n=self.n, greedy=self.greedy, generator=rng)
@@ -372,8 +385,8 @@ class StepRollout:
             rounds += 1
             seqs, n_tokens = self._sample(prompts, rng)
             tokens += n_tokens
-            if self.episodes is not None:
-                episode_runs.append((len(seqs), self.episodes.take_metrics(seqs)))
+            if self.episodes is not None or self.agents is not None:
+                episode_runs.append((len(seqs), self._turn_metrics(seqs)))
             outputs, keep, metrics = self.rounds.run(prompts, seqs, seqs.logprobs)
             rows_kept = None
             if self.rounds.rows:  # one bool per row: a group passes when any of its rows does
@@ -404,7 +417,7 @@ class StepRollout:
         self.buffer.taken.extend(self.buffer.add(batch_prompts))
         self.buffer.prompts.clear()
         metrics = {**self._metrics(seqs, tokens, version, 0, 0), "carried": 0, "in_flight": 0}
-        if self.episodes is not None:  # over every round's episodes
+        if episode_runs:  # over every round's episodes
             metrics.update(weighted_metrics(episode_runs))
         nodes = {node: (node_seconds[node], weighted_metrics(runs)) for node, runs in node_runs.items()}
         nodes[self.rounds.filter] = (
@@ -418,12 +431,18 @@ class StepRollout:
         )
         return GenerateResult(batch_prompts, seqs, metrics, [Part(seqs, batch_prompts)], outputs=extra, nodes=nodes)
 
+    def _turn_metrics(self, seqs: Sequences) -> dict[str, Any]:
+        """The episodes' metrics (an environment's or an agent's) over ``seqs``."""
+        source = self.agents if self.agents is not None else self.episodes
+        return source.take_metrics(seqs) if source is not None else {}
+
     def _part(self, groups: Sequence[int], first: int, new_groups: Sequence[int]) -> Part:
         """The rows of finished ``groups`` as Sequences whose prompt_index numbers the batch's
         prompts (partial: in the order groups are taken) or the step's own prompts (otherwise),
         with their behaviour log-probs, and their groups' prompts."""
         rows = [r for g in groups for r in self.buffer.rows if r.group == g]
-        rollout = rows_to_rollout(rows, self.pad_id, self.greedy, episodes=self.episodes is not None)
+        multi = self.episodes is not None or self.agents is not None
+        rollout = rows_to_rollout(rows, self.pad_id, self.greedy, episodes=multi)
         if self.policy.partial:
             index = {g: first + i for i, g in enumerate(groups)}
         else:

@@ -150,8 +150,8 @@ def _refuse_what_it_does_not_run(graph: Graph, plan: ExecutionPlan) -> None:
                 f"'{run.training_engine}' itself; the plan generates with '{run.generation_engine}'. "
                 f"Plan it with generation.engine={run.training_engine}."
             )
-        if isinstance(node, Generate) and node.env is not None:
-            raise PlanError(f"node '{name}': the serial reference loop does not run multi-turn environments.")
+        if isinstance(node, Generate) and node.multi_turn:
+            raise PlanError(f"node '{name}': the serial reference loop does not run multi-turn environments or agents.")
     filters = sorted(graph.filters().values())
     if filters:
         raise PlanError(f"node '{filters[0]}': the serial reference loop does not run dynamic sampling (filters).")

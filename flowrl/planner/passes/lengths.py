@@ -35,7 +35,7 @@ def episode_lengths(graph: Graph, answer: Lengths, budget: int, ignore_eos: bool
     """The response lengths of a graph's multi-turn episodes: each of its ``turns`` model turns about
     an answer long (at most ``turn_tokens``) and, between turns, environment text about as long again
     (at most ``env_tokens`` in all), within the episode's budget; the whole budget when EOS is ignored."""
-    node = max((n for n in graph.nodes.values() if isinstance(n, Generate) and n.env), key=lambda n: n.turns)
+    node = max((n for n in graph.nodes.values() if isinstance(n, Generate) and n.multi_turn), key=lambda n: n.turns)
     cap = episode_budget(graph, node.model, budget)
     if ignore_eos:
         return Fixed(value=cap)

@@ -87,6 +87,17 @@ def node_options(
     return algo, rest
 
 
+def agent_function(registry: Registry, node: Generate) -> Any:
+    """What a generate node's ``agent`` names: a registered agent's factory, or the callable a
+    ``module:function`` / ``file.py:function`` reference loads (a GraphError naming the node if none)."""
+    from flowrl import agents
+
+    assert node.agent is not None
+    if agents.is_reference(node.agent):
+        return agents.load(node.agent, node.name)
+    return registry.entry("agents", node.agent).obj
+
+
 def _function(registry: Registry, node: Any) -> Any:
     """The registered function a node calls: compute, reward and filter functions, an environment,
     a train node's loss (None for other kinds)."""
@@ -98,6 +109,8 @@ def _function(registry: Registry, node: Any) -> Any:
         return registry.get("filters", node.fn)
     if isinstance(node, Generate) and node.env is not None:
         return registry.get("environments", node.env)
+    if isinstance(node, Generate) and node.agent is not None:
+        return agent_function(registry, node)
     if isinstance(node, Train):
         return registry.get("losses", node.loss)
     return None

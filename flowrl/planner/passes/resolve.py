@@ -17,6 +17,7 @@ from flowrl.errors import PlanError
 from flowrl.graph.ir import Compute, Filter, Generate, Reward, Train
 from flowrl.planner.modelspec import role_models
 from flowrl.planner.passes.lengths import episode_lengths, task_lengths
+from flowrl.planner.passes.options import agent_function
 from flowrl.planner.passes.numerics import engine_memory, resolve_numerics
 from flowrl.planner.passes.options import node_plan_options
 from flowrl.planner.passes.ports import check_keys, check_unused, inputs_only
@@ -54,6 +55,8 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
             check_keys(node, f"filter function '{node.fn}'", inputs_only(entry.meta), seqs)
         elif isinstance(node, Generate) and node.env is not None:
             reg.entry("environments", node.env)
+        elif isinstance(node, Generate) and node.agent is not None:
+            agent_function(reg, node)
         elif isinstance(node, Train):
             entry = reg.entry("losses", node.loss)
             check_keys(node, f"loss '{node.loss}'", inputs_only(entry.meta), seqs)
@@ -97,7 +100,7 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
         target = msgspec.structs.replace(target, models=models, model=models.get(first or "", target.model))
     if target.workload is None:
         prompt_length, lengths = task_lengths(task, cfg.rollout.max_new_tokens, cfg.rollout.ignore_eos)
-        turns = max((n.turns for n in graph.nodes.values() if isinstance(n, Generate) and n.env), default=1)
+        turns = max((n.turns for n in graph.nodes.values() if isinstance(n, Generate) and n.multi_turn), default=1)
         if turns > 1:
             lengths = episode_lengths(graph, lengths, budget, cfg.rollout.ignore_eos)
         workload = WorkloadSpec(
