@@ -50,6 +50,11 @@ class TaskError(FlowRLError):
     """An unknown task or a malformed task option."""
 
 
+class AgentError(FlowRLError):
+    """An agent cannot load its environment or play an episode (the environment is not installed, fails to
+    load, or fails mid-episode); the message names the environment."""
+
+
 def reworded(exc: FlowRLError, message: str) -> FlowRLError:
     """``exc`` saying ``message`` instead (a prefix naming the node or step added), as its own type and with
     its attributes (a `WorkerLostError`'s rank and pid), to raise in its place."""

@@ -13,6 +13,11 @@ It is called once per episode with the keyword arguments its signature names (`A
 client, whose requests the run serves with the policy (`flowrl.runtime.endpoint`) and records token
 by token (`flowrl.runtime.agents`). It returns the episode's reward: a number, a dict with a
 ``"reward"`` number, or None (the graph's reward node scores the episode).
+
+Agents for ecosystem environments: `flowrl.agents.verifiers_env` (``verifiers`` environments, extra
+``flowrl[verifiers]``), `flowrl.agents.openenv_env` (OpenEnv environments, ``flowrl[openenv]``),
+`flowrl.agents.command` (any program). The packages are imported only when a factory runs
+(`flowrl.agents.imports`).
 """
 
 from __future__ import annotations
