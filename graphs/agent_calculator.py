@@ -11,7 +11,12 @@ Every request is recorded token in, token out, and trained on exactly as sampled
 from flowrl.graph import Graph
 from flowrl.specs import RunConfig
 
-DEFAULTS = {"task": "calc", "rollout": {"prompts_per_step": 16, "samples_per_prompt": 8}, "steps": 200}
+DEFAULTS = {
+    "task": "calc",
+    # an episode's whole budget: three turns of at most 8 tokens and the messages between them
+    "rollout": {"prompts_per_step": 16, "samples_per_prompt": 8, "max_new_tokens": 48},
+    "steps": 200,
+}
 
 
 def build(cfg: RunConfig) -> Graph:

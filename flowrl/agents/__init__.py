@@ -22,13 +22,8 @@ Agents for ecosystem environments: `flowrl.agents.verifiers_env` (``verifiers`` 
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from flowrl.errors import GraphError
@@ -51,36 +46,16 @@ def is_reference(name: str) -> bool:
     return ":" in name
 
 
-@functools.cache
-def _module(spec: str) -> Any:
-    if spec.endswith(".py"):
-        path = Path(spec).resolve()
-        if not path.is_file():
-            raise FileNotFoundError(f"no file {spec}")
-        name = f"flowrl_agent_{abs(hash(str(path)))}"
-        loader = importlib.util.spec_from_file_location(name, path)
-        assert loader is not None and loader.loader is not None
-        module = importlib.util.module_from_spec(loader)
-        sys.modules[name] = module
-        loader.loader.exec_module(module)
-        return module
-    return importlib.import_module(spec)
-
-
 def load(reference: str, node: str) -> Callable[..., Any]:
     """The callable ``reference`` (``module:attr`` or ``file.py:attr``) names; a GraphError naming the
     node and the reference when it cannot be loaded or is not callable."""
-    spec, _, attr = reference.rpartition(":")
-    if not spec or not attr:
-        raise GraphError(f"node '{node}': agent '{reference}' is not 'module:function' or 'file.py:function'.")
+    from flowrl.agents.imports import load_object
+    from flowrl.errors import AgentError
+
     try:
-        fn = _module(spec)
-        for part in attr.split("."):
-            fn = getattr(fn, part)
-    except GraphError:
-        raise
-    except Exception as exc:
-        raise GraphError(f"node '{node}': agent '{reference}' cannot be loaded: {type(exc).__name__}: {exc}") from None
+        fn = load_object(reference, f"node '{node}': agent")
+    except AgentError as exc:
+        raise GraphError(str(exc)) from None
     if not callable(fn):
         raise GraphError(f"node '{node}': agent '{reference}' is a {type(fn).__name__}, not a callable.")
     return fn

@@ -169,7 +169,7 @@ def _messages(data: Any) -> list[dict[str, Any]]:
 def verifiers_agent(
     task: Any = None,
     *,
-    environment: str,
+    environment: str = "",
     env_args: Mapping[str, Any] | None = None,
     sampling_args: Mapping[str, Any] | None = None,
     limit: int | None = None,
@@ -178,6 +178,10 @@ def verifiers_agent(
     """The ``verifiers`` agent of environment ``environment`` (loaded here, once): an ``async`` callable
     playing one episode and returning its reward. ``sampling_args`` (temperature, top_p, max_tokens, ...) are
     set on every request the environment's turns send; ``max_turns`` caps the model's turns per episode."""
+    if not environment:
+        raise AgentError(
+            f"agent {AGENT!r} needs the option environment=ID (an installed environment, or a local file.py)."
+        )
     loaded = load_environment(environment, env_args, limit)
     import verifiers.v1 as vf
     from pydantic import ValidationError

@@ -77,8 +77,12 @@ def register_environments(register: Register) -> None:
 @hookimpl
 def register_agents(register: Register) -> None:
     from flowrl.agents.command import command
+    from flowrl.agents.openenv_env import openenv_agent
+    from flowrl.agents.verifiers_env import verifiers_agent
 
     register("command", command, description=_doc(command))
+    register("verifiers", verifiers_agent, description=_doc(verifiers_agent))
+    register("openenv", openenv_agent, description=_doc(openenv_agent))
 
 
 @hookimpl

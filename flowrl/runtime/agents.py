@@ -275,7 +275,6 @@ class AgentRollouts:
         assert req is not None
         if not req.call.future.done():
             req.call.future.set_exception(error)
-        self._cut(ep.row, req.start)
         ep.waited += time.monotonic() - req.call.received
         ep.request = None
 
@@ -396,7 +395,7 @@ class AgentRollouts:
         limit = min(asked or self.turn_tokens, self.turn_tokens, room)
         if request.temperature not in (None, 1.0) or request.top_p not in (None, 1.0):
             self._count("sampling_ignored")  # the policy samples as the run says (what training corrects for)
-        rows = [row] + [_copy(row) for _ in range(request.n - 1)]
+        rows = [_copy(row) for _ in range(request.n)]  # what each choice samples (the trajectory takes one)
         for r in rows:
             r.finished = False
             r.turn_start = len(r.tokens)
@@ -595,6 +594,7 @@ class AgentRollouts:
                 choice["token_ids"] = ids
             choices.append(choice)
         main = req.rows[0]
+        _adopt(ep.row, main)
         if chat:  # the next request continues after one of these replies
             ep.replies, ep.choices = replies, req.rows
         else:
@@ -637,7 +637,7 @@ class AgentRollouts:
         from flowrl.runtime.rollout import rows_to_rollout
 
         rows = self.launch(list(range(len(prompts))), prompts, n, 0)
-        while not all(r.finished for r in rows):
+        while not all(r.ended for r in rows):
             self.pump(gen, rng, version, None)
         seqs = rows_to_rollout(rows, pad_id(self.tokenizer), self.greedy, episodes=True).sequences
         return replace(seqs, prompt_index=torch.tensor([r.group for r in rows], dtype=torch.long))
@@ -655,11 +655,11 @@ class AgentRollouts:
                 self._replay(row, buffer.prompts[row.group], step)
                 again += 1
                 continue
-            if not buffer.too_old(row, version):
-                continue
             req = ep.request if ep is not None else None
-            settled = row.versions[: req.start] if req is not None else row.versions
-            if req is not None and (not settled or min(settled) >= version - buffer.eta):
+            floor = version - buffer.eta
+            if not buffer.too_old(row, version):
+                if req is None or all(min(r.versions[req.start :], default=version) >= floor for r in req.rows):
+                    continue
                 for r in req.rows:  # abort and resume: the request's tokens sampled again
                     self._cut(r, req.start)
                     r.finished = False
