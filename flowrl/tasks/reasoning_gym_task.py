@@ -58,7 +58,7 @@ class ReasoningGymOptions(Spec):
     seed: int = 0  # the dataset's seed: which problems its indices hold
     size: int = 10_000  # indices drawn from (some datasets build their problems up front: keep it modest)
     extract: Literal["response", "answer_tag"] = "response"  # what of a response is the answer
-    max_new_tokens: int | None = None  # None: the longest answer of a few entries plus room for EOS (and tags)
+    max_new_tokens: int | None = None  # None: the longest answer of a few entries plus EOS (and the tags)
 
 
 def import_reasoning_gym() -> Any:
@@ -343,9 +343,11 @@ class ReasoningGymTask:
 
 
 def _answer_budget(prompts: list[Prompt], extract: str) -> int:
-    """The longest answer of ``prompts`` plus room for EOS (and the answer tags); a dataset without
-    oracle answers gets `OPEN_BUDGET`."""
+    """The longest answer of ``prompts`` plus one token for EOS (and the answer tags): no room to spare, since
+    reasoning-gym's scorers give partial credit to a response that holds the answer among other characters
+    (a from-scratch model would learn to write several guesses at once); a dataset without oracle answers
+    gets `OPEN_BUDGET`."""
     if not any(p.answer for p in prompts):
         return OPEN_BUDGET
     tags = len("<answer></answer>") if extract == "answer_tag" else 0
-    return max(len(p.answer) for p in prompts) + tags + 2
+    return max(len(p.answer) for p in prompts) + tags + 1
