@@ -89,8 +89,9 @@ def register_agents(register: Register) -> None:
 def register_tasks(register: Register) -> None:
     from flowrl.tasks.builtin import BUILTIN_TASKS
     from flowrl.tasks.dataset import DataTask
+    from flowrl.tasks.reasoning_gym_task import ReasoningGymTask  # reasoning_gym itself loads when the task is built
 
-    for name, cls in {**BUILTIN_TASKS, DataTask.name: DataTask}.items():
+    for name, cls in {**BUILTIN_TASKS, DataTask.name: DataTask, ReasoningGymTask.name: ReasoningGymTask}.items():
         register(name, cls, description=cls.description)
 
 

@@ -648,7 +648,7 @@ def rows_to_prompts(
         kind = "regex" if data.verifier == "regex" else "math"  # a pattern is kept as written
         answer = ground_truth(row.get(data.answer_key), kind) if data.answer_key in row else ""
         meta = {k: v for k, v in row.items() if k not in (data.prompt_key, data.answer_key, "__file__", "__row__")}
-        text = _render(where, turns, tokenizer, template)
+        text = render_turns(where, turns, tokenizer, template)
         count = _count(tokenizer, text, template)
         if count == 0:
             how = "the chat template renders it as no text" if template is not None and text == "" else "it is empty"
@@ -709,7 +709,10 @@ def _turns(where: str, data: DataConfig, value: Any) -> list[dict[str, str]]:
     )
 
 
-def _render(where: str, turns: list[dict[str, str]], tokenizer: Any, template: str | None) -> str:
+def render_turns(where: str, turns: list[dict[str, str]], tokenizer: Any, template: str | None) -> str:
+    """Chat ``turns`` as a prompt's text: rendered by ``template`` (within the limits), or without one the
+    turns' texts joined by blank lines (a conversation with other turns than system and user is refused);
+    errors name ``where``."""
     if template is not None:  # within the time and size limits; its errors name the row and the template
         return bounded.render_chat(tokenizer, template, turns, where=where, add_generation_prompt=True)
     if len(turns) > 1 and any(t["role"] not in ("system", "user") for t in turns):
@@ -736,7 +739,7 @@ def _truncate(
     content = turns[last]["content"]
 
     def rendered(chars: int) -> str:
-        return _render(where, _with(turns, last, content[:chars]), tokenizer, template)
+        return render_turns(where, _with(turns, last, content[:chars]), tokenizer, template)
 
     overhead = _count(tokenizer, rendered(0), template)
     if overhead >= limit:
