@@ -526,6 +526,7 @@ class AgentRollouts:
             max_new_tokens=max(1, min(want, chunk or want)),
         )
         new = absorb(rows, out, gen.version)
+        self._count("decode_calls")
         eos = self.tokenizer.eos_token_id
         for ep, row in todo:
             req = ep.request
@@ -689,7 +690,7 @@ class AgentRollouts:
         }
         for key in (
             "episodes", "requests", "agent_errors", "timeouts", "bad_rewards", "no_reward", "refused", "forks",
-            "template_forks", "aborted_requests", "replayed", "sampling_ignored", "cut_tokens",
+            "template_forks", "aborted_requests", "replayed", "sampling_ignored", "cut_tokens", "decode_calls",
         ):  # fmt: skip
             out[key] = int(self.counts.get(key, 0))
         if self.endpoint is not None:
