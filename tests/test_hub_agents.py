@@ -85,14 +85,14 @@ def test_verifiers_failed_episode_is_an_agent_error_naming_the_environment():
 def test_openenv_options_and_classes_are_checked():
     from flowrl.agents.openenv_env import openenv_agent
 
-    with pytest.raises(AgentError, match="give one of env="):
+    with pytest.raises(AgentError, match="give one of environment="):
         openenv_agent(None)
     with pytest.raises(AgentError, match="has no attribute 'Nope'"):
-        openenv_agent(None, env=f"{EXAMPLES / 'openenv_echo.py'}:Nope")
+        openenv_agent(None, environment=f"{EXAMPLES / 'openenv_echo.py'}:Nope")
     with pytest.raises(AgentError, match="is not an OpenEnv Environment subclass"):
-        openenv_agent(None, env=f"{EXAMPLES / 'openenv_echo.py'}:EchoAction")
+        openenv_agent(None, environment=f"{EXAMPLES / 'openenv_echo.py'}:EchoAction")
     with pytest.raises(AgentError, match=r"EchoEnvironment\(\*\*\{'colour': 1\}\) failed"):
-        openenv_agent(None, env=ECHO, env_kwargs={"colour": 1})
+        openenv_agent(None, environment=ECHO, env_kwargs={"colour": 1})
 
 
 def test_openenv_reply_becomes_the_action():
