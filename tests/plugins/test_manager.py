@@ -60,7 +60,8 @@ def test_builtin_registrations(builtin: Registry) -> None:
     ]
     assert builtin.names("filters") == ["nonconstant", "threshold"]
     assert builtin.names("environments") == ["arithmetic", "calculator"]
-    assert builtin.names("tasks") == ["add", "calc", "copy", "data", "expr", "openenv", "reasoning_gym", "repeat", "verifiers"]
+    tasks = ["add", "calc", "copy", "data", "expr", "openenv", "reasoning_gym", "repeat", "verifiers"]
+    assert builtin.names("tasks") == tasks
     assert builtin.names("executors") == ["local"]
     assert builtin.names("generation_engines") == ["local"]
     assert builtin.names("training_engines") == ["local"]
