@@ -17,7 +17,7 @@ from flowrl.specs import RunConfig
 
 DEFAULTS = {
     "task": "openenv",
-    "task_options": {"max_new_tokens": 6},  # "say: abc" -> "abc" and EOS, with room to spare
+    "task_options": {"max_new_tokens": 3},  # "say: ab" -> "ab" and EOS
     "rollout": {"prompts_per_step": 8, "samples_per_prompt": 8},
     "steps": 100,
 }
@@ -34,7 +34,7 @@ def build(cfg: RunConfig) -> Graph:
         n=cfg.rollout.samples_per_prompt,
         agent="openenv",
         environment="examples/environments/openenv_echo.py:EchoEnvironment",
-        env_kwargs={"max_len": 3},
+        env_kwargs={"max_len": 2},  # words of 1-2 letters of "abcd"
         timeout=60,
     )
     g.forward("old_logprobs", model="actor", output="logprobs", reads="responses", writes="old_logprobs")
