@@ -3,7 +3,7 @@
 ``reset()`` draws a short word of letters and asks ``say: cab``; ``step(EchoAction(text=...))`` ends the
 episode with reward 1.0 for the exact word, else the fraction of matching positions. Serve it with OpenEnv
 (``create_fastapi_app(EchoEnvironment, EchoAction, EchoObservation)``) or let flowrl's ``openenv`` agent
-launch it in-process: ``agent="openenv", env="examples/environments/openenv_echo.py:EchoEnvironment"``.
+launch it in-process: ``agent="openenv", environment="examples/environments/openenv_echo.py:EchoEnvironment"``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,24 @@
 """Agent ``openenv``: one OpenEnv (openenv-core 0.3) episode per flowrl episode.
 
-``g.generate(..., agent="openenv", env="my_envs/echo.py:EchoEnvironment")`` (or ``base_url="http://host:8000"``
+``g.generate(..., agent="openenv", environment="my_envs/echo.py:EchoEnvironment")`` (or ``base_url="http://host:8000"``
 for an OpenEnv server already running) plays each episode as a chat: ``reset()`` -> the observation as a user
 message -> the policy's reply (a chat completion at flowrl's endpoint) -> the reply as an action -> ``step()``
 -> ... until the environment says done (or ``max_steps``); the reward is the sum of the steps' rewards.
 
-- ``env``: an OpenEnv ``Environment`` subclass (``package.module:Class`` or ``path/to/file.py:Class``),
+- ``environment``: an OpenEnv ``Environment`` subclass (``package.module:Class`` or ``path/to/file.py:Class``),
   served once per factory call on a loopback port in this process with OpenEnv's own app
   (``create_fastapi_app``) -- no Docker, nothing downloaded; ``env_kwargs`` are its constructor's arguments.
 - ``base_url``: a running OpenEnv server instead (never started nor stopped here).
 - The episode's messages: ``system_prompt`` (optional), then each observation: its one text field when it
   has one, else its JSON. The reply becomes the action: a JSON object as it is, else -- for an action with
   one text field (its schema, read from the server's ``/schema``) -- ``{field: reply}``.
-- ``reset_args`` go to every ``reset()``, with ``episode_id`` and a ``seed`` derived from it.
+- ``reset_args`` go to every ``reset()``, with ``episode_id`` and a ``seed``: the prompt's ``meta["seed"]``
+  (the ``openenv`` task's prompts carry one), else a number derived from the prompt's text. So the run's
+  prompt stream (drawn from its rng) picks the episodes, deterministically, and the ``n`` episodes of one
+  prompt (a GRPO group) play the same episode of a seeded environment; ``reset_args={"seed": ...}`` overrides.
 
-The environment draws its own episode at ``reset()``: the flowrl task's prompt is not shown to the policy.
+The environment draws its own episode at ``reset()``: the flowrl task's prompt is not shown to the policy,
+only its seed is used (the ``openenv`` task, `flowrl.tasks.openenv_task`, is a stream of seeds).
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ class LocalServer:
         import uvicorn
         from openenv.core.env_server.http_server import create_fastapi_app
 
-        app = create_fastapi_app(lambda: env_cls(**kwargs), action_cls, observation_cls, max_concurrent_envs=256)
+        app = _quiet_hangups(
+            create_fastapi_app(lambda: env_cls(**kwargs), action_cls, observation_cls, max_concurrent_envs=256)
+        )
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind(("127.0.0.1", 0))
@@ -65,6 +71,24 @@ class LocalServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+def _quiet_hangups(app: Any) -> Any:
+    """``app`` with a websocket session's end by the client (the agent closing its episode) ending quietly:
+    OpenEnv's endpoint closes the socket again after the client did, which raises, and uvicorn logs it as an
+    application error (its logger's level is shared with flowrl's endpoint server, so it is not silenced)."""
+    from starlette.websockets import WebSocketDisconnect
+    from uvicorn.protocols.utils import ClientDisconnected
+
+    async def quiet(scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "websocket":
+            return await app(scope, receive, send)
+        try:
+            await app(scope, receive, send)
+        except (WebSocketDisconnect, ClientDisconnected):
+            pass
+
+    return quiet
 
 
 def _classes(env_cls: type, where: str) -> tuple[type, type]:
@@ -134,10 +158,18 @@ def parse_action(reply: str, schema: Mapping[str, Any], where: str) -> dict[str,
     )
 
 
+def episode_seed(prompt: str, meta: Mapping[str, Any] | None) -> int:
+    """The ``reset()`` seed of an episode of ``prompt``: its ``meta["seed"]``, else one derived from its text."""
+    seed = (meta or {}).get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        return seed
+    return int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16)
+
+
 def openenv_agent(
     task: Any = None,
     *,
-    env: str | None = None,
+    environment: str | None = None,
     base_url: str | None = None,
     env_kwargs: Mapping[str, Any] | None = None,
     reset_args: Mapping[str, Any] | None = None,
@@ -145,10 +177,13 @@ def openenv_agent(
     system_prompt: str | None = None,
     max_steps: int = 8,
 ) -> Callable[..., Any]:
-    """The ``openenv`` agent: ``env`` (an Environment class, served here) or ``base_url`` (a running server)."""
+    """The ``openenv`` agent: ``environment`` (an Environment class, served here) or ``base_url`` (a running
+    server). (The option is not ``env``: that names a generate node's built-in environment.)"""
+    env = environment
     if (env is None) == (base_url is None):
         raise AgentError(
-            f"agent {AGENT!r}: give one of env='module:Class' (an OpenEnv Environment class, served in this process) "
+            f"agent {AGENT!r}: give one of environment='module:Class' (an OpenEnv Environment class, served in this "
+            "process) "
             "or base_url='http://host:port' (a running OpenEnv server)."
         )
     if not isinstance(max_steps, int) or max_steps < 1:
@@ -174,13 +209,13 @@ def openenv_agent(
                 raise AgentError(f"{where}: its action schema ({url}/schema) cannot be read: {exc}") from exc
         return schema
 
-    async def agent(base_url: str, api_key: str, model: str, episode_id: str) -> float:
+    async def agent(base_url: str, api_key: str, model: str, episode_id: str, prompt: str, meta: dict) -> float:
         from openai import AsyncOpenAI
         from openenv.core.generic_client import GenericEnvClient
 
         policy = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
         client = GenericEnvClient(base_url=url)
-        seed = int(hashlib.sha256(episode_id.encode()).hexdigest()[:8], 16)
+        seed = episode_seed(prompt, meta)
         messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
         total = 0.0
         try:

@@ -89,9 +89,12 @@ def register_agents(register: Register) -> None:
 def register_tasks(register: Register) -> None:
     from flowrl.tasks.builtin import BUILTIN_TASKS
     from flowrl.tasks.dataset import DataTask
+    from flowrl.tasks.openenv_task import OpenEnvSeeds
     from flowrl.tasks.reasoning_gym_task import ReasoningGymTask  # reasoning_gym itself loads when the task is built
+    from flowrl.tasks.verifiers_task import VerifiersTask  # verifiers itself loads when the task is built
 
-    for name, cls in {**BUILTIN_TASKS, DataTask.name: DataTask, ReasoningGymTask.name: ReasoningGymTask}.items():
+    classes = (DataTask, ReasoningGymTask, VerifiersTask, OpenEnvSeeds)
+    for name, cls in {**BUILTIN_TASKS, **{cls.name: cls for cls in classes}}.items():
         register(name, cls, description=cls.description)
 
 

@@ -60,14 +60,15 @@ def test_builtin_registrations(builtin: Registry) -> None:
     ]
     assert builtin.names("filters") == ["nonconstant", "threshold"]
     assert builtin.names("environments") == ["arithmetic", "calculator"]
-    assert builtin.names("tasks") == ["add", "calc", "copy", "data", "expr", "reasoning_gym", "repeat"]
+    tasks = ["add", "calc", "copy", "data", "expr", "openenv", "reasoning_gym", "repeat", "verifiers"]
+    assert builtin.names("tasks") == tasks
     assert builtin.names("executors") == ["local"]
     assert builtin.names("generation_engines") == ["local"]
     assert builtin.names("training_engines") == ["local"]
     assert builtin.names("passes") == ["memory", "micro_batch", "place", "resolve"]
     assert builtin.names("hardware") == ["A100-40G", "A100-80G", "H100-80G", "H20", "H200-141G"]
     assert builtin.names("cost_models") == ["analytic"]
-    assert builtin.names("reward_functions") == ["code", "episode", "http", "task", "verbosity"]
+    assert builtin.names("reward_functions") == ["agent", "code", "episode", "http", "task", "verbosity"]
     assert builtin.names("cli_commands") == ["profile"]
     assert builtin.kinds() == [k.name for k in KINDS]
     assert [p.name for p in builtin.plugins] == [BUILTIN]
@@ -142,7 +143,7 @@ def test_duplicate_blames_the_later_plugin() -> None:
 
 def test_distinct_extra_plugins_register() -> None:
     _, reg = load_plugins(entry_points=False, extra=[("first", TwoPlugins("one")), ("second", TwoPlugins("two"))])
-    assert reg.names("reward_functions") == ["code", "episode", "http", "one", "task", "two", "verbosity"]
+    assert reg.names("reward_functions") == ["agent", "code", "episode", "http", "one", "task", "two", "verbosity"]
     assert reg.entry("reward_functions", "two").plugin == "second"
     in_process = [("first", "registered in-process"), ("second", "registered in-process")]
     assert [(p.name, p.source) for p in reg.plugins][1:] == in_process

@@ -13,7 +13,7 @@ from flowrl.errors import AgentError
 pytest.importorskip("verifiers.v1")
 pytest.importorskip("openenv.core")
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "environments"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "environments"
 REVERSE = str(EXAMPLES / "vf_reverse.py")
 ECHO = f"{EXAMPLES / 'openenv_echo.py'}:EchoEnvironment"
 
@@ -85,14 +85,14 @@ def test_verifiers_failed_episode_is_an_agent_error_naming_the_environment():
 def test_openenv_options_and_classes_are_checked():
     from flowrl.agents.openenv_env import openenv_agent
 
-    with pytest.raises(AgentError, match="give one of env="):
+    with pytest.raises(AgentError, match="give one of environment="):
         openenv_agent(None)
     with pytest.raises(AgentError, match="has no attribute 'Nope'"):
-        openenv_agent(None, env=f"{EXAMPLES / 'openenv_echo.py'}:Nope")
+        openenv_agent(None, environment=f"{EXAMPLES / 'openenv_echo.py'}:Nope")
     with pytest.raises(AgentError, match="is not an OpenEnv Environment subclass"):
-        openenv_agent(None, env=f"{EXAMPLES / 'openenv_echo.py'}:EchoAction")
+        openenv_agent(None, environment=f"{EXAMPLES / 'openenv_echo.py'}:EchoAction")
     with pytest.raises(AgentError, match=r"EchoEnvironment\(\*\*\{'colour': 1\}\) failed"):
-        openenv_agent(None, env=ECHO, env_kwargs={"colour": 1})
+        openenv_agent(None, environment=ECHO, env_kwargs={"colour": 1})
 
 
 def test_openenv_reply_becomes_the_action():
@@ -124,3 +124,54 @@ def test_openenv_launched_environment_plays_over_its_client():
 
     word, reward, done = asyncio.run(episode())
     assert word and set(word) <= set("abcd") and reward == 1.0 and done
+
+
+def test_verifiers_task_draws_the_environments_tasks_from_the_runs_rng():
+    import random
+
+    from flowrl.tasks.verifiers_task import VerifiersTask
+
+    task = VerifiersTask.from_options({"environment": REVERSE, "env_args": {"count": 6, "max_len": 2}})
+    assert task.max_new_tokens() == 3  # the longest answer (2 letters) and EOS
+    drawn = task.prompts(random.Random(4), 20)
+    assert [p.text for p in drawn] == [p.text for p in task.prompts(random.Random(4), 20)]
+    assert {p.meta["vf_idx"] for p in drawn} <= set(range(6)) and len({p.meta["vf_idx"] for p in drawn}) > 1
+    assert all(p.answer == p.text.removeprefix("reverse: ")[::-1] for p in drawn)
+    budget = VerifiersTask.from_options({"environment": REVERSE, "env_args": {"count": 6}, "max_new_tokens": 9})
+    assert budget.max_new_tokens() == 9
+
+
+def test_verifiers_task_refuses_task_scoring_and_bad_options():
+    from flowrl.errors import TaskError
+    from flowrl.tasks.verifiers_task import VerifiersTask
+
+    task = VerifiersTask.from_options({"environment": REVERSE, "env_args": {"count": 2}})
+    with pytest.raises(TaskError, match="fn='agent'"):
+        task.score(task.tasks[0], "ab")
+    with pytest.raises(TaskError, match="names no verifiers environment"):
+        VerifiersTask.from_options({})
+    with pytest.raises(TaskError, match="bad option.*envirnoment"):
+        VerifiersTask.from_options({"envirnoment": REVERSE})
+    with pytest.raises(TaskError, match="task 'verifiers'.*does not exist"):
+        VerifiersTask.from_options({"environment": "nowhere/env.py"})
+
+
+def test_openenv_task_is_seeded_episodes_and_the_agent_resets_with_them():
+    import random
+
+    from flowrl.agents.openenv_env import episode_seed
+    from flowrl.errors import TaskError
+    from flowrl.tasks.builtin import make_task
+    from flowrl.tasks.openenv_task import OpenEnvSeeds
+
+    task = make_task("openenv", {"seeds": 5, "max_new_tokens": 6}, registry={"openenv": OpenEnvSeeds})
+    assert task.max_new_tokens() == 6
+    drawn = task.prompts(random.Random(1), 10)
+    assert [p.meta["seed"] for p in drawn] == [p.meta["seed"] for p in task.prompts(random.Random(1), 10)]
+    assert all(0 <= p.meta["seed"] < 5 and p.text == f"seed {p.meta['seed']}" for p in drawn)
+    assert episode_seed(drawn[0].text, drawn[0].meta) == drawn[0].meta["seed"]
+    assert episode_seed("7+8=", {}) == episode_seed("7+8=", {}) != episode_seed("7+9=", {})  # any task's prompt
+    with pytest.raises(TaskError, match="fn='agent'"):
+        task.score(drawn[0], "abc")
+    with pytest.raises(TaskError, match="'seeds' must be at least 1"):
+        make_task("openenv", {"seeds": 0}, registry={"openenv": OpenEnvSeeds})
