@@ -27,7 +27,7 @@ sys.path.insert(0, str(HERE))
 
 from real_model import CACHE, SYSTEM, model_folder, write_data  # noqa: E402
 
-GRAPH = '''
+GRAPH = """
 from flowrl.graph import Graph
 
 
@@ -43,7 +43,7 @@ def build(cfg):
     g.compute("advantages", fn="grpo", reads="rewards responses", writes="advantages")
     g.train("train_actor", model="actor", loss="ppo", reads="responses old_logprobs advantages")
     return g
-'''
+"""
 
 
 def main() -> None:

@@ -436,13 +436,16 @@ class Graph:
         if isinstance(turns, bool) or not isinstance(turns, int) or not 1 <= turns <= 64:
             raise GraphError(f"node '{name}': turns must be a whole number in [1, 64], got {turns!r}.")
         if agent is not None and (not isinstance(agent, str) or not agent):
-            raise GraphError(
-                f"node '{name}': agent must name a registered agent or 'module:function', got {agent!r}."
-            )
+            raise GraphError(f"node '{name}': agent must name a registered agent or 'module:function', got {agent!r}.")
         if agent is not None and env is not None:
-            raise GraphError(f"node '{name}': give env=NAME or agent=NAME, not both (an agent runs its own environment).")
+            raise GraphError(
+                f"node '{name}': give env=NAME or agent=NAME, not both (an agent runs its own environment)."
+            )
         if agent is not None and env_tokens is not None:
-            raise GraphError(f"node '{name}': env_tokens is a budget of environment episodes; agent episodes share the response budget.")
+            raise GraphError(
+                f"node '{name}': env_tokens is a budget of environment episodes; agent episodes share the "
+                "response budget."
+            )
         if agent is None:
             for key, value in (("timeout", timeout), ("concurrency", concurrency), ("failure_reward", failure_reward)):
                 if value != {"timeout": 120.0, "concurrency": 64, "failure_reward": 0.0}[key]:

@@ -13,7 +13,7 @@ from flowrl import api
 
 pytest.importorskip("openai")
 
-GRAPH = '''
+GRAPH = """
 from flowrl.graph import Graph
 
 DEFAULTS = {"task": "copy", "rollout": {"prompts_per_step": 8, "samples_per_prompt": 8, "max_new_tokens": 40}}
@@ -31,7 +31,7 @@ def build(cfg):
     g.compute("advantages", fn="grpo", reads="rewards responses", writes="advantages")
     g.train("train_actor", model="actor", loss="ppo", reads="responses old_logprobs advantages")
     return g
-'''
+"""
 
 
 def run(tmp_path, steps, *extra):

@@ -17,11 +17,11 @@ import transformers
 
 from flowrl import api
 from flowrl.contract.data import Prompt
+from flowrl.contract.layout import RolloutPolicy
 from flowrl.plugins.manager import registry
 from flowrl.runtime.agents import AgentRollouts
 from flowrl.runtime.executor import PlanExecutor
 from flowrl.runtime.rollout import StepRollout
-from flowrl.contract.layout import RolloutPolicy
 
 openai = pytest.importorskip("openai")
 
@@ -101,8 +101,11 @@ def actor(tool_model):
     graph, plan = api.plan(
         "grpo",
         overrides=[
-            f"model={tool_model['model']}", f"data.train={tool_model['data']}",
-            f"data.chat_template={tool_model['template']}", "data.verifier=none", "rollout.temperature=0.7",
+            f"model={tool_model['model']}",
+            f"data.train={tool_model['data']}",
+            f"data.chat_template={tool_model['template']}",
+            "data.verifier=none",
+            "rollout.temperature=0.7",
         ],  # fmt: skip
         emit=lambda s: None,
     )
@@ -158,7 +161,10 @@ def check_recorded(seqs, spy, log, tok):
             assert later["prompt"][: len(earlier["prompt"]) + len(earlier["ids"])] == earlier["prompt"] + earlier["ids"]
         for request in seen:
             for k, (t, lp) in enumerate(zip(request["ids"], request["logprobs"])):
-                assert spy.sampled[tuple(request["prompt"] + request["ids"][:k])][:2] == (t, pytest.approx(lp, abs=1e-6))
+                assert spy.sampled[tuple(request["prompt"] + request["ids"][:k])][:2] == (
+                    t,
+                    pytest.approx(lp, abs=1e-6),
+                )
     assert tok is not None
 
 
@@ -207,5 +213,8 @@ def test_async_agent_episodes_keep_each_tokens_version_across_weight_updates(act
 def test_the_tokenizer_of_the_tool_model_renders_the_tool_schema(tool_model):
     tok = transformers.AutoTokenizer.from_pretrained(tool_model["model"])
     assert "mul" in tok.apply_chat_template(
-        [{"role": "user", "content": "x"}], tools=[MUL], tokenize=False, chat_template=open(tool_model["template"]).read()
+        [{"role": "user", "content": "x"}],
+        tools=[MUL],
+        tokenize=False,
+        chat_template=open(tool_model["template"]).read(),
     )

@@ -17,9 +17,8 @@ from flowrl.errors import PlanError
 from flowrl.graph.ir import Compute, Filter, Generate, Reward, Train
 from flowrl.planner.modelspec import role_models
 from flowrl.planner.passes.lengths import episode_lengths, task_lengths
-from flowrl.planner.passes.options import agent_function
 from flowrl.planner.passes.numerics import engine_memory, resolve_numerics
-from flowrl.planner.passes.options import node_plan_options
+from flowrl.planner.passes.options import agent_function, node_plan_options
 from flowrl.planner.passes.ports import check_keys, check_unused, inputs_only
 from flowrl.planner.passes.rows import node_rows
 from flowrl.planner.passes.runs import fused_forwards, model_runs
