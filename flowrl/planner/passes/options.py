@@ -57,6 +57,8 @@ def node_options(
     overrides = {k: v for k, v in given.items() if k in ALGO_FIELDS}
     rest = {k: v for k, v in given.items() if k not in ALGO_FIELDS}
     fn = _function(registry, node)
+    if isinstance(node, Generate) and node.agent is not None:
+        _check_agent(node, fn, rest)
     allowed = (*TRAIN_OPTIONS, *_keyword_arguments(fn)) if isinstance(node, Train) else _keyword_arguments(fn)
     bad = [k for k in rest if k not in allowed]
     fields = [k for k in bad if k in type(node).__struct_fields__ and k in (configured or {})]
@@ -85,6 +87,43 @@ def node_options(
         if key in rest and (isinstance(rest[key], bool) or not isinstance(rest[key], int) or rest[key] < 1):
             raise GraphError(f"node '{name}': option '{key}' must be an integer >= 1, got {rest[key]!r}.")
     return algo, rest
+
+
+def _check_agent(node: Generate, fn: Any, options: dict[str, Any]) -> None:
+    """A plain agent callable can be called with what the run gives it (`flowrl.agents.ARGUMENTS`) and
+    the node's options, and no option takes the place of one of those arguments."""
+    import inspect
+
+    from flowrl import agents
+
+    assert node.agent is not None
+    shadowed = sorted(set(options) & set(agents.ARGUMENTS))
+    if shadowed:
+        raise GraphError(
+            f"node '{node.name}': option(s) {', '.join(shadowed)} would replace what the run gives the agent "
+            f"({', '.join(agents.ARGUMENTS)}); rename them."
+        )
+    if not agents.is_reference(node.agent):
+        return
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return
+    given = set(agents.ARGUMENTS) | set(options)
+    needed = [
+        p.name
+        for p in params
+        if p.default is p.empty
+        and (
+            p.kind is p.POSITIONAL_ONLY or (p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in given)
+        )
+    ]
+    if needed:
+        raise GraphError(
+            f"node '{node.name}': agent '{node.agent}' needs argument(s) {', '.join(needed)}, which the run does "
+            f"not give: it calls an agent with the keyword arguments it names of {', '.join(agents.ARGUMENTS)}, "
+            "and the node's options."
+        )
 
 
 def agent_function(registry: Registry, node: Generate) -> Any:
