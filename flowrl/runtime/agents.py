@@ -768,8 +768,14 @@ def build(node: Any, factory_or_fn: Callable[..., Any], registered: bool, task: 
     if registered:
         try:
             agent = factory_or_fn(task, **options)
-        except FlowRLError:
-            raise
+        except FlowRLError as exc:
+            if f"node '{node.name}'" in str(exc):
+                raise
+            try:
+                named = type(exc)(f"node '{node.name}': {exc}")
+            except TypeError:
+                named = GraphError(f"node '{node.name}': {exc}")
+            raise named from exc
         except Exception as exc:
             raise GraphError(f"node '{node.name}': agent '{node.agent}' failed to start: {exc}") from exc
         if not callable(agent):
