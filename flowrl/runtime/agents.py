@@ -20,7 +20,8 @@ the last one. ``/v1/completions`` continues exactly when its prompt holds the ep
 
 **Bounded.** A request is refused with an OpenAI error (never a crash of the run) when it is
 malformed or too large (the endpoint), names an episode that is over, arrives while the episode
-has one in flight, passes the node's ``turns`` or the response budget. An agent that raises,
+has one in flight, passes the node's ``turns``, the response budget or the model's context; a
+refused request leaves its episode as it was. An agent that raises,
 returns something other than a reward, or passes ``timeout`` seconds of its own time (time spent
 waiting on the endpoint does not count) scores ``failure_reward``; its process is killed (a
 command) or its coroutine cancelled, a thread is left behind.
