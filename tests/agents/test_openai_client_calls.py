@@ -154,3 +154,19 @@ def test_a_stop_string_ends_the_reply_before_it(actor):
     assert stopped >= 1
     _, response, _ = trajectory(seqs)
     assert response == seen["r"].choices[0].model_extra["token_ids"]  # the trajectory: the first choice
+
+
+def test_an_async_agent_with_the_async_client_plays_its_episodes(actor):
+    seen = []
+
+    async def agent(base_url, api_key, model, messages):
+        c = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        r = await c.chat.completions.create(model=model, messages=messages, max_tokens=6, extra_body=IDS)
+        assert r.choices[0].model_extra["token_ids"] is not None
+        stream = await c.completions.create(model=model, prompt="12*34:", max_tokens=4, stream=True)
+        seen.append("".join([ch.choices[0].text async for ch in stream]))
+        return 0.5
+
+    seqs, metrics = play(actor, agent, n=2)
+    assert rewards(seqs) == [0.5, 0.5] and metrics["agent_errors"] == 0 and metrics["requests"] == 4
+    assert len(seen) == 2 and all(isinstance(s, str) for s in seen)
