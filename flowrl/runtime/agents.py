@@ -20,7 +20,8 @@ the last one. ``/v1/completions`` continues exactly when its prompt holds the ep
 
 **Bounded.** A request is refused with an OpenAI error (never a crash of the run) when it is
 malformed or too large (the endpoint), names an episode that is over, arrives while the episode
-has one in flight, passes the node's ``turns`` or the response budget. An agent that raises,
+has one in flight, passes the node's ``turns``, the response budget or the model's context; a
+refused request leaves its episode as it was. An agent that raises,
 returns something other than a reward, or passes ``timeout`` seconds of its own time (time spent
 waiting on the endpoint does not count) scores ``failure_reward``; its process is killed (a
 command) or its coroutine cancelled, a thread is left behind.
@@ -146,6 +147,7 @@ class AgentRollouts:
     concurrency: int
     failure_reward: float
     greedy: bool = False
+    context: int | None = None  # the model's context (prompt and response); None: the engine's, when it says
     episodes: dict[str, _Episode] = field(default_factory=dict)
     events: queue.Queue = field(default_factory=queue.Queue)
     counts: dict[str, float] = field(default_factory=dict)
@@ -363,6 +365,8 @@ class AgentRollouts:
 
     def _admit(self, call: Call, version: int) -> None:
         ep = self.episodes.get(call.episode)
+        saved = _state(ep) if ep is not None else None  # a refused request leaves its episode as it was
+        counted = dict(self.counts)
         try:
             if ep is None or ep.state != "running":
                 raise ApiError(410, f"episode {call.episode!r} is over or unknown to this run.", "episode_over")
@@ -382,13 +386,22 @@ class AgentRollouts:
                 raise ApiError(
                     400, f"the episode's {self.budget} response tokens are used up.", "context_length_exceeded"
                 )
-        except ApiError as exc:
+            context = self._context_limit()
+            if context is not None and len(row.prompt_ids) + len(row.tokens) >= context:
+                raise ApiError(
+                    400,
+                    f"the request's {len(row.prompt_ids) + len(row.tokens)} tokens fill the model's context of "
+                    f"{context} tokens.",
+                    "context_length_exceeded",
+                )
+        except (ApiError, FlowRLError) as exc:
+            if ep is not None and saved is not None and ep.state == "running":
+                _restore(ep, saved)
+                self.counts = counted  # a fork it began is not one
             self._count("refused")
-            call.future.set_exception(exc)
-            return
-        except FlowRLError as exc:  # its template or text: the request's fault, said to the agent
-            self._count("refused")
-            call.future.set_exception(ApiError(400, str(exc), "bad_messages"))
+            # its template or text (a FlowRLError): the request's fault, said to the agent
+            error = exc if isinstance(exc, ApiError) else ApiError(400, str(exc), "bad_messages")
+            call.future.set_exception(error)
             return
         request = call.request
         asked = getattr(request, "max_completion_tokens", None) or request.max_tokens
@@ -402,6 +415,14 @@ class AgentRollouts:
         ep.request = _Request(call, rows, len(row.tokens), limit, stops(request))
         ep.requests += 1
         self._count("requests")
+
+    def _context_limit(self) -> int | None:
+        """The model's context in tokens (prompt and response), where the engine or the tokenizer says it."""
+        if self.context is None:
+            known = getattr(self.tokenizer, "model_max_length", None)
+            if isinstance(known, int) and 0 < known < 1 << 24:
+                return known
+        return self.context
 
     def _render(self, messages: list[dict[str, Any]], tools: Any, generation: bool) -> str:
         from flowrl.tasks import bounded
@@ -511,6 +532,8 @@ class AgentRollouts:
         in flight and answer those that finished. Returns the tokens sampled."""
         from flowrl.runtime.rollout import absorb, rows_to_rollout
 
+        if self.context is None and isinstance(getattr(gen, "context", None), int):
+            self.context = gen.context
         self._start_waiting()
         self._events(block=not self._decoding(), version=version)
         self._deadlines(version)
@@ -707,6 +730,21 @@ def _copy(row: Any) -> Any:
     )  # fmt: skip
 
 
+def _state(ep: _Episode) -> tuple:
+    """What a request may change of ``ep`` before it is admitted (its trajectory and history)."""
+    row = ep.row
+    return (
+        list(row.prompt_ids), list(row.tokens), list(row.logprobs), list(row.versions), list(row.action),
+        list(row.turns), ep.history, list(ep.replies), list(ep.choices), ep.context,
+    )  # fmt: skip
+
+
+def _restore(ep: _Episode, state: tuple) -> None:
+    row = ep.row
+    row.prompt_ids, row.tokens, row.logprobs, row.versions, row.action, row.turns = (list(x) for x in state[:6])
+    ep.history, ep.replies, ep.choices, ep.context = state[6], list(state[7]), list(state[8]), state[9]
+
+
 def _adopt(row: Any, other: Any) -> None:
     """``row`` (the trajectory) takes the tokens and turns of another choice of the same request."""
     row.tokens, row.logprobs, row.versions = list(other.tokens), list(other.logprobs), list(other.versions)
@@ -731,12 +769,20 @@ def build(node: Any, factory_or_fn: Callable[..., Any], registered: bool, task: 
     if registered:
         try:
             agent = factory_or_fn(task, **options)
-        except FlowRLError:
-            raise
+        except FlowRLError as exc:
+            if f"node '{node.name}'" in str(exc):
+                raise
+            try:
+                named = type(exc)(f"node '{node.name}': {exc}")
+            except TypeError:
+                named = GraphError(f"node '{node.name}': {exc}")
+            raise named from exc
         except Exception as exc:
             raise GraphError(f"node '{node.name}': agent '{node.agent}' failed to start: {exc}") from exc
         if not callable(agent):
-            raise GraphError(f"node '{node.name}': agent '{node.agent}' returned {type(agent).__name__}, not a callable.")
+            raise GraphError(
+                f"node '{node.name}': agent '{node.agent}' returned {type(agent).__name__}, not a callable."
+            )
         options = {}
     else:
         agent = factory_or_fn
