@@ -13,8 +13,8 @@ from flowrl.specs import RunConfig
 
 DEFAULTS = {
     "task": "calc",
-    # an episode's whole budget: three turns of at most 8 tokens and the messages between them
-    "rollout": {"prompts_per_step": 16, "samples_per_prompt": 8, "max_new_tokens": 48},
+    # an episode's whole budget: three turns of at most 8 tokens and the two ~21-token messages between them
+    "rollout": {"prompts_per_step": 16, "samples_per_prompt": 8, "max_new_tokens": 72},
     "steps": 200,
 }
 

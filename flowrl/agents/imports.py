@@ -53,7 +53,8 @@ def load_object(spec: str, what: str) -> Any:
     if target.endswith(".py"):
         path = Path(target)
         if not path.is_file():
-            raise AgentError(f"{what}: the file '{target}' does not exist.")
+            where = "" if path.is_absolute() else f" (a relative path is read from the current directory, {Path.cwd()})"
+            raise AgentError(f"{what}: the file '{target}' does not exist{where}.")
         module = file_module(path, what)
     else:
         try:

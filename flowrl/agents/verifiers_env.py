@@ -198,7 +198,18 @@ def verifiers_agent(
             getattr(loaded.env.config, role).max_turns = max_turns
     task_cls = type(loaded.env.taskset).task_type()
 
-    async def agent(base_url: str, api_key: str, model: str, messages: list[dict], answer: str, meta: dict) -> float:
+    async def agent(
+        base_url: str,
+        api_key: str,
+        messages: list[dict],
+        answer: str,
+        meta: dict,
+        episode_id: str = "",
+        model: str = "",
+    ) -> float:
+        # the run-wide base URL, the episode named as the model: verifiers keeps one HTTP client per distinct
+        # client config, so a base URL per episode would build (and keep) one per episode
+        base_url, model = base_url.split("/episodes/", 1)[0] + "/v1", episode_id or model
         vf_task = _task_of(loaded, task_cls, messages, answer, meta)
         client = vf.EvalClientConfig(base_url=base_url, api_key_var=_key_variable(api_key))
         ctx = vf.ModelContext(model=model, client=client, sampling=sampling)

@@ -66,6 +66,7 @@ class NodePlan(Spec):
     group: str | None  # None: runs on the driver (reward / compute)
     rows: int  # sequences per step this node sees
     micro_batch_size: int
+    runs: str | None = None  # a generate node's episodes: "agent REF" or "env NAME" (None: single-turn)
 
 
 class MemoryEstimate(Spec):
@@ -133,6 +134,9 @@ class ExecutionPlan(Spec, kw_only=True):
         for key, value in LATER_HARDWARE.items():  # and before calibration's factors
             if hardware.get(key) == value:
                 hardware.pop(key)
+        for node in body.get("nodes") or ():  # and before plans named what plays a node's episodes
+            if node.get("runs") is None:
+                node.pop("runs", None)
         workload = body["target"].get("workload") or {}
         for key, value in (("turns", 1), ("env_s_per_turn", 0.0)):  # and before episodes were costed
             if workload.get(key) == value:

@@ -672,9 +672,11 @@ class Graph:
     def fingerprint(self) -> str:
         """A content hash of the graph (stable across runs and processes)."""
         body = msgspec.to_builtins(self.spec())
-        for node in body["nodes"]:  # budgets added later, left unset: graphs keep their fingerprints
-            for key in ("turn_tokens", "env_tokens"):
-                if node.get("kind") == "generate" and key in node and node[key] is None:
+        later = {"turn_tokens": None, "env_tokens": None, "agent": None, "timeout": 120.0, "concurrency": 64}
+        later["failure_reward"] = 0.0
+        for node in body["nodes"]:  # fields added later, left at their defaults: graphs keep their fingerprints
+            for key, default in later.items():
+                if node.get("kind") == "generate" and key in node and node[key] == default:
                     node.pop(key)
         return hashlib.sha256(msgspec.json.encode(body, order="sorted")).hexdigest()[:16]
 

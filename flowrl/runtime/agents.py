@@ -62,8 +62,8 @@ PLAIN_TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 _MARK = "\x00flowrl-turn\x00"
-#: how long the driver waits for more requests to batch with those it has (agents between requests)
-GATHER_S = 0.02
+#: how long the driver waits for an agent's next request before the others decode without it
+SETTLE_S = 1.0
 
 
 @dataclass
@@ -343,25 +343,40 @@ class AgentRollouts:
                 self._finish(ep, self.failure_reward, version)
 
     # ------------------------------------------------------------ requests
-    def _events(self, block: bool, version: int) -> None:
-        """Take the requests and agent ends that arrived; with ``block``, wait for one first (bounded),
-        then briefly for more while agents are between requests (to batch them)."""
-        timeout = 0.2 if block else 0.0
-        got = 0
+    def _settle(self, version: int) -> None:
+        """Take requests and agent ends until every running episode has a request in flight (or none
+        runs): decoding then starts on all of them at once, in the episodes' order, so a run's samples
+        do not depend on when requests arrived. Waiting episodes start as slots free. An agent slower than
+        `SETTLE_S` to send its next request lets the others decode without it (the timeouts still run)."""
+        first_pending: float | None = None
         while True:
-            try:
-                event = self.events.get(timeout=timeout) if timeout > 0 else self.events.get_nowait()
-            except queue.Empty:
-                if got and any(e.request is None for e in self._running()) and timeout < GATHER_S:
-                    timeout = GATHER_S
-                    continue
+            self._start_waiting()
+            running = self._running()
+            if all(e.request is not None for e in running):
                 return
-            got += 1
-            timeout = 0.0
-            if event[0] == "call":
-                self._admit(event[1], version)
-            else:
-                self._ended(event[1], event[2], event[3], version)
+            if any(e.request is not None for e in running):
+                first_pending = first_pending or time.monotonic()
+                if time.monotonic() - first_pending > SETTLE_S:
+                    self._count("unsettled_decodes")
+                    return
+            try:
+                event = self.events.get(timeout=0.1)
+            except queue.Empty:
+                self._deadlines(version)
+                continue
+            self._event(event, version)
+            while True:  # what else arrived meanwhile
+                try:
+                    self._event(self.events.get_nowait(), version)
+                except queue.Empty:
+                    break
+            self._deadlines(version)
+
+    def _event(self, event: tuple, version: int) -> None:
+        if event[0] == "call":
+            self._admit(event[1], version)
+        else:
+            self._ended(event[1], event[2], event[3], version)
 
     def _admit(self, call: Call, version: int) -> None:
         ep = self.episodes.get(call.episode)
@@ -534,10 +549,8 @@ class AgentRollouts:
 
         if self.context is None and isinstance(getattr(gen, "context", None), int):
             self.context = gen.context
-        self._start_waiting()
-        self._events(block=not self._decoding(), version=version)
         self._deadlines(version)
-        self._start_waiting()
+        self._settle(version)
         todo = self._decoding()
         if not todo:
             return 0
@@ -714,6 +727,7 @@ class AgentRollouts:
         for key in (
             "episodes", "requests", "agent_errors", "timeouts", "bad_rewards", "no_reward", "refused", "forks",
             "template_forks", "aborted_requests", "replayed", "sampling_ignored", "cut_tokens", "decode_calls",
+            "unsettled_decodes",
         ):  # fmt: skip
             out[key] = int(self.counts.get(key, 0))
         if self.endpoint is not None:

@@ -3,8 +3,10 @@
 During rollouts of a generate node with an agent (`flowrl.runtime.agents`) the run serves its
 policy on loopback: ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``, under one base
 URL per episode (``http://127.0.0.1:PORT/episodes/ID/v1``), so a plain ``openai`` client given that
-URL is one episode. Requests need the run's key (``Authorization: Bearer KEY``, what the client sends
-as its ``api_key``); anything else on the machine is refused.
+URL is one episode; on the run-wide base URL (``http://127.0.0.1:PORT/v1``) a request's ``model``
+names its episode instead, for clients that keep one connection pool per base URL. Requests need the
+run's key (``Authorization: Bearer KEY``, what the client sends as its ``api_key``); anything else on
+the machine is refused.
 
 This module is the HTTP side only: it parses and bounds a request into a `ChatRequest` or
 `CompletionRequest` (an `ApiError` for what is malformed or too large, in OpenAI's error shape) and
@@ -231,7 +233,9 @@ class Endpoint:
         def authorised(request: Request) -> None:
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {self.key}".encode()):
-                raise ApiError(401, "a missing or wrong API key (the run's key is the agent's api_key).", "unauthorized")
+                raise ApiError(
+                    401, "a missing or wrong API key (the run's key is the agent's api_key).", "unauthorized"
+                )
 
         async def body(request: Request) -> bytes:
             size = request.headers.get("content-length")
@@ -258,7 +262,8 @@ class Endpoint:
                 try:
                     authorised(request)
                     parsed = _parse(await body(request), kind)
-                    call = Call(request.path_params["episode"], parsed)
+                    episode = request.path_params.get("episode") or parsed.model
+                    call = Call(episode, parsed)
                     self.submit(call)
                     answer = await asyncio.wrap_future(call.future)
                 except ApiError as exc:
@@ -271,14 +276,21 @@ class Endpoint:
             return handle
 
         async def missing(request: Request) -> Response:
-            return error(ApiError(404, f"no route {request.url.path}: this endpoint serves /episodes/ID/v1/...", "no_route"))
+            return error(
+                ApiError(404, f"no route {request.url.path}: this endpoint serves /episodes/ID/v1/...", "no_route")
+            )
 
         routes = [
             Route("/episodes/{episode}/v1/chat/completions", completion(ChatRequest), methods=["POST"]),
             Route("/episodes/{episode}/v1/completions", completion(CompletionRequest), methods=["POST"]),
             Route("/episodes/{episode}/v1/models", models, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
+            # one base URL for every episode: the request's ``model`` names its episode (for clients that
+            # keep one connection per base URL, such as verifiers' model clients)
+            Route("/v1/chat/completions", completion(ChatRequest), methods=["POST"]),
+            Route("/v1/completions", completion(CompletionRequest), methods=["POST"]),
         ]
+
         async def not_found(request: Request, exc: Exception) -> Response:
             return await missing(request)
 

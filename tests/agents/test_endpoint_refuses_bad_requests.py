@@ -72,7 +72,8 @@ MALFORMED = [
     ("no_key", "/chat/completions", GOOD, {"Authorization": ""}),
     ("unknown_episode", "episodes/nobody-1-abc/v1/chat/completions", GOOD, {}),
     ("unknown_route", "/embeddings", GOOD, {}),
-    ("root_route", "v1/chat/completions", GOOD, {}),
+    ("run_wide_unknown_model", "v1/chat/completions", GOOD, {}),
+    ("root_route", "v2/chat/completions", GOOD, {}),
     ("get_on_post_route", "/chat/completions", None, {}),
 ]
 
@@ -118,6 +119,8 @@ def test_a_wrong_or_missing_key_is_a_401(refused):
 def test_an_unknown_episode_is_a_410_and_an_unknown_route_a_404_in_json(refused):
     log, _, _ = refused
     assert log["unknown_episode"][0] == 410 and error(log, "unknown_episode")["code"] == "episode_over"
+    # the run-wide URL: the model names the episode, here none of this run's
+    assert log["run_wide_unknown_model"][0] == 410
     for name in ("unknown_route", "root_route", "get_on_post_route"):
         assert log[name][0] == 404 and error(log, name)["code"] == "no_route"
 

@@ -62,7 +62,6 @@ def test_show_prints_the_agent(capsys):
     assert code == 0 and "agent=examples/agents/calculator_agent.py:run turns=3 timeout=60s" in out
 
 
-@pytest.mark.xfail(strict=True, reason="the plan's YAML names no node's agent (nodes: kind, group, rows only)")
 def test_plan_prints_the_agent(capsys):
     code, out, err = run_cli(capsys, "plan", "graphs/agent_calculator.py")
     assert code == 0 and "examples/agents/calculator_agent.py:run" in out

@@ -207,7 +207,6 @@ def test_async_agent_episodes_keep_each_tokens_version_across_weight_updates(act
     check_recorded(seqs, spy, log, actor.tokenizer)
     versions = {int(v) for i in range(len(seqs)) for v, a in zip(seqs.versions[i], seqs.action_mask[i]) if a}
     assert len(versions) > 2  # requests spanned weight updates, each token stamped with its own
-    assert result.metrics["staleness_max"] >= 0
 
 
 def test_the_tokenizer_of_the_tool_model_renders_the_tool_schema(tool_model):

@@ -37,7 +37,12 @@ def micro_batch(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
                 size = min(cfg.train.micro_batch_size or lay.micro_batch, rows)
                 if isinstance(node, Train):  # a micro-batch never spans two mini-batches
                     size = min(size, max(rows // node_mini_batches(plan, node), 1))
-        nodes.append(NodePlan(node=name, kind=node.kind, group=group, rows=rows, micro_batch_size=max(size, 1)))
+        runs = None
+        if isinstance(node, Generate) and node.multi_turn:  # what plays its episodes
+            runs = f"agent {node.agent}" if node.agent is not None else f"env {node.env}"
+        nodes.append(
+            NodePlan(node=name, kind=node.kind, group=group, rows=rows, micro_batch_size=max(size, 1), runs=runs)
+        )
     return msgspec.structs.replace(plan, nodes=tuple(nodes))
 
 
