@@ -377,8 +377,10 @@ def gspo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor,
     seqs = sequences_in(batch, "loss 'gspo'")
     mask = seqs.sampled_mask
     tokens = mask.sum(-1).clamp_min(1.0)
-    log_ratio = ((logprobs - batch["old_logprobs"]) * mask).sum(-1) / tokens
-    advantages = (batch["advantages"] * mask).sum(-1) / tokens
+    valid, zero = mask.bool(), torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    # padding's values (even NaN) reach neither the means nor the gradient
+    log_ratio = torch.where(valid, logprobs - batch["old_logprobs"], zero).sum(-1) / tokens
+    advantages = torch.where(valid, torch.broadcast_to(batch["advantages"], valid.shape), zero).sum(-1) / tokens
     ratio = torch.exp(log_ratio)
     pg1 = -advantages * ratio
     pg2 = -advantages * ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high)
