@@ -319,6 +319,8 @@ def test_a_local_run_reports_the_mismatch_metrics_and_masks_nothing(tmp_path, mo
     for r in records:
         assert all(f"train_actor/{k}" in r for k in METRICS), sorted(r)
         assert r["train_actor/mismatch_gap"] < 1e-4
-        assert abs(r["train_actor/mismatch_ratio_min"] - 1) < 1e-4 and abs(r["train_actor/mismatch_ratio_max"] - 1) < 1e-4
+        assert (
+            abs(r["train_actor/mismatch_ratio_min"] - 1) < 1e-4 and abs(r["train_actor/mismatch_ratio_max"] - 1) < 1e-4
+        )
         assert r["train_actor/mismatch_truncfrac"] == r["train_actor/mismatch_maskfrac"] == 0.0
         assert r["train_actor/mismatch_seq_maskfrac"] == 0.0
