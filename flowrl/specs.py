@@ -119,6 +119,18 @@ class AlgoConfig(Spec):
     # tokens sampled by older weights (decoupled PPO): clip at is_cap, mask those tokens, or none
     is_correction: Literal["clip", "mask", "none"] = "clip"
     is_cap: float = 5.0
+    # sampler/trainer mismatch (e.g. a bf16 vLLM engine beside an fp32 trainer): each token's ratio
+    # r = exp(old_logprobs - sampler log-prob) corrects tokens of the current version (stale tokens keep
+    # is_correction's weight, so r counts once). tis: weight min(r, mismatch_cap); icepop: weight r, and
+    # every token with r outside [mismatch_low, mismatch_high] masked; seq-mask: every response whose
+    # geometric-mean r is outside [mismatch_seq_low, mismatch_seq_high] masked; "tis+seq-mask" and
+    # "icepop+seq-mask" do both; none: current tokens weigh 1. gspo weighs each response by its geometric-mean r
+    mismatch: Literal["none", "tis", "icepop", "seq-mask", "tis+seq-mask", "icepop+seq-mask"] = "tis"
+    mismatch_cap: float = 2.0  # tis: the truncation of r (>= 1)
+    mismatch_low: float = 0.5  # icepop: tokens with r below it are masked (in (0, 1))
+    mismatch_high: float = 2.0  # icepop: tokens with r above it are masked (> 1)
+    mismatch_seq_low: float = 0.99  # seq-mask: responses whose geometric-mean r is below it are masked (in (0, 1))
+    mismatch_seq_high: float = 1.01  # seq-mask: responses whose geometric-mean r is above it are masked (> 1)
     # how the ppo loss makes one number of its per-token terms: a mean over the batch's tokens; the
     # mean over rows of each row's token mean; or (Dr. GRPO) the mean over rows of each row's token
     # sum over loss_norm tokens (None: the response budget, rollout.max_new_tokens)
@@ -216,6 +228,11 @@ def algo_problems(algo: AlgoConfig) -> list[tuple[str, str]]:
         (algo.vf_clip is None or 0 < algo.vf_clip < math.inf, "vf_clip", "must be > 0"),
         (0 <= algo.vf_coef < math.inf, "vf_coef", "must be >= 0"),
         (math.isfinite(algo.is_cap) and algo.is_cap >= 1, "is_cap", "must be finite and >= 1"),
+        (math.isfinite(algo.mismatch_cap) and algo.mismatch_cap >= 1, "mismatch_cap", "must be finite and >= 1"),
+        (0 < algo.mismatch_low < 1, "mismatch_low", "must be in (0, 1): a ratio of 1 (no mismatch) is kept"),
+        (1 < algo.mismatch_high < math.inf, "mismatch_high", "must be > 1 and finite: a ratio of 1 is kept"),
+        (0 < algo.mismatch_seq_low < 1, "mismatch_seq_low", "must be in (0, 1): a ratio of 1 (no mismatch) is kept"),
+        (1 < algo.mismatch_seq_high < math.inf, "mismatch_seq_high", "must be > 1 and finite: a ratio of 1 is kept"),
         (algo.loss_norm is None or algo.loss_norm >= 1, "loss_norm", "must be >= 1 (tokens)"),
     ]
     return [(field, why) for ok, field, why in checks if not ok]

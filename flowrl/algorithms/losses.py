@@ -29,6 +29,9 @@ __all__ = [
     "aggregate",
     "kl_penalty",
     "behaviour_weights",
+    "MISMATCH_MODES",
+    "mismatch_weights",
+    "sequence_mismatch_weights",
     "ppo_policy_loss",
     "value_loss",
 ]
@@ -178,6 +181,165 @@ def behaviour_weights(
         "is_max": float((raw * valid).max()) if bool(m.any()) else 1.0,
         "is_clipfrac": masked_mean((w != raw).to(raw.dtype), m).item(),
     }
+    return w.detach(), stats
+
+
+#: ``algo.mismatch``'s values: a token part (``tis`` or ``icepop``), a sequence part (``seq-mask``), or both.
+MISMATCH_MODES = ("none", "tis", "icepop", "seq-mask", "tis+seq-mask", "icepop+seq-mask")
+
+
+def _mismatch_parts(mode: str) -> tuple[str | None, bool]:
+    """(token part: ``tis``, ``icepop`` or None; whether rows are masked by their geometric mean)."""
+    if mode not in MISMATCH_MODES:
+        raise ValueError(f"unknown sampler/trainer mismatch correction {mode!r}; valid: {', '.join(MISMATCH_MODES)}")
+    parts = mode.split("+")
+    token = next((p for p in parts if p in ("tis", "icepop")), None)
+    return token, "seq-mask" in parts
+
+
+def _log_mismatch(old_logprobs: Tensor, behaviour_logprobs: Tensor, m: Tensor) -> Tensor:
+    """log r = old - behaviour at valid tokens, 0 (r = 1) at padding."""
+    return _zero_pad(old_logprobs - behaviour_logprobs.to(old_logprobs.device, old_logprobs.dtype), m)
+
+
+def _row_log_mismatch(log_r: Tensor, m: Tensor) -> Tensor:
+    """Each row's mean log r over its valid tokens: the log of the geometric mean ratio (0 for an empty row)."""
+    return log_r.sum(-1) / m.sum(-1).clamp_min(1).to(log_r.dtype)
+
+
+def _ratio_stats(log_r: Tensor, m: Tensor) -> dict[str, float]:
+    r = torch.exp(log_r)
+    some = bool(m.any())
+    return {
+        "mismatch_gap": masked_mean(log_r.abs(), m).item(),
+        "mismatch_ratio_mean": masked_mean(r, m).item() if some else 1.0,
+        "mismatch_ratio_min": float(r[m].min()) if some else 1.0,
+        "mismatch_ratio_max": float(r[m].max()) if some else 1.0,
+    }
+
+
+@torch.no_grad()
+def mismatch_weights(
+    old_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    mask: Tensor,
+    mode: str = "tis",
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 2.0,
+    seq_low: float = 0.99,
+    seq_high: float = 1.01,
+    stale: Tensor | None = None,
+    stale_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Per-token weights correcting the gap between the sampler (behaviour log-probs, e.g. a bf16
+    vLLM engine) and the trainer (``old_logprobs``, the proximal policy's), composed with the
+    staleness weights of `behaviour_weights` so that each token's ratio counts once:
+
+        r_t   = exp(old_t - behaviour_t)                               (one ratio per token)
+        w_t   = stale_weights_t                  for stale tokens (``stale``: sampled by older weights;
+                                                 their weight already is r_t, clipped by algo.is_cap)
+              = min(r_t, cap)  (tis) | r_t  (icepop) | 1  (otherwise)            for the other tokens
+        icepop:   w_t *= [low <= r_t <= high]                          (every token, stale ones too)
+        seq-mask: w_t *= [seq_low <= exp(mean_t' log r_t') <= seq_high]  (the row's geometric mean)
+
+    So staleness correction owns version drift (its tokens' truncation is ``is_cap``), the mismatch
+    correction owns numeric drift on the current version's tokens, and its masks reject any token
+    or row whose ratio is out of bounds. ``mode`` ``none`` gives the staleness weights unchanged.
+    Without ``stale``, every token is of the current version. Masked tokens weigh 0: they leave
+    the loss's sum but not its token count.
+
+    Stats (over valid tokens): ``mismatch_gap`` (mean |old - behaviour|), ``mismatch_ratio_mean``,
+    ``_min`` and ``_max`` (of r), ``mismatch_truncfrac`` (tokens TIS truncated), ``mismatch_maskfrac``
+    (tokens masked by icepop or seq-mask), ``mismatch_seq_maskfrac`` (rows seq-mask rejected).
+    """
+    token, by_row = _mismatch_parts(mode)
+    m = _as_bool(mask)
+    log_r = _log_mismatch(old_logprobs, behaviour_logprobs, m)
+    r = torch.exp(log_r)
+    one = torch.ones_like(r)
+    truncated = torch.zeros_like(m)
+    if token == "tis":
+        w = torch.clamp(r, max=cap)
+        truncated = m & (r > cap)
+    elif token == "icepop":
+        w = r
+    else:
+        w = one
+    if stale is not None:
+        stale = m & stale.to(m.device)
+        truncated = truncated & ~stale
+        w = torch.where(stale, one if stale_weights is None else stale_weights.to(r.dtype), w)
+    keep = torch.ones_like(m)
+    if token == "icepop":
+        keep = (r >= low) & (r <= high)
+    rows_out = torch.zeros(m.shape[0], dtype=torch.bool, device=m.device)
+    if by_row:
+        geo = torch.exp(_row_log_mismatch(log_r, m))
+        rows_out = ~((geo >= seq_low) & (geo <= seq_high)) & m.any(-1)
+        keep = keep & ~rows_out[:, None]
+    w = torch.where(keep, w, torch.zeros_like(w))
+    rows = m.any(-1)
+    stats = _ratio_stats(log_r, m)
+    stats.update(
+        {
+            "mismatch_truncfrac": masked_mean(truncated.to(r.dtype), m).item(),
+            "mismatch_maskfrac": masked_mean((~keep).to(r.dtype), m).item(),
+            "mismatch_seq_maskfrac": float(rows_out.sum() / rows.sum()) if bool(rows.any()) else 0.0,
+        }
+    )
+    return _zero_pad(w, m).detach(), stats
+
+
+@torch.no_grad()
+def sequence_mismatch_weights(
+    old_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    mask: Tensor,
+    mode: str = "tis",
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 2.0,
+    seq_low: float = 0.99,
+    seq_high: float = 1.01,
+) -> tuple[Tensor, dict[str, float]]:
+    """One weight per row ([B]) for a sequence-level loss (GSPO), from the row's geometric-mean ratio
+    rho = exp(mean_t (old_t - behaviour_t)) over its valid tokens (every token: such a loss has no
+    separate staleness correction, so rho covers version and numeric drift alike):
+
+        w = min(rho, cap)  (tis) | rho * [low <= rho <= high]  (icepop) | 1  (otherwise)
+        seq-mask: w *= [seq_low <= rho <= seq_high]
+
+    Stats: those of `mismatch_weights`, with ``mismatch_truncfrac`` and ``mismatch_maskfrac`` fractions
+    of the rows with tokens (truncated; masked by either bound).
+    """
+    token, by_row = _mismatch_parts(mode)
+    m = _as_bool(mask)
+    log_r = _log_mismatch(old_logprobs, behaviour_logprobs, m)
+    rho = torch.exp(_row_log_mismatch(log_r, m))
+    rows = m.any(-1)
+    w = torch.ones_like(rho)
+    keep = torch.ones_like(rows)
+    truncated = torch.zeros_like(rows)
+    if token == "tis":
+        w, truncated = torch.clamp(rho, max=cap), rows & (rho > cap)
+    elif token == "icepop":
+        w, keep = rho, (rho >= low) & (rho <= high)
+    seq_out = torch.zeros_like(rows)
+    if by_row:
+        seq_out = rows & ~((rho >= seq_low) & (rho <= seq_high))
+        keep = keep & ~seq_out
+    keep = keep | ~rows  # a row without tokens has no loss to mask
+    w = torch.where(keep, w, torch.zeros_like(w))
+    n = rows.sum().clamp_min(1)
+    stats = _ratio_stats(log_r, m)
+    stats.update(
+        {
+            "mismatch_truncfrac": float(truncated.sum() / n),
+            "mismatch_maskfrac": float((~keep).sum() / n),
+            "mismatch_seq_maskfrac": float(seq_out.sum() / n),
+        }
+    )
     return w.detach(), stats
 
 

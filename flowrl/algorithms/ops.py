@@ -303,9 +303,10 @@ def threshold_filter(inputs: Batch, algo: AlgoConfig, *, min_reward: float = 1.0
 
 def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
     """PPO-clip (clip-higher, dual-clip) + beta * KL(pi || ref) when the node reads ref_logprobs (metric ``kl``);
-    tokens sampled by older weights weigh pi_prox / pi_behav (``algo.is_correction``, decoupled PPO). Both
-    terms aggregate by ``algo.loss_agg`` (token-mean, seq-mean-token-mean, or Dr. GRPO's
-    seq-mean-token-sum-norm over ``algo.loss_norm``)."""
+    tokens sampled by older weights weigh pi_prox / pi_behav (``algo.is_correction``, decoupled PPO), and the
+    others are corrected for the sampler/trainer mismatch (``algo.mismatch``: TIS, IcePop, sequence masking;
+    `flowrl.algorithms.losses.mismatch_weights`). Both terms aggregate by ``algo.loss_agg`` (token-mean,
+    seq-mean-token-mean, or Dr. GRPO's seq-mean-token-sum-norm over ``algo.loss_norm``)."""
     from flowrl.algorithms import losses
     from flowrl.contract.data import sequences_in
 
@@ -313,6 +314,7 @@ def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, 
     mask = seqs.sampled_mask
     weights, is_stats = None, {}
     policy_version = getattr(batch, "policy_version", None)  # a train step's StepBatch carries it
+    stale = None
     if seqs.logprobs is not None and seqs.versions is not None and policy_version is not None:
         weights, is_stats = losses.behaviour_weights(
             batch["old_logprobs"],
@@ -323,6 +325,22 @@ def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, 
             algo.is_correction,
             algo.is_cap,
         )
+        stale = seqs.versions.to(mask.device) != int(policy_version)
+    if seqs.logprobs is not None:  # the sampler's log-probs: its mismatch with the trainer is measurable
+        weights, mismatch_stats = losses.mismatch_weights(
+            batch["old_logprobs"],
+            seqs.logprobs,
+            mask,
+            algo.mismatch,
+            algo.mismatch_cap,
+            algo.mismatch_low,
+            algo.mismatch_high,
+            algo.mismatch_seq_low,
+            algo.mismatch_seq_high,
+            stale=stale,
+            stale_weights=weights,
+        )
+        is_stats.update(mismatch_stats)
     loss, stats = losses.ppo_policy_loss(
         logprobs,
         batch["old_logprobs"],
@@ -349,23 +367,43 @@ def gspo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor,
     """GSPO (Zheng et al., 2025): PPO-clip on the sequence-level ratio exp(mean_t(log pi - log pi_old)),
     one per response, with the sequence's advantage (its tokens' mean); a mean over responses (metric
     ``clipfrac``: the fraction of responses whose clipped term was the larger, i.e. clipping changed
-    the loss)."""
+    the loss). With the sampler's log-probs, each response weighs by its geometric-mean sampler/trainer
+    ratio as ``algo.mismatch`` says (`flowrl.algorithms.losses.sequence_mismatch_weights`)."""
     import torch
 
+    from flowrl.algorithms import losses
     from flowrl.contract.data import sequences_in
 
-    mask = sequences_in(batch, "loss 'gspo'").sampled_mask
+    seqs = sequences_in(batch, "loss 'gspo'")
+    mask = seqs.sampled_mask
     tokens = mask.sum(-1).clamp_min(1.0)
-    log_ratio = ((logprobs - batch["old_logprobs"]) * mask).sum(-1) / tokens
-    advantages = (batch["advantages"] * mask).sum(-1) / tokens
+    valid, zero = mask.bool(), torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    # padding's values (even NaN) reach neither the means nor the gradient
+    log_ratio = torch.where(valid, logprobs - batch["old_logprobs"], zero).sum(-1) / tokens
+    advantages = torch.where(valid, torch.broadcast_to(batch["advantages"], valid.shape), zero).sum(-1) / tokens
     ratio = torch.exp(log_ratio)
     pg1 = -advantages * ratio
     pg2 = -advantages * ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high)
     pg = torch.maximum(pg1, pg2)
+    mismatch_stats: dict[str, float] = {}
+    if seqs.logprobs is not None:
+        weights, mismatch_stats = losses.sequence_mismatch_weights(
+            batch["old_logprobs"],
+            seqs.logprobs,
+            mask,
+            algo.mismatch,
+            algo.mismatch_cap,
+            algo.mismatch_low,
+            algo.mismatch_high,
+            algo.mismatch_seq_low,
+            algo.mismatch_seq_high,
+        )
+        pg = pg * weights.to(pg.dtype)
     with torch.no_grad():
         stats = {
             "clipfrac": float((pg2 > pg1).float().mean()) if len(ratio) else 0.0,
             "ratio_mean": float(ratio.mean()) if len(ratio) else 1.0,
+            **mismatch_stats,
         }
     return pg.mean(), stats
 

@@ -40,7 +40,8 @@ def batch(engines):
     plan, trainers = engines
     actor = trainers["actor"]
     prompts = Copy().prompts(random.Random(0), ROWS)
-    seqs = actor.generate(prompts, n=1, greedy=False, generator=torch.Generator().manual_seed(0)).sequences
+    rollout = actor.generate(prompts, n=1, greedy=False, generator=torch.Generator().manual_seed(0))
+    seqs = rollout.sequences.replaced(logprobs=rollout.logprobs)  # the sampler's, as a rollout hands them on
     width = seqs.response_ids.shape[1]
     lengths = torch.tensor([1 + (i * 7) % width for i in range(ROWS)])
     mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
@@ -75,12 +76,23 @@ def gradient(engine, fn, unit: str, batch: dict, micro: int, algo: AlgoConfig, o
     return {n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None}
 
 
+#: sampler/trainer mismatch masks tight enough that the batch's ratios (its old log-probs are the
+#: sampler's plus noise) mask some tokens and some rows: a row's weight must not depend on the split
+MISMATCH_MASKS = {
+    "mismatch": "icepop+seq-mask",
+    "mismatch_low": 0.97,
+    "mismatch_high": 1.03,
+    "mismatch_seq_low": 0.99,
+    "mismatch_seq_high": 1.01,
+}
 CASES = [
     ("ppo", {"loss_agg": "token-mean"}),
     ("ppo", {"loss_agg": "seq-mean-token-mean"}),
     ("ppo", {"loss_agg": "seq-mean-token-sum-norm", "loss_norm": 24}),
     ("ppo", {"loss_agg": "seq-mean-token-sum-norm", "loss_norm": 24, "kl_coef": 0.5}),
+    ("ppo", MISMATCH_MASKS),
     ("gspo", {}),
+    ("gspo", MISMATCH_MASKS),
     ("sft", {}),
     ("value", {}),
     ("sequence_pg", {}),
@@ -108,6 +120,18 @@ def test_every_split_gives_the_one_micro_batch_gradient(engines, batch, name, al
         split = gradient(engine, fn, unit, feed, micro, algo, output)
         worst = max(float((split[k] - whole[k]).abs().max()) for k in whole)
         assert worst <= 1e-5 * scale, (name, algo_options, micro, worst, scale)
+
+
+def test_the_mismatch_cases_mask_some_tokens_and_rows_but_not_all(batch):
+    """The mismatch cases above have teeth: their masks leave some tokens and rows out, not all."""
+    b = MISMATCH_MASKS
+    seqs = batch["responses"]
+    args = (batch["old_logprobs"], seqs.logprobs, seqs.response_mask, b["mismatch"])
+    bounds = (2.0, b["mismatch_low"], b["mismatch_high"], b["mismatch_seq_low"], b["mismatch_seq_high"])
+    _, stats = losses.mismatch_weights(*args, *bounds)
+    assert 0 < stats["mismatch_maskfrac"] < 1 and 0 < stats["mismatch_seq_maskfrac"] < 1, stats
+    rows, _ = losses.sequence_mismatch_weights(*args, *bounds)
+    assert 0 < int((rows == 0).sum()) < ROWS
 
 
 def test_token_weighting_would_be_wrong_for_a_sequence_level_loss(engines, batch):

@@ -566,6 +566,9 @@ CASES: list[Case] = [
     C("set-kl-estimator-unknown", show_set("algo.kl_estimator=k4"), "algo.kl_estimator"),
     C("set-is-correction-unknown", show_set("algo.is_correction=maybe"), "algo.is_correction"),
     C("set-is-cap-below-one", show_set("algo.is_cap=0.5"), "algo.is_cap"),
+    C("set-mismatch-unknown", show_set("algo.mismatch=tsi"), "algo.mismatch"),
+    C("set-mismatch-low-above-one", show_set("algo.mismatch_low=1.5"), "algo.mismatch_low"),
+    C("set-mismatch-seq-high-below-one", show_set("algo.mismatch_seq_high=0.9"), "algo.mismatch_seq_high"),
     C("set-vf-coef-negative", show_set("algo.vf_coef=-1"), "algo.vf_coef"),
     C("set-memory-limit-zero", show_set("memory_limit_gib=0"), "memory_limit_gib"),
     C(

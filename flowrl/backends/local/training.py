@@ -100,8 +100,12 @@ class Training:
         self.module.eval()
         self.version += 1
         finite = {k: [x for x in v if math.isfinite(x)] for k, v in stats.items()}  # a skipped step's loss is not
-        # over the micro-batches: a mean, a maximum's the largest
-        out = {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in finite.items() if v}
+        # over the micro-batches: a mean, a maximum's the largest, a minimum's the smallest
+        out = {
+            k: max(v) if k.endswith("_max") else min(v) if k.endswith("_min") else sum(v) / len(v)
+            for k, v in finite.items()
+            if v
+        }
         if opt.skip_nonfinite:
             out["skipped"] = float(skipped)
         if self.oom_splits > splits_before:  # micro-batches split after running out of memory
