@@ -301,6 +301,14 @@ def threshold_filter(inputs: Batch, algo: AlgoConfig, *, min_reward: float = 1.0
 # ---------------------------------------------------------------- losses
 
 
+def mismatch_settings(algo: AlgoConfig) -> tuple[Any, ...]:
+    """The sampler/trainer mismatch correction's mode and bounds, as `flowrl.algorithms.losses` takes them."""
+    return (
+        algo.mismatch, algo.mismatch_cap, algo.mismatch_low, algo.mismatch_high, algo.mismatch_seq_low,
+        algo.mismatch_seq_high,
+    )  # fmt: skip
+
+
 def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
     """PPO-clip (clip-higher, dual-clip) + beta * KL(pi || ref) when the node reads ref_logprobs (metric ``kl``);
     tokens sampled by older weights weigh pi_prox / pi_behav (``algo.is_correction``, decoupled PPO), and the
@@ -331,12 +339,7 @@ def ppo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, 
             batch["old_logprobs"],
             seqs.logprobs,
             mask,
-            algo.mismatch,
-            algo.mismatch_cap,
-            algo.mismatch_low,
-            algo.mismatch_high,
-            algo.mismatch_seq_low,
-            algo.mismatch_seq_high,
+            *mismatch_settings(algo),
             stale=stale,
             stale_weights=weights,
         )
@@ -391,12 +394,7 @@ def gspo_loss(logprobs: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor,
             batch["old_logprobs"],
             seqs.logprobs,
             mask,
-            algo.mismatch,
-            algo.mismatch_cap,
-            algo.mismatch_low,
-            algo.mismatch_high,
-            algo.mismatch_seq_low,
-            algo.mismatch_seq_high,
+            *mismatch_settings(algo),
         )
         pg = pg * weights.to(pg.dtype)
     with torch.no_grad():
