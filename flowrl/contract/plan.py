@@ -133,6 +133,9 @@ class ExecutionPlan(Spec, kw_only=True):
         for key, value in LATER_HARDWARE.items():  # and before calibration's factors
             if hardware.get(key) == value:
                 hardware.pop(key)
+        for spec in (body["target"]["model"], *(body["target"].get("models") or {}).values()):
+            if spec.get("scalar_head") is False:  # and before scalar heads were shapes of their own
+                spec.pop("scalar_head")
         workload = body["target"].get("workload") or {}
         for key, value in (("turns", 1), ("env_s_per_turn", 0.0)):  # and before episodes were costed
             if workload.get(key) == value:

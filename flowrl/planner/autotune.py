@@ -156,7 +156,8 @@ class Tuner:
         self.capacity = mem.usable_bytes(cluster.hardware, self.numerics)
         self.capabilities = capabilities
         factory = registry.get("cost_models", cost_model) if registry is not None else CostModel
-        self.specs = {m: (models or {}).get(m, model) for m in graph.models}
+        # each model as it computes: a critic, reward or cost model with its scalar head, not the LM head
+        self.specs = {m: (models or {}).get(m, model).with_head(d.scalar_head) for m, d in graph.models.items()}
         by_shape = {}  # one cost model per distinct shape
         for spec in (model, *self.specs.values()):
             if spec not in by_shape:
@@ -606,7 +607,7 @@ class Tuner:
 
     def describe_models(self) -> str:
         """``llama-7b (6.7B parameters)``, or per model when the roles differ."""
-        shapes = {spec.name: spec for spec in self.specs.values()}
+        shapes = {spec.name: spec.with_head(False) for spec in self.specs.values()}  # the models given
         if len(shapes) <= 1:
             spec = next(iter(shapes.values()), self.model)
             return f"{spec.name} ({spec.parameters() / 1e9:.1f}B parameters)"
