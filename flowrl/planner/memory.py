@@ -17,13 +17,17 @@ backend declares.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
 
 from flowrl.contract.hardware import HardwareSpec
 from flowrl.contract.layout import GenerationLayout, ModelLayout
 from flowrl.contract.model import ModelSpec
 from flowrl.contract.numerics import Numerics
 from flowrl.planner import pipeline as pipe
+
+if TYPE_CHECKING:
+    from flowrl.graph.ir import Graph
 
 GiB = 1024**3
 REPLICATED_HIDDEN = 5  # of a layer's working set (16 x hidden, below), the hidden-sized tensors tp does not split
@@ -238,6 +242,29 @@ def left_gathered_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayou
     if not (numerics.gather_whole and sharded(numerics, layout, True)):
         return 0
     return gathered_bytes(model, numerics, layout, training=False)
+
+
+def gathered_while(graph: Graph, node: str, fused: Collection[str] = ()) -> list[str]:
+    """The trained models other than graph node ``node``'s that may still be gathered from a forward-only pass
+    while it runs (`left_gathered_bytes`, where they are sharded on its devices): a model stays gathered from
+    a forward until its next backward, so one with a forward node that may run before ``node`` (``node`` is
+    no ancestor of it) with none of its train nodes surely in between (an ancestor of ``node``: each forward
+    of a trained model precedes its train nodes). A forward its train step computes (``fused``) runs no pass."""
+    import networkx as nx
+
+    dag = graph.dag()
+    before, after = nx.ancestors(dag, node), nx.descendants(dag, node)
+    mine = graph.nodes[node].model
+    out = []
+    for model, decl in graph.models.items():
+        if model == mine or not decl.trainable or any(t in before for t in graph.train_nodes(model)):
+            continue
+        forwards = [
+            n.name for n in graph.nodes.values() if n.kind == "forward" and n.model == model and n.name not in fused
+        ]
+        if any(f != node and f not in after for f in forwards):
+            out.append(model)
+    return out
 
 
 def generation_bytes(

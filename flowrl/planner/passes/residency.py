@@ -128,29 +128,13 @@ def pass_bytes(graph: Graph, plan: ExecutionPlan, lay: ModelLayout, size: int, s
 
 
 def left_gathered(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan, node: str) -> dict[str, int]:
-    """The other models of forward or train node ``node``'s device group that may still be gathered whole
-    while it runs, with
-    their bytes (`memory.left_gathered_bytes`): a sharded model stays gathered from a forward-only pass until
-    its next backward, so one whose forward node may run before ``node`` (not after it: ``node`` is no
-    ancestor of it) with none of its train nodes surely in between (an ancestor of ``node``; each forward of a
-    trained model precedes its train nodes). A forward its train step computes (``plan.fused``) runs no pass."""
-    import networkx as nx
-
-    here = graph.nodes[node]
-    group = layout.layout(here.model or "").group
-    dag = graph.dag()
-    before, after = nx.ancestors(dag, node), nx.descendants(dag, node)
+    """The models of forward or train node ``node``'s device group that may still be gathered whole from a
+    forward-only pass while it runs (`memory.gathered_while`), with their bytes (`memory.left_gathered_bytes`)."""
+    group = layout.layout(graph.nodes[node].model or "").group
     out = {}
-    for m in layout.models:
-        if m.group != group or m.model == here.model or m.model not in trainable_models(graph):
-            continue
-        held = mem.left_gathered_bytes(model_spec(graph, plan, m.model), plan.target.numerics, m)
-        forwards = [
-            n.name
-            for n in graph.nodes.values()
-            if n.kind == "forward" and n.model == m.model and n.name not in plan.fused and n.name != node
-        ]
-        resharded = any(t in before for t in graph.train_nodes(m.model))
-        if held and not resharded and any(f not in after for f in forwards):
-            out[m.model] = held
+    for model in mem.gathered_while(graph, node, plan.fused):
+        lay = layout.layout(model)
+        held = mem.left_gathered_bytes(model_spec(graph, plan, model), plan.target.numerics, lay)
+        if lay.group == group and held:
+            out[model] = held
     return out
