@@ -11,6 +11,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from flowrl.contract.checked import CheckedSpec, Count, SpecFieldError
 from flowrl.errors import ConfigError
 from flowrl.specs import TinyModelConfig, model_folders, read_document
@@ -27,6 +29,10 @@ class ModelSpec(CheckedSpec, kw_only=True):
     tied_embeddings: bool = False
     head_dim: Count | None = None  # None: hidden // heads
     qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
+    # a scalar (value) head, hidden -> 1, in place of the LM head: a critic's, reward or cost model's
+    # (`flowrl.backends.local.models.ValueModel`: the decoder, its input embedding and final norm, no LM
+    # head, one output per token). The planner sets it for the graph's models of those roles (`with_head`).
+    scalar_head: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -51,38 +57,55 @@ class ModelSpec(CheckedSpec, kw_only=True):
         bias = q + 2 * kv if self.qkv_bias else 0
         return attention + bias + 3 * h * self.intermediate + 2 * h
 
+    @property
+    def outputs(self) -> int:
+        """What the head computes per token: the vocabulary's logits, or one value (`scalar_head`)."""
+        return 1 if self.scalar_head else self.vocab
+
+    def head_parameters(self) -> int:
+        """The output head: the LM head (vocabulary x hidden; the input embedding's when tied), or a
+        scalar head's weight and bias."""
+        return self.hidden + 1 if self.scalar_head else self.vocab * self.hidden
+
+    def with_head(self, scalar: bool) -> ModelSpec:
+        """This shape with a scalar head (``scalar``) or an LM head."""
+        return self if scalar == self.scalar_head else msgspec.structs.replace(self, scalar_head=scalar)
+
     def lora_parameters(self, rank: int, targets: Iterable[str]) -> int:
         """LoRA adapters of ``rank`` on ``targets``: rank x (inputs + outputs) for each adapted projection
-        of each decoder layer (q_proj ... down_proj), and once for the model's ``lm_head`` or
-        ``embed_tokens`` (vocabulary x hidden)."""
+        of each decoder layer (q_proj ... down_proj), and once for the model's ``lm_head`` (none with a
+        scalar head) or ``embed_tokens`` (vocabulary x hidden)."""
         h, hd, i = self.hidden, self.dim_per_head, self.intermediate
         q, kv = self.heads * hd, self.kv_heads * hd
         shapes = {
             "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
         }  # fmt: skip
-        once = {"lm_head": (h, self.vocab), "embed_tokens": (self.vocab, h)}
+        once = {"embed_tokens": (self.vocab, h), **({} if self.scalar_head else {"lm_head": (h, self.vocab)})}
         layers = self.layers * sum(rank * sum(shapes[t]) for t in targets if t in shapes)
         return layers + sum(rank * sum(once[t]) for t in targets if t in once)
 
     def parameters(self) -> int:
-        """Exact count: embeddings V*H (+ lm_head V*H unless tied) + layers + final norm H."""
-        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return embeddings + self.layers * self.layer_parameters() + self.hidden
+        """Exact count: embeddings V*H (+ lm_head V*H unless tied, or a scalar head H + 1) + layers +
+        final norm H."""
+        shared = self.tied_embeddings and not self.scalar_head  # the LM head is the input embedding
+        head = 0 if shared else self.head_parameters()
+        return self.vocab * self.hidden + head + self.layers * self.layer_parameters() + self.hidden
 
     def flops_per_token(self, context: int) -> float:
         """Forward FLOPs for one token attending to ``context`` tokens.
 
         ``2 * N + 4 * layers * context * heads * head_dim`` where N = ``parameters()`` less the
         input embedding (a lookup, no FLOPs) but with the lm_head counted once even when tied
-        (its matmul still runs): every weight costs a multiply-add per token. The second term is
+        (its matmul still runs; a scalar head's hidden + 1 instead): every weight costs a
+        multiply-add per token. The second term is
         QK^T and attention-times-V (2 FLOPs per multiply-add each). ``context`` is the number of
         keys a token sees: for a causal pass over a sequence of length L, pass the average
         (about L / 2); for decoding, the current length. Backward is about 2x forward.
         """
         if context < 0:
             raise ConfigError(f"flops_per_token: context must be >= 0, got {context}.")
-        matmul_params = self.parameters() - self.vocab * self.hidden * (0 if self.tied_embeddings else 1)
+        matmul_params = self.layers * self.layer_parameters() + self.hidden + self.head_parameters()
         attention = 4 * self.layers * context * self.heads * self.dim_per_head
         return float(2 * matmul_params + attention)
 

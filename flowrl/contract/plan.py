@@ -137,6 +137,9 @@ class ExecutionPlan(Spec, kw_only=True):
         for node in body.get("nodes") or ():  # and before plans named what plays a node's episodes
             if node.get("runs") is None:
                 node.pop("runs", None)
+        for spec in (body["target"]["model"], *(body["target"].get("models") or {}).values()):
+            if spec.get("scalar_head") is False:  # and before scalar heads were shapes of their own
+                spec.pop("scalar_head")
         workload = body["target"].get("workload") or {}
         for key, value in (("turns", 1), ("env_s_per_turn", 0.0)):  # and before episodes were costed
             if workload.get(key) == value:

@@ -146,13 +146,29 @@ def verify_plan(graph: Graph, plan: ExecutionPlan) -> None:
         if est.required_bytes > est.capacity_bytes:
             parts = "; ".join(f"{k}: {gib(v)}" for k, v in sorted(est.breakdown.items(), key=lambda kv: -kv[1]))
             hw = plan.target.cluster.hardware.name
+            peak = next((k for k in est.breakdown if k.startswith("peak: ")), "")
+            advice = (
+                "Most of its peak is a sharded model gathered whole while it computes (and its gradients, "
+                "accumulated over the micro-steps of a mini-batch), which a smaller train.micro_batch_size does "
+                "not shrink (it adds micro-steps): use a larger cluster (more devices, so that the model can be "
+                "split tensor- or pipeline-parallel), a smaller model, or a train.micro_batch_size that takes a "
+                "rank's whole mini-batch in one micro-step."
+                if _gathered_first(peak)
+                else "Use a smaller model, fewer prompts_per_step/samples_per_prompt, a smaller "
+                "train.micro_batch_size, or a larger cluster."
+            )
             raise PlanError(
                 f"the plan needs {gib(est.required_bytes)} per device of group '{est.group}' but a {hw} "
                 f"device offers {gib(est.capacity_bytes)} "
-                f"(short by {gib(est.required_bytes - est.capacity_bytes)}). Breakdown: {parts}. "
-                "Use a smaller model, fewer prompts_per_step/samples_per_prompt, a smaller "
-                "train.micro_batch_size, or a larger cluster."
+                f"(short by {gib(est.required_bytes - est.capacity_bytes)}). Breakdown: {parts}. {advice}"
             )
+
+
+def _gathered_first(peak: str) -> bool:
+    """Whether a memory breakdown's peak (``peak: node N ...``, named by the planner's memory pass, the larger
+    part first) is mostly a sharded model's gathered weights rather than activations."""
+    gathered, acts = peak.find("gathered weights"), peak.find("activations")
+    return gathered >= 0 and (acts < 0 or gathered < acts)
 
 
 def _verify_layout(graph: Graph, plan: ExecutionPlan) -> None:

@@ -156,7 +156,8 @@ class Tuner:
         self.capacity = mem.usable_bytes(cluster.hardware, self.numerics)
         self.capabilities = capabilities
         factory = registry.get("cost_models", cost_model) if registry is not None else CostModel
-        self.specs = {m: (models or {}).get(m, model) for m in graph.models}
+        # each model as it computes: a critic, reward or cost model with its scalar head, not the LM head
+        self.specs = {m: (models or {}).get(m, model).with_head(d.scalar_head) for m, d in graph.models.items()}
         by_shape = {}  # one cost model per distinct shape
         for spec in (model, *self.specs.values()):
             if spec not in by_shape:
@@ -177,6 +178,12 @@ class Tuner:
             m: sum(1 for n in graph.nodes.values() if isinstance(n, Forward) and n.model == m and n.name not in fused)
             for m in graph.models
         }
+        # per model, the others that may still be gathered from a forward while its nodes run (sharded on its
+        # devices, they are held there too: `memory.gathered_while`)
+        self.gathered_while: dict[str, set[str]] = {m: set() for m in graph.models}
+        for n in graph.nodes.values():
+            if isinstance(n, (Forward, Train)) and n.model is not None and n.name not in self.fused:
+                self.gathered_while[n.model].update(mem.gathered_while(graph, n.name, self.fused))
         self._layout_cache: dict[tuple[str, int], list[tuple[ModelLayout, float, int, int]]] = {}
         self._scores: dict[ModelLayout, tuple[ModelLayout, float, int, int]] = {}
 
@@ -294,7 +301,19 @@ class Tuner:
         self, sk: Skeleton, choice: dict[str, tuple[ModelLayout, float, int, int]], group: str
     ) -> tuple[int, dict[str, int]]:
         members = [m for m, g in sk.assignment if g == group]
-        peaks = {f"{m} activations": choice[m][3] for m in members}
+        peaks = {}
+        for m in members:
+            lay = choice[m][0]
+            left = {
+                y: mem.left_gathered_bytes(self.specs[y], self.numerics, choice[y][0])
+                for y in sorted(self.gathered_while[m])
+                if y in members
+            }
+            left = {y: b for y, b in left.items() if b}
+            sharded = mem.sharded(self.numerics, lay, m in self.roles.trainable)
+            name = f"{m} activations" + (" + gathered weights and gradients" if sharded else "")
+            name += f" + {' and '.join(left)} left gathered" if left else ""
+            peaks[name] = choice[m][3] + sum(left.values())
         if sk.generation.group == group:  # the policies generate in turn: each engine is a peak of its own
             for actor in self.roles.policies:
                 # in place: the training engine samples, on one device (sharded, a full replica per rank)
@@ -606,7 +625,7 @@ class Tuner:
 
     def describe_models(self) -> str:
         """``llama-7b (6.7B parameters)``, or per model when the roles differ."""
-        shapes = {spec.name: spec for spec in self.specs.values()}
+        shapes = {spec.name: spec.with_head(False) for spec in self.specs.values()}  # the models given
         if len(shapes) <= 1:
             spec = next(iter(shapes.values()), self.model)
             return f"{spec.name} ({spec.parameters() / 1e9:.1f}B parameters)"

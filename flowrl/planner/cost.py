@@ -273,7 +273,7 @@ class CostModel:
             seconds += self.tp_pass(tokens_mb, p.tp, layers, backward, head=rank == p.pp - 1)
             seconds += layers * self.hw.kernel_overhead * (2 if backward else 1)
             if rank == p.pp - 1:  # the loss: fp32 logits read and log-probs written (and their gradients)
-                seconds += self.stream(tokens_mb * self.model.vocab * FP32 * (5 if backward else 2) / p.tp)
+                seconds += self.stream(tokens_mb * self.model.outputs * FP32 * (5 if backward else 2) / p.tp)
             if sharded and p.dp > 1:  # one FSDP unit per decoder layer and the stage's root
                 units = layers + 1
                 held = pipe.rank_parameters(self.model, p.pp, rank) * BF16 / p.tp

@@ -8,19 +8,26 @@ backend declares.
     states       = P/(tp*pp) * weight_bytes  (+ grad_bytes + optimizer_bytes/dp when trainable)
                    (pp > 1: the largest stage's parameters, not P/pp: `pipeline.rank_parameters`)
     activations  = tokens of one micro-batch * (kept across layers + one layer's working set) + logits
-                   (pp > 1: kept for every micro-batch in flight on a stage: `pipeline.in_flight`)
+                   (pp > 1: kept for every micro-batch in flight on a stage: `pipeline.in_flight`;
+                   a scalar head's model, `ModelSpec.scalar_head`: one value per token, no logits)
+    gathered     = sharded over dp (`sharded`): the weights it gathers while it computes, and in a train
+                   step their unsharded gradients (LoRA: the adapters' alone)
     generation   = weights/tp + KV cache of the sequences one replica decodes at once
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
 
 from flowrl.contract.hardware import HardwareSpec
 from flowrl.contract.layout import GenerationLayout, ModelLayout
 from flowrl.contract.model import ModelSpec
 from flowrl.contract.numerics import Numerics
 from flowrl.planner import pipeline as pipe
+
+if TYPE_CHECKING:
+    from flowrl.graph.ir import Graph
 
 GiB = 1024**3
 REPLICATED_HIDDEN = 5  # of a layer's working set (16 x hidden, below), the hidden-sized tensors tp does not split
@@ -111,7 +118,8 @@ def _per_token(
 ) -> tuple[float, float, float]:
     """Bytes per token of a micro-batch on one rank: (one layer's working set, what the rank's ``layers //
     pp`` decoder layers keep for the backward (their inputs with recomputation, every working set without),
-    the fp32 logits over its vocabulary slice, with their gradient when ``training``)."""
+    the fp32 logits over its vocabulary slice -- one value with a scalar head -- with their gradient when
+    ``training``)."""
     p = layout.parallel
     b = numerics.activation_bytes
     scores = model.heads * seq_len if numerics.eager_attention else 0
@@ -121,7 +129,7 @@ def _per_token(
     whole = REPLICATED_HIDDEN * model.hidden if p.tp > 1 else 0
     working = (whole + ((16 * model.hidden - whole) + 2 * model.intermediate + scores) / p.tp) * b
     kept = (model.hidden * b if numerics.recompute else working) * (model.layers // p.pp)
-    logits = model.vocab * 4 * (2 if training else 1) / p.tp
+    logits = model.outputs * 4 * (2 if training else 1) / (1 if model.scalar_head else p.tp)
     return working, kept, logits
 
 
@@ -132,25 +140,35 @@ def compute_copy_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout
 
 
 def gathered_bytes(
-    model: ModelSpec, numerics: Numerics, layout: ModelLayout, *, training: bool, micro_steps: int = 1
+    model: ModelSpec,
+    numerics: Numerics,
+    layout: ModelLayout,
+    *,
+    training: bool,
+    micro_steps: int = 1,
+    trained: int | None = None,
 ) -> int:
     """What a sharded model (`sharded`) holds unsharded while it computes: its decoder layers' parameters
     -- all of them with `Numerics.gather_whole`, else two (the one computing and the next, prefetched)
-    -- and the root's (embeddings, LM head, final norm), in the precision it computes in; in a train
+    -- and the root's (embeddings, head, final norm), in the precision it computes in; in a train
     step a layer's unsharded gradient, or, gathering whole over ``micro_steps`` > 1 micro-batches of a
-    mini-batch, the whole model's, accumulated until the last reduces it."""
+    mini-batch, the whole model's, accumulated until the last reduces it. ``trained``: the parameters
+    that take gradients (LoRA adapters; None: all): FSDP2 gathers the whole model but holds and
+    accumulates the gradients of those alone (all of them here: a layer's adapters are a few bytes)."""
     p = layout.parallel
     layers = model.layers // p.pp
     layer = model.layer_parameters() / p.tp
     if p.pp == 1:
-        root = (model.vocab * model.hidden * (1 if model.tied_embeddings else 2) + model.hidden) / p.tp
-    else:  # the largest stage's root: the embedding, or the final norm and LM head
+        root = (model.parameters() - model.layers * model.layer_parameters()) / p.tp
+    else:  # the largest stage's root: the embedding, or the final norm and head
         root = (pipe.largest_rank_parameters(model, p.pp) - layers * model.layer_parameters()) / p.tp
     held = ((layers if numerics.gather_whole else 2) * layer + root) * (
         numerics.compute_copy_bytes or numerics.weight_bytes
     )
     if not training:
         return int(held)
+    if trained is not None:  # the adapters' gradients: at most all of them, accumulated or not
+        return int(held + min(trained / (p.tp * p.pp), layers * layer + root) * numerics.grad_bytes)
     accumulated = numerics.gather_whole and micro_steps > 1
     return int(held + (layers * layer + root if accumulated else layer) * numerics.grad_bytes)
 
@@ -164,25 +182,89 @@ def pass_bytes(
     training: bool,
     trainable: bool = False,
     micro_steps: int = 1,
+    trained: int | None = None,
 ) -> int:
     """One micro-batch's peak beyond the model's states: its activations, and its compute copy -- kept
     for the backward unless each layer is recomputed from its input -- or, sharded, what it gathers
-    (``micro_steps``: a train step's micro-batches per mini-batch on one rank)."""
+    (``micro_steps``: a train step's micro-batches per mini-batch on one rank; ``trained``: the parameters
+    that take gradients, LoRA adapters, or None: all). `pass_parts` splits it."""
+    acts, other = pass_parts(
+        model, numerics, layout, seq_len, training=training, trainable=trainable, micro_steps=micro_steps,
+        trained=trained,
+    )  # fmt: skip
+    return acts + other
+
+
+def pass_parts(
+    model: ModelSpec,
+    numerics: Numerics,
+    layout: ModelLayout,
+    seq_len: int,
+    *,
+    training: bool,
+    trainable: bool = False,
+    micro_steps: int = 1,
+    trained: int | None = None,
+) -> tuple[int, int]:
+    """`pass_bytes` as (activations, the rest): the compute copy, or for a sharded model the weights it
+    gathers (and in a train step their unsharded gradients: `gathered_bytes`)."""
     acts = activation_bytes(model, numerics, layout, seq_len, training=training, micro_steps=micro_steps)
     if sharded(numerics, layout, trainable):
-        return acts + gathered_bytes(model, numerics, layout, training=training, micro_steps=micro_steps)
-    return acts + (0 if training and numerics.recompute else compute_copy_bytes(model, numerics, layout))
+        return acts, gathered_bytes(
+            model, numerics, layout, training=training, micro_steps=micro_steps, trained=trained
+        )
+    return acts, (0 if training and numerics.recompute else compute_copy_bytes(model, numerics, layout))
 
 
 def model_pass_bytes(
-    model: ModelSpec, numerics: Numerics, layout: ModelLayout, seq_len: int, trainable: bool, micro_steps: int = 1
+    model: ModelSpec,
+    numerics: Numerics,
+    layout: ModelLayout,
+    seq_len: int,
+    trainable: bool,
+    micro_steps: int = 1,
+    trained: int | None = None,
 ) -> int:
     """The largest `pass_bytes` of a model's passes: a trained model's train step or its forward passes."""
     forward = pass_bytes(model, numerics, layout, seq_len, training=False, trainable=trainable)
     if not trainable:
         return forward
-    train = pass_bytes(model, numerics, layout, seq_len, training=True, trainable=True, micro_steps=micro_steps)
+    train = pass_bytes(
+        model, numerics, layout, seq_len, training=True, trainable=True, micro_steps=micro_steps, trained=trained
+    )
     return max(forward, train)
+
+
+def left_gathered_bytes(model: ModelSpec, numerics: Numerics, layout: ModelLayout) -> int:
+    """What a sharded model gathering whole (`Numerics.gather_whole`: FSDP2's reshard_after_forward=False)
+    still holds after a forward-only pass returns, until its next backward: every parameter, in the
+    precision it computes in. 0 for a model that is not sharded or gathers layer by layer."""
+    if not (numerics.gather_whole and sharded(numerics, layout, True)):
+        return 0
+    return gathered_bytes(model, numerics, layout, training=False)
+
+
+def gathered_while(graph: Graph, node: str, fused: Collection[str] = ()) -> list[str]:
+    """The trained models other than graph node ``node``'s that may still be gathered from a forward-only pass
+    while it runs (`left_gathered_bytes`, where they are sharded on its devices): a model stays gathered from
+    a forward until its next backward, so one with a forward node that may run before ``node`` (``node`` is
+    no ancestor of it) with none of its train nodes surely in between (an ancestor of ``node``: each forward
+    of a trained model precedes its train nodes). A forward its train step computes (``fused``) runs no pass."""
+    import networkx as nx
+
+    dag = graph.dag()
+    before, after = nx.ancestors(dag, node), nx.descendants(dag, node)
+    mine = graph.nodes[node].model
+    out = []
+    for model, decl in graph.models.items():
+        if model == mine or not decl.trainable or any(t in before for t in graph.train_nodes(model)):
+            continue
+        forwards = [
+            n.name for n in graph.nodes.values() if n.kind == "forward" and n.model == model and n.name not in fused
+        ]
+        if any(f != node and f not in after for f in forwards):
+            out.append(model)
+    return out
 
 
 def generation_bytes(

@@ -72,14 +72,14 @@ def rank_layers(model: ModelSpec, pp: int) -> int:
 
 def rank_parameters(model: ModelSpec, pp: int, rank: int) -> int:
     """Parameters rank ``rank`` of ``pp`` holds: its decoder layers, and the embedding on the first, the final
-    norm and LM head on the last (each its own copy when tied: the ends are different ranks)."""
+    norm and head on the last (the LM head its own copy when tied: the ends are different ranks)."""
     if pp == 1:
         return model.parameters()
     held = rank_layers(model, pp) * model.layer_parameters()
     if rank == 0:
         held += model.vocab * model.hidden
     if rank == pp - 1:
-        held += model.vocab * model.hidden + model.hidden
+        held += model.head_parameters() + model.hidden
     return held
 
 
@@ -90,13 +90,13 @@ def largest_rank_parameters(model: ModelSpec, pp: int) -> int:
 
 def rank_flops_per_token(model: ModelSpec, pp: int, rank: int, context: int) -> float:
     """Forward FLOPs per token on rank ``rank``: its layers' (`ModelSpec.flops_per_token`'s terms), and on the
-    last the final norm and LM head; the embedding is a lookup. The ranks' sum is the model's."""
+    last the final norm and head; the embedding is a lookup. The ranks' sum is the model's."""
     if pp == 1:
         return model.flops_per_token(context)
     per_layer = 2 * model.layer_parameters() + 4 * context * model.heads * model.dim_per_head
     flops = rank_layers(model, pp) * per_layer
     if rank == pp - 1:
-        flops += 2 * (model.vocab * model.hidden + model.hidden)
+        flops += 2 * (model.head_parameters() + model.hidden)
     return float(flops)
 
 

@@ -194,14 +194,10 @@ def test_the_tuner_prices_a_train_nodes_own_mini_batches():
     assert estimates["node"][0] == estimates["config"][0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: memory.gathered_bytes prices the whole model's accumulated gradients for a LoRA model "
-    "(pass_bytes has no `trained`), but only the adapters require gradients: FSDP2 accumulates theirs "
-    "alone (measured: 8192 adapter parameters x 4 bytes, not 80448 x 4); more micro-steps should add at "
-    "most the adapters' gradients to the peak",
-)
 def test_lora_prices_the_adapters_accumulated_gradients_only():
+    """Fixed: the whole model's accumulated gradients were priced for a LoRA model, but only the adapters
+    require gradients and FSDP2 accumulates theirs alone (measured: 8192 adapter parameters x 4 bytes, not
+    80448 x 4, tests/backends/parallelize/test_fsdp_sharded.py); more micro-steps add at most those."""
     rank = 4
     peaks = {}
     for size in (8, 2):  # 8 rows a rank: one micro-step; 4
@@ -215,20 +211,32 @@ def test_lora_prices_the_adapters_accumulated_gradients_only():
     assert peaks[4] - peaks[1] <= adapters * plan.target.numerics.grad_bytes
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: passes.memory names a sharded train node's peak 'node train_actor activations' although, "
-    "with gather_whole, most of it is the whole model's gathered weights and accumulated gradients (here "
-    "643584 of 996112 bytes): `flowrl plan` and verify's over-capacity message (which then advises a "
-    "smaller train.micro_batch_size, which adds micro-steps) explain it as activations",
-)
 def test_the_breakdown_says_a_sharded_train_peak_holds_gathered_weights_and_gradients():
+    """Fixed: a sharded train node's peak was named 'node train_actor activations' although, gathered whole,
+    most of it is the model's gathered weights and accumulated gradients (643584 of 996112 bytes)."""
     plan = _plan(*SIXTEEN, "train.mini_batches=1", "train.micro_batch_size=2")
     (estimate,) = plan.memory
     (key,) = [k for k in estimate.breakdown if k.startswith("peak: node train_actor")]
     acts, gathered = _acts_and_gathered(plan, _engine_steps(plan))
     assert gathered > acts  # the weights and gradients are most of it
-    assert "gather" in key or "grad" in key or "weights" in key
+    assert key == "peak: node train_actor gathered weights and gradients + activations"  # the larger part first
+
+
+def test_an_over_capacity_sharded_peak_is_not_advised_a_smaller_micro_batch():
+    """A smaller micro-batch adds micro-steps and shrinks none of the gathered weights: verify says so."""
+    from flowrl.contract import verify_plan
+    from flowrl.errors import PlanError
+
+    graph, _ = api.load("grpo", overrides=BASE)
+    for extra, gathered_first in ((["train.micro_batch_size=2"], True), (["train.micro_batch_size=8"], False)):
+        plan = _plan(*SIXTEEN, "train.mini_batches=1", *extra)
+        (estimate,) = plan.memory
+        small = msgspec.structs.replace(estimate, capacity_bytes=estimate.required_bytes - 1)
+        with pytest.raises(PlanError) as err:
+            verify_plan(graph, msgspec.structs.replace(plan, memory=(small,)))
+        text = str(err.value)
+        assert ("gathered whole" in text) == gathered_first
+        assert ("a smaller train.micro_batch_size, or" in text) != gathered_first
 
 
 #: a plan file as flowrl wrote it the commit before gather_whole (cc6ad49): `flowrl plan grpo --set

@@ -487,13 +487,10 @@ def test_a_configured_micro_batch_is_the_one_the_prediction_costs(tmp_path, caps
     assert p.layout.layout("actor").micro_batch == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a critic or reward model (a scalar value head: ValueModel in flowrl/backends/local/models.py) is "
-    "held and costed with full-vocabulary logits: a qwen2.5-0.5b critic's activations equal an actor's, ~93% of "
-    "them fp32 logits over 151936 tokens (memory.activation_bytes, ModelSpec.flops_per_token)",
-)
 def test_a_scalar_head_model_is_not_costed_with_vocabulary_logits():
+    """Fixed: a critic or reward model (a scalar value head: ValueModel in flowrl/backends/local/models.py) was
+    held and costed with full-vocabulary logits, its activations an actor's (~93% of them fp32 logits over
+    151936 tokens); it is costed as it computes (`ModelSpec.scalar_head`)."""
     graph, _ = api.load(PPO_RM)
     small = MODEL_PRESETS["qwen2.5-0.5b"]
     tuner = Tuner(graph, small, parse_cluster("8xH100-80G"), WorkloadSpec(), models={m: small for m in graph.models})

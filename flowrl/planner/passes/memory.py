@@ -15,10 +15,13 @@ from flowrl.planner.passes.residency import (
     budgeted_rows,
     generates_in_place,
     group_states,
+    left_gathered,
+    model_spec,
     placed_layout,
     resident_replica,
     sequence_length,
     trainable_models,
+    trained_parameters,
 )
 from flowrl.planner.passes.rows import node_mini_batches
 
@@ -63,14 +66,18 @@ def memory(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
                 training = n.kind == "train"
                 budget = plan.models[model].max_tokens_per_micro_batch
                 size = budgeted_rows(n.micro_batch_size, seq_len, budget)
-                name = f"node {n.node} activations" + (" (+ its compute copy)" if t.numerics.compute_copy_bytes else "")
                 steps = mem.micro_steps(
                     n.rows, lay, size, node_mini_batches(plan, node) if training else 1, budget is None
                 )
-                peaks[name] = mem.pass_bytes(
-                    t.spec(lay.model), t.numerics, msgspec.structs.replace(lay, micro_batch=size), seq_len,
-                    training=training, trainable=model in trainable_models(ctx.graph), micro_steps=steps,
+                sized = msgspec.structs.replace(lay, micro_batch=size)
+                trainable = model in trainable_models(ctx.graph)
+                acts, other = mem.pass_parts(
+                    model_spec(ctx.graph, plan, model), t.numerics, sized, seq_len, training=training,
+                    trainable=trainable, micro_steps=steps, trained=trained_parameters(ctx.graph, plan, model),
                 )  # fmt: skip
+                held = left_gathered(ctx.graph, plan, layout, n.node)
+                name = _pass_name(n.node, acts, other, mem.sharded(t.numerics, sized, trainable), training, t.numerics)
+                peaks[name + _held_name(held)] = acts + other + sum(held.values())
         need, breakdown = mem.group_need(states, peaks)
         estimates.append(
             MemoryEstimate(
@@ -81,3 +88,20 @@ def memory(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
             )
         )
     return msgspec.structs.replace(plan, memory=tuple(estimates))
+
+
+def _pass_name(node: str, acts: int, other: int, sharded: bool, training: bool, numerics: mem.Numerics) -> str:
+    """What a forward or train node's peak holds, the larger part first: its activations, and its compute copy
+    or -- sharded over its data-parallel ranks -- the weights it gathers (and, training, their gradients)."""
+    if sharded:
+        gathered = "gathered weights" + (" and gradients" if training else "")
+        parts = ["activations", gathered] if acts >= other else [gathered, "activations"]
+        return f"node {node} {' + '.join(parts)}"
+    return f"node {node} activations" + (" (+ its compute copy)" if numerics.compute_copy_bytes else "")
+
+
+def _held_name(held: dict[str, int]) -> str:
+    """The models a node's peak also holds gathered, left so by their forward passes (`left_gathered`)."""
+    if not held:
+        return ""
+    return f" + {' and '.join(sorted(held))} left gathered by {'their' if len(held) > 1 else 'its'} forward"

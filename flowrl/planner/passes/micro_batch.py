@@ -60,7 +60,7 @@ def fit_micro_batches(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan) ->
     for lay in layout.models:
         room = rooms[lay.group]
         size = lay.micro_batch
-        while size > 1 and pass_bytes(plan, lay, size, seq_len, lay.model in trainable) > room:
+        while size > 1 and pass_bytes(graph, plan, lay, size, seq_len, lay.model in trainable) > room:
             size = (size + 1) // 2
         models.append(msgspec.structs.replace(lay, micro_batch=size))
     return msgspec.structs.replace(layout, models=tuple(models))

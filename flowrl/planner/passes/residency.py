@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from flowrl.contract.layout import ClusterPlan, ModelLayout
+from flowrl.contract.model import ModelSpec
 from flowrl.contract.plan import ExecutionPlan
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Graph
@@ -33,14 +34,22 @@ def trainable_models(graph: Graph) -> set[str]:
     return {m for m, d in graph.models.items() if d.trainable}
 
 
+def model_spec(graph: Graph, plan: ExecutionPlan, model: str) -> ModelSpec:
+    """The shape graph model ``model`` computes with: the target's, with a scalar head in place of the LM head
+    for a critic, reward or cost model (`ModelSpec.scalar_head`)."""
+    decl = graph.models.get(model)
+    return plan.target.spec(model).with_head(decl is not None and decl.scalar_head)
+
+
+def trained_parameters(graph: Graph, plan: ExecutionPlan, model: str) -> int | None:
+    """The parameters of ``model`` that take gradients: its LoRA adapters, or None (all of them)."""
+    lora = plan.models[model].lora if model in plan.models else None
+    return None if lora is None else model_spec(graph, plan, model).lora_parameters(lora.rank, lora.target_modules)
+
+
 def group_states(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan, group: str) -> dict[str, int]:
     """The resident model states on one device of ``group``, by model."""
     t, trainable = plan.target, trainable_models(graph)
-
-    def trained(model: str) -> int | None:  # LoRA: the adapters' parameters train, the rest is held
-        lora = plan.models[model].lora if model in plan.models else None
-        return None if lora is None else t.spec(model).lora_parameters(lora.rank, lora.target_modules)
-
     out = {}
     for m in layout.models:
         if m.group != group:
@@ -51,7 +60,11 @@ def group_states(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan, group: 
             continue
         kind = "weights+grads+optimizer" if m.model in trainable else "weights"
         out[f"model {m.model} ({kind})"] = mem.state_bytes(
-            t.spec(m.model), t.numerics, m, m.model in trainable, trained(m.model)
+            model_spec(graph, plan, m.model),
+            t.numerics,
+            m,
+            m.model in trainable,
+            trained_parameters(graph, plan, m.model),
         )
     return out
 
@@ -102,9 +115,26 @@ def lora_base(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan, model: str
     return decl.init_from if alone and mine.group == theirs.group else None
 
 
-def pass_bytes(plan: ExecutionPlan, lay: ModelLayout, size: int, seq_len: int, trainable: bool) -> int:
+def pass_bytes(graph: Graph, plan: ExecutionPlan, lay: ModelLayout, size: int, seq_len: int, trainable: bool) -> int:
     """`memory.model_pass_bytes` of ``lay`` with micro-batches of ``size`` rows."""
-    t = plan.target
     return mem.model_pass_bytes(
-        t.spec(lay.model), t.numerics, msgspec.structs.replace(lay, micro_batch=size), seq_len, trainable
+        model_spec(graph, plan, lay.model),
+        plan.target.numerics,
+        msgspec.structs.replace(lay, micro_batch=size),
+        seq_len,
+        trainable,
+        trained=trained_parameters(graph, plan, lay.model),
     )
+
+
+def left_gathered(graph: Graph, plan: ExecutionPlan, layout: ClusterPlan, node: str) -> dict[str, int]:
+    """The models of forward or train node ``node``'s device group that may still be gathered whole from a
+    forward-only pass while it runs (`memory.gathered_while`), with their bytes (`memory.left_gathered_bytes`)."""
+    group = layout.layout(graph.nodes[node].model or "").group
+    out = {}
+    for model in mem.gathered_while(graph, node, plan.fused):
+        lay = layout.layout(model)
+        held = mem.left_gathered_bytes(model_spec(graph, plan, model), plan.target.numerics, lay)
+        if lay.group == group and held:
+            out[model] = held
+    return out

@@ -10,9 +10,9 @@ prefix cache is reset): no reload from disk.
 Every row is its own request with its own seed drawn from the step's generator, so sampling is
 reproducible. Log-probs are the trainer's: log_softmax(logits / T) before top-p (vLLM's raw
 log-probs at T = 1, its processed ones otherwise; top_p < 1 at T != 1 and T < 0.01 are refused,
-as vLLM cannot report those). Known gap: greedy rows at T != 1 get log_softmax(logits), since
-vLLM does not scale greedy logits (plugins/flowrl-vllm/tests/test_vllm_cli.py, xfail). A resumed row is
-sent as its prompt plus the tokens it has, and continues from there.
+as vLLM cannot report those). vLLM does not scale a greedy row's logits by a temperature, so at T != 1
+a logits processor (`flowrl_vllm.tempered`) divides them by T: the same greedy tokens, with the
+trainer's log-probs. A resumed row is sent as its prompt plus the tokens it has, and continues from there.
 
 vLLM only samples: where a response ends (EOS, stop strings, budget, the model's length), whether it
 is finished, and its text come from `flowrl.contract.responses`, the rules every engine shares (vLLM is
@@ -154,6 +154,7 @@ class VLLMEngine:
             )
         # The trainer's log-probs are log_softmax(logits / T) before top-p: vLLM's raw log-probs when T = 1
         # (exact for greedy and top-p rows too), its processed ones (after T; top_p is 1 then) otherwise.
+        # Greedy rows: vLLM takes their logits unscaled, so at T != 1 `tempered` divides them by T first.
         logprobs_mode = "raw_logprobs" if roll.temperature == 1.0 else "processed_logprobs"
         self.max_len = int(getattr(hf, "max_position_embeddings", 2048))  # prompt + response, in tokens
         # The first engine of a process runs in it. After an in-process engine (vLLM's parallel state is
@@ -166,6 +167,8 @@ class VLLMEngine:
         try:
             from vllm import LLM
             from vllm import envs as vllm_envs
+
+            from flowrl_vllm.tempered import FQCN
         except ImportError as exc:
             raise PluginError(
                 f"generation engine 'vllm' needs vLLM ({exc}). On CPU: pip install -e './plugins/flowrl-vllm[cpu]' "
@@ -189,6 +192,7 @@ class VLLMEngine:
                     skip_tokenizer_init=True,  # flowrl tokenizes and decodes: vLLM sees token ids only
                     max_model_len=self.max_len,
                     logprobs_mode=logprobs_mode,
+                    logits_processors=[FQCN] if logprobs_mode == "processed_logprobs" else None,
                     enable_prefix_caching=False,
                     worker_extension_cls="flowrl_vllm.worker.FlowRLWorker",
                 )
@@ -307,7 +311,12 @@ class VLLMEngine:
         log-probs. A row without budget gets none (and no request)."""
         from vllm import SamplingParams
 
+        from flowrl_vllm.tempered import GREEDY_TEMPERATURE
+
         roll = self.rollout
+        t = temperature or roll.temperature
+        # a greedy row's log-probs at T: its logits divided by T inside vLLM (processed log-probs, T != 1 only)
+        tempered = {GREEDY_TEMPERATURE: t} if greedy and roll.temperature != 1.0 else None
         seeds = torch.randint(0, 2**31 - 1, (len(requests),), generator=generator).tolist()
         total = len(requests)
         live = [i for i, b in enumerate(budgets) if b > 0]
@@ -316,7 +325,7 @@ class VLLMEngine:
         params = [
             SamplingParams(
                 n=1,
-                temperature=0.0 if greedy else temperature or roll.temperature,
+                temperature=0.0 if greedy else t,
                 top_p=1.0 if greedy else roll.top_p,
                 max_tokens=budgets[i],
                 logprobs=0,
@@ -324,6 +333,7 @@ class VLLMEngine:
                 stop_token_ids=None if roll.ignore_eos else [self.rules.eos_id],
                 ignore_eos=True,
                 detokenize=False,
+                extra_args=tempered,
             )
             for i in live
         ]

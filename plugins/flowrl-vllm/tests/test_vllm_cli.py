@@ -6,8 +6,8 @@ pins them anyway.)
 
 Bugs found: the sampler's log-probs disagreed with the trainer's for top_p < 1 (fixed: raw log-probs
 at temperature 1; refused at other temperatures), for temperature < 0.01 (fixed: refused, vLLM
-clamps it), and for greedy rows at temperature != 1 (still xfail: vLLM does not scale greedy logits
-by the temperature); a partial rollout reaching max_position_embeddings crashed (fixed).
+clamps it), and for greedy rows at temperature != 1 (fixed: vLLM does not scale greedy logits by the
+temperature, so a logits processor does); a partial rollout reaching max_position_embeddings crashed (fixed).
 
 Whole runs go through the CLI in subprocesses (one in-process vLLM engine per process); the log-prob
 probes at temperature 0.5 sample and decode greedily with one engine, in one subprocess; one run on a
@@ -184,12 +184,9 @@ def test_sampled_logprobs_at_temperature_half_match_the_trainer():
     assert _probe_gaps(0.5)["sampled"] < 1e-4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: greedy rows (temperature=0 in vLLM) get log_softmax(logits), not log_softmax(logits / T) as the "
-    "trainer and the local engine compute: gap ~0.42 at rollout.temperature=0.5",
-)
 def test_greedy_logprobs_at_temperature_half_match_the_trainer():
+    """Fixed: vLLM decodes greedy rows from unscaled logits (their log-probs were log_softmax(logits), a gap of
+    ~0.42 at T=0.5); `flowrl_vllm.tempered` divides them by T first, keeping the greedy tokens."""
     assert _probe_gaps(0.5)["greedy"] < 1e-4
 
 

@@ -243,15 +243,12 @@ def test_a_lora_model_accumulates_only_its_adapters_gradients(probe):
     assert second["grad_numel"] == rep["trained"] and second["grads"] == rep["trained"] * 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: parallelize.fsdp's reshard_after_forward=False leaves a sharded model gathered whole after a "
-    "forward-only pass returns (until its next backward or state dict), but the planner's memory pass "
-    "prices gathered parameters only inside each node's own peak: in a two-rank Ray PPO plan the critic, "
-    "gathered by the 'values' forward, is still whole while train_actor runs (or the actor, gathered by "
-    "'old_logprobs', while train_critic runs), and neither peak counts it",
-)
 def test_what_a_forward_leaves_gathered_is_priced_while_the_next_train_step_runs(probe, monkeypatch):
+    """Fixed: reshard_after_forward=False leaves a sharded model gathered whole after a forward-only pass returns
+    (until its next backward); the memory pass priced gathered parameters only inside each node's own peak. In a
+    two-rank Ray PPO plan the critic, gathered by the 'values' forward, is still whole while train_actor runs
+    (or the actor, gathered by 'old_logprobs', while train_critic runs): the peak counts what the probe measured."""
+    from flowrl.planner.constraints import parse_requirements
     from flowrl.plugins.manager import registry
 
     monkeypatch.setenv("FLOWRL_PLUGINS", "ray")
@@ -259,14 +256,19 @@ def test_what_a_forward_leaves_gathered_is_priced_while_the_next_train_step_runs
     overrides = [*SMALL, "backend=ray", "device=cpu"]
     _, cfg = api.load("ppo", overrides=overrides)
     target = api.local_target(cfg, registry(), devices=2)
+    # both FSDP2-sharded over the two ranks, as the probe ran them (the planner could split them into
+    # pipeline stages instead, which leaves nothing gathered)
+    require = parse_requirements(["actor.dp=2", "critic.dp=2"], ["actor", "critic", "ref"])
     plan = api.plan(
         "ppo",
         overrides=overrides,
         target=target,
         for_backend=True,
-        options={"placement": "colocate"},
+        options={"placement": "colocate", "require": require},
         emit=lambda s: None,
     )[1]
+    assert [plan.layout.layout(m).parallel.dp for m in ("actor", "critic")] == [2, 2]
+    assert plan.target.numerics.gather_whole
     assert plan.fused == {}  # both forwards run as nodes of their own before the train steps
     (estimate,) = plan.memory
     states = sum(v for k, v in estimate.breakdown.items() if not k.startswith("peak: "))

@@ -37,12 +37,21 @@ def trainable(graph: Graph) -> set[str]:
 
 
 def states_of(graph: Graph, p: ExecutionPlan, group: str = "all") -> int:
+    """The resident states of ``group``: each model the base shape, with a scalar head where its role has one."""
     t = p.target
     models = [m for m in p.layout.models if m.group == group]
-    return sum(mem.state_bytes(t.model, t.numerics, m, m.model in trainable(graph)) for m in models)
+    return sum(
+        mem.state_bytes(
+            t.model.with_head(graph.models[m.model].scalar_head), t.numerics, m, m.model in trainable(graph)
+        )
+        for m in models
+    )
 
 
-def activations(p: ExecutionPlan, model: str, rows: int, *, training: bool) -> int:
+def activations(p: ExecutionPlan, model: str, rows: int, *, training: bool, graph: Graph | None = None) -> int:
+    """``model``'s activations for micro-batches of ``rows`` rows (with ``graph``: a scalar head where its role
+    has one)."""
     t = p.target
     lay = msgspec.structs.replace(p.layout.layout(model), micro_batch=rows)
-    return mem.activation_bytes(t.model, t.numerics, lay, p.workload.max_sequence(), training=training)
+    spec = t.model.with_head(graph is not None and graph.models[model].scalar_head)
+    return mem.activation_bytes(spec, t.numerics, lay, p.workload.max_sequence(), training=training)

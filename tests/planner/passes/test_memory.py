@@ -33,7 +33,7 @@ def test_memory_breakdown_adds_up_and_its_peak_is_the_largest_transient(registry
             transients[n.node] = mem.generation_bytes(t.model, t.numerics, p.layout.generation, n.rows, seq)
         elif n.kind in ("forward", "train"):
             model = graph.nodes[n.node].model
-            transients[n.node] = activations(p, model, n.micro_batch_size, training=n.kind == "train")
+            transients[n.node] = activations(p, model, n.micro_batch_size, training=n.kind == "train", graph=graph)
     peaks = [k for k in est.breakdown if k.startswith("peak: node ")]
     assert len(peaks) == 1
     assert est.breakdown[peaks[0]] == max(transients.values())

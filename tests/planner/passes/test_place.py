@@ -67,15 +67,20 @@ def test_place_sizes_model_states(registry: Registry) -> None:
         num_key_value_heads=tiny.num_kv_heads,
         tie_word_embeddings=False,
     )
+    from flowrl.backends.local.models import ValueModel
+
     with torch.device("meta"):
         built = sum(t.numel() for t in AutoModelForCausalLM.from_config(hf).parameters())
+        # a critic: the decoder with a scalar head in place of the LM head
+        valued = sum(t.numel() for t in ValueModel(AutoModelForCausalLM.from_config(hf)).parameters())
     params = p.target.model.parameters()
     assert params == built  # the planner's count is the model the local engines build
+    assert p.target.model.with_head(True).parameters() == valued < built
     assert trainable(graph) == {"actor", "critic"}
     breakdown = p.memory[0].breakdown
     # fp32 weights (4) + grads (4) + two AdamW moments (8) per trainable parameter, weights alone otherwise
     assert breakdown["model actor (weights+grads+optimizer)"] == params * 16
-    assert breakdown["model critic (weights+grads+optimizer)"] == params * 16
+    assert breakdown["model critic (weights+grads+optimizer)"] == valued * 16
     assert breakdown["model ref (weights)"] == params * 4
     assert p.target.cluster.hardware.memory_bytes == 2 * mem.GiB
     assert p.config.threads == 3
