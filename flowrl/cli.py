@@ -529,47 +529,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from flowrl import api
     from flowrl.contract.capabilities import unsupported
     from flowrl.contract.plan import dump_plan, encode_plan
-    from flowrl.planner.hardware import cpu_devices
-    from flowrl.planner.passes import PassResults
     from flowrl.plugins.manager import registry
 
-    target, results = None, PassResults()
-    kwargs = _load_kwargs(args)
-    if args.cluster:
-        target = _cluster_target(args, kwargs)
-    if args.address:
-        target = _joined_target(args, kwargs, target)
-    if not args.cluster and args.workload:
-        raise ConfigError(
-            "--workload plans for a cluster; add --cluster (e.g. --cluster 16xA100-80G --model llama-7b)."
-        )
-    if not 0 < args.budget < float("inf"):
-        raise ConfigError(f"--budget is {args.budget}; give the search time in seconds (> 0), e.g. --budget 8.")
-    options = {
-        "budget_s": args.budget,
-        "seed": args.seed or 0,
-        "cost_model": args.cost_model,
-        **_pins(args),
-        **_requirements(args),
-    }
-    passes = None
-    if args.extra_passes:
-        from flowrl.planner.passes import PIPELINE
-
-        passes = (*PIPELINE, *args.extra_passes)
-    graph, plan = api.plan(
-        _need_graph(args),
-        print_after=args.print_after,
-        emit=print,
-        target=target,
-        options=options,
-        results=results,
-        passes=passes,
-        for_backend=_executor_flag(args) is not None
-        or (args.cluster is not None and cpu_devices(args.cluster) is not None)
-        or bool(args.address),
-        **kwargs,
-    )
+    if args.what_if:
+        return _what_if(args)
+    graph, plan, results, options = _planned(args)
     placed = results.place
     tune = placed.tune if placed is not None else None
     if args.explain and placed is not None and tune is not None:
@@ -605,6 +569,118 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"flowrl: plan {plan.id} written to {path}{hint}")
     elif not args.explain:
         print(encode_plan(plan, args.format), end="")
+    return 0
+
+
+def _planned(
+    args: argparse.Namespace, overrides: Sequence[str] = (), edit: Any = None, print_after: Sequence[str] | None = None
+) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """The plan `flowrl plan` makes of ``args``: (graph, plan, the passes' results, the planner options).
+    ``overrides``: --set items after the command line's; ``edit(target, load_kwargs, for_backend)``: the
+    target planned for instead (a what-if)."""
+    from flowrl import api
+    from flowrl.planner.hardware import cpu_devices
+    from flowrl.planner.passes import PassResults
+
+    target, results = None, PassResults()
+    kwargs = _load_kwargs(args)
+    kwargs["overrides"] = [*kwargs["overrides"], *overrides]
+    if args.cluster:
+        target = _cluster_target(args, kwargs)
+    if args.address:
+        target = _joined_target(args, kwargs, target)
+    if not args.cluster and args.workload:
+        raise ConfigError(
+            "--workload plans for a cluster; add --cluster (e.g. --cluster 16xA100-80G --model llama-7b)."
+        )
+    if not 0 < args.budget < float("inf"):
+        raise ConfigError(f"--budget is {args.budget}; give the search time in seconds (> 0), e.g. --budget 8.")
+    options = {
+        "budget_s": args.budget,
+        "seed": args.seed or 0,
+        "cost_model": args.cost_model,
+        **_pins(args),
+        **_requirements(args),
+    }
+    passes = None
+    if args.extra_passes:
+        from flowrl.planner.passes import PIPELINE
+
+        passes = (*PIPELINE, *args.extra_passes)
+    for_backend = (
+        _executor_flag(args) is not None
+        or (args.cluster is not None and cpu_devices(args.cluster) is not None)
+        or bool(args.address)
+    )
+    if edit is not None:
+        target = edit(target, kwargs, for_backend)
+    graph, plan = api.plan(
+        _need_graph(args),
+        print_after=args.print_after if print_after is None else print_after,
+        emit=print,
+        target=target,
+        options=options,
+        results=results,
+        passes=passes,
+        for_backend=for_backend,
+        **kwargs,
+    )
+    return graph, plan, results, options
+
+
+def _what_if(args: argparse.Namespace) -> int:
+    """``flowrl plan --what-if KEY=VALUE ...``: the plan as given and the plan with the changes, side by side."""
+    import msgspec
+
+    from flowrl import api
+    from flowrl.errors import PlanError
+    from flowrl.planner import whatif
+    from flowrl.planner.hardware import cpu_devices
+    from flowrl.plugins.manager import registry
+
+    given = [f for f, v in (("--out", args.out), ("--timeline", args.timeline), ("--explain", args.explain)) if v]
+    given += ["--print-after"] if args.print_after else []
+    if given:
+        raise ConfigError(
+            f"--what-if prints the current plan beside the changed one; drop {' / '.join(given)} (plan the changed "
+            "target on its own, with --set or another --cluster / --workload, to write or explain it)."
+        )
+    what = whatif.parse_what_if(args.what_if)
+    _, current, _, _ = _planned(args)
+    what, staleness = whatif.staleness_note(what, current.config.rollout.mode)
+    notes = [staleness] if staleness else []
+    workload_given = bool(args.cluster) and cpu_devices(args.cluster) is None  # --workload's, or the default
+
+    def edit(target: Any, kwargs: dict[str, Any], for_backend: bool) -> Any:
+        if not what.edits_target:
+            return target
+        if target is None:  # this machine, as `api.plan` plans for it
+            _, cfg = api.load(_need_graph(args), **kwargs)
+            target = api.local_target(cfg, registry())
+            if what.on("cluster") and not for_backend:  # more devices than the local executor runs
+                target = msgspec.structs.replace(target, capabilities=None)
+                notes.append(
+                    f"note: executor '{cfg.executor}' runs this machine as one device; the what-if is a forecast "
+                    "for any executor (`--cluster cpu:N` plans this machine as N devices on Ray)"
+                )
+        workload = None
+        if what.on("workload") and target.workload is None:  # the run config's, as `resolve` derives it
+            _, resolved = api.plan(
+                _need_graph(args), target=target, passes=("resolve",), for_backend=for_backend, emit=print, **kwargs
+            )
+            workload = resolved.target.workload
+        return whatif.edited_target(target, what, workload)
+
+    notes += whatif.workload_notes(what, workload_given)
+    try:
+        _, new, _, _ = _planned(args, overrides=what.overrides, edit=edit, print_after=())
+    except (ConfigError, PlanError) as exc:
+        if str(exc).startswith("--what-if"):
+            raise
+        raise type(exc)(f"--what-if {what.describe()}: {exc}") from None
+    for line in notes:
+        print(line)
+    print(whatif.compare(current, new, what))
     return 0
 
 
@@ -889,6 +965,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--address",
         metavar="ADDR",
         help="plan for the nodes of this running Ray cluster ('auto' or host:port); with --cluster, check it has them",
+    )
+    p.add_argument(
+        "--what-if",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        dest="what_if",
+        help="plan again with this change and print both plans side by side (repeatable): cluster.devices=16, "
+        "hardware.inter_node_bandwidth=2x, workload.response_tail=2x, rollout.mode=async, or any --set key",
     )
     p.add_argument("--budget", type=float, default=8.0, help="search time budget in seconds (default 8)")
     p.add_argument("--cost-model", default="analytic", help="a registered cost model")
