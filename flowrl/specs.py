@@ -740,7 +740,14 @@ RUN_SETTINGS = (
 
 #: Config sections and fields (dotted) added after plans were first written: a plan's id leaves
 #: them out while they hold their defaults, so a plan file an earlier flowrl wrote keeps its id.
-LATER_SECTIONS = ("data", "rollout.stop", "reward")
+LATER_SECTIONS = (
+    "data",
+    "rollout.stop",
+    "reward",
+    *(f"algo.{name}" for name in ("mismatch", "mismatch_cap", "mismatch_low", "mismatch_high")),
+    "algo.mismatch_seq_low",
+    "algo.mismatch_seq_high",
+)
 
 
 def current_names(layer: dict[str, Any]) -> dict[str, Any]:

@@ -152,6 +152,12 @@ class ExecutionPlan(Spec, kw_only=True):
                 here, there = here.get(part, {}), there[part]
             if leaf in here and here[leaf] == there[leaf]:
                 here.pop(leaf)
+        for options in (body.get("options") or {}).values():  # and each node's algo (its options' copy)
+            algo = options.get("algo") or {}
+            for name in LATER_SECTIONS:
+                section, _, leaf = name.partition(".")
+                if section == "algo" and leaf in algo and algo[leaf] == default["algo"][leaf]:
+                    algo.pop(leaf)
         return hashlib.sha256(msgspec.json.encode(body, order="sorted")).hexdigest()[:16]
 
     def with_run_settings(self, settings: dict[str, Any]) -> ExecutionPlan:

@@ -43,7 +43,9 @@ def test_the_tables_the_manager_uses_derive_from_kinds() -> None:
         "executors": {"machine": ("machine(cfg)", False), "nodes": ("nodes(address)", False)},
         "cli_commands": {"run": ("run(args)", True)},
     }
-    assert NODE_FUNCTION_KINDS == ("compute_functions", "losses", "reward_functions", "filters", "environments")
+    assert NODE_FUNCTION_KINDS == (
+        "compute_functions", "losses", "reward_functions", "filters", "environments", "agents",
+    )  # fmt: skip
     assert load_plugins(entry_points=False)[1].kinds() == names
 
 

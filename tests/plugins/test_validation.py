@@ -105,6 +105,10 @@ class Good:
         register("good", lambda task, **options: None)
 
     @hookimpl
+    def register_agents(self, register: Any) -> None:
+        register("good", lambda task, **options: None)
+
+    @hookimpl
     def register_tasks(self, register: Any) -> None:
         register("good", GoodTask)
 
