@@ -15,6 +15,7 @@ import heapq
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from flowrl.contract.layout import ClusterPlan
@@ -236,6 +237,39 @@ def padded_length(lengths: np.ndarray, prompt: int, rows: int) -> float:
     return prompt + padded / ordered.size
 
 
+@dataclass(frozen=True)
+class MicroBatching:
+    """How forward and train passes cut their rows into micro-batches (``train.max_tokens_per_micro_batch``,
+    ``train.pack``): ``max_tokens`` None cuts micro-batches of the layout's rows, each padded to its longest;
+    a token budget fills a micro-batch with rows of similar length until it holds ``max_tokens`` tokens (at
+    most the layout's rows; a longer row alone); ``pack`` computes each micro-batch's real tokens, unpadded."""
+
+    max_tokens: int | None = None
+    pack: bool = False
+
+    def cut(
+        self, lengths: np.ndarray, prompt: int, micro_batch: int, dp: int, rows: int | None = None
+    ) -> tuple[int, int]:
+        """(rows per micro-batch, tokens per row a pass computes) for a step's response ``lengths``, cut over
+        ``dp`` ranks (``rows``: the rows the layout was sized for, when a partial step's batch differs)."""
+        rows = rows or max(lengths.size, 1)
+        real = prompt + (float(np.mean(lengths)) if lengths.size else 0.0)
+        seq = real if self.pack else padded_length(lengths, prompt, max(1, micro_batch * dp * lengths.size // rows))
+        if self.max_tokens is None:
+            return micro_batch, int(round(seq))
+        size = max(1, min(micro_batch, int(self.max_tokens // max(seq, 1.0))))
+        if not self.pack:  # padded within the smaller micro-batches the budget allows
+            seq = padded_length(lengths, prompt, max(1, size * dp * lengths.size // rows))
+        return size, int(round(seq))
+
+    def memory_rows(self, micro_batch: int, longest: int) -> int:
+        """The rows of the largest micro-batch a pass may hold at once: the layout's, or as many of the
+        longest sequences as the budget holds (one at least)."""
+        if self.max_tokens is None:
+            return micro_batch
+        return max(1, min(micro_batch, self.max_tokens // max(longest, 1)))
+
+
 # ------------------------------------------------------------------ the schedule
 
 
@@ -304,6 +338,7 @@ def simulate(
     train_steps: Mapping[str, tuple[int, int]] | None = None,
     fused: Collection[str] = (),
     in_place: Collection[str] = (),
+    batching: MicroBatching = MicroBatching(),
 ) -> SimResult:
     """Simulate ``iterations`` steps of ``plan``. ``cost``: one cost model for every graph model, or
     one per model (per-role models). ``node_rows``: the sequences each node sees per step (default:
@@ -311,7 +346,7 @@ def simulate(
     a train node's own (epochs, mini-batches), where its options set them (default: the workload's);
     ``fused``: forward nodes their train node computes (``ExecutionPlan.fused``), taking no time;
     ``in_place``: policies that sample with their training engine's weights as they are (`samples_in_place`):
-    no sync to run."""
+    no sync to run. ``batching``: how forward and train passes cut micro-batches (token budget, packing)."""
     rng = np.random.default_rng(seed)
     order = graph.order()
     costs = dict(cost) if isinstance(cost, Mapping) else {m: cost for m in graph.models}
@@ -424,17 +459,21 @@ def simulate(
             n_rows = node_rows.get(name, sequences) if node_rows else sequences
             if node.trains or isinstance(node, Forward):
                 lay = plan.layout(node.model)
-                rows = max(1, lay.micro_batch * lay.parallel.dp * lengths[it].size // max(sequences, 1))
-                padded = int(round(padded_length(lengths[it], workload.prompt_length, rows)))
+                # (a partial step's batch may differ from the workload's sequences the layout was sized for)
+                rows, padded = batching.cut(
+                    lengths[it], workload.prompt_length, lay.micro_batch, lay.parallel.dp, sequences
+                )
+                if rows != lay.micro_batch:  # a token budget's micro-batches
+                    lay = msgspec.structs.replace(lay, micro_batch=rows)
             sharded = node.model in roles.trainable if node.model is not None else False
             if node.name in fused:  # its train node's forward computes it
                 seconds = 0.0
             elif isinstance(node, Forward):
                 c = costs[node.model]
-                seconds = c.forward(plan.layout(node.model), n_rows, padded, backward=False, sharded=sharded)
+                seconds = c.forward(lay, n_rows, padded, backward=False, sharded=sharded)
                 flops_total += n_rows * seq_len * c.model.flops_per_token(seq_len // 2)
             elif node.trains:
-                c, layout = costs[node.model], plan.layout(node.model)
+                c, layout = costs[node.model], lay
                 epochs, minis = (train_steps or {}).get(name, (workload.ppo_epochs, workload.mini_batches))
                 seconds = epochs * c.forward(
                     layout, n_rows, padded, backward=True, sharded=sharded, mini_batches=minis
