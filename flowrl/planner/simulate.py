@@ -155,7 +155,9 @@ class Generator:
 
         Partial rollouts launch (1 + overprovision) x the groups, decode until the batch has its
         groups (a group is done when its longest response is), and carry the other groups over:
-        their remaining tokens, and the tokens they have, which training later pays for."""
+        their remaining tokens, and the tokens they have, which training later pays for. The batch
+        fills from every replica's finished groups (one buffer): decoding stops at the order statistic
+        of the groups' lengths over all replicas, not at each replica's own."""
         gen, pol = self.layout, self.plan.rollout
         group = max(group, 1)
         per_replica = int(np.ceil(sequences / gen.replicas / group))  # groups
@@ -164,15 +166,21 @@ class Generator:
         slowest, tokens, batch = 0.0, 0.0, []
         empty = [np.zeros(0, dtype=np.int64) for _ in range(self.simulated)]
         carry_of, carried_of = self.carry.setdefault(group, list(empty)), self.carried.setdefault(group, list(empty))
+        actives, befores = [], []
         for r in range(self.simulated):
             carry, carried = carry_of[r].reshape(-1, group), carried_of[r].reshape(-1, group)
             new = max(launch - carry.shape[0], 0)
             fresh = sample_lengths(self.w.response_length, new * group, self.rng).reshape(new, group)
-            active = np.concatenate([carry, fresh])
-            before = np.concatenate([carried, np.zeros_like(fresh)])
-            if pol.partial and active.shape[0] > per_replica:
+            actives.append(np.concatenate([carry, fresh]))
+            befores.append(np.concatenate([carried, np.zeros_like(fresh)]))
+        stop = None
+        pooled = np.concatenate([a.max(1) for a in actives]) if actives else np.zeros(0)
+        if pol.partial and pooled.size > per_replica * self.simulated:
+            # decode until the batch has its groups: the (per_replica x replicas)-th group to finish
+            stop = int(np.sort(pooled)[per_replica * self.simulated - 1])
+        for r, (active, before) in enumerate(zip(actives, befores)):
+            if stop is not None:
                 longest = active.max(1)
-                stop = int(np.sort(longest)[per_replica - 1])  # decode until the batch has its groups
                 ends = longest <= stop
                 done = np.minimum(active, stop)
                 carry_of[r] = np.maximum(active - stop, 0)[~ends].ravel()
