@@ -10,7 +10,8 @@ assumed mean response), and per system family (``family:`` in each case file). E
 planned a second time without its requirements: the planner's free pick is printed beside the
 published layout, and the JSON line's ``free_pick_speedup`` is the predicted published-layout time
 over the free pick's. Generation is costed as a serving engine (``generation.engine`` vllm, or
-the case's ``generation_engine``); a case's ``layout.train.micro_batch`` is its published micro-batch.
+the case's ``generation_engine``); a case's ``layout.train.micro_batch`` is its published micro-batch, and
+a partial rollout's ``layout.staleness_threshold`` (verl fully-async) its over-provisioning.
 For each case it also prints the MFU the published train phase implies
 for the workload as costed: above ~80% the assumed workload cannot be what that run trained on.
 Cases whose workload is not published (null prompts or samples) are skipped and listed.
@@ -113,9 +114,15 @@ def plan_argv(case: dict, tmp: Path, budget: float, assumed: list[str]) -> list[
     argv = ["plan", graph_of(case), "--cluster", case["cluster"], "--model", case["model"]]
     argv += ["--workload", str(workload), "--budget", str(budget), "--out", str(tmp / "plan.yaml"), "--force"]
     argv += ["--set", f"generation.engine={case.get('generation_engine') or 'vllm'}"]  # a serving engine
-    micro = ((case.get("layout") or {}).get("train") or {}).get("micro_batch")
+    lay = case.get("layout") or {}
+    micro = (lay.get("train") or {}).get("micro_batch")
     if isinstance(micro, int):  # the published micro-batch (rows per forward/backward call)
         argv += ["--set", f"train.micro_batch_size={micro}"]
+    stale = lay.get("staleness_threshold")
+    if "partial" in MODES.get(lay.get("rollout_mode"), "") and isinstance(stale, (int, float)) and stale > 0:
+        # verl fully-async: the Rollouter has at most (1 + staleness_threshold) x a sync's samples in flight and
+        # the Trainer takes the first that finish, partial ones resumed after the sync: APRIL's over-provisioning
+        argv += ["--set", f"rollout.overprovision={stale}"]
     return argv
 
 
