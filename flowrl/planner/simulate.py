@@ -26,8 +26,6 @@ from flowrl.planner.cost import CostModel
 from flowrl.planner.memory import kv_capacity
 from flowrl.planner.space import Roles
 
-STREAM_PARTS = 4  # streaming: parts a step's responses reach the scoring nodes in
-
 
 @dataclass
 class Span:
@@ -148,6 +146,9 @@ class Generator:
         self.carry: dict[int, list[np.ndarray]] = {}
         self.carried: dict[int, list[np.ndarray]] = {}
         self.longest = 0
+        # streaming: the share of the last batch's rows whose groups finished in the last decode chunk (the
+        # part that reaches the scoring nodes when generation ends; the others reached them while it went on)
+        self.last_part = 1.0
 
     def iteration(self, sequences: int, group: int = 1) -> tuple[float, float, np.ndarray]:
         """(seconds, generated tokens over all replicas, the response lengths of the batch trained)
@@ -178,18 +179,21 @@ class Generator:
         if pol.partial and pooled.size > per_replica * self.simulated:
             # decode until the batch has its groups: the (per_replica x replicas)-th group to finish
             stop = int(np.sort(pooled)[per_replica * self.simulated - 1])
+        finishes = []  # per replica: when each group of the batch finished, in this step's decode steps
         for r, (active, before) in enumerate(zip(actives, befores)):
+            longest = active.max(1) if active.size else np.zeros(0, dtype=np.int64)
             if stop is not None:
-                longest = active.max(1)
                 ends = longest <= stop
                 done = np.minimum(active, stop)
                 carry_of[r] = np.maximum(active - stop, 0)[~ends].ravel()
                 carried_of[r] = (before + done)[~ends].ravel()
                 batch.append((before + active)[ends].ravel())
+                finishes.append(np.repeat(longest[ends], group))
             else:
                 done = active
                 carry_of[r] = carried_of[r] = np.zeros(0, dtype=np.int64)
                 batch.append((before + active).ravel())
+                finishes.append(np.repeat(longest, group))
             done, before = done.ravel(), before.ravel()
             decode = continuous_seconds if self.continuous else decode_seconds
             seconds = decode(self.cost, done[done > 0], self.w.prompt_length, gen.tp, self.cap)
@@ -202,6 +206,11 @@ class Generator:
             slowest = max(slowest, seconds)
             tokens += float(done.sum())
             self.longest = max(self.longest, int(done.max()) if done.size else 0)
+        ended = np.concatenate(finishes) if finishes else np.zeros(0, dtype=np.int64)
+        if ended.size and pol.chunked:  # parts leave at chunk boundaries: the last holds what the last chunk finished
+            chunk = pol.chunk(self.w.max_response())
+            last = (int(ended.max()) - 1) // chunk * chunk  # the last boundary before generation ends
+            self.last_part = float(np.mean(ended > last))
         return slowest, tokens * gen.replicas / self.simulated, np.concatenate(batch)
 
 
@@ -403,11 +412,12 @@ def simulate(
         start = max([0.0, *deps, *(free[g] for g in groups)])
         end = start + seconds
         if task in streamed and (it, "rollout_start") in finish:
-            # streaming: starts on the first finished groups and ends a part after generation
+            # streaming: starts on the first finished groups and ends with the last part, which generation's
+            # last chunk finished, after generation
             gen_start, gen_end = finish[(it, "rollout_start")], finish[(it, "rollout_end")]
             others = [d for d in deps if d != gen_end]
             start = max([gen_start, *others, *(free[g] for g in groups)])
-            end = max(start + seconds, gen_end + seconds / STREAM_PARTS)
+            end = max(start + seconds, gen_end + seconds * last_part.get(it, 1.0))
         for g in groups:
             free[g] = end
             busy[g] += seconds
@@ -417,6 +427,7 @@ def simulate(
         return end
 
     lengths: dict[int, np.ndarray] = {}  # the response lengths each iteration trains on
+    last_part: dict[int, float] = {}  # streaming: the share of each iteration's rows in generation's last part
 
     filters = graph.filters()
     producers = graph.producers()
@@ -453,6 +464,7 @@ def simulate(
             deps = [finish[(need, sync)]] if need >= 0 and (need, sync) in finish else []
             end = run(it, name, node_group(plan, graph, name), deps, seconds)
             finish[(it, "rollout_start")], finish[(it, "rollout_end")] = end - seconds, end
+            last_part[it] = gen.last_part
 
     launched = 0
     for it in range(iterations):

@@ -399,3 +399,22 @@ def test_partial_rollouts_stop_when_the_batch_is_full_over_every_replica():
     assert len(stops) == 1, stops
     # and the batch holds the step's groups (one group's rows more or less at ties)
     assert abs(batch.size - w.sequences) <= w.samples_per_prompt * plan.generation.replicas
+
+
+def _after_generation(result: SimResult, task: str) -> tuple[float, float]:
+    """(seconds ``task`` ran on after its iteration's generation ended, its own seconds), in a steady iteration."""
+    it = 3
+    span = next(s for s in result.spans if s.iteration == it and s.task == task)
+    rollout = next(s for s in result.spans if s.iteration == it and s.task == "rollout")
+    return span.end - rollout.end, result.breakdown[task]
+
+
+def test_streamed_scoring_after_generation_is_the_work_of_the_groups_its_last_chunk_finished():
+    """Streaming sends finished groups on at each decode chunk: under a long tail most groups finish chunks
+    before the longest, so little scoring is left when generation ends; with every response the same length
+    every group finishes in the last chunk and all of it is."""
+    streaming = RolloutPolicy(streaming=True)
+    tail, seconds = _after_generation(run(disaggregated(streaming)), "old_logprobs")
+    assert 0 < tail < 0.5 * seconds, (tail, seconds)
+    tail, seconds = _after_generation(run(disaggregated(streaming), workload(None)), "old_logprobs")
+    assert tail == pytest.approx(seconds, rel=0.02), (tail, seconds)
