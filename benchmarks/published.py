@@ -88,7 +88,7 @@ def requirements(case: dict) -> list[str]:
     if lay.get("placement") in ("colocate", "split", "standalone", "disaggregated"):
         out.append(f"placement={lay['placement']}")
     if lay.get("rollout_mode") in MODES:
-        out.append(f"rollout.mode={MODES[lay['rollout_mode']]}")
+        out.append(f"rollout.mode={rollout_mode(lay)}")
     train = lay.get("train") or {}
     for dim in ("tp", "pp"):
         if isinstance(train.get(dim), int):
@@ -96,6 +96,18 @@ def requirements(case: dict) -> list[str]:
     if isinstance(lay.get("generation_tp"), int):
         out.append(f"generation.tp={lay['generation_tp']}")
     return out
+
+
+def rollout_mode(lay: dict) -> str:
+    """The rollout mode a case's layout runs: its ``rollout_mode`` (`MODES`), with partial rollouts and streaming
+    as its ``partial_rollout`` and ``streaming`` keys say where it has them."""
+    parts = MODES[lay["rollout_mode"]].split("+")
+    for key, part in (("partial_rollout", "partial"), ("streaming", "streaming")):
+        if lay.get(key) is True and part not in parts:
+            parts.insert(0, part)
+        elif lay.get(key) is False and part in parts:
+            parts.remove(part)
+    return "+".join(parts) or "sync"
 
 
 def _plan(argv: list[str]) -> tuple[int, str]:
@@ -119,7 +131,8 @@ def plan_argv(case: dict, tmp: Path, budget: float, assumed: list[str]) -> list[
     if isinstance(micro, int):  # the published micro-batch (rows per forward/backward call)
         argv += ["--set", f"train.micro_batch_size={micro}"]
     stale = lay.get("staleness_threshold")
-    if "partial" in MODES.get(lay.get("rollout_mode"), "") and isinstance(stale, (int, float)) and stale > 0:
+    partial = lay.get("rollout_mode") in MODES and "partial" in rollout_mode(lay).split("+")
+    if partial and isinstance(stale, (int, float)) and stale > 0:
         # verl fully-async: the Rollouter has at most (1 + staleness_threshold) x a sync's samples in flight and
         # the Trainer takes the first that finish, partial ones resumed after the sync: APRIL's over-provisioning
         argv += ["--set", f"rollout.overprovision={stale}"]
