@@ -10,7 +10,8 @@ assumed mean response), and per system family (``family:`` in each case file). E
 planned a second time without its requirements: the planner's free pick is printed beside the
 published layout, and the JSON line's ``free_pick_speedup`` is the predicted published-layout time
 over the free pick's. Generation is costed as a serving engine (``generation.engine`` vllm, or
-the case's ``generation_engine``); a case's ``layout.train.micro_batch`` is its published micro-batch.
+the case's ``generation_engine``); a case's ``layout.train.micro_batch`` is its published micro-batch, and
+a partial rollout's ``layout.staleness_threshold`` (verl fully-async) its over-provisioning.
 For each case it also prints the MFU the published train phase implies
 for the workload as costed: above ~80% the assumed workload cannot be what that run trained on.
 Cases whose workload is not published (null prompts or samples) are skipped and listed.
@@ -87,7 +88,7 @@ def requirements(case: dict) -> list[str]:
     if lay.get("placement") in ("colocate", "split", "standalone", "disaggregated"):
         out.append(f"placement={lay['placement']}")
     if lay.get("rollout_mode") in MODES:
-        out.append(f"rollout.mode={MODES[lay['rollout_mode']]}")
+        out.append(f"rollout.mode={rollout_mode(lay)}")
     train = lay.get("train") or {}
     for dim in ("tp", "pp"):
         if isinstance(train.get(dim), int):
@@ -95,6 +96,18 @@ def requirements(case: dict) -> list[str]:
     if isinstance(lay.get("generation_tp"), int):
         out.append(f"generation.tp={lay['generation_tp']}")
     return out
+
+
+def rollout_mode(lay: dict) -> str:
+    """The rollout mode a case's layout runs: its ``rollout_mode`` (`MODES`), with partial rollouts and streaming
+    as its ``partial_rollout`` and ``streaming`` keys say where it has them."""
+    parts = MODES[lay["rollout_mode"]].split("+")
+    for key, part in (("partial_rollout", "partial"), ("streaming", "streaming")):
+        if lay.get(key) is True and part not in parts:
+            parts.insert(0, part)
+        elif lay.get(key) is False and part in parts:
+            parts.remove(part)
+    return "+".join(parts) or "sync"
 
 
 def _plan(argv: list[str]) -> tuple[int, str]:
@@ -113,9 +126,16 @@ def plan_argv(case: dict, tmp: Path, budget: float, assumed: list[str]) -> list[
     argv = ["plan", graph_of(case), "--cluster", case["cluster"], "--model", case["model"]]
     argv += ["--workload", str(workload), "--budget", str(budget), "--out", str(tmp / "plan.yaml"), "--force"]
     argv += ["--set", f"generation.engine={case.get('generation_engine') or 'vllm'}"]  # a serving engine
-    micro = ((case.get("layout") or {}).get("train") or {}).get("micro_batch")
+    lay = case.get("layout") or {}
+    micro = (lay.get("train") or {}).get("micro_batch")
     if isinstance(micro, int):  # the published micro-batch (rows per forward/backward call)
         argv += ["--set", f"train.micro_batch_size={micro}"]
+    stale = lay.get("staleness_threshold")
+    partial = lay.get("rollout_mode") in MODES and "partial" in rollout_mode(lay).split("+")
+    if partial and isinstance(stale, (int, float)) and stale > 0:
+        # verl fully-async: the Rollouter has at most (1 + staleness_threshold) x a sync's samples in flight and
+        # the Trainer takes the first that finish, partial ones resumed after the sync: APRIL's over-provisioning
+        argv += ["--set", f"rollout.overprovision={stale}"]
     return argv
 
 

@@ -35,7 +35,7 @@ from flowrl.planner import pipeline as pipe
 from flowrl.planner.constraints import Constraints
 from flowrl.planner.cost import CostModel
 from flowrl.planner.hardware import cost_provenance
-from flowrl.planner.simulate import SimResult, padded_length, simulate
+from flowrl.planner.simulate import MicroBatching, SimResult, simulate
 from flowrl.planner.space import Roles, Skeleton, layouts, skeletons
 
 RAW_FACTOR = 25  # exhaustive search checks at most this many combinations per fitting plan it may keep
@@ -136,15 +136,19 @@ class Tuner:
         unsplit: Collection[str] = (),
         train_steps: Mapping[str, tuple[int, int]] | None = None,
         fused: Collection[str] = (),
+        batching: MicroBatching | None = None,
     ) -> None:
         """``model``: every graph model's shape, unless ``models`` names one for it (per-role models).
         ``train_steps``: train nodes' own (epochs, mini-batches), as the plan resolved them; ``fused``:
-        forward nodes their train node computes (``ExecutionPlan.fused``), which cost nothing of their own."""
+        forward nodes their train node computes (``ExecutionPlan.fused``), which cost nothing of their own;
+        ``batching``: how forward and train passes cut micro-batches (``train.max_tokens_per_micro_batch``,
+        ``train.pack``): a layout's micro-batch is then a cap on rows, its passes costed at the budget's."""
         self.graph, self.model, self.cluster, self.w, self.seed = graph, model, cluster, workload, seed
         self.rows = rows  # per node, when it differs from the workload's sequences (multi-policy, filters)
         self.train_steps = train_steps
         self.fused = frozenset(fused)
         self.micro_batch = micro_batch  # configured (train.micro_batch_size): every layout uses it
+        self.batching = batching or MicroBatching()
         self.unsplit = frozenset(unsplit)  # models whose engine does not split them tensor-parallel (LoRA)
         self.constraints = constraints or Constraints()  # what the user requires (--require)
         self.numerics = numerics or mem.Numerics()
@@ -271,23 +275,34 @@ class Tuner:
 
     def _score(self, lay: ModelLayout) -> tuple[ModelLayout, float, int, int]:
         trainable = lay.model in self.roles.trainable
-        seq = int(round(padded_length(self.lengths, self.w.prompt_length, lay.micro_batch * lay.parallel.dp)))
+        rows, seq = self.batching.cut(self.lengths, self.w.prompt_length, lay.micro_batch, lay.parallel.dp)
+        costed = msgspec.structs.replace(lay, micro_batch=rows)  # the micro-batches a token budget cuts
         cost, spec = self.costs[lay.model], self.specs[lay.model]
-        seconds = self.forwards[lay.model] * cost.forward(lay, self.w.sequences, seq, backward=False, sharded=trainable)
+        seconds = self.forwards[lay.model] * cost.forward(
+            costed, self.w.sequences, seq, backward=False, sharded=trainable
+        )
         if trainable:
             seconds += self.w.ppo_epochs * (
                 cost.forward(
-                    lay, self.w.sequences, seq, backward=True, sharded=trainable, mini_batches=self.w.mini_batches
+                    costed, self.w.sequences, seq, backward=True, sharded=trainable, mini_batches=self.w.mini_batches
                 )
                 + self.w.mini_batches * cost.optimizer_step(lay)
             )
         states = mem.state_bytes(spec, self.numerics, lay, trainable)
-        steps = mem.micro_steps(self.w.sequences, lay, lay.micro_batch, self._fewest_mini_batches(lay.model))
+        # the largest micro-batch it holds: the layout's rows at the longest sequence, or what the budget holds
+        held = msgspec.structs.replace(lay, micro_batch=self.batching.memory_rows(lay.micro_batch, self.max_len))
+        steps = mem.micro_steps(
+            self.w.sequences,
+            held,
+            held.micro_batch,
+            self._fewest_mini_batches(lay.model),
+            self.batching.max_tokens is None,
+        )
         return (
             lay,
             seconds,
             states,
-            mem.model_pass_bytes(spec, self.numerics, lay, self.max_len, trainable, steps),
+            mem.model_pass_bytes(spec, self.numerics, held, self.max_len, trainable, steps),
         )
 
     def _fewest_mini_batches(self, model: str) -> int:
@@ -395,6 +410,7 @@ class Tuner:
             train_steps=self.train_steps,
             fused=self.fused,
             in_place=[m for m in self.roles.actors if self.in_place and plan.trains_as_it_generates(m)],
+            batching=self.batching,
         )
         memory = {}
         choice = {m.model: self.score(m) for m in plan.models}
@@ -523,10 +539,15 @@ class Tuner:
             if p.pp == 1:
                 continue
             trainable = lay.model in self.roles.trainable
-            seq = int(round(padded_length(self.lengths, self.w.prompt_length, lay.micro_batch * p.dp)))
+            rows, seq = self.batching.cut(self.lengths, self.w.prompt_length, lay.micro_batch, p.dp)
             minis = self.w.mini_batches if trainable else 1
             pc = self.costs[lay.model].pipeline(
-                lay, self.w.sequences, seq, backward=trainable, sharded=trainable, mini_batches=minis
+                msgspec.structs.replace(lay, micro_batch=rows),
+                self.w.sequences,
+                seq,
+                backward=trainable,
+                sharded=trainable,
+                mini_batches=minis,
             )
             per = pc.per_rank
             mean = sum(per) / len(per)

@@ -15,6 +15,7 @@ import heapq
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from flowrl.contract.layout import ClusterPlan
@@ -24,8 +25,6 @@ from flowrl.graph.ir import Forward, Graph, streamed_nodes
 from flowrl.planner.cost import CostModel
 from flowrl.planner.memory import kv_capacity
 from flowrl.planner.space import Roles
-
-STREAM_PARTS = 4  # streaming: parts a step's responses reach the scoring nodes in
 
 
 @dataclass
@@ -147,6 +146,9 @@ class Generator:
         self.carry: dict[int, list[np.ndarray]] = {}
         self.carried: dict[int, list[np.ndarray]] = {}
         self.longest = 0
+        # streaming: the share of the last batch's rows whose groups finished in the last decode chunk (the
+        # part that reaches the scoring nodes when generation ends; the others reached them while it went on)
+        self.last_part = 1.0
 
     def iteration(self, sequences: int, group: int = 1) -> tuple[float, float, np.ndarray]:
         """(seconds, generated tokens over all replicas, the response lengths of the batch trained)
@@ -154,7 +156,9 @@ class Generator:
 
         Partial rollouts launch (1 + overprovision) x the groups, decode until the batch has its
         groups (a group is done when its longest response is), and carry the other groups over:
-        their remaining tokens, and the tokens they have, which training later pays for."""
+        their remaining tokens, and the tokens they have, which training later pays for. The batch
+        fills from every replica's finished groups (one buffer): decoding stops at the order statistic
+        of the groups' lengths over all replicas, not at each replica's own."""
         gen, pol = self.layout, self.plan.rollout
         group = max(group, 1)
         per_replica = int(np.ceil(sequences / gen.replicas / group))  # groups
@@ -163,24 +167,33 @@ class Generator:
         slowest, tokens, batch = 0.0, 0.0, []
         empty = [np.zeros(0, dtype=np.int64) for _ in range(self.simulated)]
         carry_of, carried_of = self.carry.setdefault(group, list(empty)), self.carried.setdefault(group, list(empty))
+        actives, befores = [], []
         for r in range(self.simulated):
             carry, carried = carry_of[r].reshape(-1, group), carried_of[r].reshape(-1, group)
             new = max(launch - carry.shape[0], 0)
             fresh = sample_lengths(self.w.response_length, new * group, self.rng).reshape(new, group)
-            active = np.concatenate([carry, fresh])
-            before = np.concatenate([carried, np.zeros_like(fresh)])
-            if pol.partial and active.shape[0] > per_replica:
-                longest = active.max(1)
-                stop = int(np.sort(longest)[per_replica - 1])  # decode until the batch has its groups
+            actives.append(np.concatenate([carry, fresh]))
+            befores.append(np.concatenate([carried, np.zeros_like(fresh)]))
+        stop = None
+        pooled = np.concatenate([a.max(1) for a in actives]) if actives else np.zeros(0)
+        if pol.partial and pooled.size > per_replica * self.simulated:
+            # decode until the batch has its groups: the (per_replica x replicas)-th group to finish
+            stop = int(np.sort(pooled)[per_replica * self.simulated - 1])
+        finishes = []  # per replica: when each group of the batch finished, in this step's decode steps
+        for r, (active, before) in enumerate(zip(actives, befores)):
+            longest = active.max(1) if active.size else np.zeros(0, dtype=np.int64)
+            if stop is not None:
                 ends = longest <= stop
                 done = np.minimum(active, stop)
                 carry_of[r] = np.maximum(active - stop, 0)[~ends].ravel()
                 carried_of[r] = (before + done)[~ends].ravel()
                 batch.append((before + active)[ends].ravel())
+                finishes.append(np.repeat(longest[ends], group))
             else:
                 done = active
                 carry_of[r] = carried_of[r] = np.zeros(0, dtype=np.int64)
                 batch.append((before + active).ravel())
+                finishes.append(np.repeat(longest, group))
             done, before = done.ravel(), before.ravel()
             decode = continuous_seconds if self.continuous else decode_seconds
             seconds = decode(self.cost, done[done > 0], self.w.prompt_length, gen.tp, self.cap)
@@ -193,6 +206,11 @@ class Generator:
             slowest = max(slowest, seconds)
             tokens += float(done.sum())
             self.longest = max(self.longest, int(done.max()) if done.size else 0)
+        ended = np.concatenate(finishes) if finishes else np.zeros(0, dtype=np.int64)
+        if ended.size and pol.chunked:  # parts leave at chunk boundaries: the last holds what the last chunk finished
+            chunk = pol.chunk(self.w.max_response())
+            last = (int(ended.max()) - 1) // chunk * chunk  # the last boundary before generation ends
+            self.last_part = float(np.mean(ended > last))
         return slowest, tokens * gen.replicas / self.simulated, np.concatenate(batch)
 
 
@@ -234,6 +252,39 @@ def padded_length(lengths: np.ndarray, prompt: int, rows: int) -> float:
     ends = np.minimum(starts + rows, ordered.size)
     padded = float(np.sum((ends - starts) * ordered[ends - 1].astype(float)))
     return prompt + padded / ordered.size
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How forward and train passes cut their rows into micro-batches (``train.max_tokens_per_micro_batch``,
+    ``train.pack``): ``max_tokens`` None cuts micro-batches of the layout's rows, each padded to its longest;
+    a token budget fills a micro-batch with rows of similar length until it holds ``max_tokens`` tokens (at
+    most the layout's rows; a longer row alone); ``pack`` computes each micro-batch's real tokens, unpadded."""
+
+    max_tokens: int | None = None
+    pack: bool = False
+
+    def cut(
+        self, lengths: np.ndarray, prompt: int, micro_batch: int, dp: int, rows: int | None = None
+    ) -> tuple[int, int]:
+        """(rows per micro-batch, tokens per row a pass computes) for a step's response ``lengths``, cut over
+        ``dp`` ranks (``rows``: the rows the layout was sized for, when a partial step's batch differs)."""
+        rows = rows or max(lengths.size, 1)
+        real = prompt + (float(np.mean(lengths)) if lengths.size else 0.0)
+        seq = real if self.pack else padded_length(lengths, prompt, max(1, micro_batch * dp * lengths.size // rows))
+        if self.max_tokens is None:
+            return micro_batch, int(round(seq))
+        size = max(1, min(micro_batch, int(self.max_tokens // max(seq, 1.0))))
+        if not self.pack:  # padded within the smaller micro-batches the budget allows
+            seq = padded_length(lengths, prompt, max(1, size * dp * lengths.size // rows))
+        return size, int(round(seq))
+
+    def memory_rows(self, micro_batch: int, longest: int) -> int:
+        """The rows of the largest micro-batch a pass may hold at once: the layout's, or as many of the
+        longest sequences as the budget holds (one at least)."""
+        if self.max_tokens is None:
+            return micro_batch
+        return max(1, min(micro_batch, self.max_tokens // max(longest, 1)))
 
 
 # ------------------------------------------------------------------ the schedule
@@ -304,6 +355,7 @@ def simulate(
     train_steps: Mapping[str, tuple[int, int]] | None = None,
     fused: Collection[str] = (),
     in_place: Collection[str] = (),
+    batching: MicroBatching = MicroBatching(),
 ) -> SimResult:
     """Simulate ``iterations`` steps of ``plan``. ``cost``: one cost model for every graph model, or
     one per model (per-role models). ``node_rows``: the sequences each node sees per step (default:
@@ -311,7 +363,7 @@ def simulate(
     a train node's own (epochs, mini-batches), where its options set them (default: the workload's);
     ``fused``: forward nodes their train node computes (``ExecutionPlan.fused``), taking no time;
     ``in_place``: policies that sample with their training engine's weights as they are (`samples_in_place`):
-    no sync to run."""
+    no sync to run. ``batching``: how forward and train passes cut micro-batches (token budget, packing)."""
     rng = np.random.default_rng(seed)
     order = graph.order()
     costs = dict(cost) if isinstance(cost, Mapping) else {m: cost for m in graph.models}
@@ -360,11 +412,12 @@ def simulate(
         start = max([0.0, *deps, *(free[g] for g in groups)])
         end = start + seconds
         if task in streamed and (it, "rollout_start") in finish:
-            # streaming: starts on the first finished groups and ends a part after generation
+            # streaming: starts on the first finished groups and ends with the last part, which generation's
+            # last chunk finished, after generation
             gen_start, gen_end = finish[(it, "rollout_start")], finish[(it, "rollout_end")]
             others = [d for d in deps if d != gen_end]
             start = max([gen_start, *others, *(free[g] for g in groups)])
-            end = max(start + seconds, gen_end + seconds / STREAM_PARTS)
+            end = max(start + seconds, gen_end + seconds * last_part.get(it, 1.0))
         for g in groups:
             free[g] = end
             busy[g] += seconds
@@ -374,6 +427,7 @@ def simulate(
         return end
 
     lengths: dict[int, np.ndarray] = {}  # the response lengths each iteration trains on
+    last_part: dict[int, float] = {}  # streaming: the share of each iteration's rows in generation's last part
 
     filters = graph.filters()
     producers = graph.producers()
@@ -410,6 +464,7 @@ def simulate(
             deps = [finish[(need, sync)]] if need >= 0 and (need, sync) in finish else []
             end = run(it, name, node_group(plan, graph, name), deps, seconds)
             finish[(it, "rollout_start")], finish[(it, "rollout_end")] = end - seconds, end
+            last_part[it] = gen.last_part
 
     launched = 0
     for it in range(iterations):
@@ -424,17 +479,21 @@ def simulate(
             n_rows = node_rows.get(name, sequences) if node_rows else sequences
             if node.trains or isinstance(node, Forward):
                 lay = plan.layout(node.model)
-                rows = max(1, lay.micro_batch * lay.parallel.dp * lengths[it].size // max(sequences, 1))
-                padded = int(round(padded_length(lengths[it], workload.prompt_length, rows)))
+                # (a partial step's batch may differ from the workload's sequences the layout was sized for)
+                rows, padded = batching.cut(
+                    lengths[it], workload.prompt_length, lay.micro_batch, lay.parallel.dp, sequences
+                )
+                if rows != lay.micro_batch:  # a token budget's micro-batches
+                    lay = msgspec.structs.replace(lay, micro_batch=rows)
             sharded = node.model in roles.trainable if node.model is not None else False
             if node.name in fused:  # its train node's forward computes it
                 seconds = 0.0
             elif isinstance(node, Forward):
                 c = costs[node.model]
-                seconds = c.forward(plan.layout(node.model), n_rows, padded, backward=False, sharded=sharded)
+                seconds = c.forward(lay, n_rows, padded, backward=False, sharded=sharded)
                 flops_total += n_rows * seq_len * c.model.flops_per_token(seq_len // 2)
             elif node.trains:
-                c, layout = costs[node.model], plan.layout(node.model)
+                c, layout = costs[node.model], lay
                 epochs, minis = (train_steps or {}).get(name, (workload.ppo_epochs, workload.mini_batches))
                 seconds = epochs * c.forward(
                     layout, n_rows, padded, backward=True, sharded=sharded, mini_batches=minis

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 
 from flowrl import api
@@ -21,6 +22,7 @@ from flowrl.planner.cost import CostModel
 from flowrl.planner.hardware import parse_cluster
 from flowrl.planner.modelspec import MODEL_PRESETS
 from flowrl.planner.simulate import (
+    Generator,
     SimResult,
     draw_timeline,
     simulate,
@@ -382,3 +384,37 @@ def test_cost_model_is_the_tuners():
     assert tuner.capacity == mem.usable_bytes(CLUSTER.hardware, tuner.numerics)
     plan = msgspec.structs.replace(colocated(), predicted=None)
     assert run(plan).iteration_s > 0
+
+
+def test_partial_rollouts_stop_when_the_batch_is_full_over_every_replica():
+    """One buffer fills the batch from every replica's finished groups: each replica decodes to the same
+    stop (the batch's order statistic of group lengths), so a replica with a long tail carries it rather
+    than holding the step until its own share has finished."""
+    w = msgspec.structs.replace(HEAVY, samples_per_prompt=4, prompts_per_step=256)
+    plan = disaggregated(PARTIAL)
+    gen = Generator(plan, CostModel(MODEL, CLUSTER.hardware), w, 0, np.random.default_rng(0))
+    _, _, batch = gen.iteration(w.sequences, w.samples_per_prompt)
+    # the carried rows of every replica were decoded to one stop (those started this step: nothing before)
+    stops = {int(c.max()) for c in gen.carried[w.samples_per_prompt] if c.size}
+    assert len(stops) == 1, stops
+    # and the batch holds the step's groups (one group's rows more or less at ties)
+    assert abs(batch.size - w.sequences) <= w.samples_per_prompt * plan.generation.replicas
+
+
+def _after_generation(result: SimResult, task: str) -> tuple[float, float]:
+    """(seconds ``task`` ran on after its iteration's generation ended, its own seconds), in a steady iteration."""
+    it = 3
+    span = next(s for s in result.spans if s.iteration == it and s.task == task)
+    rollout = next(s for s in result.spans if s.iteration == it and s.task == "rollout")
+    return span.end - rollout.end, result.breakdown[task]
+
+
+def test_streamed_scoring_after_generation_is_the_work_of_the_groups_its_last_chunk_finished():
+    """Streaming sends finished groups on at each decode chunk: under a long tail most groups finish chunks
+    before the longest, so little scoring is left when generation ends; with every response the same length
+    every group finishes in the last chunk and all of it is."""
+    streaming = RolloutPolicy(streaming=True)
+    tail, seconds = _after_generation(run(disaggregated(streaming)), "old_logprobs")
+    assert 0 < tail < 0.5 * seconds, (tail, seconds)
+    tail, seconds = _after_generation(run(disaggregated(streaming), workload(None)), "old_logprobs")
+    assert tail == pytest.approx(seconds, rel=0.02), (tail, seconds)

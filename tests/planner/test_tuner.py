@@ -224,11 +224,14 @@ def test_memory_bound_ppo_rm_spaces_are_solved_exactly(space):
 
 
 @pytest.mark.parametrize("space", spaces([*MEMORY_BOUND, *MEMORY_BOUND_PPO_RM]))
-def test_greedy_fit_stays_within_2_percent_of_the_optimum_on_memory_bound_spaces(space):
-    """Where the greedy path is not exact (memory binds), it is at least within 2%."""
+def test_greedy_fit_stays_within_4_percent_of_the_optimum_on_memory_bound_spaces(space):
+    """Where the greedy path is not exact (memory binds), it is at least within 4%. (Within 2% while the
+    optimum of these spaces was a one-replica plan; since partial rollouts stop at the batch's order statistic
+    over every replica, a colocated two-replica plan is the optimum, and the greedy memory trade reaches
+    layouts of it about 3% slower.)"""
     t, _, best = solved(space)
     found = unbounded(t, exhaustive_limit=0).ranked[0].result.iteration_s
-    assert best.pruned <= found <= 1.02 * best.pruned, (found, best.pruned)
+    assert best.pruned <= found <= 1.04 * best.pruned, (found, best.pruned)
     if space in SPACES:
         assert best.raw == pytest.approx(best.pruned, rel=1e-9)
 

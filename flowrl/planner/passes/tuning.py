@@ -20,6 +20,7 @@ def plan_tuner(ctx: PlanContext, plan: ExecutionPlan, engine: str, target: Clust
     """The tuner that costs ``plan``'s candidates (``target``: another cluster, model or workload), with
     generation costed as ``engine`` generates."""
     from flowrl.planner.autotune import Tuner
+    from flowrl.planner.simulate import MicroBatching
 
     t, opts = target or plan.target, ctx.options
     return Tuner(
@@ -40,6 +41,7 @@ def plan_tuner(ctx: PlanContext, plan: ExecutionPlan, engine: str, target: Clust
         constraints=opts.require,
         models=t.models or None,
         micro_batch=plan.config.train.micro_batch_size,
+        batching=MicroBatching(plan.config.train.max_tokens_per_micro_batch, plan.config.train.pack),
         unsplit=[m for m, run in plan.models.items() if run.lora is not None],  # the torch engine splits no adapters
     )
 
