@@ -77,6 +77,21 @@ def _pin_args(p: argparse.ArgumentParser) -> None:
         help="with --cluster: only plans that satisfy it (repeatable): placement=colocate, sync=full, "
         "rollout.mode=sync, generation.tp=2, actor.tp=2 (MODEL.dp/tp/pp)",
     )
+    p.add_argument(
+        "--objective",
+        metavar="NAME",
+        help="what the tuner ranks plans by: throughput (seconds per iteration, samples/s; the default) or "
+        "time-to-target (predicted seconds to the target reward: seconds per iteration x the iterations the "
+        "rollout policy needs, from the sample efficiency `flowrl calibrate` fitted, else a published prior)",
+    )
+    p.add_argument(
+        "--target-steps",
+        metavar="N",
+        type=int,
+        dest="target_steps",
+        help="with --objective time-to-target: the iterations a synchronous run needs to reach the target "
+        "(default: the run config's steps)",
+    )
 
 
 def _pins(args: argparse.Namespace) -> dict[str, Any]:
@@ -86,6 +101,21 @@ def _pins(args: argparse.Namespace) -> dict[str, Any]:
             "--placement / --sync choose among a cluster's plans; add --cluster (e.g. --cluster cpu:2) or --address."
         )
     return pins
+
+
+def _objective(args: argparse.Namespace) -> dict[str, Any]:
+    """``--objective`` and ``--target-steps`` as the planner's options (a bad name is a user error)."""
+    from flowrl.planner.sample_efficiency import check_objective
+
+    out: dict[str, Any] = {}
+    if getattr(args, "objective", None) is not None:
+        out["objective"] = check_objective(args.objective)
+    steps = getattr(args, "target_steps", None)
+    if steps is not None:
+        if steps < 1:
+            raise ConfigError(f"--target-steps is {steps}; give the iterations a synchronous run needs (>= 1).")
+        out["target_steps"] = steps
+    return out
 
 
 def _requirements(args: argparse.Namespace) -> dict[str, Any]:
@@ -327,7 +357,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             emit=print,
             target=target,
             for_backend=True,
-            options={**_pins(args), **_requirements(args)},
+            options={**_pins(args), **_requirements(args), **_objective(args)},
             **kwargs,
         )
     executor = api.check(graph, plan)
@@ -601,6 +631,7 @@ def _planned(
         "cost_model": args.cost_model,
         **_pins(args),
         **_requirements(args),
+        **_objective(args),
     }
     passes = None
     if args.extra_passes:

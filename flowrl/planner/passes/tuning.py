@@ -22,6 +22,7 @@ def plan_tuner(ctx: PlanContext, plan: ExecutionPlan, engine: str, target: Clust
     from flowrl.planner.autotune import Tuner
 
     t, opts = target or plan.target, ctx.options
+    objective = plan_objective(ctx, plan)
     return Tuner(
         ctx.graph,
         t.model,
@@ -41,6 +42,20 @@ def plan_tuner(ctx: PlanContext, plan: ExecutionPlan, engine: str, target: Clust
         models=t.models or None,
         micro_batch=plan.config.train.micro_batch_size,
         unsplit=[m for m, run in plan.models.items() if run.lora is not None],  # the torch engine splits no adapters
+        objective=objective,
+    )
+
+
+def plan_objective(ctx: PlanContext, plan: ExecutionPlan) -> Any:
+    """What the tuner ranks ``plan``'s candidates by (``--objective``), with the iterations a sync run needs to
+    the target (``--target-steps``, else the run config's steps) and the sample efficiency in use."""
+    from flowrl.planner.sample_efficiency import Objective, in_use
+
+    opts = ctx.options
+    return Objective(
+        kind=opts.objective,
+        target_steps=opts.target_steps or max(plan.config.steps, 1),
+        efficiency=opts.efficiency or in_use(),
     )
 
 
