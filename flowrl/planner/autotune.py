@@ -785,9 +785,8 @@ def explain(
             continue
         seen.add(c.plan.summary())
         shown += 1
-        lines.append(
-            f"  {c.result.iteration_s:8.2f}s ({_change(c.result.iteration_s / pred.iteration_s - 1)})  {c.plan.summary()}"
-        )
+        change = _change(c.result.iteration_s / pred.iteration_s - 1)
+        lines.append(f"  {c.result.iteration_s:8.2f}s ({change})  {c.plan.summary()}")
         lines.append(f"           loses on: {why_slower(c, best, result.objective)}")
     return "\n".join(lines)
 
@@ -880,9 +879,10 @@ def why_wins(result: TuneResult) -> str:
     soonest = min(ranked, key=lambda c: (ttt(c), c.plan.summary()))
     if obj.kind == "time-to-target":
         if fastest.plan.summary() == best.plan.summary():
+            steps, why = obj.steps(best.plan.rollout), _staleness(best.plan.rollout)
             return (
-                f"it is the fastest per iteration ({sps(best):.1f} samples/s) and so, at {obj.steps(best.plan.rollout):.0f} "
-                f"iterations to the target ({_staleness(best.plan.rollout)}), the soonest there ({duration(ttt(best))})."
+                f"it is the fastest per iteration ({sps(best):.1f} samples/s) and so, at {steps:.0f} iterations to "
+                f"the target ({why}), the soonest there ({duration(ttt(best))})."
             )
         return (
             f"it reaches the target in {duration(ttt(best))} against {duration(ttt(fastest))} for the fastest per "
