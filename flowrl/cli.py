@@ -843,7 +843,27 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     save_hardware(result.hardware, out)
     used = "" if args.out else f"; plans for '{cluster_key(cluster)}' now use it (`flowrl plan ... --explain` says so)"
     print(f"flowrl: calibrated hardware spec written to {out}{used}")
+    _calibrate_efficiency(args, [(r.measured.run, r.measured.plan) for r in replays], out if args.out else None)
     return 0
+
+
+def _calibrate_efficiency(args: argparse.Namespace, runs: list[tuple[str, Any]], out: Path | None) -> None:
+    """The sample efficiency fitted to the runs' reward curves (`flowrl.planner.reward_curves`): saved where
+    plans read it (beside ``--out`` when given), or the prior kept, saying why."""
+    from flowrl.planner.reward_curves import fit_efficiency, read_curve, report
+    from flowrl.planner.sample_efficiency import efficiency_path, in_use, save_efficiency
+
+    curves = [read_curve(run, plan) for run, plan in runs]
+    fit = fit_efficiency(curves, args.target_reward)
+    for line in report(fit):
+        print(line)
+    if fit.kept is not None:
+        print(f"flowrl: sample efficiency not written; plans rank with the {in_use().source} one")
+        return
+    path = out.with_name(f"{out.stem}.sample_efficiency.yaml") if out is not None else efficiency_path()
+    save_efficiency(fit.efficiency, writable(path, args.force, "--out (its sample efficiency)") if out else path)
+    used = "" if out else "; `flowrl plan --objective time-to-target` ranks plans with it"
+    print(f"flowrl: sample efficiency written to {path}{used}")
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -1024,6 +1044,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         metavar="FILE",
         help="write the fitted hardware spec here instead (default: where plans for that cluster read it)",
+    )
+    p.add_argument(
+        "--target-reward",
+        metavar="R",
+        type=float,
+        dest="target_reward",
+        help="the reward whose steps the sample efficiency is fitted to (default: 90%% of the way from the runs' "
+        "start to the best run's final reward)",
     )
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=cmd_calibrate)
