@@ -77,6 +77,21 @@ def _pin_args(p: argparse.ArgumentParser) -> None:
         help="with --cluster: only plans that satisfy it (repeatable): placement=colocate, sync=full, "
         "rollout.mode=sync, generation.tp=2, actor.tp=2 (MODEL.dp/tp/pp)",
     )
+    p.add_argument(
+        "--objective",
+        metavar="NAME",
+        help="what the tuner ranks plans by: throughput (seconds per iteration, samples/s; the default) or "
+        "time-to-target (predicted seconds to the target reward: seconds per iteration x the iterations the "
+        "rollout policy needs, from the sample efficiency `flowrl calibrate` fitted, else a published prior)",
+    )
+    p.add_argument(
+        "--target-steps",
+        metavar="N",
+        type=int,
+        dest="target_steps",
+        help="with --objective time-to-target: the iterations a synchronous run needs to reach the target "
+        "(default: the run config's steps)",
+    )
 
 
 def _pins(args: argparse.Namespace) -> dict[str, Any]:
@@ -86,6 +101,21 @@ def _pins(args: argparse.Namespace) -> dict[str, Any]:
             "--placement / --sync choose among a cluster's plans; add --cluster (e.g. --cluster cpu:2) or --address."
         )
     return pins
+
+
+def _objective(args: argparse.Namespace) -> dict[str, Any]:
+    """``--objective`` and ``--target-steps`` as the planner's options (a bad name is a user error)."""
+    from flowrl.planner.sample_efficiency import check_objective
+
+    out: dict[str, Any] = {}
+    if getattr(args, "objective", None) is not None:
+        out["objective"] = check_objective(args.objective)
+    steps = getattr(args, "target_steps", None)
+    if steps is not None:
+        if steps < 1:
+            raise ConfigError(f"--target-steps is {steps}; give the iterations a synchronous run needs (>= 1).")
+        out["target_steps"] = steps
+    return out
 
 
 def _requirements(args: argparse.Namespace) -> dict[str, Any]:
@@ -327,7 +357,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             emit=print,
             target=target,
             for_backend=True,
-            options={**_pins(args), **_requirements(args)},
+            options={**_pins(args), **_requirements(args), **_objective(args)},
             **kwargs,
         )
     executor = api.check(graph, plan)
@@ -601,6 +631,7 @@ def _planned(
         "cost_model": args.cost_model,
         **_pins(args),
         **_requirements(args),
+        **_objective(args),
     }
     passes = None
     if args.extra_passes:
@@ -812,7 +843,27 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     save_hardware(result.hardware, out)
     used = "" if args.out else f"; plans for '{cluster_key(cluster)}' now use it (`flowrl plan ... --explain` says so)"
     print(f"flowrl: calibrated hardware spec written to {out}{used}")
+    _calibrate_efficiency(args, [(r.measured.run, r.measured.plan) for r in replays], out if args.out else None)
     return 0
+
+
+def _calibrate_efficiency(args: argparse.Namespace, runs: list[tuple[str, Any]], out: Path | None) -> None:
+    """The sample efficiency fitted to the runs' reward curves (`flowrl.planner.reward_curves`): saved where
+    plans read it (beside ``--out`` when given), or the prior kept, saying why."""
+    from flowrl.planner.reward_curves import fit_efficiency, read_curve, report
+    from flowrl.planner.sample_efficiency import efficiency_path, in_use, save_efficiency
+
+    curves = [read_curve(run, plan) for run, plan in runs]
+    fit = fit_efficiency(curves, args.target_reward)
+    for line in report(fit):
+        print(line)
+    if fit.kept is not None:
+        print(f"flowrl: sample efficiency not written; plans rank with the {in_use().source} one")
+        return
+    path = out.with_name(f"{out.stem}.sample_efficiency.yaml") if out is not None else efficiency_path()
+    save_efficiency(fit.efficiency, writable(path, args.force, "--out (its sample efficiency)") if out else path)
+    used = "" if out else "; `flowrl plan --objective time-to-target` ranks plans with it"
+    print(f"flowrl: sample efficiency written to {path}{used}")
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -993,6 +1044,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         metavar="FILE",
         help="write the fitted hardware spec here instead (default: where plans for that cluster read it)",
+    )
+    p.add_argument(
+        "--target-reward",
+        metavar="R",
+        type=float,
+        dest="target_reward",
+        help="the reward whose steps the sample efficiency is fitted to (default: 90%% of the way from the runs' "
+        "start to the best run's final reward)",
     )
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=cmd_calibrate)

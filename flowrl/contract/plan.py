@@ -17,6 +17,7 @@ from flowrl.contract.hardware import CONTROLLER_ROW_SECONDS, TP_OP_OVERHEAD, Clu
 from flowrl.contract.layout import ClusterPlan
 from flowrl.contract.model import ModelSpec
 from flowrl.contract.numerics import Numerics
+from flowrl.contract.objective import PlanObjective
 from flowrl.contract.resolved import ModelRun, NodeOptions
 from flowrl.contract.workload import WorkloadSpec
 from flowrl.errors import ConfigError, PlanError
@@ -105,6 +106,9 @@ class ExecutionPlan(Spec, kw_only=True):
     # forward node -> the train node that computes its output in its own forward, detached: the old
     # log-probs of a policy taking one update per batch are the log-probs it trains on (set by `resolve`)
     fused: dict[str, str] = {}
+    # what the tuner ranked the plan's candidates by (--objective) and its winner's predicted time to the
+    # target reward (set by `place`; None: not placed by the tuner, or a plan written before objectives)
+    objective: PlanObjective | None = None
 
     def content_id(self) -> str:
         """The hash of what is planned: every field but the id and the config's run settings
@@ -115,6 +119,8 @@ class ExecutionPlan(Spec, kw_only=True):
             body["config"].pop(name, None)
         if not body["fused"]:  # plans written before fusion keep their ids
             body.pop("fused")
+        if body.get("objective") is None:  # ... and before objectives
+            body.pop("objective", None)
         # and before sharded states and whole gathering (the executor's numerics, also in its capabilities),
         # and before pipeline parallelism was declared apart from tensor parallelism (its default: as before)
         caps = body["target"].get("capabilities") or {}

@@ -35,7 +35,8 @@ from flowrl.planner import pipeline as pipe
 from flowrl.planner.constraints import Constraints
 from flowrl.planner.cost import CostModel
 from flowrl.planner.hardware import cost_provenance
-from flowrl.planner.simulate import MicroBatching, SimResult, simulate
+from flowrl.planner.sample_efficiency import Objective, features
+from flowrl.planner.simulate import MicroBatching, SimResult, padded_length, simulate
 from flowrl.planner.space import Roles, Skeleton, layouts, skeletons
 
 RAW_FACTOR = 25  # exhaustive search checks at most this many combinations per fitting plan it may keep
@@ -66,6 +67,8 @@ class TuneResult:
     seconds: float = 0.0
     roofline: dict[str, float] = field(default_factory=dict)
     pipelines: list[str] = field(default_factory=list)  # the winner's pipeline terms (`Tuner.pipelines`)
+    objective: Objective = field(default_factory=Objective)  # what the ranking is by
+    samples: int = 0  # trained samples per iteration (samples per second = samples / iteration_s)
 
     @property
     def best(self) -> ClusterPlan:
@@ -137,13 +140,16 @@ class Tuner:
         train_steps: Mapping[str, tuple[int, int]] | None = None,
         fused: Collection[str] = (),
         batching: MicroBatching | None = None,
+        objective: Objective | None = None,
     ) -> None:
         """``model``: every graph model's shape, unless ``models`` names one for it (per-role models).
         ``train_steps``: train nodes' own (epochs, mini-batches), as the plan resolved them; ``fused``:
         forward nodes their train node computes (``ExecutionPlan.fused``), which cost nothing of their own;
         ``batching``: how forward and train passes cut micro-batches (``train.max_tokens_per_micro_batch``,
-        ``train.pack``): a layout's micro-batch is then a cap on rows, its passes costed at the budget's."""
+        ``train.pack``): a layout's micro-batch is then a cap on rows, its passes costed at the budget's;
+        ``objective``: what candidates are ranked by (default: seconds per iteration)."""
         self.graph, self.model, self.cluster, self.w, self.seed = graph, model, cluster, workload, seed
+        self.objective = objective or Objective()
         self.rows = rows  # per node, when it differs from the workload's sequences (multi-policy, filters)
         self.train_steps = train_steps
         self.fused = frozenset(fused)
@@ -517,12 +523,17 @@ class Tuner:
                 if quick and time.perf_counter() - t0 > budget_s * 0.7:
                     break
                 quick.append(self.evaluate(plan, **QUICK))
-        quick.sort(key=lambda c: (c.result.iteration_s, c.plan.summary()))
+        quick.sort(key=self.rank)
         finals = quick[:keep] if combos is not None else [self.evaluate(c.plan, **FINAL) for c in quick[:keep]]
-        finals.sort(key=lambda c: (c.result.iteration_s, c.plan.summary()))
+        finals.sort(key=self.rank)
         ranked = [self._sealed(c) for c in finals] + quick[keep:]
         result = TuneResult(
-            ranked=ranked, considered=len(quick), infeasible=infeasible, seconds=time.perf_counter() - t0
+            ranked=ranked,
+            considered=len(quick),
+            infeasible=infeasible,
+            seconds=time.perf_counter() - t0,
+            objective=self.objective,
+            samples=self.w.sequences,
         )
         result.roofline = self.roofline(ranked[0])
         ranked[0] = self._sealed(ranked[0], result.roofline)
@@ -585,13 +596,18 @@ class Tuner:
             decode = steps * float(self.cost.decode_step(np.array([live]), context, gen.tp)[0])
             return train + decode if plan.rollout.lead == 0 else max(train, decode)
 
-        return sorted(candidates, key=lambda p: (estimate(p), p.summary()))
+        return sorted(candidates, key=lambda p: (self.objective.score(p, estimate(p)), p.summary()))
+
+    def rank(self, c: Candidate) -> tuple[float, str]:
+        """The sort key of the ranking: the objective (seconds per iteration, or predicted seconds to the
+        target), then the plan's summary (deterministic ties)."""
+        return self.objective.score(c.plan, c.result.iteration_s), c.plan.summary()
 
     def single(self, plan: ClusterPlan) -> TuneResult:
         """The prediction of the one plan a cluster allows (one device), ranked alone."""
         t0 = time.perf_counter()
         candidate = self.evaluate(plan, **FINAL)
-        result = TuneResult(ranked=[candidate], considered=1)
+        result = TuneResult(ranked=[candidate], considered=1, objective=self.objective, samples=self.w.sequences)
         result.roofline = self.roofline(candidate)
         result.ranked[0] = self._sealed(candidate, result.roofline)
         result.pipelines = self.pipelines(plan)
@@ -781,6 +797,7 @@ def explain(
         f"{cluster.devices} x {roof.get('peak_flops', cluster.hardware.peak_flops_bf16) / 1e12:.3g} TFLOP/s; "
         f"decode bound {roof['decode_bound_s']:.2f}s; the plan reaches {pred.efficiency:.0%} of the bound"
     )
+    lines += objective_lines(result, top)
     lines.append("runners-up:")
     seen = {best.plan.summary()}
     shown = 0
@@ -789,14 +806,141 @@ def explain(
             continue
         seen.add(c.plan.summary())
         shown += 1
-        lines.append(
-            f"  {c.result.iteration_s:8.2f}s (+{c.result.iteration_s / pred.iteration_s - 1:.0%})  {c.plan.summary()}"
-        )
-        lines.append(f"           loses on: {why_slower(c, best)}")
+        change = _change(c.result.iteration_s / pred.iteration_s - 1)
+        lines.append(f"  {c.result.iteration_s:8.2f}s ({change})  {c.plan.summary()}")
+        lines.append(f"           loses on: {why_slower(c, best, result.objective)}")
     return "\n".join(lines)
 
 
-def why_slower(c: Candidate, best: Candidate) -> str:
+def _change(x: float) -> str:
+    """``+12%``, ``-3%``; a change that rounds to nothing is ``+0%``."""
+    return f"{x:+.0%}" if abs(x) >= 0.005 else "+0%"
+
+
+def duration(seconds: float) -> str:
+    """``42.0 s``, ``12.5 min``, ``3.2 h``, ``1.5 d``: a time to target, readable."""
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.1f} s"
+
+
+def _distinct(ranked: list[Candidate], top: int) -> list[Candidate]:
+    """The first ``top`` candidates of distinct plans (a plan simulated twice is shown once)."""
+    seen: set[str] = set()
+    out = []
+    for c in ranked:
+        if c.plan.summary() not in seen and len(out) < top:
+            seen.add(c.plan.summary())
+            out.append(c)
+    return out
+
+
+def objective_lines(result: TuneResult, top: int = 5) -> list[str]:
+    """What the ranking is by, the top candidates' samples per second and predicted time to the target
+    reward side by side, and one line on why the winner wins."""
+    obj = result.objective
+    how = {
+        "throughput": "seconds per iteration, i.e. samples per second; --objective time-to-target ranks by "
+        "predicted time to the target reward",
+        "time-to-target": "predicted time to the target reward = seconds per iteration x iterations to the target",
+    }[obj.kind]
+    lines = [
+        f"objective: {obj.kind} ({how})",
+        f"  target: {obj.target_steps} iterations of a sync run (--target-steps; default the run's steps); "
+        f"sample efficiency {obj.efficiency.describe()}",
+        f"  {'s/iteration':>11} {'samples/s':>10} {'steps':>8} {'to target':>10}  plan",
+    ]
+    shown = _distinct(result.ranked, top + 1)
+    other = min(  # the winner under the other objective, shown too
+        result.ranked,
+        key=lambda c: (
+            c.result.iteration_s if obj.kind != "throughput" else obj.time_to_target(c.plan, c.result.iteration_s),
+            c.plan.summary(),
+        ),
+    )
+    if all(c.plan.summary() != other.plan.summary() for c in shown):
+        shown.append(other)
+    for c in shown:
+        it = c.result.iteration_s
+        sps = result.samples / it if it > 0 else 0.0
+        lines.append(
+            f"  {it:11.3f} {sps:10.1f} {obj.steps(c.plan.rollout):8.0f} "
+            f"{duration(obj.time_to_target(c.plan, it)):>10}  {c.plan.summary()}"
+        )
+    lines.append("why: " + why_wins(result))
+    return lines
+
+
+def _staleness(policy: Any) -> str:
+    """``samples 1.1 versions stale, 100% off-policy, 10% recycled`` (what costs a policy iterations)."""
+    stale, off, share = features(policy)
+    if not (stale or off or share):
+        return "on-policy samples"
+    parts = [f"samples {stale:.2g} version{'' if stale == 1 else 's'} stale", f"{off:.0%} off-policy"]
+    if share:
+        parts.append(f"{share:.0%} of tokens recycled")
+    return ", ".join(parts)
+
+
+def why_wins(result: TuneResult) -> str:
+    """One line: why the winner wins under the objective, against the plan the other objective would pick."""
+    obj, ranked = result.objective, result.ranked
+    best = ranked[0]
+    if len({c.plan.summary() for c in ranked}) == 1:
+        return "it is the only plan searched."
+
+    def ttt(c: Candidate) -> float:
+        return obj.time_to_target(c.plan, c.result.iteration_s)
+
+    def sps(c: Candidate) -> float:
+        return result.samples / c.result.iteration_s if c.result.iteration_s > 0 else 0.0
+
+    fastest = min(ranked, key=lambda c: (c.result.iteration_s, c.plan.summary()))
+    soonest = min(ranked, key=lambda c: (ttt(c), c.plan.summary()))
+    if obj.kind == "time-to-target":
+        if fastest.plan.summary() == best.plan.summary():
+            steps, why = obj.steps(best.plan.rollout), _staleness(best.plan.rollout)
+            return (
+                f"it is the fastest per iteration ({sps(best):.1f} samples/s) and so, at {steps:.0f} iterations to "
+                f"the target ({why}), the soonest there ({duration(ttt(best))})."
+            )
+        return (
+            f"it reaches the target in {duration(ttt(best))} against {duration(ttt(fastest))} for the fastest per "
+            f"iteration (rollout {fastest.plan.rollout.describe()}, {sps(fastest):.1f} samples/s against "
+            f"{sps(best):.1f}): that plan's {_staleness(fastest.plan.rollout)} need "
+            f"{obj.steps(fastest.plan.rollout):.0f} iterations to the winner's {obj.steps(best.plan.rollout):.0f} "
+            f"({_staleness(best.plan.rollout)}; {obj.efficiency.source} sample efficiency)."
+        )
+    if soonest.plan.summary() == best.plan.summary():
+        return (
+            f"it is the fastest per iteration ({sps(best):.1f} samples/s) and, with {_staleness(best.plan.rollout)}, "
+            f"also the soonest to the target ({duration(ttt(best))})."
+        )
+    return (
+        f"it is the fastest per iteration ({sps(best):.1f} samples/s), but its {_staleness(best.plan.rollout)} "
+        f"need {obj.steps(best.plan.rollout):.0f} iterations to the target: rollout "
+        f"{soonest.plan.rollout.describe()} ({sps(soonest):.1f} samples/s, {obj.steps(soonest.plan.rollout):.0f} "
+        f"iterations) would get there sooner ({duration(ttt(soonest))} against {duration(ttt(best))}); "
+        "rank by that with --objective time-to-target."
+    )
+
+
+def why_slower(c: Candidate, best: Candidate, objective: Objective | None = None) -> str:
+    """What costs the runner-up against the winner: under time-to-target, the iterations its rollout policy
+    needs when it is no slower per iteration; else the components that cost it the most time."""
+    if objective is not None and objective.kind == "time-to-target":
+        steps_c, steps_b = objective.steps(c.plan.rollout), objective.steps(best.plan.rollout)
+        if steps_c > steps_b and c.result.iteration_s <= best.result.iteration_s:
+            faster = 1 - c.result.iteration_s / best.result.iteration_s if best.result.iteration_s else 0.0
+            return (
+                f"{steps_c:.0f} iterations to the target against {steps_b:.0f} ({_staleness(c.plan.rollout)}), "
+                f"though {faster:.0%} faster per iteration"
+            )
+    return _slower_components(c, best)
+
+
+def _slower_components(c: Candidate, best: Candidate) -> str:
     """The components that cost the runner-up the most time against the winner."""
     deltas = {
         k: c.result.breakdown.get(k, 0.0) - best.result.breakdown.get(k, 0.0)

@@ -95,7 +95,7 @@ def read_run(path: str | Path) -> Measured:
     except RecursionError:
         raise ConfigError(f"{where}: trace.json is nested too deeply to be a trace.") from None
     spans = _driver_spans(trace, f"{where}: trace.json")
-    records = _records(folder / "metrics.jsonl")
+    records = read_records(folder / "metrics.jsonl")
     # an evaluation runs between two iterations (its record's step counts the updates before it): not their time
     evaluated = _eval_steps(records)
     keep = set(steady([it for _, it, _, _ in spans]))
@@ -138,7 +138,7 @@ def read_run(path: str | Path) -> Measured:
     )
 
 
-def _records(path: Path) -> list[dict]:
+def read_records(path: Path) -> list[dict]:
     """The records of a metrics.jsonl; lines that are not JSON objects (a crash's cut line, damage) are skipped."""
     if not path.is_file():
         return []

@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from flowrl.contract.objective import ObjectiveKind, SampleEfficiency
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.planner.constraints import Constraints
+from flowrl.planner.sample_efficiency import check_objective
 
 if TYPE_CHECKING:
     from flowrl.planner.autotune import TuneResult
@@ -30,12 +32,18 @@ class PlanOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     weight_sync: str | None = None  # --sync: pin the weight-sync strategy
     require: Constraints | None = None  # --require: constraints on the cluster plans searched
     compare: bool = False  # with require: also search unconstrained, for --explain to set beside it
+    # --objective: rank by seconds per iteration (throughput) or by predicted time to the target reward
+    objective: ObjectiveKind = "throughput"
+    target_steps: int | None = None  # --target-steps: iterations a sync run needs to the target (None: config.steps)
+    efficiency: SampleEfficiency | None = None  # None: the calibrated one (`flowrl calibrate`), else the prior
 
 
 def plan_options(given: PlanOptions | Mapping[str, Any] | None) -> PlanOptions:
     """``given`` as `PlanOptions`; a mapping's unknown or mistyped key is refused, naming it."""
     if given is None or isinstance(given, PlanOptions):
         return given or PlanOptions()
+    if isinstance(given.get("objective"), str):
+        check_objective(given["objective"])
     try:
         return msgspec.convert(dict(given), PlanOptions)
     except msgspec.ValidationError as exc:

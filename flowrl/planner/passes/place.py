@@ -118,14 +118,31 @@ def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     chosen, predicted = engines[0], {}
     if len(engines) > 1:
         predicted = {name: found.tune.ranked[0].result.iteration_s for name, (_, found) in tried.items()}
-        chosen = min(engines, key=lambda name: predicted[name])
+        chosen = min(engines, key=lambda name: _score(tried[name][1]))
     placed, found = tried[chosen]
     ctx.results.place = dataclasses.replace(found, engines=predicted)
     cfg = placed.config
     if cfg.generation.engine != chosen:
         placed = msgspec.structs.replace(placed, config=msgspec.structs.replace(cfg, generation=msgspec.structs.replace(
             cfg.generation, engine=chosen)))  # fmt: skip
-    return _with_generation(placed, chosen)
+    return _with_generation(_with_objective(placed, found), chosen)
+
+
+def _score(found: PlaceResult) -> float:
+    """What the tuner minimised for ``found``'s winner (seconds per iteration, or to the target)."""
+    if found.tune is None:
+        return 0.0
+    best = found.tune.ranked[0]
+    return found.tune.objective.score(best.plan, best.result.iteration_s)
+
+
+def _with_objective(plan: ExecutionPlan, found: PlaceResult) -> ExecutionPlan:
+    """``plan`` recording the objective its layout was ranked by and the winner's predicted time to target."""
+    if found.tune is None or plan.layout is None:
+        return plan
+    tune = found.tune
+    record = tune.objective.record(plan.layout, tune.ranked[0].result.iteration_s, tune.samples)
+    return msgspec.structs.replace(plan, objective=record)
 
 
 def _place(ctx: PlanContext, plan: ExecutionPlan, engine: str, share: int = 1) -> tuple[ExecutionPlan, PlaceResult]:
@@ -179,7 +196,7 @@ def _place(ctx: PlanContext, plan: ExecutionPlan, engine: str, share: int = 1) -
         tuner.constraints = Constraints()
         tuner._layout_cache.clear()
         free = tuner.search(budget_s=budget, rollout=free_policy, chunk_tokens=chunk, **pins)
-        if result.ranked[0].result.iteration_s < free.ranked[0].result.iteration_s:
+        if _score(PlaceResult(tune=result)) < _score(PlaceResult(tune=free)):
             free = result  # the constrained winner is in the unconstrained space: a shorter search missed it
     return msgspec.structs.replace(plan, layout=result.best), PlaceResult(tune=result, unconstrained=free)
 

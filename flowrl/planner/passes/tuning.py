@@ -23,6 +23,7 @@ def plan_tuner(ctx: PlanContext, plan: ExecutionPlan, engine: str, target: Clust
     from flowrl.planner.simulate import MicroBatching
 
     t, opts = target or plan.target, ctx.options
+    objective = plan_objective(ctx, plan)
     return Tuner(
         ctx.graph,
         t.model,
@@ -43,6 +44,20 @@ def plan_tuner(ctx: PlanContext, plan: ExecutionPlan, engine: str, target: Clust
         micro_batch=plan.config.train.micro_batch_size,
         batching=MicroBatching(plan.config.train.max_tokens_per_micro_batch, plan.config.train.pack),
         unsplit=[m for m, run in plan.models.items() if run.lora is not None],  # the torch engine splits no adapters
+        objective=objective,
+    )
+
+
+def plan_objective(ctx: PlanContext, plan: ExecutionPlan) -> Any:
+    """What the tuner ranks ``plan``'s candidates by (``--objective``), with the iterations a sync run needs to
+    the target (``--target-steps``, else the run config's steps) and the sample efficiency in use."""
+    from flowrl.planner.sample_efficiency import Objective, in_use
+
+    opts = ctx.options
+    return Objective(
+        kind=opts.objective,
+        target_steps=opts.target_steps or max(plan.config.steps, 1),
+        efficiency=opts.efficiency or in_use(),
     )
 
 
