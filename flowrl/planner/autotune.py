@@ -36,7 +36,7 @@ from flowrl.planner.constraints import Constraints
 from flowrl.planner.cost import CostModel
 from flowrl.planner.hardware import cost_provenance
 from flowrl.planner.sample_efficiency import Objective, features
-from flowrl.planner.simulate import MicroBatching, SimResult, padded_length, simulate
+from flowrl.planner.simulate import MicroBatching, SimResult, simulate
 from flowrl.planner.space import Roles, Skeleton, layouts, skeletons
 
 RAW_FACTOR = 25  # exhaustive search checks at most this many combinations per fitting plan it may keep

