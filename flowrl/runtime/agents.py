@@ -205,7 +205,7 @@ class AgentRollouts:
     def _start(self, ep: _Episode) -> None:
         assert self.endpoint is not None
         prompt = ep.prompt
-        messages = [dict(m) for m in prompt.messages] or [{"role": "user", "content": prompt.text}]
+        messages = self._messages(prompt)
         given = {
             "base_url": self.endpoint.base_url(ep.id),
             "api_key": self.endpoint.key,
@@ -279,10 +279,6 @@ class AgentRollouts:
             req.call.future.set_exception(error)
         ep.waited += time.monotonic() - req.call.received
         ep.request = None
-
-    @staticmethod
-    def _cut(row: Any, at: int) -> None:
-        del row.tokens[at:], row.logprobs[at:], row.versions[at:], row.action[at:]
 
     def _finish(self, ep: _Episode, reward: float, version: int) -> None:
         """``ep`` is over: its row ends with the reward as its last (empty) turn."""
@@ -485,10 +481,7 @@ class AgentRollouts:
                 self._restart(ep, self._encode(self._render(messages, tools, True)))
             else:
                 ids = self._encode(text)
-                row.tokens += ids
-                row.logprobs += [0.0] * len(ids)
-                row.versions += [version] * len(ids)
-                row.action += [0.0] * len(ids)
+                row.write(ids, version)
                 role = "tool" if any(m.get("role") == "tool" for m in messages[k + 1 :]) else "env"
                 row.turns.append(Turn(role=role, text=text, tokens=len(ids)))
         ep.history = normal
@@ -531,10 +524,7 @@ class AgentRollouts:
                 self._restart(ep, self._encode(text))
                 extra = []
         if extra:
-            row.tokens += extra
-            row.logprobs += [0.0] * len(extra)
-            row.versions += [version] * len(extra)
-            row.action += [0.0] * len(extra)
+            row.write(extra, version)
             row.turns.append(Turn(role="env", text=self.tokenizer.decode(extra), tokens=len(extra)))
         ep.context = text
 
@@ -570,7 +560,7 @@ class AgentRollouts:
             sampled = row.tokens[req.start :]
             reason = "stop" if row.finished and sampled and sampled[-1] == eos else "length"
             if len(sampled) > req.limit:  # a chunk ran past the request's max_tokens
-                self._cut(row, req.start + req.limit)
+                row.cut(req.start + req.limit)
                 self._count("cut_tokens", len(sampled) - req.limit)
                 row.finished, reason = True, "length"
             elif len(sampled) == req.limit or len(row.tokens) >= self.budget:
@@ -578,7 +568,7 @@ class AgentRollouts:
             if req.stop:
                 at = _stop_at(self.tokenizer, row.tokens[req.start :], req.stop)
                 if at is not None:
-                    self._cut(row, req.start + at)
+                    row.cut(req.start + at)
                     row.finished, reason = True, "stop"
             if row.finished:
                 req.reasons.append(reason)
@@ -698,7 +688,7 @@ class AgentRollouts:
                 if req is None or all(min(r.versions[req.start :], default=version) >= floor for r in req.rows):
                     continue
                 for r in req.rows:  # abort and resume: the request's tokens sampled again
-                    self._cut(r, req.start)
+                    r.cut(req.start)
                     r.finished = False
                 req.reasons.clear()
                 self._count("aborted_requests")

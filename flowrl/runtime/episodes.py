@@ -147,7 +147,7 @@ class Episodes:
             turn = len(row.tokens) - row.turn_start
             if turn > self.turn_tokens:  # a decode chunk ran past the turn's limit: cut at it
                 cut = row.turn_start + self.turn_tokens
-                del row.tokens[cut:], row.logprobs[cut:], row.versions[cut:], row.action[cut:]
+                row.cut(cut)
                 self.counts["cut_tokens"] = self.counts.get("cut_tokens", 0) + turn - self.turn_tokens
                 turn = self.turn_tokens
             if not (row.finished or turn >= self.turn_tokens):
@@ -301,10 +301,7 @@ class Episodes:
             Turn(role=role, text=text if write else "", reward=float(step.reward), tokens=len(obs) * write)
         )
         if write:
-            row.tokens += obs
-            row.logprobs += [0.0] * len(obs)
-            row.versions += [version] * len(obs)
-            row.action += [0.0] * len(obs)
+            row.write(obs, version)
             self.counts["env_replies"] = self.counts.get("env_replies", 0) + 1
         if more:  # the model's next turn (after what the environment wrote, if anything)
             row.text = "".join(t.text for t in row.turns)

@@ -55,6 +55,18 @@ class Row:
     def oldest(self) -> int | None:
         return min(self.versions) if self.versions else None
 
+    def cut(self, at: int) -> None:
+        """Drop the tokens from ``at`` on (with their log-probs, versions and action mask)."""
+        del self.tokens[at:], self.logprobs[at:], self.versions[at:], self.action[at:]
+
+    def write(self, ids: list[int], version: int) -> None:
+        """Append tokens the model reads but did not sample (an environment's or agent's text): no
+        log-prob, out of the loss."""
+        self.tokens += ids
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [version] * len(ids)
+        self.action += [0.0] * len(ids)
+
     def restart(self, step: int) -> None:
         self.tokens, self.logprobs, self.versions = [], [], []
         self.text, self.finished, self.done_at, self.started = "", False, -1, step
