@@ -153,6 +153,7 @@ class AgentRollouts:
     counts: dict[str, float] = field(default_factory=dict)
     endpoint: Endpoint | None = None
     _loop: asyncio.AbstractEventLoop | None = None
+    _loop_thread: threading.Thread | None = None
     _serial: int = 0
     _warned: set[str] = field(default_factory=set)
 
@@ -172,6 +173,9 @@ class AgentRollouts:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
+        if self._loop_thread is not None:
+            self._loop_thread.join(timeout=10)  # the loop stops at its next turn (a cancelled agent's, too)
+            self._loop_thread = None
 
     # ------------------------------------------------------------ episodes
     def launch(self, groups: Sequence[int], prompts: Sequence[Prompt], n: int, step: int) -> list[Any]:
@@ -250,7 +254,8 @@ class AgentRollouts:
     def _agent_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
             loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="flowrl-agents", daemon=True).start()
+            self._loop_thread = threading.Thread(target=loop.run_forever, name="flowrl-agents", daemon=True)
+            self._loop_thread.start()
             self._loop = loop
         return self._loop
 

@@ -5,6 +5,7 @@ sys.path): agent rollouts over the tiny default model (character tokenizer, no c
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,6 +57,12 @@ def trajectory(seqs: Any, i: int = 0) -> tuple[list[int], list[int], list[float]
     return prompt, seqs.response_ids[i, :n].tolist(), seqs.action_mask[i, :n].tolist()
 
 
-def our_threads() -> list[str]:
-    """The names of the live threads the endpoint and the agent loop run in."""
-    return [t.name for t in threading.enumerate() if t.name in ("flowrl-endpoint", "flowrl-agents")]
+def our_threads(wait_s: float = 15.0) -> list[str]:
+    """The names of the live threads the endpoint and the agent loop run in, once they had ``wait_s`` to
+    end (a cancelled agent's loop finishes shutting down after the rollout returned; a loaded box is slow)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        names = [t.name for t in threading.enumerate() if t.name in ("flowrl-endpoint", "flowrl-agents")]
+        if not names or time.monotonic() > deadline:
+            return names
+        time.sleep(0.05)

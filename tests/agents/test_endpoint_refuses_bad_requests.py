@@ -12,6 +12,7 @@ import httpx
 import pytest
 from agent_play import play, rewards, trajectory
 
+from flowrl.runtime import agents as agents_module
 from flowrl.runtime.endpoint import MAX_BODY
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -165,31 +166,45 @@ def test_more_requests_than_turns_is_a_429_then_the_budget_a_400(actor):
     assert len(response) <= 40  # the trajectory keeps to the response budget
 
 
-def test_a_second_request_while_one_is_in_flight_is_a_409(actor):
+def test_a_second_request_while_one_is_in_flight_is_a_409(actor, monkeypatch):
+    """Two episodes: the first sends two requests at once while the second has sent none, so whichever
+    request arrives first waits to be decoded (the driver waits for every running episode's request) and
+    the other is refused; the second episode ends once the refusal came, and the held request is served."""
+    monkeypatch.setattr(agents_module, "SETTLE_S", 60.0)  # no decode without the second episode
     log: list = []
+    refused = threading.Event()
+    roles = iter(["sender", "idle"])
+    role_lock = threading.Lock()
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
 
     def twice_at_once(base_url, api_key):
-        barrier = threading.Barrier(4)
+        with role_lock:
+            role = next(roles)
+        if role == "idle":
+            assert refused.wait(30)
+            return 1.0
+        barrier = threading.Barrier(2)
 
         def send():
             barrier.wait()
             with httpx.Client(timeout=30) as http:
                 r = http.post(base_url + "/chat/completions", headers={"Authorization": f"Bearer {api_key}"}, json=body)
                 log.append((r.status_code, r.json()))
+                if r.status_code == 409:
+                    refused.set()
 
-        threads = [threading.Thread(target=send) for _ in range(4)]
+        threads = [threading.Thread(target=send) for _ in range(2)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         return 1.0
 
-    seqs, metrics = play(actor, twice_at_once, turns=4)
+    seqs, metrics = play(actor, twice_at_once, n=2, turns=4)
     statuses = sorted(s for s, _ in log)
-    assert set(statuses) <= {200, 409} and 200 in statuses and 409 in statuses, log
+    assert statuses == [200, 409], log
     assert all(b["error"]["code"] == "busy" for s, b in log if s == 409)
-    assert rewards(seqs) == [1.0]
+    assert rewards(seqs) == [1.0, 1.0] and metrics["unsettled_decodes"] == 0
 
 
 def test_a_request_to_an_episode_that_is_over_is_a_410(actor):

@@ -9,6 +9,7 @@ says what is missing and how to resume. Never ``ray stop``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -183,10 +184,15 @@ def test_a_lost_node_is_replaced_and_the_run_finishes(two_nodes, tmp_path):
 def test_a_crashed_node_without_replacement_stops_with_what_is_missing_and_the_resume_command(two_nodes, tmp_path):
     def on_step(record):
         if record["step"] == 2:
-            node = _node_of(two_nodes, _worker(out, 1)["pid"])
+            pid = _worker(out, 1)["pid"]
+            node = _node_of(two_nodes, pid)
             # a crash (its raylet SIGKILLed): Ray lists the node as alive until its heartbeats time out, and a
-            # restart must not place a rank there meanwhile (a placement that never comes)
-            threading.Timer(0.05, two_nodes.remove_node, (node,), {"allow_graceful": False}).start()
+            # restart must not place a rank there meanwhile (a placement that never comes). Done before the
+            # next step, and the rank's process gone, so the run cannot finish first on a slow box.
+            two_nodes.remove_node(node, allow_graceful=False)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()
+            psutil.wait_procs([p for p in psutil.process_iter() if p.pid == pid], timeout=30)
 
     out = tmp_path / "short"
     graph, plan = _plan(tmp_path, "device_wait_s=1")
