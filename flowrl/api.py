@@ -23,7 +23,7 @@ from flowrl.graph.ir import Graph
 from flowrl.graph.loading import build_graph, find_graph
 from flowrl.planner.hardware import cpu_cluster, with_calibration
 from flowrl.planner.manager import initial_plan, run_passes
-from flowrl.planner.passes import PIPELINE, PassResults, PlanContext, PlanOptions, plan_options
+from flowrl.planner.passes import PIPELINE, PassResults, PlanContext, PlanOptions, plan_options, with_candidate
 from flowrl.planner.predict import Simulator
 from flowrl.plugins.manager import Entry, Registry
 from flowrl.plugins.manager import registry as default_registry
@@ -141,6 +141,50 @@ def plan(
     return graph, run_passes(
         graph, initial, reg, passes=PIPELINE if passes is None else passes, print_after=print_after, emit=emit, ctx=ctx
     )
+
+
+def plan_ranked(
+    source: str,
+    *,
+    top: int = 3,
+    registry: Registry | None = None,
+    emit: Callable[[str], None] = print,
+    target: ClusterTarget | None = None,
+    options: PlanOptions | dict[str, Any] | None = None,
+    results: PassResults | None = None,
+    for_backend: bool = False,
+    **kwargs: Any,
+) -> tuple[Graph, list[ExecutionPlan]]:
+    """`plan`, but one plan for each of the tuner's first ``top`` distinct candidates (distinct layout,
+    rollout policy or weight sync), best first: each is the plan `plan` would return had that candidate
+    won (its layout, the objective's record of its own prediction; the passes after ``place`` run on it).
+    The first is `plan`'s own. ``results.place.tune`` receives the ranking; a graph without a rollout has
+    one plan, and one device one candidate."""
+    from flowrl.planner.autotune import distinct
+
+    if top < 1:
+        raise PlanError(f"plan_ranked: top is {top}; ask for at least one candidate.")
+    reg = registry or default_registry()
+    results = results or PassResults()
+    split = PIPELINE.index("place") + 1
+    graph, placed = plan(
+        source, registry=reg, passes=PIPELINE[:split], emit=emit, target=target, options=options, results=results,
+        for_backend=for_backend, **kwargs,
+    )  # fmt: skip
+    tune = results.place.tune if results.place is not None else None
+    candidates = distinct(tune.ranked, top) if tune is not None else [None]  # no rollout: the one plan
+    ctx = PlanContext(graph=graph, registry=reg, options=plan_options(options), results=results)
+    return graph, [
+        run_passes(
+            graph,
+            placed if c is None else with_candidate(placed, tune, c),
+            reg,
+            passes=PIPELINE[split:],
+            emit=emit,
+            ctx=ctx,
+        )
+        for c in candidates
+    ]
 
 
 def graph_for_plan(p: ExecutionPlan, registry: Registry | None = None, source: str | None = None) -> Graph:

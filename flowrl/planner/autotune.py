@@ -825,7 +825,7 @@ def duration(seconds: float) -> str:
     return f"{seconds:.1f} s"
 
 
-def _distinct(ranked: list[Candidate], top: int) -> list[Candidate]:
+def distinct(ranked: list[Candidate], top: int) -> list[Candidate]:
     """The first ``top`` candidates of distinct plans (a plan simulated twice is shown once)."""
     seen: set[str] = set()
     out = []
@@ -851,7 +851,7 @@ def objective_lines(result: TuneResult, top: int = 5) -> list[str]:
         f"sample efficiency {obj.efficiency.describe()}",
         f"  {'s/iteration':>11} {'samples/s':>10} {'steps':>8} {'to target':>10}  plan",
     ]
-    shown = _distinct(result.ranked, top + 1)
+    shown = distinct(result.ranked, top + 1)
     other = min(  # the winner under the other objective, shown too
         result.ranked,
         key=lambda c: (

@@ -29,7 +29,7 @@ from flowrl.planner.passes.memory import memory
 from flowrl.planner.passes.micro_batch import fit_micro_batches, micro_batch
 from flowrl.planner.passes.numerics import CPU_BF16_PARAMETERS, cpu_has_bf16, engine_memory, resolve_numerics
 from flowrl.planner.passes.options import configured_options, node_options, node_plan_options
-from flowrl.planner.passes.place import colocated, generation_engines, place, rollout_policy
+from flowrl.planner.passes.place import colocated, generation_engines, place, rollout_policy, with_candidate
 from flowrl.planner.passes.residency import budgeted_rows, generates_in_place, group_states, lora_base
 from flowrl.planner.passes.resolve import resolve
 from flowrl.planner.passes.rows import node_rows, plan_rows
@@ -79,4 +79,5 @@ __all__ = [
     "rollout_policy",
     "task_lengths",
     "verify_plan",
+    "with_candidate",
 ]

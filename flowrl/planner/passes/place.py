@@ -35,6 +35,7 @@ from flowrl.planner.passes.tuning import plan_tuner
 from flowrl.specs import AUTO, RolloutConfig, rollout_parts
 
 if TYPE_CHECKING:
+    from flowrl.planner.autotune import Candidate, TuneResult
     from flowrl.planner.passes.context import PlanContext
 
 
@@ -125,7 +126,20 @@ def place(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     if cfg.generation.engine != chosen:
         placed = msgspec.structs.replace(placed, config=msgspec.structs.replace(cfg, generation=msgspec.structs.replace(
             cfg.generation, engine=chosen)))  # fmt: skip
-    return _with_generation(_with_objective(placed, found), chosen)
+    return _with_generation(_with_objective(placed, found.tune), chosen)
+
+
+def with_candidate(plan: ExecutionPlan, tune: TuneResult, candidate: Candidate) -> ExecutionPlan:
+    """``plan`` (as `place` wrote it) as `place` would have written it had the tuner's ``candidate`` won:
+    the candidate's layout (groups, sizes, rollout policy, weight sync), the objective's record of its own
+    prediction, and its generation layout's tp in the generating models' runs. The later passes
+    (`micro_batch`, `memory`) still have to run on it (`api.plan_ranked` does)."""
+    if not any(c is candidate for c in tune.ranked):
+        raise PlanError(f"candidate '{candidate.plan.summary()}' is not in the tuner's ranking.")
+    engines = [run.generation_engine for run in plan.models.values() if run.generation_engine is not None]
+    placed = msgspec.structs.replace(plan, layout=candidate.plan)
+    placed = _with_objective(placed, tune, candidate)
+    return _with_generation(placed, engines[0]) if engines else placed
 
 
 def _score(found: PlaceResult) -> float:
@@ -136,12 +150,13 @@ def _score(found: PlaceResult) -> float:
     return found.tune.objective.score(best.plan, best.result.iteration_s)
 
 
-def _with_objective(plan: ExecutionPlan, found: PlaceResult) -> ExecutionPlan:
-    """``plan`` recording the objective its layout was ranked by and the winner's predicted time to target."""
-    if found.tune is None or plan.layout is None:
+def _with_objective(plan: ExecutionPlan, tune: TuneResult | None, candidate: Candidate | None = None) -> ExecutionPlan:
+    """``plan`` recording the objective its layout was ranked by and ``candidate``'s (default: the winner's)
+    predicted time to target."""
+    if tune is None or plan.layout is None:
         return plan
-    tune = found.tune
-    record = tune.objective.record(plan.layout, tune.ranked[0].result.iteration_s, tune.samples)
+    chosen = candidate or tune.ranked[0]
+    record = tune.objective.record(plan.layout, chosen.result.iteration_s, tune.samples)
     return msgspec.structs.replace(plan, objective=record)
 
 
