@@ -1,11 +1,72 @@
-"""Shared by the benchmarks that run plans on this machine as ``cpu:2`` through Ray."""
+"""Shared by the benchmarks that run plans on this machine as ``cpu:2`` through Ray: the machine's
+profile and one private Ray (`start`), the settings every run shares (`settings`), plans with pinned
+layouts (`plan_variant`, `run_variant`), and what a run's metrics say (`reaching`, `seconds_to`, `summarise`)."""
 
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
+
+WINDOW = 5  # steps in the trailing mean of the reward that `seconds_to` compares with a target
+
+
+def settings(steps: int, out: Path, name: str, *extra: str) -> list[str]:
+    """The ``--set`` overrides of a benchmark run: ``steps`` steps from seed 0 on the Ray executor on CPU, no
+    checkpoints or progress bar, into ``out/runs/NAME``; then ``extra``."""
+    return [
+        f"steps={steps}",
+        "seed=0",
+        "executor=ray",
+        "device=cpu",
+        "checkpoint=false",
+        "progress=false",
+        f"out={out / 'runs'}",
+        f"name={name.replace(' ', '-')}",
+        *extra,
+    ]
+
+
+def reaching(records: list[dict], target: float, window: int = WINDOW) -> tuple[int, float] | None:
+    """(step, seconds): the first step (1-based) whose trailing mean reward (over ``window`` steps) reaches
+    ``target``, and the wall-clock from the run's start to its end; None if no step's does."""
+    elapsed, rewards = 0.0, []
+    for step, r in enumerate(records, 1):
+        elapsed += r["step_seconds"]
+        rewards.append(r["reward"])
+        recent = rewards[-window:]
+        if sum(recent) / len(recent) >= target:
+            return step, round(elapsed, 2)
+    return None
+
+
+def seconds_to(records: list[dict], target: float, window: int = WINDOW) -> float | None:
+    """Wall-clock from the run's start to the end of the first step whose trailing mean reward (over ``window``
+    steps) reaches ``target``; None if no step's does."""
+    reached = reaching(records, target, window)
+    return None if reached is None else reached[1]
+
+
+def summarise(records: list[dict], samples_per_step: int, target: float) -> dict:
+    """A run's metrics rows (``RunResult.metrics``) summed up: samples/s over the whole run, wall-clock to
+    ``target`` (`seconds_to`), final reward (mean of the last 10 % of steps), median step time over the second
+    half (when responses have the trained policy's lengths), the run's total, and the second half's response
+    length, staleness and recycled tokens."""
+    late = records[len(records) // 2 :]
+    tail = records[-max(len(records) // 10, 1) :]
+    total = sum(r["step_seconds"] for r in records)
+    return {
+        "samples_per_s": round(samples_per_step * len(records) / total, 1),
+        "seconds_to_target": seconds_to(records, target),
+        "final_reward": round(sum(r["reward"] for r in tail) / len(tail), 4),
+        "measured_s": round(statistics.median(r["step_seconds"] for r in late), 4),
+        "total_s": round(total, 1),
+        "response_length": round(statistics.mean(r["response_length"] for r in late), 2),
+        "staleness_mean": round(statistics.mean(r.get("rollout/staleness_mean", 0.0) for r in late), 3),
+        "recycled_tokens": round(statistics.mean(r.get("rollout/recycled_tokens", 0.0) for r in late), 3),
+    }
 
 
 def start(out: str | None, prefix: str) -> tuple[Path, Any, Any]:
@@ -50,20 +111,10 @@ def plan_variant(
     from flowrl.planner.constraints import parse_requirements
     from flowrl.planner.workload import Fixed, WorkloadSpec
 
-    settings = [
-        f"steps={steps}",
-        "seed=0",
-        "executor=ray",
-        "device=cpu",
-        "checkpoint=false",
-        "progress=false",
-        "rollout.ignore_eos=true",
-        f"rollout.max_new_tokens={max_new_tokens}",
-        f"out={out / 'runs'}",
-        f"name={name.replace(' ', '-')}",
-        *overrides,
-    ]
-    loaded, cfg = api.load(graph_src, overrides=settings)
+    given = settings(
+        steps, out, name, "rollout.ignore_eos=true", f"rollout.max_new_tokens={max_new_tokens}", *overrides
+    )
+    loaded, cfg = api.load(graph_src, overrides=given)
     need = parse_requirements(require, loaded.models) if require else None
     w = WorkloadSpec(
         prompts_per_step=cfg.rollout.prompts_per_step,
@@ -75,9 +126,7 @@ def plan_variant(
     )
     target = ClusterTarget(cluster=cluster, model=api.model_spec(cfg), workload=w)
     options = {"placement": placement, "weight_sync": sync, "require": need}
-    return api.plan(
-        graph_src, overrides=settings, target=target, for_backend=True, options=options, emit=lambda s: None
-    )
+    return api.plan(graph_src, overrides=given, target=target, for_backend=True, options=options, emit=lambda s: None)
 
 
 def run_variant(

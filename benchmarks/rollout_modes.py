@@ -30,6 +30,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cpu2 import settings, start, summarise
+
 HERE = Path(__file__).resolve().parent
 MODES = [
     ("sync", "sync", None),
@@ -45,35 +47,6 @@ TASKS = {
     "repeat-heavy": {"sigma": 1.0, "max_count": 32},  # a heavier length tail: p99 ~ 4x the p50 of repeat
 }
 TARGET = 0.8
-WINDOW = 5
-
-
-def seconds_to(records: list[dict], target: float) -> float | None:
-    """Wall-clock from the run's start to the end of the first step whose trailing mean reward reaches ``target``."""
-    elapsed, rewards = 0.0, []
-    for r in records:
-        elapsed += r["step_seconds"]
-        rewards.append(r["reward"])
-        window = rewards[-WINDOW:]
-        if sum(window) / len(window) >= target:
-            return round(elapsed, 2)
-    return None
-
-
-def summarise(records: list[dict], samples_per_step: int) -> dict:
-    late = records[len(records) // 2 :]
-    tail = records[-max(len(records) // 10, 1) :]
-    total = sum(r["step_seconds"] for r in records)
-    return {
-        "samples_per_s": round(samples_per_step * len(records) / total, 1),
-        "seconds_to_target": seconds_to(records, TARGET),
-        "final_reward": round(sum(r["reward"] for r in tail) / len(tail), 4),
-        "measured_s": round(statistics.median(r["step_seconds"] for r in late), 4),
-        "total_s": round(total, 1),
-        "response_length": round(statistics.mean(r["response_length"] for r in late), 2),
-        "staleness_mean": round(statistics.mean(r.get("rollout/staleness_mean", 0.0) for r in late), 3),
-        "recycled_tokens": round(statistics.mean(r.get("rollout/recycled_tokens", 0.0) for r in late), 3),
-    }
 
 
 def run_trl(python: str, task: str, options: dict, args: argparse.Namespace) -> dict:
@@ -128,7 +101,6 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="where the runs go (default: a temporary folder)")
     args = parser.parse_args()
     import ray
-    from cpu2 import start
 
     from flowrl import api
     from flowrl.contract.plan import ClusterTarget
@@ -143,22 +115,17 @@ def main() -> None:
             for name, mode, eta in MODES:
                 if name not in args.modes:
                     continue
-                overrides = [
-                    f"steps={args.steps}",
-                    "seed=0",
-                    "executor=ray",
-                    "device=cpu",
-                    "checkpoint=false",
-                    "progress=false",
+                overrides = settings(
+                    args.steps,
+                    tmp,
+                    f"{task_name}-{name.replace(' ', '-').replace('=', '')}",
                     "task=repeat",
                     *[f"task_options.{k}={v}" for k, v in options.items()],
                     f"rollout.prompts_per_step={args.prompts}",
                     f"rollout.samples_per_prompt={args.samples}",
                     f"rollout.mode={mode}",
                     *([f"rollout.staleness={eta}"] if eta is not None else []),
-                    f"out={tmp / 'runs'}",
-                    f"name={task_name}-{name.replace(' ', '-').replace('=', '')}",
-                ]
+                )
                 _, cfg = api.load("graphs/grpo.py", overrides=overrides)
                 target = ClusterTarget(cluster=cluster, model=api.model_spec(cfg))
                 graph, plan = api.plan(
@@ -168,7 +135,7 @@ def main() -> None:
                 row = {
                     "mode": name,
                     "plan": plan.layout.summary(),
-                    **summarise(result.metrics, samples_per_step),
+                    **summarise(result.metrics, samples_per_step, TARGET),
                     "predicted_s": round(plan.layout.predicted.iteration_s, 4),
                     "run": str(result.out_dir),
                 }
