@@ -254,6 +254,11 @@ def table(result: dict) -> list[str]:
     return lines
 
 
+def report(results: list[dict]) -> list[str]:
+    """What the benchmark prints at the end: each objective's table, then one JSON line per objective."""
+    return [line for result in results for line in table(result)] + [json.dumps(result) for result in results]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--objective", default="both", choices=["both", *OBJECTIVES])
@@ -281,10 +286,7 @@ def main() -> None:
         )  # fmt: skip
     finally:
         ray.shutdown()
-    for result in results:
-        print("\n".join(table(result)))
-    for result in results:
-        print(json.dumps(result))
+    print("\n".join(report(results)))
 
 
 if __name__ == "__main__":
