@@ -163,8 +163,6 @@ def _place(ctx: PlanContext, plan: ExecutionPlan, engine: str, share: int = 1) -
         )
         if not rollout:
             return msgspec.structs.replace(plan, layout=single), PlaceResult()  # nothing to simulate
-    elif not rollout:
-        raise PlanError(f"graph '{ctx.graph.name}' has no generate node; the cluster planner needs a rollout.")
     tuner = plan_tuner(ctx, plan, engine)
     pins = {"placement": opts.placement, "weight_sync": opts.weight_sync}
     if single is not None and any(pins.values()):
