@@ -744,7 +744,7 @@ def _split_conversation(
             raise ConfigError(f"{where}: the assistant turns of the conversation in '{data.prompt_key}' are empty.")
         return value[:first], later
     key = data.response_key
-    if key not in row:
+    if row.get(key) is None:  # a row without the column (`datasets` fills it with null)
         raise ConfigError(
             f"{where} has no '{key}' (data.response_key): every row needs a response to train on (or a "
             f"conversation with assistant turns in '{data.prompt_key}')."
