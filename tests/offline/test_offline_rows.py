@@ -70,7 +70,8 @@ def test_a_conversation_trains_its_assistant_turns_and_not_the_user_turn_between
 
 
 def test_a_response_column_with_a_chat_template_is_one_assistant_turn(tmp_path):
-    data = DataConfig(train=_rows(tmp_path, [{"q": "ab", "r": "ba"}]), prompt_key="q", response_key="r", verifier="none")
+    path = _rows(tmp_path, [{"q": "ab", "r": "ba"}])
+    data = DataConfig(train=path, prompt_key="q", response_key="r", verifier="none")
     (prompt,), _ = _prompts(data, TEMPLATE)
     assert prompt.completions == (Completion(pieces=("ba|",), trained=(True,)),)
     assert "r" not in prompt.meta  # the response is not metadata
