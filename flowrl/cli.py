@@ -490,10 +490,14 @@ def _summary(metrics: list[dict[str, Any]]) -> str:
     if not metrics:
         return "no steps ran."
     k = max(1, min(10, len(metrics) // 5))
-    first = sum(m["reward"] or 0 for m in metrics[:k]) / k
-    last = sum(m["reward"] or 0 for m in metrics[-k:]) / k
+    key, what = "reward", "reward"
+    nll = next((name for name in metrics[0] if name.endswith("/nll")), None)
+    if nll is not None and all(m.get("reward") is None for m in metrics):  # supervised (no reward): its loss
+        key, what = nll, "training NLL"
+    first = sum(m.get(key) or 0 for m in metrics[:k]) / k
+    last = sum(m.get(key) or 0 for m in metrics[-k:]) / k
     secs = sorted(m["step_seconds"] for m in metrics)[len(metrics) // 2]
-    text = f"reward {first:.3f} -> {last:.3f} (mean of first/last {k} steps), median step {secs:.3f}s"
+    text = f"{what} {first:.3f} -> {last:.3f} (mean of first/last {k} steps), median step {secs:.3f}s"
     gaps = [m["logprob_gap"] for m in metrics if isinstance(m.get("logprob_gap"), float)]
     if gaps:  # sampler vs trainer log-probs on the same weights (see runtime/nodes.py: logprob_gap)
         text += f", log-prob gap {max(gaps):.1e} (sampler vs trainer, worst step mean)"
