@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from helpers import resumed_after_step_1, untimed
 
@@ -82,3 +83,16 @@ def test_sft_trains_on_a_users_file_with_renamed_columns_and_a_held_out_file(tmp
     result = api.run(graph, plan, out_dir=tmp_path / "run")
     assert [e["eval/tokens"] for e in result.evals] == [2 + 2 + 3 + 3] * 2  # the 3 held-out responses + end tokens
     assert result.metrics[0]["data/rows"] == 8 and result.metrics[0]["train_actor/nll"] > 0
+
+
+def test_packed_sft_computes_the_same_first_loss_as_padded_sft(tmp_path):
+    first = {}
+    for pack in ("false", "true"):
+        graph, plan = api.plan(
+            "graphs/sft.py", overrides=[*SMALL, "checkpoint=false", f"train.pack={pack}", "train.dtype=float32"],
+            flags={"steps": 1}, emit=lambda s: None,
+        )  # fmt: skip
+        step = api.run(graph, plan, out_dir=tmp_path / pack).metrics[0]
+        first[pack] = step
+    assert first["true"]["train_actor/pad_frac"] == 0.0 < first["false"]["train_actor/pad_frac"]
+    assert first["true"]["train_actor/nll"] == pytest.approx(first["false"]["train_actor/nll"], rel=1e-4)
