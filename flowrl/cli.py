@@ -536,7 +536,11 @@ class _Progress:
         if record.get("kind") is not None:  # an evaluation or sample rows: printed above the bar
             self.bar.write(_report_lines(record))
             return
-        post = {"reward": f"{record['reward'] or 0:.3f}"}
+        nll = next((k for k in record if k.endswith("/nll")), None)
+        if record.get("reward") is None and nll is not None:  # supervised (no reward): its loss
+            post = {"nll": f"{record[nll]:.3f}"}
+        else:
+            post = {"reward": f"{record['reward'] or 0:.3f}"}
         if record.get("kl") is not None:
             post["kl"] = f"{record['kl']:.3f}"
         post["tok/s"] = f"{record['tokens_per_s']:.0f}"
