@@ -490,10 +490,14 @@ def _summary(metrics: list[dict[str, Any]]) -> str:
     if not metrics:
         return "no steps ran."
     k = max(1, min(10, len(metrics) // 5))
-    first = sum(m["reward"] or 0 for m in metrics[:k]) / k
-    last = sum(m["reward"] or 0 for m in metrics[-k:]) / k
+    key, what = "reward", "reward"
+    nll = next((name for name in metrics[0] if name.endswith("/nll")), None)
+    if nll is not None and all(m.get("reward") is None for m in metrics):  # supervised (no reward): its loss
+        key, what = nll, "training NLL"
+    first = sum(m.get(key) or 0 for m in metrics[:k]) / k
+    last = sum(m.get(key) or 0 for m in metrics[-k:]) / k
     secs = sorted(m["step_seconds"] for m in metrics)[len(metrics) // 2]
-    text = f"reward {first:.3f} -> {last:.3f} (mean of first/last {k} steps), median step {secs:.3f}s"
+    text = f"{what} {first:.3f} -> {last:.3f} (mean of first/last {k} steps), median step {secs:.3f}s"
     gaps = [m["logprob_gap"] for m in metrics if isinstance(m.get("logprob_gap"), float)]
     if gaps:  # sampler vs trainer log-probs on the same weights (see runtime/nodes.py: logprob_gap)
         text += f", log-prob gap {max(gaps):.1e} (sampler vs trainer, worst step mean)"
@@ -532,7 +536,11 @@ class _Progress:
         if record.get("kind") is not None:  # an evaluation or sample rows: printed above the bar
             self.bar.write(_report_lines(record))
             return
-        post = {"reward": f"{record['reward'] or 0:.3f}"}
+        nll = next((k for k in record if k.endswith("/nll")), None)
+        if record.get("reward") is None and nll is not None:  # supervised (no reward): its loss
+            post = {"nll": f"{record[nll]:.3f}"}
+        else:
+            post = {"reward": f"{record['reward'] or 0:.3f}"}
         if record.get("kl") is not None:
             post["kl"] = f"{record['kl']:.3f}"
         post["tok/s"] = f"{record['tokens_per_s']:.0f}"

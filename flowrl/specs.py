@@ -168,6 +168,9 @@ class DataConfig(Spec):
     val: str | list[str] = []  # evaluated every eval.every steps and once before training
     prompt_key: str = "prompt"
     answer_key: str = "answer"
+    # an offline source (graphs/sft.py) trains on each row's response in this column (a conversation in
+    # data.prompt_key, assistant turns included, needs none); None: rows are prompts only
+    response_key: str | None = None
     source_key: str = "source"  # a column naming each row's source: evaluation reports each one
     system_prompt: str | None = None
     chat_template: str = "auto"  # auto: the tokenizer's when it has one | none | a Jinja template FILE
@@ -742,6 +745,7 @@ RUN_SETTINGS = (
 #: them out while they hold their defaults, so a plan file an earlier flowrl wrote keeps its id.
 LATER_SECTIONS = (
     "data",
+    "data.response_key",
     "rollout.stop",
     "reward",
     *(f"algo.{name}" for name in ("mismatch", "mismatch_cap", "mismatch_low", "mismatch_high")),

@@ -24,6 +24,7 @@ torch until a tensor is built.
 from flowrl.contract.capabilities import Capabilities, EngineCapabilities, compose, rollout_conflict, unsupported
 from flowrl.contract.checked import CheckedSpec, SpecFieldError
 from flowrl.contract.data import (
+    Completion,
     EpisodeText,
     GenerateResult,
     Part,
@@ -165,6 +166,7 @@ __all__ = [
     "Prediction",
     "Predictor",
     "Prompt",
+    "Completion",
     "Response",
     "ResponseRules",
     "Rollout",

@@ -1,6 +1,7 @@
 """The typed data that crosses module boundaries, in one place.
 
-- `Prompt`: one task instance (what the model sees, the reference answer).
+- `Prompt`: one task instance (what the model sees, the reference answer); `Completion`: a given
+  continuation of a prompt (offline rows: a demonstration, one side of a preference pair).
 - `Turn`, `ToolCall`: one turn of a multi-turn episode (the model's, or the environment's), and a
   tool call parsed from a model turn; `EpisodeText`: a response as reward functions see it, with its turns.
 - `Sequences`: prompt + response token rows of one batch of responses (one constructor path:
@@ -28,6 +29,22 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 
+class Completion(msgspec.Struct, frozen=True, kw_only=True):
+    """A given continuation of a prompt, read from data rather than generated (an offline source:
+    `flowrl.runtime.offline`): its text after the prompt's, in ``pieces`` as the chat template
+    rendered them, each ``trained`` or not (the assistant's turns with their end-of-turn tokens are;
+    other roles' turns and the template's text between turns are not). ``eos``: the tokenizer's
+    end-of-text token follows, trained, so the model learns to stop (text without a chat template)."""
+
+    pieces: tuple[str, ...]
+    trained: tuple[bool, ...]
+    eos: bool = False
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
 class Prompt(msgspec.Struct, frozen=True, kw_only=True):
     """One task instance: what the model sees and the reference answer.
 
@@ -40,6 +57,8 @@ class Prompt(msgspec.Struct, frozen=True, kw_only=True):
     meta: dict[str, Any] = {}
     templated: bool = False
     messages: tuple[dict[str, str], ...] = ()  # the chat turns ``text`` was rendered from (templated prompts)
+    # offline rows: the given continuations (one demonstration; a preference pair: chosen, then rejected)
+    completions: tuple[Completion, ...] = ()
 
 
 class ToolCall(msgspec.Struct, frozen=True, kw_only=True):

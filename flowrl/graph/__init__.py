@@ -10,6 +10,7 @@ from flowrl.graph.ir import (
     ModelDecl,
     Node,
     Reward,
+    Source,
     StateDecl,
     Train,
 )
@@ -25,5 +26,6 @@ __all__ = [
     "ModelDecl",
     "Node",
     "Reward",
+    "Source",
     "Train",
 ]

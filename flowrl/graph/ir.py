@@ -78,6 +78,9 @@ class _Node(Spec, frozen=True, kw_only=True, tag_field="kind"):
     #: It samples responses to one key of prompts (its only read): its first write holds them, the
     #: rows of an iteration start here, and the next iteration's run reads the trained weights.
     samples: ClassVar[bool] = False
+    #: Its first write holds responses to one key of prompts (its only read): a generate node's, or a
+    #: source's read from the data. The rows of an iteration start here.
+    starts_rows: ClassVar[bool] = False
     #: It updates its model's weights (model@v -> v+1); every other node on the model runs first.
     trains: ClassVar[bool] = False
     #: It drops rows: every node after it sees only the rows it keeps.
@@ -150,6 +153,7 @@ class Generate(_Node, frozen=True, tag="generate"):
         return self.env is not None or self.agent is not None
 
     samples = True
+    starts_rows = True
     write_count = (1, 2)
     writes_doc = "responses and, optionally, their log-probs"
     color = "#8ecae6"
@@ -175,6 +179,36 @@ class Generate(_Node, frozen=True, tag="generate"):
             if self.env_tokens is not None:
                 parts.append(f"env_tokens={self.env_tokens}")
         return parts
+
+
+SourceRows = Literal["sft", "pairs"]
+
+
+class Source(_Node, frozen=True, tag="source"):
+    """Read the responses to one key of prompts from the data instead of generating them (offline
+    rows: `flowrl.runtime.offline`). ``rows="sft"``: one row per prompt, its demonstration (a
+    response column, or a conversation's turns from the first assistant turn on); ``rows="pairs"``:
+    two rows per prompt, the chosen response then the rejected one (a group of two, as a generate
+    node's ``n=2``). Only the assistant's tokens are trained. Runs on the controller, no model."""
+
+    rows: SourceRows = "sft"
+
+    starts_rows = True
+    write_count = (1, 1)
+    writes_doc = "exactly one key (the responses)"
+    dot_shape = "cylinder"
+    color = "#a8dadc"
+
+    @property
+    def per_prompt(self) -> int:
+        """Rows per prompt."""
+        return 2 if self.rows == "pairs" else 1
+
+    def label(self) -> str:
+        return "data"
+
+    def details(self) -> list[str]:
+        return [f"rows={self.rows}"]
 
 
 class Forward(_Node, frozen=True, tag="forward"):
@@ -295,7 +329,7 @@ class Train(_Node, frozen=True, tag="train"):
         return [f"loss={self.loss}"]
 
 
-Node = Generate | Forward | Reward | Compute | Filter | Train
+Node = Generate | Source | Forward | Reward | Compute | Filter | Train
 NODE_KINDS = tuple(kind.__struct_config__.tag for kind in get_args(Node))
 
 
@@ -492,6 +526,24 @@ class Graph:
                 failure_reward=float(failure_reward),
                 options=options,
             )
+        )
+
+    def source(
+        self,
+        name: str,
+        *,
+        reads: Iterable[str] | str = ("prompts",),
+        writes: Iterable[str] | str = ("responses",),
+        rows: SourceRows = "sft",
+    ) -> str:
+        """Responses read from the data, not generated (supervised fine-tuning, preference pairs): for
+        each prompt of ``reads``, its given response(s) as ``writes``, tokenized with the chat template
+        and the assistant's tokens marked trained. ``rows``: ``sft`` (one demonstration per prompt) or
+        ``pairs`` (chosen, then rejected)."""
+        if rows not in get_args(SourceRows):
+            raise GraphError(f"node '{name}': rows must be one of {', '.join(get_args(SourceRows))}, got {rows!r}.")
+        return self._add(
+            Source(name=name, reads=_keys(reads, "read", name), writes=_keys(writes, "write", name), rows=rows)
         )
 
     def forward(
@@ -911,6 +963,12 @@ class Graph:
         for node in self.nodes.values():
             if not node.keeps_rows:
                 continue
+            if not any(self.nodes[n].samples for n in nx.ancestors(self.dag(), node.name)):
+                raise self._fail(
+                    f"filter '{node.name}' keeps rows of no generate node; a filter keeps groups that generation "
+                    "samples (rows read from the data are chosen in the data).",
+                    node.name,
+                )
             gen, between = self.filter_segment(node.name)
             if gen in gens:
                 raise self._fail(
@@ -945,8 +1003,13 @@ class Graph:
                     )
 
     def sequence_keys(self) -> set[str]:
-        """Keys holding generated responses: the first key each generate node writes."""
-        return {n.writes[0] for n in self.nodes.values() if n.samples and n.writes}
+        """Keys holding responses: the first key each generate node writes, and what each source
+        reads from the data."""
+        return {n.writes[0] for n in self.nodes.values() if n.starts_rows and n.writes}
+
+    def sources(self) -> list[Source]:
+        """The nodes that read responses from the data (offline rows)."""
+        return [n for n in self.nodes.values() if isinstance(n, Source)]
 
     def _check_arity(self) -> None:
         """How many keys each node kind reads and writes, and which of them hold responses."""
@@ -954,7 +1017,7 @@ class Graph:
         for node in self.nodes.values():
             read_seqs = [k for k in node.reads if k in seqs]
             problem = None
-            if node.samples and (len(node.reads) != 1 or read_seqs):
+            if node.starts_rows and (len(node.reads) != 1 or read_seqs):
                 problem = f"reads {list(node.reads)}; a {node.kind} node reads exactly one key of prompts"
             elif node.write_count is not None and not node.write_count[0] <= len(node.writes) <= node.write_count[1]:
                 problem = f"writes {list(node.writes)}; a {node.kind} node writes {node.writes_doc.format(node=node)}"
@@ -963,9 +1026,9 @@ class Graph:
                     f"reads {len(read_seqs)} keys of generated responses "
                     f"({', '.join(read_seqs) or 'none'}); it needs exactly one, e.g. 'responses'"
                 )
-            prompt_keys = set(self.inputs) | {n.reads[0] for n in self.nodes.values() if n.samples and n.reads}
+            prompt_keys = set(self.inputs) | {n.reads[0] for n in self.nodes.values() if n.starts_rows and n.reads}
             if problem is None and node.reads_prompts and read_seqs:
-                gen = next(n for n in self.nodes.values() if n.samples and read_seqs[0] in n.writes)
+                gen = next(n for n in self.nodes.values() if n.starts_rows and read_seqs[0] in n.writes)
                 other = [k for k in node.reads if k in prompt_keys and k != gen.reads[0]]
                 if other and gen.reads:
                     problem = (

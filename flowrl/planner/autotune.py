@@ -85,8 +85,17 @@ def _captured(registry: Any, engine: str) -> bool:
 
 def roles_of(graph: Graph) -> Roles:
     gens = [n for n in graph.nodes.values() if n.kind == "generate"]
-    if not gens:
-        raise PlanError(f"graph '{graph.name}' has no generate node; the cluster planner needs a rollout.")
+    if not gens:  # a train-only graph (its responses come from the data): the train stage alone is planned
+        trainable = [m for m, d in graph.models.items() if d.trainable]
+        if not trainable:
+            raise PlanError(f"graph '{graph.name}' neither generates nor trains: there is nothing to plan.")
+        return Roles(
+            models=tuple(graph.models),
+            actor=trainable[0],
+            trainable=frozenset(trainable),
+            role=tuple((m, d.role) for m, d in graph.models.items()),
+            offline=True,
+        )
     return Roles(
         models=tuple(graph.models),
         actor=gens[0].model,

@@ -471,6 +471,8 @@ def simulate(
         while launched <= it + lead:  # rollouts run ahead of training by the policy's lead
             generation(launched)
             launched += 1
+        if it not in lengths:  # nothing generates (a train-only graph): the data's responses, as the workload has them
+            lengths[it] = sample_lengths(workload.response_length, sequences, rng)
         for name in order:
             node = graph.nodes[name]
             if node.samples:
@@ -525,7 +527,7 @@ def simulate(
         spans=spans,
         flops=flops_total / iterations + gen_flops / launched,
         gen_steps=gen_tokens / launched,
-        longest_decode=max(g.longest for g in gens.values()),
+        longest_decode=max((g.longest for g in gens.values()), default=0),
     )
 
 

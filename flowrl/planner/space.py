@@ -38,13 +38,18 @@ class Roles:
     trainable: frozenset[str]
     role: tuple[tuple[str, str], ...]  # (model, role): actor, critic, reference, reward, cost
     actors: tuple[str, ...] = ()  # every model that generates (multi-policy graphs), the first is `actor`
+    # no model generates (a train-only graph: its responses come from the data); `actor` is then the
+    # first trainable model, and no generation layout is costed
+    offline: bool = False
 
     def role_of(self, model: str) -> str:
         return dict(self.role)[model]
 
     @property
     def policies(self) -> tuple[str, ...]:
-        """Every generating model: ``actors``, or the actor alone when they are not listed."""
+        """Every generating model: ``actors``, or the actor alone when they are not listed (none offline)."""
+        if self.offline:
+            return ()
         return self.actors or (self.actor,)
 
 
@@ -119,6 +124,10 @@ def skeletons(
             if not tp_inside_nodes(g.first, g.devices, tp, per_node):  # a group across a node boundary
                 continue
             gen = GenerationLayout(group=gen_group, tp=tp, replicas=g.devices // tp)
+            if roles.offline:  # nothing generates: no rollout policy or weight sync to choose
+                out.append(Skeleton(placement, groups, tuple(sorted(assignment.items())), gen, RolloutPolicy(),
+                                    WeightSync(strategy="reshard")))  # fmt: skip
+                break
             policies = [RolloutPolicy()]
             policies.append(RolloutPolicy(staleness=1, partial=True, overprovision=0.25))
             if overlap:
@@ -164,6 +173,8 @@ def skeletons(
             roles.actor,
             overlap=False,
         )
+    if roles.offline:  # no generation group to give devices to
+        return out
     # AReaL: generation on its own devices, all training models colocated on the rest ...
     for g in sizes:
         t = devices - g

@@ -82,6 +82,10 @@ def assemble(graph: Graph, plan: ExecutionPlan, registry: Registry, schedule: Sc
         if m.generation_group is not None
     }
     rt = node_runtime(graph, plan, registry, task, generators, trainers)
+    if graph.sources():  # they tokenize the data's responses as the models do (one base model, one tokenizer)
+        model = next(iter(graph.models))
+        rt.tokenizer, rt.pad_id = built[model][0], pad_id(built[model][0])
+        rt.response_budget = plan.model_run(model).sampling.max_new_tokens
     policy = plan.layout.rollout if plan.layout is not None else RolloutPolicy()
     sources = {
         t.name: _source(graph, plan, graph.nodes[t.name], generators[t.model], policy, stream, built, rt)

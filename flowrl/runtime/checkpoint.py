@@ -31,10 +31,10 @@ STATE = "state.json"  # the last file written into a checkpoint folder (its mani
 
 
 def _types() -> dict[str, type]:
-    from flowrl.contract.data import GenerateResult, Part, Prompt, Sequences, ToolCall, Turn
+    from flowrl.contract.data import Completion, GenerateResult, Part, Prompt, Sequences, ToolCall, Turn
     from flowrl.runtime.rollout import RolloutBuffer, Row
 
-    types = (Sequences, Prompt, Part, GenerateResult, Row, RolloutBuffer, Turn, ToolCall)
+    types = (Sequences, Prompt, Completion, Part, GenerateResult, Row, RolloutBuffer, Turn, ToolCall)
     return {t.__name__: t for t in types}
 
 

@@ -17,6 +17,10 @@ the task scores it 1.0):
 - ``eval/maj@K``: the fraction of prompts whose most frequent final answer (majority vote over the
   K samples' answers as the task's verifier reads them) is correct;
 - with a ``data.source_key`` column, each of them per source as ``eval/SOURCE/...``.
+
+A graph that generates nothing (its responses come from the data: a source node) is evaluated by
+its held-out loss (`LossEvaluator`): ``eval/loss``, the mean negative log-likelihood per trained
+response token of the evaluation set's given responses under the trained model, and ``eval/tokens``.
 """
 
 from __future__ import annotations
@@ -216,3 +220,37 @@ def training_samples(step: int, batch: dict[str, Any], count: int) -> list[dict[
         row["reward"] = round(float(scores[i]), 6) if scores is not None else None
         out.append(row)
     return out
+
+
+class LossEvaluator:
+    """Held-out loss of a train-only graph: the trained model's mean NLL per trained token of the
+    evaluation set's given responses (what its source node would read for them)."""
+
+    def __init__(self, cfg: RunConfig, rt: Any, trainer: Any, source: Any, train_node: str) -> None:
+        self.cfg, self.rt, self.trainer, self.source, self.train_node = cfg, rt, trainer, source, train_node
+        self.prompts = eval_prompts(cfg, rt.task)
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.eval.every
+        return every > 0 and ((step + 1) % every == 0 or step + 1 == self.cfg.steps)
+
+    def run(self, updates: int) -> tuple[dict[str, Any], list[Scored]]:
+        """The ``eval/loss`` record after ``updates`` training steps, in chunks of a step's prompts."""
+        from flowrl.runtime.offline import mean_nll, offline_sequences
+
+        rt, total, count = self.rt, 0.0, 0
+        step = max(self.cfg.rollout.prompts_per_step, 1)
+        for start in range(0, len(self.prompts), step):
+            chunk = self.prompts[start : start + step]
+            seqs, _ = offline_sequences(
+                chunk, rt.task, rt.tokenizer, rt.pad_id, rows=self.source.rows, budget=rt.response_budget,
+                node=self.source.name,
+            )  # fmt: skip
+            with torch.no_grad():
+                logprobs = self.trainer.forward(seqs, "logprobs", rt.micro_batch.get(self.train_node, 0))
+            nll, n = mean_nll(logprobs.float(), seqs)
+            total, count = total + nll * n, count + n
+        record: dict[str, Any] = {"step": updates, "kind": "eval", "version": self.trainer.version}
+        record["eval/loss"] = round(total / max(count, 1), 6)
+        record["eval/tokens"] = count
+        return record, []

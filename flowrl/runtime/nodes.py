@@ -19,7 +19,7 @@ import torch
 from flowrl.contract.data import Sequences, StepBatch, sequences_in
 from flowrl.contract.protocols import GenerationEngine, TrainingEngine, TrainStep
 from flowrl.errors import BackendError, FlowRLError, GraphError, reworded
-from flowrl.graph.ir import Compute, Filter, Forward, Generate, Graph, Reward, Train
+from flowrl.graph.ir import Compute, Filter, Forward, Generate, Graph, Reward, Source, Train
 from flowrl.runtime.dispatch import draw_seed
 from flowrl.runtime.rewardpool import RewardRunner, split_result
 from flowrl.specs import AlgoConfig, loss_unit
@@ -43,6 +43,11 @@ class NodeRuntime:
     fused: Mapping[str, str] = field(default_factory=dict)  # forward node -> the train node computing its output
     rewards: RewardRunner = field(default_factory=RewardRunner)  # how reward functions run (reward.*)
     state: dict[str, float] = field(default_factory=dict)  # graph state: its value after the last update
+    # what source nodes tokenize the data's responses with: the models' tokenizer and pad id, and the
+    # response budget the plan sized the train step by (`flowrl.runtime.offline`)
+    tokenizer: Any = None
+    pad_id: int = 0
+    response_budget: int | None = None
     _rngs: dict[str, torch.Generator] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -496,8 +501,26 @@ def _train(
     return ({node.writes[0]: stats} if node.writes else {}), stats
 
 
+def _source(
+    rt: NodeRuntime, node: Source, inputs: dict[str, Any], algo: AlgoConfig, options: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    from flowrl.runtime.offline import offline_sequences
+
+    prompts = inputs[node.reads[0]]
+    seqs, metrics = offline_sequences(
+        prompts, rt.task, rt.tokenizer, rt.pad_id, rows=node.rows, budget=rt.response_budget, node=node.name
+    )
+    return {node.writes[0]: seqs}, metrics
+
+
 #: How each kind of node runs on the controller: ``runner(rt, node, inputs, algo, options) -> (outputs, metrics)``.
-RUNNERS: dict[type, Any] = {Forward: _forward, Reward: _reward, Compute: _compute, Train: _train}
+RUNNERS: dict[type, Any] = {
+    Source: _source,
+    Forward: _forward,
+    Reward: _reward,
+    Compute: _compute,
+    Train: _train,
+}
 
 
 def node_runtime(

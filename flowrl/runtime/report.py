@@ -31,11 +31,19 @@ def plot_rewards(
 
     steps = [m["step"] for m in metrics]
     panels = [("reward", "mean reward"), ("kl", "KL(actor || ref)"), ("response_length", "response tokens")]
+    nll = next((k for k in metrics[0] if k.endswith("/nll")), None) if metrics else None
+    if nll is not None and not any(m.get("reward") is not None for m in metrics):  # supervised: its loss
+        panels.insert(0, (nll, "training NLL per token"))
     panels = [(k, label) for k, label in panels if any(m.get(k) is not None for m in metrics)]
     evals = evals or []
-    curves = sorted({k for e in evals for k in e if k.startswith("eval/") and k.count("/") == 1} - {"eval/prompts"})
+    losses = {"eval/loss", "eval/tokens"}  # held-out loss (offline rows) has a panel of its own: not in [0, 1]
+    curves = sorted(
+        {k for e in evals for k in e if k.startswith("eval/") and k.count("/") == 1} - {"eval/prompts"} - losses
+    )
     if curves:
         panels.append(("eval", "evaluation"))
+    if any("eval/loss" in e for e in evals):
+        panels.append(("eval/loss", "held-out NLL per token"))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
     window = max(1, len(metrics) // 25)
     for ax, (key, label) in zip(axes[0], panels):
@@ -48,6 +56,13 @@ def plot_rewards(
             ax.set_ylim(-0.02, 1.02)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8, loc="lower right")
+            continue
+        if key == "eval/loss":
+            points = [(e["step"], e[key]) for e in evals if key in e]
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3, lw=1.4, color="#d62")
+            ax.set_xlabel("training steps done")
+            ax.set_title(label, fontsize=10)
+            ax.grid(alpha=0.3)
             continue
         ys = [float(m.get(key) or 0.0) for m in metrics]
         ax.plot(steps, ys, color="#9ab", lw=0.8, label="per step")

@@ -20,7 +20,7 @@ import msgspec
 
 from flowrl.contract.reading import generating_models
 from flowrl.errors import ConfigError
-from flowrl.runtime.evaluate import Evaluator, sample_rows, training_samples
+from flowrl.runtime.evaluate import Evaluator, LossEvaluator, sample_rows, training_samples
 
 SAMPLES = "samples.jsonl"
 
@@ -40,8 +40,13 @@ class Reports:
         resume: bool,
     ) -> None:
         self.cfg, self.log, self.result, self.on_step = cfg, log, result, on_step
-        self.evaluator: Evaluator | None = None
-        if cfg.eval.every > 0:
+        self.evaluator: Evaluator | LossEvaluator | None = None
+        graph = parts.rt.graph
+        if cfg.eval.every > 0 and not generating_models(graph) and graph.sources():  # held-out loss
+            source = graph.sources()[0]
+            train = next(n for n in graph.nodes.values() if n.trains and source.writes[0] in n.reads)
+            self.evaluator = LossEvaluator(cfg, parts.rt, parts.trainers[train.model], source, train.name)
+        elif cfg.eval.every > 0:
             policy = next(iter(generating_models(parts.rt.graph)), None)
             if policy is None or policy not in parts.generators:
                 raise ConfigError("eval.every is set, but the graph generates nothing to evaluate: set eval.every=0.")

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from flowrl.contract.plan import ExecutionPlan
 from flowrl.errors import PlanError
-from flowrl.graph.ir import Compute, Forward, Generate, Graph, Reward, Train
+from flowrl.graph.ir import Compute, Forward, Generate, Graph, Reward, Source, Train
 from flowrl.specs import Spec
 
 
 class Task(Spec):
     name: str  # a graph node, or "sync:<train node>"
-    kind: str  # generate | forward | reward | compute | train | sync
+    kind: str  # generate | source | forward | reward | compute | train | sync
     groups: tuple[str, ...]  # device groups it occupies; () runs on the controller
     deps: tuple[str, ...]  # tasks of the same iteration that must finish first
     model: str | None = None
@@ -135,7 +135,7 @@ def lower(graph: Graph, plan: ExecutionPlan, *, same_engine: bool = True) -> Sch
                 model=node.model,
                 micro_batch=micro.get(name, 0),
             )
-        elif isinstance(node, (Reward, Compute)):
+        elif isinstance(node, (Source, Reward, Compute)):
             task = Task(name=name, kind=node.kind, groups=(), deps=deps)
         else:  # pragma: no cover - the IR is a closed set
             raise TypeError(node)

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import msgspec
 
-from flowrl.contract.data import Prompt
+from flowrl.contract.data import Completion, Prompt
 from flowrl.errors import TaskError
 from flowrl.specs import Spec
 
@@ -82,6 +82,11 @@ class TaskBase(Spec, frozen=True, kw_only=True):
     def score(self, prompt: Prompt, response: str) -> float:
         """Rule-based reward in [0, 1]; 1.0 only for the exact answer."""
         return char_score(prompt.answer, response)
+
+    def completions(self, prompt: Prompt) -> tuple[Completion, ...]:
+        """A demonstration of ``prompt`` for an offline source (supervised fine-tuning): its correct
+        answer, then the end-of-text token, all trained (a built-in task's answer is a full response)."""
+        return (Completion(pieces=(prompt.answer,), trained=(True,), eos=True),)
 
     def _check(self, option: str, ok: bool, requirement: str) -> None:
         if not ok:

@@ -18,6 +18,11 @@ json, csv or parquet files or ``datasets.save_to_disk`` folders:
   loses and repeats no prompt.
 - ``data.verifier`` (math | exact | regex, see `flowrl.tasks.verifiers`) scores a response
   against the row's ground truth.
+- Offline rows (a graph with a source node, ``graphs/sft.py``): ``data.response_key`` names the
+  column of each row's response (text), trained on after its prompt; a prompt column holding a
+  conversation (messages with assistant turns) needs none: it is cut at its first assistant turn,
+  and every assistant turn from there on is trained (`flowrl.contract.data.Completion`). A response
+  longer than the response budget is dropped or truncated by ``data.overlong``, counted.
 
 Every problem with the user's files is a ``ConfigError`` that names the file, row, column or
 field at fault. Every file is untrusted (`flowrl.tasks.bounded` holds the limits): a jsonl line is
@@ -41,7 +46,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from flowrl.contract.data import Prompt
+from flowrl.contract.data import Completion, Prompt
 from flowrl.errors import ConfigError, plain_name
 from flowrl.specs import DATA_TASK, DataConfig, RunConfig, model_folders
 from flowrl.tasks import bounded
@@ -67,10 +72,13 @@ class DataReport:
     kept: dict[str, int] = field(default_factory=dict)
     dropped_long: dict[str, int] = field(default_factory=dict)  # over the prompt limit
     truncated: dict[str, int] = field(default_factory=dict)
+    long_responses: dict[str, int] = field(default_factory=dict)  # offline rows over the response budget
     longest: dict[str, int] = field(default_factory=dict)  # the longest prompt kept, in tokens
     templated: bool = False
     evaluated: bool = True  # eval.every > 0 (data.val is read for evaluation only)
     limit: str = "data.max_prompt_tokens"  # what the prompt limit is (data.max_prompt_tokens or the context's)
+    budget: int = 0  # the response budget offline rows are held to
+    response_overlong: str = "drop"
 
     def lines(self) -> list[str]:
         out = []
@@ -80,6 +88,9 @@ class DataReport:
                 text += f", {self.dropped_long[split]} dropped as longer than {self.limit}"
             if self.truncated.get(split):
                 text += f", {self.truncated[split]} truncated to {self.limit}"
+            if self.long_responses.get(split):
+                verb = "dropped" if self.response_overlong == "drop" else "cut"
+                text += f", {self.long_responses[split]} responses {verb} at the response budget ({self.budget} tokens)"
             text += " (chat template applied)" if self.templated else ""
             if split == "val" and not self.evaluated:
                 text += "; not evaluated: eval.every is 0 (set eval.every=N to evaluate every N steps)"
@@ -127,6 +138,10 @@ class DataTask:
     def prompts(self, rng: random.Random, n: int) -> list[Prompt]:
         """``n`` rows drawn with ``rng`` (the planner's look at prompt and answer lengths)."""
         return [self.train[rng.randrange(len(self.train))] for _ in range(n)]
+
+    def completions(self, prompt: Prompt) -> tuple[Completion, ...]:
+        """The row's given responses (read with data.response_key, or a conversation's turns)."""
+        return prompt.completions
 
     def score(self, prompt: Prompt, response: str) -> float:
         from flowrl.tasks import verifiers
@@ -199,7 +214,8 @@ def load(cfg: RunConfig) -> DataTask:
         tokenizer = load_tokenizer(folder, cfg.trust_remote_code)
         template = chat_template(data, tokenizer)
         limit, what = prompt_limit(cfg, folder, tokenizer)
-        report = DataReport(templated=template is not None, limit=what)
+        budget = cfg.rollout.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        report = DataReport(templated=template is not None, limit=what, budget=budget, response_overlong=data.overlong)
         splits = {
             split: rows_to_prompts(split, data, read_rows(split, data), tokenizer, template, report, limit)
             if data.files(split)  # type: ignore[arg-type]
@@ -237,7 +253,7 @@ def _check_verifier(cfg: RunConfig) -> None:
         raise ConfigError(
             f"data.verifier = {kind!r} is not a verifier; use one of {', '.join(known)}.{did_you_mean(kind, known)}"
         )
-    if kind == "none" and cfg.eval.every > 0:
+    if kind == "none" and cfg.eval.every > 0 and cfg.data.response_key is None:  # offline rows: held-out loss
         raise ConfigError(
             f"eval.every={cfg.eval.every} evaluates responses with the task's verifier, and data.verifier is none: set "
             "data.verifier (math, exact, regex) for the evaluation, or set eval.every=0 (your reward functions still "
@@ -366,6 +382,13 @@ def read_rows(split: str, data: DataConfig) -> list[dict[str, Any]]:
                     f"data.{split} file '{name}' has no column '{column}' (data.prompt_key); its columns: "
                     f"{', '.join(columns)}. Name the prompt column with --set data.prompt_key=COLUMN."
                 )
+        if data.response_key is not None and data.response_key not in columns and not _conversations(table, data):
+            raise ConfigError(
+                f"data.{split} file '{name}' has no column '{data.response_key}' (data.response_key), which holds "
+                f"the responses to train on; its columns: {', '.join(columns)}. Name it with --set "
+                "data.response_key=COLUMN, or give conversations (messages with assistant turns) in "
+                f"'{data.prompt_key}'."
+            )
         if data.answer_key not in columns and data.verifier != "none":
             raise ConfigError(
                 f"data.{split} file '{name}' has no column '{data.answer_key}' (data.answer_key), which the "
@@ -377,6 +400,12 @@ def read_rows(split: str, data: DataConfig) -> list[dict[str, Any]]:
         except Exception as exc:  # a data file that is cut short or damaged shows when its rows are read
             raise ConfigError(f"data.{split} file '{name}' cannot be read: {_first_line(exc)}") from None
     return rows
+
+
+def _conversations(table: Any, data: DataConfig) -> bool:
+    """Whether the first row's prompt column is a conversation with an assistant turn (offline rows)."""
+    first = table[0][data.prompt_key] if len(table) else None
+    return isinstance(first, list) and any(isinstance(t, Mapping) and t.get("role") == "assistant" for t in first)
 
 
 def _read_file(split: str, name: str) -> Any:
@@ -636,9 +665,15 @@ def rows_to_prompts(
     prompts = []
     report.rows[split] = len(rows)
     report.dropped_long[split] = report.truncated[split] = 0
+    report.long_responses[split] = 0
+    offline = data.response_key is not None
     for row in rows:
         where = f"data.{split} file '{row['__file__']}' row {row['__row__']}"
-        turns = _turns(where, data, row[data.prompt_key])
+        value = row[data.prompt_key]
+        later: list[dict[str, str]] = []  # offline rows: the turns after the prompt (the response's)
+        if offline:
+            value, later = _split_conversation(where, data, row, value)
+        turns = _turns(where, data, value)
         chars = sum(len(t["content"]) for t in turns)
         if chars > bounded.MAX_PROMPT_CHARS:  # before a tokenizer holds gigabytes for it
             raise ConfigError(
@@ -647,7 +682,8 @@ def rows_to_prompts(
             )
         kind = "regex" if data.verifier == "regex" else "math"  # a pattern is kept as written
         answer = ground_truth(row.get(data.answer_key), kind) if data.answer_key in row else ""
-        meta = {k: v for k, v in row.items() if k not in (data.prompt_key, data.answer_key, "__file__", "__row__")}
+        skip = (data.prompt_key, data.answer_key, data.response_key, "__file__", "__row__")
+        meta = {k: v for k, v in row.items() if k not in skip}
         text = render_turns(where, turns, tokenizer, template)
         count = _count(tokenizer, text, template)
         if count == 0:
@@ -657,17 +693,121 @@ def rows_to_prompts(
                 "the row out" + (", or fix data.chat_template." if template is not None else ".")
             )
         if limit is not None and count > limit:
-            if data.overlong == "drop":
+            if data.overlong == "drop" or offline:  # an offline row's response follows its whole prompt
                 report.dropped_long[split] += 1
                 continue
             text = _truncate(where, turns, tokenizer, template, limit, report.limit)
             report.truncated[split] += 1
             count = limit
+        completions: tuple[Completion, ...] = ()
+        if offline:
+            completion = _completion(where, turns, later, tokenizer, template)
+            if len(_tokens(tokenizer, completion)) > report.budget:
+                report.long_responses[split] += 1
+                if data.overlong == "drop":
+                    continue
+            completions = (completion,)
         report.longest[split] = max(report.longest.get(split, 0), count)
         messages = tuple(turns) if template is not None else ()  # re-rendered with an environment's tools
-        prompts.append(Prompt(text=text, answer=answer, meta=meta, templated=template is not None, messages=messages))
+        prompts.append(
+            Prompt(
+                text=text,
+                answer=answer,
+                meta=meta,
+                templated=template is not None,
+                messages=messages,
+                completions=completions,
+            )
+        )
     report.kept[split] = len(prompts)
     return prompts
+
+
+def _split_conversation(
+    where: str, data: DataConfig, row: Mapping[str, Any], value: Any
+) -> tuple[Any, list[dict[str, str]]]:
+    """An offline row as (its prompt, the turns trained after it): a conversation in the prompt column
+    is cut at its first assistant turn; otherwise the response column's text is one assistant turn."""
+    if isinstance(value, list) and any(isinstance(t, Mapping) and t.get("role") == "assistant" for t in value):
+        first = next(i for i, t in enumerate(value) if isinstance(t, Mapping) and t.get("role") == "assistant")
+        later = []
+        for i, turn in enumerate(value[first:], start=first):
+            role, content = turn.get("role") if isinstance(turn, Mapping) else None, None
+            content = turn.get("content") if isinstance(turn, Mapping) else None
+            if not isinstance(role, str) or not isinstance(content, str):
+                raise ConfigError(
+                    f"{where}: message {i + 1} of '{data.prompt_key}' must have text 'role' and 'content' fields, "
+                    f"got {turn!r:.80}."
+                )
+            later.append({"role": role, "content": content})
+        if not any(t["content"].strip() for t in later if t["role"] == "assistant"):
+            raise ConfigError(f"{where}: the assistant turns of the conversation in '{data.prompt_key}' are empty.")
+        return value[:first], later
+    key = data.response_key
+    if row.get(key) is None:  # a row without the column (`datasets` fills it with null)
+        raise ConfigError(
+            f"{where} has no '{key}' (data.response_key): every row needs a response to train on (or a "
+            f"conversation with assistant turns in '{data.prompt_key}')."
+        )
+    response = row[key]
+    if not isinstance(response, str):
+        raise ConfigError(
+            f"{where}: the response ('{key}') is {type(response).__name__} {response!r:.60}; it must be text."
+        )
+    if not response.strip():
+        raise ConfigError(f"{where}: the response ('{key}') is empty; give every row a response, or leave it out.")
+    if len(response) > bounded.MAX_PROMPT_CHARS:
+        raise ConfigError(
+            f"{where}: the response is {len(response):,} characters, over the {bounded.MAX_PROMPT_CHARS:,} a row may "
+            "have (flowrl.tasks.bounded.MAX_PROMPT_CHARS); leave the row out."
+        )
+    return value, [{"role": "assistant", "content": response}]
+
+
+def _completion(
+    where: str, turns: list[dict[str, str]], later: list[dict[str, str]], tokenizer: Any, template: str | None
+) -> Completion:
+    """The text after the prompt ``turns`` as the chat template renders the whole conversation, in pieces:
+    each assistant turn (with its end-of-turn text) trained, the text between turns not. Without a
+    template: the one response, then the end-of-text token."""
+    if template is None:
+        if len(later) > 1:
+            raise ConfigError(
+                f"{where}: a conversation of several turns needs a chat template, and the tokenizer has none (or "
+                "data.chat_template=none): give data.chat_template=FILE."
+            )
+        return Completion(pieces=(later[0]["content"],), trained=(True,), eos=True)
+    conversation = [*turns, *later]
+    full = render_turns(where, conversation, tokenizer, template, generation_prompt=False)
+    pieces: list[str] = []
+    trained: list[bool] = []
+    at = len(render_turns(where, turns, tokenizer, template))  # the prompt, with the generation prompt
+    for i in range(len(turns), len(conversation)):
+        if conversation[i]["role"] != "assistant":
+            continue
+        start = len(render_turns(where, conversation[:i], tokenizer, template))
+        end = render_turns(where, conversation[: i + 1], tokenizer, template, generation_prompt=False)
+        if not full.startswith(end) or start < at or start > len(end):
+            raise ConfigError(
+                f"{where}: the chat template does not render the conversation's turns one after another (a "
+                "conversation cut after a turn is not a prefix of the whole), so the assistant's tokens cannot be "
+                "told apart; give data.chat_template=FILE with a template that does."
+            )
+        if start > at:
+            pieces.append(full[at:start])
+            trained.append(False)
+        pieces.append(full[start : len(end)])
+        trained.append(True)
+        at = len(end)
+    if at < len(full):
+        pieces.append(full[at:])
+        trained.append(False)
+    return Completion(pieces=tuple(pieces), trained=tuple(trained))
+
+
+def _tokens(tokenizer: Any, completion: Completion) -> list[int]:
+    ids = [i for piece in completion.pieces for i in tokenizer(piece, add_special_tokens=False)["input_ids"]]
+    return ids + [0] * completion.eos
 
 
 def _turns(where: str, data: DataConfig, value: Any) -> list[dict[str, str]]:
@@ -709,12 +849,14 @@ def _turns(where: str, data: DataConfig, value: Any) -> list[dict[str, str]]:
     )
 
 
-def render_turns(where: str, turns: list[dict[str, str]], tokenizer: Any, template: str | None) -> str:
-    """Chat ``turns`` as a prompt's text: rendered by ``template`` (within the limits), or without one the
-    turns' texts joined by blank lines (a conversation with other turns than system and user is refused);
-    errors name ``where``."""
+def render_turns(
+    where: str, turns: list[dict[str, str]], tokenizer: Any, template: str | None, generation_prompt: bool = True
+) -> str:
+    """Chat ``turns`` as a prompt's text: rendered by ``template`` (within the limits; with the generation
+    prompt unless told not to), or without one the turns' texts joined by blank lines (a conversation
+    with other turns than system and user is refused); errors name ``where``."""
     if template is not None:  # within the time and size limits; its errors name the row and the template
-        return bounded.render_chat(tokenizer, template, turns, where=where, add_generation_prompt=True)
+        return bounded.render_chat(tokenizer, template, turns, where=where, add_generation_prompt=generation_prompt)
     if len(turns) > 1 and any(t["role"] not in ("system", "user") for t in turns):
         raise ConfigError(
             f"{where}: the prompt is a conversation with {', '.join(t['role'] for t in turns)} turns, which needs a "

@@ -162,7 +162,8 @@ def _with_objective(plan: ExecutionPlan, tune: TuneResult | None, candidate: Can
 
 def _place(ctx: PlanContext, plan: ExecutionPlan, engine: str, share: int = 1) -> tuple[ExecutionPlan, PlaceResult]:
     """`place` with generation costed as ``engine`` generates; ``share``: candidates splitting the search
-    budget. Returns the placed plan and the tuner's rankings (no tune: no rollout, nothing simulated).
+    budget. Returns the placed plan and the tuner's rankings (a graph that generates nothing: its train
+    stage alone is simulated).
 
     A plan for a backend on one device is the colocated layout with each model's micro-batch the
     mini-batch, halved until it fits; it is still simulated, so --explain shows its prediction.
@@ -176,10 +177,6 @@ def _place(ctx: PlanContext, plan: ExecutionPlan, engine: str, share: int = 1) -
         single = fit_micro_batches(
             ctx.graph, plan, colocated(ctx.graph, plan.workload, plan.config.train.micro_batch_size)
         )
-        if not rollout:
-            return msgspec.structs.replace(plan, layout=single), PlaceResult()  # nothing to simulate
-    elif not rollout:
-        raise PlanError(f"graph '{ctx.graph.name}' has no generate node; the cluster planner needs a rollout.")
     tuner = plan_tuner(ctx, plan, engine)
     pins = {"placement": opts.placement, "weight_sync": opts.weight_sync}
     if single is not None and any(pins.values()):
