@@ -432,7 +432,8 @@ def _weighted_median(h: Histogram) -> int:
 
 def compare(current: ExecutionPlan, new: ExecutionPlan, what: WhatIf) -> str:
     """The two plans side by side: the cluster and workload, the choice (placement, each model's layout,
-    generation, rollout, weight sync), the predicted seconds per iteration, samples per second and peak
+    generation, rollout, weight sync), the predicted seconds per iteration, samples per second, steps and
+    seconds to the target reward (the sample-efficiency-weighted objective, `PlanObjective`) and peak
     memory per device group, each with new/current; then a line naming what changed in the choice."""
     a, b = current.layout, new.layout
     rows: list[tuple[str, str, str, str]] = [
@@ -456,6 +457,14 @@ def compare(current: ExecutionPlan, new: ExecutionPlan, what: WhatIf) -> str:
         ("s/iteration", _num(ta), _num(tb), _ratio(ta, tb)),
         ("samples/s", _num(sa), _num(sb), _ratio(sa, sb)),
     ]
+    oa, ob = current.objective, new.objective
+    if oa is not None or ob is not None:  # the sample-efficiency-weighted time to the target reward
+        steps_a, steps_b = (o.steps if o is not None else None for o in (oa, ob))
+        tta, ttb = (o.time_to_target_s if o is not None else None for o in (oa, ob))
+        rows += [
+            ("steps to target", _num(steps_a), _num(steps_b), _ratio(steps_a, steps_b)),
+            ("s to target", _num(tta), _num(ttb), _ratio(tta, ttb)),
+        ]
     ma, mb = _memory(current), _memory(new)
     for group in dict.fromkeys([*ma, *mb]):
         x, y = ma.get(group), mb.get(group)

@@ -179,3 +179,17 @@ def test_config_items_become_set_overrides_and_target_items_do_not():
         ("cluster", "devices", False),
         ("hardware", "memory_bytes", True),
     ]
+
+
+def test_an_async_what_if_shows_the_time_to_target_beside_the_samples_per_second(capsys):
+    """Async trains on stale samples: more steps to the target, each cheaper; both show, from the plans'
+    recorded objective (steps x seconds per iteration)."""
+    code = main([*NAMED, "--set", "rollout.mode=sync", "--what-if", "rollout.mode=async", "--target-steps", "100"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    rows = table(out)
+    steps = [seconds(c) for c in rows["steps to target"][:2]]
+    assert steps[0] == pytest.approx(100, abs=0.5) and steps[1] > steps[0]  # stale samples cost steps
+    for col in (0, 1):
+        per_iteration = seconds(rows["s/iteration"][col])
+        assert seconds(rows["s to target"][col]) == pytest.approx(steps[col] * per_iteration, rel=0.02)
