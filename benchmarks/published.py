@@ -126,6 +126,11 @@ def plan_argv(case: dict, tmp: Path, budget: float, assumed: list[str]) -> list[
     argv = ["plan", graph_of(case), "--cluster", case["cluster"], "--model", case["model"]]
     argv += ["--workload", str(workload), "--budget", str(budget), "--out", str(tmp / "plan.yaml"), "--force"]
     argv += ["--set", f"generation.engine={case.get('generation_engine') or 'vllm'}"]  # a serving engine
+    w = case["workload"]
+    # the run's train steps as the workload has them: the memory pass sizes a step's micro-batches in flight from
+    # the train nodes' options (config train.*), the tuner from the workload; both must see the published ones
+    argv += ["--set", f"train.mini_batches={w.get('mini_batches') or 1}"]
+    argv += ["--set", f"train.epochs={w.get('ppo_epochs') or 1}"]
     lay = case.get("layout") or {}
     micro = (lay.get("train") or {}).get("micro_batch")
     if isinstance(micro, int):  # the published micro-batch (rows per forward/backward call)

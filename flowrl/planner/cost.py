@@ -219,7 +219,8 @@ class CostModel:
         """Forward (x3 with backward) of ``sequences`` on one model in its layout, in ``mini_batches`` steps.
 
         ``sharded`` (a trainable model over dp > 1, FSDP): every micro-batch all-gathers each layer's
-        weights. Split into pipeline stages (pp > 1): `pipeline`'s steps, one per mini-batch.
+        weights (and in a train step gathers them again and reduce-scatters their gradients), paying what its
+        compute cannot hide (`fsdp_exposed`). Split into pipeline stages (pp > 1): `pipeline`'s steps, one per mini-batch.
         """
         p = layout.parallel
         if p.pp > 1:
