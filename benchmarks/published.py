@@ -11,7 +11,10 @@ planned a second time without its requirements: the planner's free pick is print
 published layout, and the JSON line's ``free_pick_speedup`` is the predicted published-layout time
 over the free pick's. Generation is costed as a serving engine (``generation.engine`` vllm, or
 the case's ``generation_engine``); a case's ``layout.train.micro_batch`` is its published micro-batch, and
-a partial rollout's ``layout.staleness_threshold`` (verl fully-async) its over-provisioning.
+a partial rollout's ``layout.staleness_threshold`` (verl fully-async) its over-provisioning; a case's
+``layout.generation_batch`` the sequences its engine decodes at once per replica (``--decode-batch``), in
+static batches where ``layout.generation_batching`` is ``static`` (NeMo-Aligner's TensorRT-LLM calls of
+``rollout_micro_batch_size`` prompts). Each case is planned with its workload's mini-batches and epochs.
 For each case it also prints the MFU the published train phase implies
 for the workload as costed: above ~80% the assumed workload cannot be what that run trained on.
 Cases whose workload is not published (null prompts or samples) are skipped and listed.
@@ -126,10 +129,18 @@ def plan_argv(case: dict, tmp: Path, budget: float, assumed: list[str]) -> list[
     argv = ["plan", graph_of(case), "--cluster", case["cluster"], "--model", case["model"]]
     argv += ["--workload", str(workload), "--budget", str(budget), "--out", str(tmp / "plan.yaml"), "--force"]
     argv += ["--set", f"generation.engine={case.get('generation_engine') or 'vllm'}"]  # a serving engine
+    w = case["workload"]
+    # the run's train steps as the workload has them: the memory pass sizes a step's micro-batches in flight from
+    # the train nodes' options (config train.*), the tuner from the workload; both must see the published ones
+    argv += ["--set", f"train.mini_batches={w.get('mini_batches') or 1}"]
+    argv += ["--set", f"train.epochs={w.get('ppo_epochs') or 1}"]
     lay = case.get("layout") or {}
     micro = (lay.get("train") or {}).get("micro_batch")
     if isinstance(micro, int):  # the published micro-batch (rows per forward/backward call)
         argv += ["--set", f"train.micro_batch_size={micro}"]
+    batch = lay.get("generation_batch")
+    if isinstance(batch, int):  # the engine's sequences at once per replica: static batches where the case says so
+        argv += ["--decode-batch", f"static:{batch}" if lay.get("generation_batching") == "static" else str(batch)]
     stale = lay.get("staleness_threshold")
     partial = lay.get("rollout_mode") in MODES and "partial" in rollout_mode(lay).split("+")
     if partial and isinstance(stale, (int, float)) and stale > 0:

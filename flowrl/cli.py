@@ -627,6 +627,8 @@ def _planned(
         target = _cluster_target(args, kwargs)
     if args.address:
         target = _joined_target(args, kwargs, target)
+    if getattr(args, "decode_batch", None):
+        target = _with_decode_batch(target, args.decode_batch)
     if not args.cluster and args.workload:
         raise ConfigError(
             "--workload plans for a cluster; add --cluster (e.g. --cluster 16xA100-80G --model llama-7b)."
@@ -665,6 +667,26 @@ def _planned(
         **kwargs,
     )
     return graph, plan, results, options
+
+
+def _with_decode_batch(target: Any, value: str) -> Any:
+    """``target`` whose generation decodes as ``--decode-batch`` says: ``N`` sequences at once per replica,
+    continuously batched, or ``static:N`` in static batches of N."""
+    import msgspec
+
+    if target is None or target.workload is None:
+        raise ConfigError(
+            f"--decode-batch {value}: it forecasts a named cluster's generation engine; add --cluster and --model "
+            "(e.g. --cluster 8xH100-80G --model llama-7b)."
+        )
+    static, _, count = value.rpartition(":")
+    if static not in ("", "static") or not count.isdigit() or int(count) < 1:
+        raise ConfigError(
+            f"--decode-batch {value}: give N (continuous batching, at most N sequences per replica) or static:N "
+            "(static batches of N), N >= 1, e.g. --decode-batch static:8."
+        )
+    numerics = msgspec.structs.replace(target.numerics, decode_batch=int(count), static_decode=static == "static")
+    return msgspec.structs.replace(target, numerics=numerics)
 
 
 def _what_if(args: argparse.Namespace) -> int:
@@ -1011,6 +1033,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--workload",
         metavar="FILE",
         help="prompts per step, samples, lengths (YAML/TOML/JSON); default 1024 prompts, 1024+1024 tokens",
+    )
+    p.add_argument(
+        "--decode-batch",
+        metavar="[static:]N",
+        help="with --cluster: the generation engine decodes at most N sequences at once per replica, continuously "
+        "batched (vLLM's max_num_seqs; default 256), or static:N in static batches of N, each until its longest "
+        "response ends (TensorRT-LLM driven by NeMo-Aligner: rollout_micro_batch_size)",
     )
     p.add_argument(
         "--explain",

@@ -29,6 +29,10 @@ class Numerics(CheckedSpec, kw_only=True):
     # at most this many sequences decode at once per replica, continuously batched over a paged KV
     # cache; None: a replica decodes all its sequences at once, as one static batch (the local engine)
     decode_batch: Count | None = 256
+    # a replica decodes in static batches of at most ``decode_batch`` sequences: each batch until its longest
+    # response ends, the next one after it (TensorRT-LLM as NeMo-Aligner drives it, one generate call of
+    # ``rollout_micro_batch_size`` prompts at a time per data-parallel rank); False: continuously batched
+    static_decode: bool = False
     offload_for_rollout: bool = True  # colocated training states may go to host memory during generation
     reserve: Annotated[float, Meta(ge=0, lt=1)] = (
         0.08  # fraction of device memory kept for the allocator, NCCL and the framework
@@ -49,3 +53,8 @@ class Numerics(CheckedSpec, kw_only=True):
     # gradients, reduced once at the last (the torch engine); False: two layers gathered at a time and
     # each micro-batch's gradients reduced as its backward goes
     gather_whole: bool = False
+
+    @property
+    def static(self) -> bool:
+        """Whether a replica decodes static batches (`decode_batch` None, or `static_decode`)."""
+        return self.decode_batch is None or self.static_decode

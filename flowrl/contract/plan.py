@@ -124,8 +124,9 @@ class ExecutionPlan(Spec, kw_only=True):
         # and before sharded states and whole gathering (the executor's numerics, also in its capabilities),
         # and before pipeline parallelism was declared apart from tensor parallelism (its default: as before)
         caps = body["target"].get("capabilities") or {}
-        later = [(body["target"]["numerics"], "sharded_states"), (body["target"]["numerics"], "gather_whole")]
-        for numerics, flag in [*later, (caps.get("numerics") or {}, "gather_whole")]:
+        flags = ("sharded_states", "gather_whole", "static_decode")  # ... and before static decode batches
+        later = [(body["target"]["numerics"], flag) for flag in flags]
+        for numerics, flag in [*later, *((caps.get("numerics") or {}, flag) for flag in flags[1:])]:
             if flag in numerics and not numerics[flag]:
                 numerics.pop(flag)
         if caps.get("pipeline_parallel") is True:

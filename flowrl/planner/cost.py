@@ -219,7 +219,8 @@ class CostModel:
         """Forward (x3 with backward) of ``sequences`` on one model in its layout, in ``mini_batches`` steps.
 
         ``sharded`` (a trainable model over dp > 1, FSDP): every micro-batch all-gathers each layer's
-        weights. Split into pipeline stages (pp > 1): `pipeline`'s steps, one per mini-batch.
+        weights (and in a train step gathers them again and reduce-scatters their gradients), paying what its
+        compute cannot hide (`fsdp_exposed`). Split into pipeline stages (pp > 1): `pipeline`'s steps, one per mini-batch.
         """
         p = layout.parallel
         if p.pp > 1:
@@ -235,9 +236,24 @@ class CostModel:
         comm = micro * self.tp_pass(tokens_mb, p.tp, self.model.layers, backward, head=True)
         overhead = micro * self.model.layers * self.hw.kernel_overhead * (2 if backward else 1)
         if sharded and p.dp > 1:  # one FSDP unit per decoder layer and the root
-            units = self.model.layers + 1
-            comm += micro * units * self.allreduce(self.param_bytes / p.tp / units, p.dp, span=p.size) / 2
+            busy = (compute + comm + overhead) / micro  # one micro-batch's work, which hides the prefetches
+            comm += micro * self.fsdp_exposed(self.param_bytes / p.tp, self.model.layers + 1, p, busy, backward)
         return compute + comm + overhead
+
+    def fsdp_exposed(self, held: float, units: int, p: Any, busy: float, backward: bool) -> float:
+        """The seconds one micro-batch waits on the collectives of a model sharded over ``p.dp`` ranks (FSDP, one
+        unit per decoder layer and the root, ``held`` bytes per rank's tp slice), ``busy`` its compute, kernels and
+        tensor-parallel work. The forward all-gathers each unit; the backward gathers it again and reduce-scatters
+        its gradients (``reshard_after_forward``: three unit-sized collectives per unit in a train step). They run
+        on their own stream, the next unit's prefetched while the current one computes (PyTorch FSDP's
+        forward/backward prefetch, FSDP2's implicit prefetch; Zhao et al., "PyTorch FSDP", VLDB 2023, sec. 3.3):
+        only the first gather, and the part of each unit's collectives its compute cannot cover, stay exposed."""
+        gather = self.allreduce(held / units, p.dp, span=p.size) / 2  # one unit's all-gather
+        forward = busy / 3 if backward else busy  # a train step's passes: forward 1, backward 2
+        exposed = gather + (units - 1) * max(gather - forward / units, 0.0)
+        if backward:  # the re-gather and the reduce-scatter against the backward's compute
+            exposed += units * max(2 * gather - 2 * forward / units, 0.0)
+        return exposed
 
     def pipeline(
         self,
@@ -275,9 +291,8 @@ class CostModel:
             if rank == p.pp - 1:  # the loss: fp32 logits read and log-probs written (and their gradients)
                 seconds += self.stream(tokens_mb * self.model.outputs * FP32 * (5 if backward else 2) / p.tp)
             if sharded and p.dp > 1:  # one FSDP unit per decoder layer and the stage's root
-                units = layers + 1
                 held = pipe.rank_parameters(self.model, p.pp, rank) * BF16 / p.tp
-                seconds += units * self.allreduce(held / units, p.dp, span=p.size) / 2
+                seconds += self.fsdp_exposed(held, layers + 1, p, seconds, backward)
             sends = pipe.crossings(p.pp, v, rank) * directions * crossing
             compute.append(seconds)
             p2p.append(sends)

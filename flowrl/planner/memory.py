@@ -271,12 +271,15 @@ def generation_bytes(
     model: ModelSpec, numerics: Numerics, gen: GenerationLayout, sequences: int, max_len: int, in_place: bool = False
 ) -> int:
     """Weights of one generation replica plus the KV cache it needs: a static batch holds every
-    sequence at full length; a paged, continuously batched engine needs room for one sequence
-    of ``max_len`` tokens and runs as many at once as the rest of memory holds. ``in_place``: the
+    sequence at full length (all of a replica's, or at most ``decode_batch`` with `Numerics.static_decode`);
+    a paged, continuously batched engine needs room for one sequence of ``max_len`` tokens and runs as many at
+    once as the rest of memory holds. ``in_place``: the
     training engine samples with the weights it trains (held with its states), so the replica
     needs only the copy it computes with."""
     per_replica = max(1, -(-sequences // gen.replicas))
-    live = per_replica if numerics.decode_batch is None else 1
+    live = 1
+    if numerics.static:
+        live = min(per_replica, numerics.decode_batch or per_replica)
     held = numerics.compute_copy_bytes if in_place else numerics.weight_bytes
     weights = model.parameters() * held // gen.tp
     return weights + live * max_len * model.kv_bytes_per_token(numerics.activation_bytes) // gen.tp

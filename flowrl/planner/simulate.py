@@ -105,8 +105,9 @@ def live_half(lengths: np.ndarray) -> float:
 class Generator:
     """Per-iteration generation time across replicas, with partial-rollout carry-over.
 
-    A static-batch engine (``Numerics.decode_batch`` None) decodes waves of as many sequences as
-    fit at full length, each wave until its longest response ends; a continuous-batching engine
+    A static-batch engine (``Numerics.decode_batch`` None, or ``static_decode``: batches of at most
+    ``decode_batch``) decodes waves of as many sequences as fit at full length, each wave until its
+    longest response ends; a continuous-batching engine
     keeps up to ``decode_batch`` sequences live, as many as its paged KV cache holds. When resident
     training states would crowd that KV cache, they go to host memory for the rollout
     (``offloaded``: the bytes per device, whose round trip the weight sync pays)."""
@@ -125,7 +126,7 @@ class Generator:
         self.plan, self.cost, self.w, self.rng = plan, cost, workload, rng
         self.layout = gen = plan.generation_of(model) if model is not None else plan.generation
         numerics = numerics or Numerics()
-        self.continuous = numerics.decode_batch is not None
+        self.continuous = not numerics.static
         self.offloaded = 0
         if self.continuous:
             context = int(paged_context(workload))
@@ -139,6 +140,8 @@ class Generator:
         else:
             context = workload.prompt_length + workload.max_response()
             self.cap = kv_capacity(cost.model, numerics, cost.hw, gen.tp, static_bytes, context)
+            if numerics.decode_batch is not None:  # static batches of at most decode_batch
+                self.cap = min(self.cap, numerics.decode_batch)
         # Replicas are i.i.d.: simulate a sample of them (each with its real share of the batch).
         self.simulated = min(gen.replicas, sampled_replicas or gen.replicas)
         # partial rollouts carried over, per group size (a generate node's samples per prompt) and replica:
