@@ -492,7 +492,10 @@ def _summary(metrics: list[dict[str, Any]]) -> str:
     k = max(1, min(10, len(metrics) // 5))
     key, what = "reward", "reward"
     nll = next((name for name in metrics[0] if name.endswith("/nll")), None)
-    if nll is not None and all(m.get("reward") is None for m in metrics):  # supervised (no reward): its loss
+    margin = next((name for name in metrics[0] if name.endswith("/margin")), None)
+    if margin is not None and all(m.get("reward") is None for m in metrics):  # preference pairs: the margin
+        key, what = margin, "preference margin"
+    elif nll is not None and all(m.get("reward") is None for m in metrics):  # supervised (no reward): its loss
         key, what = nll, "training NLL"
     first = sum(m.get(key) or 0 for m in metrics[:k]) / k
     last = sum(m.get(key) or 0 for m in metrics[-k:]) / k
@@ -537,7 +540,11 @@ class _Progress:
             self.bar.write(_report_lines(record))
             return
         nll = next((k for k in record if k.endswith("/nll")), None)
-        if record.get("reward") is None and nll is not None:  # supervised (no reward): its loss
+        margin = next((k for k in record if k.endswith("/margin")), None)
+        if record.get("reward") is None and margin is not None:  # preference pairs: margin and accuracy
+            accuracy = margin.rsplit("/", 1)[0] + "/pref_accuracy"
+            post = {"margin": f"{record[margin]:.3f}", "acc": f"{record.get(accuracy) or 0:.2f}"}
+        elif record.get("reward") is None and nll is not None:  # supervised (no reward): its loss
             post = {"nll": f"{record[nll]:.3f}"}
         else:
             post = {"reward": f"{record['reward'] or 0:.3f}"}
