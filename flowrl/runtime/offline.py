@@ -65,8 +65,8 @@ def completions_of(task: Any, prompt: Prompt, rows: str, node: str) -> tuple[Com
             else "give one response column with --set data.response_key=COLUMN"
         )
         raise GraphError(
-            f"node '{node}' (rows={rows}) needs {what} per prompt; the prompt {prompt.text[:60]!r} of task '{name}' "
-            f"has {len(given)}: {how}."
+            f"node '{node}' (rows={rows}) needs {what} per prompt; the prompt {prompt.text[:60]!r} has {len(given)}: "
+            f"{how}."
         )
     return given
 
