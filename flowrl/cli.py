@@ -1078,7 +1078,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_show)
     p = sub.add_parser("plugins", help="list plugins and what they register")
     p.set_defaults(func=cmd_plugins)
+    p = sub.add_parser("data", help="make training data: preference pairs from problems with numeric answers")
+    data = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    q = data.add_parser(
+        "pairs",
+        help="preference pairs (prompt, chosen, rejected) from a GSM8K-format jsonl file: the worked answer "
+        "chosen, the same work with a slip in its final number rejected (for graphs/dpo.py)",
+    )
+    q.add_argument("input", metavar="IN.jsonl", help="rows with a question and an answer 'work #### N'")
+    q.add_argument("--out", metavar="FILE", required=True, help="the jsonl file of pairs to write")
+    q.add_argument("--prompt-key", default="question", help="the question column (default: question)")
+    q.add_argument("--answer-key", default="answer", help="the answer column (default: answer)")
+    q.add_argument("--seed", type=int, default=0, help="draws the wrong numbers (default: 0)")
+    q.add_argument("--force", action="store_true", help="replace --out if it exists")
+    q.set_defaults(func=cmd_data_pairs)
     return parser
+
+
+def cmd_data_pairs(args: argparse.Namespace) -> int:
+    from flowrl.tasks.pairs import write_pairs
+
+    count = write_pairs(
+        Path(args.input),
+        Path(args.out),
+        prompt_key=args.prompt_key,
+        answer_key=args.answer_key,
+        seed=args.seed,
+        force=args.force,
+    )
+    print(f"{count} preference pairs -> {args.out} (columns prompt, chosen, rejected, answer)")
+    return 0
 
 
 def _plugin_commands(parser: argparse.ArgumentParser) -> None:

@@ -49,7 +49,7 @@ class PluginInfo:
 SINGULAR: dict[str, str] = {k.name: k.singular for k in KINDS}
 
 #: flowrl's own sub-commands (flowrl.cli); a plugin command may not reuse one of these names.
-CORE_COMMANDS = ("run", "plan", "calibrate", "show", "plugins")
+CORE_COMMANDS = ("run", "plan", "calibrate", "show", "plugins", "data")
 
 #: How flowrl calls what each kind registers; the positional arguments are bound against its signature.
 CALLS: dict[str, str] = {k.name: k.call for k in KINDS if k.call is not None}

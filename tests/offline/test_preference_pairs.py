@@ -128,3 +128,27 @@ def test_a_pairs_source_over_a_task_without_pairs_says_how_to_give_them():
 
     with pytest.raises(GraphError, match="data.chosen_key=COLUMN data.rejected_key=COLUMN"):
         offline_sequences([Prompt(text="a", answer="a")], NoPairs(), build_tokenizer(), 0, rows="pairs")
+
+
+def test_data_pairs_makes_a_preference_file_from_gsm8k_rows_that_the_loader_reads(tmp_path, capsys):
+    from flowrl.cli import main
+
+    src, out = tmp_path / "train.jsonl", tmp_path / "pairs.jsonl"
+    rows = [
+        {"question": "Tom has 12 apples and gets 9 more. How many?", "answer": "12 + 9 = 21. #### 21", "source": "add"},
+        {"question": "Li buys 3 bags of 4. How many?", "answer": "3 * 4 = 12. #### 12"},
+    ]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["data", "pairs", str(src), "--out", str(out)]) == 0
+    pairs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert pairs[0]["chosen"] == "12 + 9 = 21. The answer is 21." and pairs[0]["answer"] == "21"
+    wrong = pairs[0]["rejected"].rsplit(" ", 1)[-1].rstrip(".")
+    assert wrong != "21" and pairs[0]["rejected"] == f"12 + 9 = {wrong}. The answer is {wrong}."
+    assert pairs[0]["source"] == "add" and pairs[0]["prompt"] == rows[0]["question"]
+    first = out.read_text()
+    assert main(["data", "pairs", str(src), "--out", str(out), "--force"]) == 0 and out.read_text() == first  # seeded
+    prompts, _ = _pairs(str(out))
+    assert [c.text for c in prompts[1].completions][0] == "3 * 4 = 12. The answer is 12."
+    src.write_text(json.dumps({"question": "q", "answer": "no number #### many"}) + "\n")
+    assert main(["data", "pairs", str(src), "--out", str(out), "--force"]) == 2
+    assert "row 1: the answer's final part 'many' is not a number" in " ".join(capsys.readouterr().err.split())
