@@ -412,7 +412,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"flowrl: done. {summary}")
     if result.evals:  # the first and the last evaluation, side by side
         first, last = result.evals[0], result.evals[-1]
-        shown = [k for k in last if k.startswith("eval/") and k.count("/") == 1 and k != "eval/prompts" and k in first]
+        counts = ("eval/prompts", "eval/pairs")
+        shown = [k for k in last if k.startswith("eval/") and k.count("/") == 1 and k not in counts and k in first]
         pairs = ", ".join(f"{k[5:]} {first[k]:.3f} -> {last[k]:.3f}" for k in shown)
         print(f"  evaluation: after {first['step']} -> {last['step']} steps: {pairs}")
         print(f"  samples:    {result.out_dir / 'samples.jsonl'}")
@@ -513,7 +514,7 @@ def _report_lines(record: dict[str, Any]) -> str:
         shown = ", ".join(
             f"{k[5:]} {v:.3f}"
             for k, v in record.items()
-            if k.startswith("eval/") and k.count("/") == 1 and k != "eval/prompts"
+            if k.startswith("eval/") and k.count("/") == 1 and k not in ("eval/prompts", "eval/pairs")
         )
         return f"eval after {record['step']} steps: {shown}"
     lines = []
