@@ -32,7 +32,10 @@ def plot_rewards(
     steps = [m["step"] for m in metrics]
     panels = [("reward", "mean reward"), ("kl", "KL(actor || ref)"), ("response_length", "response tokens")]
     nll = next((k for k in metrics[0] if k.endswith("/nll")), None) if metrics else None
-    if nll is not None and not any(m.get("reward") is not None for m in metrics):  # supervised: its loss
+    margin = next((k for k in metrics[0] if k.endswith("/margin")), None) if metrics else None
+    if margin is not None and not any(m.get("reward") is not None for m in metrics):  # preference pairs
+        panels.insert(0, (margin, "training preference margin"))
+    elif nll is not None and not any(m.get("reward") is not None for m in metrics):  # supervised: its loss
         panels.insert(0, (nll, "training NLL per token"))
     panels = [(k, label) for k, label in panels if any(m.get(k) is not None for m in metrics)]
     evals = evals or []
