@@ -23,6 +23,7 @@ def test_the_dpo_plan_scores_the_pairs_with_the_reference_once_and_generates_not
     assert all(m.generation_group is None for m in schedule.models)
     assert graph.nodes["ref_logprobs"].model == "ref" and graph.models["ref"].init_from == "actor"
     assert plan.options["train_actor"].options["beta"] == 0.1
+    assert {n.node: n.rows for n in plan.nodes} == {"data": 16, "ref_logprobs": 16, "train_actor": 16}  # 8 pairs
 
 
 @pytest.mark.slow
