@@ -12,7 +12,7 @@ function imports torch and the tensor math when it runs (tests/test_cli_imports.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from flowrl.contract.data import Prompt
 from flowrl.specs import AlgoConfig
@@ -430,7 +430,7 @@ def dpo_loss(
     *,
     beta: float = 0.1,
     label_smoothing: float = 0.0,
-    loss_type: str = "sigmoid",
+    loss_type: Literal["sigmoid", "robust", "ipo"] = "sigmoid",
 ) -> tuple[Tensor, dict[str, float]]:
     """DPO on preference pairs (rows 2i chosen, 2i+1 rejected; `flowrl.algorithms.losses.dpo_loss`): the
     policy's and the reference's (``ref_logprobs``) summed log-probs of each response's trained tokens.

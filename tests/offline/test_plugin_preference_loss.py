@@ -43,7 +43,7 @@ def test_the_plugins_simpo_loss_is_registered_as_a_pair_loss(registry):
     seqs, _ = offline_sequences([Prompt(text="ab>", answer="ab", completions=pair)], None, build_tokenizer(), 0,
                                 rows="pairs")  # fmt: skip
     logprobs = torch.tensor([[-1.0, -1.0, -1.0], [-3.0, -3.0, 0.0]])  # means -1 and -3 over 3 and 2 tokens
-    loss, stats = entry.obj(logprobs, {"responses": seqs}, AlgoConfig(), beta=2.0, gamma=1.0)
+    loss, stats = entry.obj(logprobs, {"responses": seqs}, AlgoConfig(), beta=2.0, target_margin=1.0)
     h = 2.0 * (-1.0) - 2.0 * (-3.0) - 1.0
     assert float(loss) == pytest.approx(-float(torch.nn.functional.logsigmoid(torch.tensor(h))))
     assert stats["margin"] == pytest.approx(4.0) and stats["pref_accuracy"] == 1.0
@@ -55,6 +55,7 @@ def test_the_plugins_simpo_graph_trains_the_tiny_model_toward_the_chosen_respons
         overrides=["progress=false", "rollout.prompts_per_step=8", "eval.every=12", "checkpoint=false"],
     )  # fmt: skip
     assert [n.kind for n in plan.nodes] == ["source", "train"]  # reference-free: no forward node
+    assert plan.options["train_actor"].options["target_margin"] == 1.0  # the loss's option, not an algo field
     result = api.run(graph, plan, registry=registry, out_dir=tmp_path / "run")
     first, last = result.evals[0], result.evals[-1]
     assert last["eval/margin"] > first["eval/margin"]

@@ -1,6 +1,6 @@
 """SimPO (Meng et al., 2024) as a plugin's preference loss: reference-free, length-normalised, with a
 target margin. Each response's implicit reward is ``beta`` times its mean log-prob per trained token,
-and the loss of a pair is ``-log sigmoid(r_chosen - r_rejected - gamma)`` (with ``label_smoothing``
+and the loss of a pair is ``-log sigmoid(r_chosen - r_rejected - target_margin)`` (with ``label_smoothing``
 the chance a label is flipped, as cDPO). No reference model: the graph is the data's pairs and one
 train node. Registered with ``rows="pairs"``: the engine keeps each pair (rows 2i chosen, 2i+1
 rejected, from a ``g.source(..., rows="pairs")`` node) in one micro-batch."""
@@ -19,9 +19,9 @@ DEFAULTS = {
 
 
 def simpo_loss(
-    logprobs: Any, batch: Any, algo: Any, *, beta: float = 2.0, gamma: float = 1.0, label_smoothing: float = 0.0
+    logprobs: Any, batch: Any, algo: Any, *, beta: float = 2.0, target_margin: float = 1.0, label_smoothing: float = 0.0
 ) -> tuple[Any, dict[str, float]]:
-    """The mean over pairs of -(1-e) log sigmoid(h) - e log sigmoid(-h), h = r_chosen - r_rejected - gamma,
+    """The mean over pairs of -(1-e) log sigmoid(h) - e log sigmoid(-h), h = r_chosen - r_rejected - target_margin,
     r = beta * (mean log-prob of the response's trained tokens)."""
     import torch
     import torch.nn.functional as F
@@ -35,7 +35,7 @@ def simpo_loss(
     mask = seqs.sampled_mask.to(logprobs.dtype)
     summed = (logprobs * mask).sum(-1)
     reward = beta * summed / mask.sum(-1).clamp_min(1.0)
-    h = reward[chosen] - reward[rejected] - gamma
+    h = reward[chosen] - reward[rejected] - target_margin
     loss = (-(1 - label_smoothing) * F.logsigmoid(h) - label_smoothing * F.logsigmoid(-h)).mean()
     with torch.no_grad():
         rc, rr = reward[chosen].detach(), reward[rejected].detach()
@@ -54,5 +54,5 @@ def build_simpo(cfg: Any) -> Graph:
     g = Graph("simpo")
     g.model("actor", "actor")
     g.source("data", reads="prompts", writes="responses", rows="pairs")
-    g.train("train_actor", model="actor", loss="simpo", reads="responses", beta=2.0, gamma=1.0)
+    g.train("train_actor", model="actor", loss="simpo", reads="responses", beta=2.0, target_margin=1.0)
     return g
