@@ -26,6 +26,20 @@ def test_the_dpo_plan_scores_the_pairs_with_the_reference_once_and_generates_not
     assert {n.node: n.rows for n in plan.nodes} == {"data": 16, "ref_logprobs": 16, "train_actor": 16}  # 8 pairs
 
 
+def test_a_cluster_forecast_of_dpo_places_the_reference_beside_the_actor_and_no_generation(tmp_path, capsys):
+    from flowrl.cli import main
+    from flowrl.contract.plan import load_plan
+
+    out = tmp_path / "plan.yaml"
+    code = main(["plan", "graphs/dpo.py", "--cluster", "8xA100-80G", "--model", "llama-7b", "--out", str(out),
+                 "--budget", "1"])  # fmt: skip
+    assert code == 0
+    plan = load_plan(out)
+    assert [n.kind for n in plan.nodes] == ["source", "forward", "train"]
+    assert {m.model for m in plan.layout.models} >= {"actor", "ref"}
+    assert all(e.required_bytes <= e.capacity_bytes for e in plan.memory)
+
+
 @pytest.mark.slow
 def test_dpo_on_the_built_in_task_raises_held_out_preference_accuracy(tmp_path):
     graph, plan = api.plan(
