@@ -412,7 +412,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"flowrl: done. {summary}")
     if result.evals:  # the first and the last evaluation, side by side
         first, last = result.evals[0], result.evals[-1]
-        shown = [k for k in last if k.startswith("eval/") and k.count("/") == 1 and k != "eval/prompts" and k in first]
+        counts = ("eval/prompts", "eval/pairs")
+        shown = [k for k in last if k.startswith("eval/") and k.count("/") == 1 and k not in counts and k in first]
         pairs = ", ".join(f"{k[5:]} {first[k]:.3f} -> {last[k]:.3f}" for k in shown)
         print(f"  evaluation: after {first['step']} -> {last['step']} steps: {pairs}")
         print(f"  samples:    {result.out_dir / 'samples.jsonl'}")
@@ -492,7 +493,10 @@ def _summary(metrics: list[dict[str, Any]]) -> str:
     k = max(1, min(10, len(metrics) // 5))
     key, what = "reward", "reward"
     nll = next((name for name in metrics[0] if name.endswith("/nll")), None)
-    if nll is not None and all(m.get("reward") is None for m in metrics):  # supervised (no reward): its loss
+    margin = next((name for name in metrics[0] if name.endswith("/margin")), None)
+    if margin is not None and all(m.get("reward") is None for m in metrics):  # preference pairs: the margin
+        key, what = margin, "preference margin"
+    elif nll is not None and all(m.get("reward") is None for m in metrics):  # supervised (no reward): its loss
         key, what = nll, "training NLL"
     first = sum(m.get(key) or 0 for m in metrics[:k]) / k
     last = sum(m.get(key) or 0 for m in metrics[-k:]) / k
@@ -510,7 +514,7 @@ def _report_lines(record: dict[str, Any]) -> str:
         shown = ", ".join(
             f"{k[5:]} {v:.3f}"
             for k, v in record.items()
-            if k.startswith("eval/") and k.count("/") == 1 and k != "eval/prompts"
+            if k.startswith("eval/") and k.count("/") == 1 and k not in ("eval/prompts", "eval/pairs")
         )
         return f"eval after {record['step']} steps: {shown}"
     lines = []
@@ -537,7 +541,11 @@ class _Progress:
             self.bar.write(_report_lines(record))
             return
         nll = next((k for k in record if k.endswith("/nll")), None)
-        if record.get("reward") is None and nll is not None:  # supervised (no reward): its loss
+        margin = next((k for k in record if k.endswith("/margin")), None)
+        if record.get("reward") is None and margin is not None:  # preference pairs: margin and accuracy
+            accuracy = margin.rsplit("/", 1)[0] + "/pref_accuracy"
+            post = {"margin": f"{record[margin]:.3f}", "acc": f"{record.get(accuracy) or 0:.2f}"}
+        elif record.get("reward") is None and nll is not None:  # supervised (no reward): its loss
             post = {"nll": f"{record[nll]:.3f}"}
         else:
             post = {"reward": f"{record['reward'] or 0:.3f}"}
@@ -1100,7 +1108,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_show)
     p = sub.add_parser("plugins", help="list plugins and what they register")
     p.set_defaults(func=cmd_plugins)
+    p = sub.add_parser("data", help="make training data: preference pairs from problems with numeric answers")
+    data = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    q = data.add_parser(
+        "pairs",
+        help="preference pairs (prompt, chosen, rejected) from a GSM8K-format jsonl file: the worked answer "
+        "chosen, the same work with a slip in its final number rejected (for graphs/dpo.py)",
+    )
+    q.add_argument("input", metavar="IN.jsonl", help="rows with a question and an answer 'work #### N'")
+    q.add_argument("--out", metavar="FILE", required=True, help="the jsonl file of pairs to write")
+    q.add_argument("--prompt-key", default="question", help="the question column (default: question)")
+    q.add_argument("--answer-key", default="answer", help="the answer column (default: answer)")
+    q.add_argument("--seed", type=int, default=0, help="draws the wrong numbers (default: 0)")
+    q.add_argument("--force", action="store_true", help="replace --out if it exists")
+    q.set_defaults(func=cmd_data_pairs)
     return parser
+
+
+def cmd_data_pairs(args: argparse.Namespace) -> int:
+    from flowrl.tasks.pairs import write_pairs
+
+    count = write_pairs(
+        Path(args.input),
+        Path(args.out),
+        prompt_key=args.prompt_key,
+        answer_key=args.answer_key,
+        seed=args.seed,
+        force=args.force,
+    )
+    print(f"{count} preference pairs -> {args.out} (columns prompt, chosen, rejected, answer)")
+    return 0
 
 
 def _plugin_commands(parser: argparse.ArgumentParser) -> None:

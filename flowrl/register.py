@@ -66,14 +66,19 @@ def loss(
     output: str = "logprobs",
     optional: Iterable[str] = (),
     aggregate: str = "token-mean",
+    rows: str = "each",
 ) -> Callable[[F], F]:
     """A loss ``fn(outputs, batch, algo, **options)`` -> (scalar tensor, stats), trained on the model's
     ``output`` ("logprobs" or "values"); ``needs`` names the batch ports it reads, ``optional``
     those it uses when the node reads them. ``aggregate`` says what the loss is a mean over, so that
     micro-batches add up to the mini-batch's gradient: ``token-mean`` (its tokens), ``seq-mean``
     (its rows: a sequence-level loss), ``sum`` (a sum, e.g. over a constant), or ``loss_agg`` (as the
-    run's ``algo.loss_agg`` says)."""
+    run's ``algo.loss_agg`` says). ``rows="pairs"``: the loss reads rows ``2i`` and ``2i+1`` together (a
+    preference pair from a ``g.source(..., rows="pairs")`` node: chosen, then rejected), so the engine
+    keeps each pair whole, in order, in one micro-batch (`flowrl.algorithms.ops.pair_rows` reads them)."""
     meta = {"needs": tuple(needs), "output": output, "optional": tuple(optional), "aggregate": aggregate}
+    if rows != "each":
+        meta["rows"] = rows
     return _decorator("losses", name, meta)
 
 

@@ -171,6 +171,11 @@ class DataConfig(Spec):
     # an offline source (graphs/sft.py) trains on each row's response in this column (a conversation in
     # data.prompt_key, assistant turns included, needs none); None: rows are prompts only
     response_key: str | None = None
+    # a preference source (rows="pairs": graphs/dpo.py) trains on each row's chosen and rejected response
+    # in these columns (text, or a list of messages: the assistant's turns, or the whole conversation
+    # with the prompt's turns first); None: rows hold no preference pairs
+    chosen_key: str | None = None
+    rejected_key: str | None = None
     source_key: str = "source"  # a column naming each row's source: evaluation reports each one
     system_prompt: str | None = None
     chat_template: str = "auto"  # auto: the tokenizer's when it has one | none | a Jinja template FILE
@@ -746,6 +751,8 @@ RUN_SETTINGS = (
 LATER_SECTIONS = (
     "data",
     "data.response_key",
+    "data.chosen_key",
+    "data.rejected_key",
     "rollout.stop",
     "reward",
     *(f"algo.{name}" for name in ("mismatch", "mismatch_cap", "mismatch_low", "mismatch_high")),

@@ -34,6 +34,9 @@ __all__ = [
     "sequence_mismatch_weights",
     "ppo_policy_loss",
     "value_loss",
+    "PREFERENCE_LOSSES",
+    "preference_loss",
+    "dpo_loss",
 ]
 
 KL_KINDS = ("k1", "k2", "k3")
@@ -381,3 +384,75 @@ def value_loss(
             "value_mean": masked_mean(v, m).item(),
         }
     return loss, stats
+
+
+# ---------------------------------------------------------------- preference losses
+
+#: ``loss_type`` of `preference_loss`: DPO's sigmoid (cDPO with label smoothing), its unbiased robust
+#: form, and IPO's squared loss.
+PREFERENCE_LOSSES = ("sigmoid", "robust", "ipo")
+
+
+def preference_loss(margin: Tensor, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0) -> Tensor:
+    """Per pair, the loss of ``margin`` h = (log pi/ref of chosen) - (log pi/ref of rejected) [P]:
+
+    sigmoid  -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h)             DPO (Rafailov et al. 2023);
+                                                                              e > 0: cDPO (labels flipped
+                                                                              with probability e)
+    robust   (-(1 - e) log sigmoid(beta h) + e log sigmoid(-beta h)) / (1 - 2e)   robust DPO (Chowdhury
+                                                                              et al. 2024), e < 0.5
+    ipo      (h - 1 / (2 beta))^2                                               IPO (Azar et al. 2023)
+    """
+    import torch.nn.functional as F
+
+    if beta <= 0:
+        raise ValueError(f"a preference loss needs beta > 0, got {beta!r}")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing!r}")
+    e = label_smoothing
+    if loss_type == "sigmoid":
+        return -(1 - e) * F.logsigmoid(beta * margin) - e * F.logsigmoid(-beta * margin)
+    if loss_type == "robust":
+        return (-(1 - e) * F.logsigmoid(beta * margin) + e * F.logsigmoid(-beta * margin)) / (1 - 2 * e)
+    if loss_type == "ipo":
+        return (margin - 1 / (2 * beta)) ** 2
+    raise ValueError(f"unknown preference loss_type {loss_type!r}; valid: {', '.join(PREFERENCE_LOSSES)}")
+
+
+def dpo_loss(
+    chosen: Tensor,
+    rejected: Tensor,
+    ref_chosen: Tensor,
+    ref_rejected: Tensor,
+    *,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """DPO's loss from the policy's and the reference's summed log-probs of each pair's chosen and
+    rejected response ([P] each): the mean over pairs of `preference_loss`, and the stats TRL's
+    DPOTrainer logs -- the implicit rewards beta * (log pi - log ref) of the chosen and the rejected
+    responses (``reward_chosen``, ``reward_rejected``), their difference (``margin``), the fraction of
+    pairs whose chosen reward is the higher (``pref_accuracy``) and the policy's log-probs
+    (``logp_chosen``, ``logp_rejected``)."""
+    margin = (chosen - ref_chosen) - (rejected - ref_rejected)
+    loss = preference_loss(margin, beta, loss_type, label_smoothing).mean()
+    with torch.no_grad():
+        reward_c = beta * (chosen - ref_chosen).detach()
+        reward_r = beta * (rejected - ref_rejected).detach()
+        stats = _pair_stats(reward_c, reward_r, chosen.detach(), rejected.detach())
+    return loss, stats
+
+
+def _pair_stats(reward_c: Tensor, reward_r: Tensor, logp_c: Tensor, logp_r: Tensor) -> dict[str, float]:
+    if not len(reward_c):
+        return {}
+    mean = lambda t: float(t.float().mean())  # noqa: E731
+    return {
+        "reward_chosen": mean(reward_c),
+        "reward_rejected": mean(reward_r),
+        "margin": mean(reward_c - reward_r),
+        "pref_accuracy": mean(reward_c > reward_r),
+        "logp_chosen": mean(logp_c),
+        "logp_rejected": mean(logp_r),
+    }

@@ -12,7 +12,7 @@ function imports torch and the tensor math when it runs (tests/test_cli_imports.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from flowrl.contract.data import Prompt
 from flowrl.specs import AlgoConfig
@@ -418,6 +418,42 @@ def sft_loss(
     return scale * nll, {"nll": float(nll.detach())}
 
 
+def sequence_logprobs(logprobs: Tensor, seqs: Sequences) -> Tensor:
+    """[B] each row's summed log-prob of its trained tokens (the response's ``sampled_mask``)."""
+    return (logprobs * seqs.sampled_mask.to(logprobs.dtype)).sum(-1)
+
+
+def dpo_loss(
+    logprobs: Tensor,
+    batch: Batch,
+    algo: AlgoConfig,
+    *,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    loss_type: Literal["sigmoid", "robust", "ipo"] = "sigmoid",
+) -> tuple[Tensor, dict[str, float]]:
+    """DPO on preference pairs (rows 2i chosen, 2i+1 rejected; `flowrl.algorithms.losses.dpo_loss`): the
+    policy's and the reference's (``ref_logprobs``) summed log-probs of each response's trained tokens.
+    ``beta``: the implicit reward's scale (the KL penalty's strength); ``label_smoothing``: the chance a
+    label is flipped (cDPO; ``loss_type="robust"`` for its unbiased form); ``loss_type="ipo"``: IPO."""
+    from flowrl.algorithms import losses
+    from flowrl.contract.data import pair_rows, sequences_in
+
+    seqs = sequences_in(batch, "loss 'dpo'")
+    chosen, rejected = pair_rows(seqs, "loss 'dpo'")
+    policy = sequence_logprobs(logprobs, seqs)
+    ref = sequence_logprobs(batch["ref_logprobs"].to(logprobs.dtype), seqs)
+    return losses.dpo_loss(
+        policy[chosen],
+        policy[rejected],
+        ref[chosen],
+        ref[rejected],
+        beta=beta,
+        loss_type=loss_type,
+        label_smoothing=label_smoothing,
+    )
+
+
 def value_loss(values: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
     """Clipped value loss, scaled by vf_coef."""
     from flowrl.algorithms import losses
@@ -659,6 +695,11 @@ LOSSES = {
     "gspo": (gspo_loss, {"needs": ("old_logprobs", "advantages"), "output": "logprobs", "aggregate": "seq-mean"}),
     # reads only the responses (found by their type): declared, so a train node reading more is refused
     "sft": (sft_loss, {"needs": (), "output": "logprobs", "optional": ("responses",), "aggregate": "token-mean"}),
+    # preference pairs (rows 2i chosen, 2i+1 rejected), kept together by the engine: a mean over pairs
+    "dpo": (
+        dpo_loss,
+        {"needs": ("ref_logprobs",), "output": "logprobs", "aggregate": "seq-mean", "rows": "pairs"},
+    ),
 }
 REWARD_FUNCTIONS = {
     "task": task_reward,

@@ -35,6 +35,7 @@ from flowrl.contract.data import (
     ToolCall,
     Turn,
     adds_special_tokens,
+    pair_rows,
     sequences_in,
 )
 from flowrl.contract.hardware import (
@@ -203,6 +204,7 @@ __all__ = [
     "responses_of",
     "rollout_conflict",
     "save_hardware",
+    "pair_rows",
     "sequences_in",
     "steady",
     "to_rollout",

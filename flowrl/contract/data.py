@@ -384,3 +384,22 @@ def sequences_in(batch: dict[str, Any], who: str) -> Sequences:
             "e.g. 'responses' to its reads."
         )
     return found[0]
+
+
+def pair_rows(seqs: Sequences, who: str) -> tuple[Tensor, Tensor]:
+    """The chosen and the rejected rows of preference pairs (a ``g.source(..., rows="pairs")`` node's:
+    row ``2i`` chosen, ``2i+1`` rejected, one prompt each), as two index tensors; ``who`` (e.g. "loss
+    'dpo'") names the reader when the rows are not such pairs."""
+    import torch
+
+    from flowrl.errors import GraphError
+
+    n = len(seqs)
+    index = seqs.prompt_index
+    if n % 2 or (n and not bool((index[0::2] == index[1::2]).all())):
+        raise GraphError(
+            f"{who} reads preference pairs (row 2i chosen, row 2i+1 rejected, of one prompt), and its {n} rows are "
+            "not such pairs: train it on the responses of a source node with rows='pairs' "
+            "(g.source('data', reads='prompts', writes='responses', rows='pairs')), registered with rows='pairs'."
+        )
+    return torch.arange(0, n, 2), torch.arange(1, n, 2)

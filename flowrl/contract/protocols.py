@@ -101,6 +101,9 @@ class TrainStep:
     # names in the batch the loss reads (the old log-probs of one update per batch, fused by the planner
     # only for an engine declaring `EngineCapabilities.own_outputs`; `flowrl.contract.reading.fusable`)
     own: tuple[str, ...] = ()
+    # rows the loss reads together (a loss over preference pairs: 2, chosen then rejected): each group of
+    # consecutive rows stays whole and in order in one micro-batch (`flowrl.runtime.dispatch.group_order`)
+    group: int = 1
 
 
 @runtime_checkable

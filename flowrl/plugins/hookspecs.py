@@ -33,7 +33,8 @@ def register_advantage_estimators(register: Register) -> None:
 @hookspec
 def register_losses(register: Register) -> None:
     """Register train losses: ``register(name, fn, needs=(keys), output="logprobs"|"values",
-    aggregate="token-mean"|"seq-mean"|"sum")`` (what the loss is a mean over: see flowrl.register.loss)."""
+    aggregate="token-mean"|"seq-mean"|"sum", rows="each"|"pairs")`` (what the loss is a mean over, and
+    whether it reads preference pairs: see flowrl.register.loss)."""
 
 
 @hookspec

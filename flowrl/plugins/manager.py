@@ -49,7 +49,7 @@ class PluginInfo:
 SINGULAR: dict[str, str] = {k.name: k.singular for k in KINDS}
 
 #: flowrl's own sub-commands (flowrl.cli); a plugin command may not reuse one of these names.
-CORE_COMMANDS = ("run", "plan", "calibrate", "show", "plugins")
+CORE_COMMANDS = ("run", "plan", "calibrate", "show", "plugins", "data")
 
 #: How flowrl calls what each kind registers; the positional arguments are bound against its signature.
 CALLS: dict[str, str] = {k.name: k.call for k in KINDS if k.call is not None}
@@ -58,6 +58,9 @@ CALLS: dict[str, str] = {k.name: k.call for k in KINDS if k.call is not None}
 META_CALLS: dict[str, dict[str, tuple[str, bool]]] = {k.name: dict(k.meta_calls) for k in KINDS if k.meta_calls}
 
 LOSS_OUTPUTS = ("logprobs", "values")
+#: How a loss reads the rows of its batch: each on its own, or in pairs (rows 2i and 2i+1: a preference
+#: pair's chosen and rejected response, which the training engine keeps in one micro-batch)
+LOSS_ROWS = ("each", "pairs")
 
 
 class Registry:
@@ -178,6 +181,8 @@ def _problem(kind: str, name: str, obj: Any, meta: dict[str, Any]) -> str | None
         return f"'{name}' is a core flowrl command: rename the plugin's command"
     if kind == "losses" and "output" in meta and meta["output"] not in LOSS_OUTPUTS:
         return f"meta 'output' is {meta['output']!r}; it must be one of {', '.join(map(repr, LOSS_OUTPUTS))}"
+    if kind == "losses" and meta.get("rows", "each") not in LOSS_ROWS:
+        return f"meta 'rows' is {meta['rows']!r}; it must be one of {', '.join(map(repr, LOSS_ROWS))}"
     for key in ("needs", "gives", "optional"):
         keys = meta.get(key, ())
         if not isinstance(keys, (tuple, list)) or not all(isinstance(k, str) for k in keys):

@@ -146,7 +146,13 @@ def rank_rows(rows: Tensor, rank: int, world: int) -> Tensor:
 
 
 def micro_batches(
-    seqs: Sequences, rows: Tensor, world: int, micro: int, max_tokens: int | None, packed: bool = False
+    seqs: Sequences,
+    rows: Tensor,
+    world: int,
+    micro: int,
+    max_tokens: int | None,
+    packed: bool = False,
+    group: int = 1,
 ) -> list[list[Tensor]]:
     """Each rank's micro-batches of the mini-batch ``rows`` of ``seqs`` (every rank computes all of them
     alike, from the host's rows): rows of similar length together, at most ``micro`` rows each.
@@ -156,11 +162,16 @@ def micro_batches(
     rank with the fewest tokens so far (so no rank waits on another), and a micro-batch grows while
     its size stays within the budget: rows x (longest prompt + longest response) padded, or the sum
     of its rows' tokens ``packed`` (one row without padding, `flowrl.backends.local.packing`); a row
-    longer than the budget is a micro-batch of its own."""
+    longer than the budget is a micro-batch of its own.
+
+    ``group`` > 1 (a loss over pairs: `grouped_micro_batches`): each ``group`` consecutive rows of
+    ``rows`` stay together, in order, in one micro-batch of one rank."""
     import torch
 
     from flowrl.runtime.batch import by_length
 
+    if group > 1:
+        return grouped_micro_batches(seqs, rows, world, micro, max_tokens, packed, group)
     if max_tokens is None:
         return [list(by_length(seqs, rank_rows(rows, r, world)).split(max(micro, 1))) for r in range(world)]
     prompts = seqs.prompt_mask[rows].sum(-1).tolist()
@@ -187,6 +198,57 @@ def micro_batches(
                 wide_p, wide_r, used = prompts[i], responses[i], prompts[i] + responses[i]
         out.append([rows[torch.tensor(part, dtype=torch.long)] for part in parts])
     return out
+
+
+def grouped_micro_batches(
+    seqs: Sequences, rows: Tensor, world: int, micro: int, max_tokens: int | None, packed: bool, group: int
+) -> list[list[Tensor]]:
+    """`micro_batches` of whole groups: ``rows`` is a run of groups of ``group`` consecutive rows (a
+    preference pair: chosen, rejected), each kept whole and in order. The groups are shared among the
+    ranks strided, ordered by their longest response, and a micro-batch takes at most ``micro`` rows
+    (but at least one group) and, with ``max_tokens``, grows while its padded (or ``packed``) tokens
+    stay within the budget; a group over the budget is a micro-batch of its own."""
+    import torch
+
+    if len(rows) % group:
+        raise BackendError(f"{len(rows)} rows cannot be cut into groups of {group} (a loss over pairs reads both).")
+    units = rows.view(-1, group)
+    prompts = seqs.prompt_mask[rows].sum(-1).view(-1, group)
+    responses = seqs.response_lengths[rows].view(-1, group)
+    per_micro = max(micro // group, 1)
+    out = []
+    for rank in range(world):
+        mine = list(range(rank, len(units), world))
+        mine.sort(key=lambda u: (int(responses[u].max()), u))
+        parts: list[list[int]] = []
+        wide_p = wide_r = used = 0
+        for u in mine:
+            p, r = max(wide_p, int(prompts[u].max())), max(wide_r, int(responses[u].max()))
+            tokens = int(prompts[u].sum() + responses[u].sum())
+            size = used + tokens if packed else (len(parts[-1]) + 1 if parts else 1) * group * (p + r)
+            fits = max_tokens is None or size <= max_tokens
+            if parts and len(parts[-1]) < per_micro and fits:
+                parts[-1].append(u)
+                wide_p, wide_r, used = p, r, used + tokens
+            else:
+                parts.append([u])
+                wide_p, wide_r, used = int(prompts[u].max()), int(responses[u].max()), tokens
+        out.append([units[torch.tensor(part, dtype=torch.long)].flatten() for part in parts])
+    return out
+
+
+def group_order(n_rows: int, group: int, chunks: int, generator: torch.Generator) -> list[Tensor]:
+    """An epoch's rows in a seeded random order, cut into ``chunks`` mini-batches: whole groups of
+    ``group`` consecutive rows (each kept in order) when ``group`` > 1; one row each otherwise (the
+    same order as ``torch.randperm(n_rows)``)."""
+    import torch
+
+    if group <= 1:
+        return list(torch.randperm(n_rows, generator=generator).chunk(chunks))
+    if n_rows % group:
+        raise BackendError(f"{n_rows} rows cannot be cut into groups of {group} (a loss over pairs reads both).")
+    order = torch.randperm(n_rows // group, generator=generator)
+    return [(part[:, None] * group + torch.arange(group)).flatten() for part in order.chunk(chunks)]
 
 
 def padding(seqs: Sequences, packed: bool = False) -> tuple[int, int]:

@@ -21,6 +21,13 @@ the task scores it 1.0):
 A graph that generates nothing (its responses come from the data: a source node) is evaluated by
 its held-out loss (`LossEvaluator`): ``eval/loss``, the mean negative log-likelihood per trained
 response token of the evaluation set's given responses under the trained model, and ``eval/tokens``.
+One that reads preference pairs (a source with ``rows="pairs"``) by its held-out preferences
+(`PreferenceEvaluator`): ``eval/preference_accuracy``, the fraction of held-out pairs whose chosen
+response the trained model rewards above the rejected one, ``eval/margin`` (the mean difference),
+``eval/reward_chosen``, ``eval/reward_rejected`` and ``eval/pairs``. The reward is DPO's implicit one,
+beta * (log pi - log ref) summed over the response's trained tokens, with the reference model the
+graph scores the pairs with (a forward node of log-probs on another model); without one, beta times
+the mean log-prob per trained token (SimPO's reward). beta: the train node's ``beta`` option (1 without).
 """
 
 from __future__ import annotations
@@ -253,4 +260,54 @@ class LossEvaluator:
         record: dict[str, Any] = {"step": updates, "kind": "eval", "version": self.trainer.version}
         record["eval/loss"] = round(total / max(count, 1), 6)
         record["eval/tokens"] = count
+        return record, []
+
+
+class PreferenceEvaluator(LossEvaluator):
+    """Held-out preference pairs of a train-only graph: how often the trained model's implicit reward
+    ranks the chosen response above the rejected one (see the module's docstring)."""
+
+    def __init__(self, cfg: RunConfig, rt: Any, trainer: Any, source: Any, train_node: str) -> None:
+        super().__init__(cfg, rt, trainer, source, train_node)
+        graph = rt.graph
+        trained = graph.nodes[train_node].model
+        scorers = [
+            n.model
+            for n in graph.nodes.values()
+            if n.kind == "forward" and n.output == "logprobs" and source.writes[0] in n.reads and n.model != trained
+        ]
+        self.reference = rt.trainers[scorers[0]] if scorers else None
+        self.beta = float(rt.options.get(train_node, (None, {}))[1].get("beta", 1.0))
+
+    def run(self, updates: int) -> tuple[dict[str, Any], list[Scored]]:
+        """The preference record after ``updates`` training steps, in chunks of a step's prompts."""
+        from flowrl.runtime.offline import offline_sequences
+
+        rt = self.rt
+        micro = rt.micro_batch.get(self.train_node, 0)
+        rewards: list[torch.Tensor] = []
+        step = max(self.cfg.rollout.prompts_per_step, 1)
+        for start in range(0, len(self.prompts), step):
+            chunk = self.prompts[start : start + step]
+            seqs, _ = offline_sequences(
+                chunk, rt.task, rt.tokenizer, rt.pad_id, rows="pairs", budget=rt.response_budget, node=self.source.name
+            )
+            mask = seqs.sampled_mask.float()
+            with torch.no_grad():
+                reward = (self.trainer.forward(seqs, "logprobs", micro).float() * mask).sum(-1)
+                if self.reference is not None:
+                    reward = reward - (self.reference.forward(seqs, "logprobs", micro).float() * mask).sum(-1)
+                else:
+                    reward = reward / mask.sum(-1).clamp_min(1.0)
+            rewards.append(self.beta * reward)
+        every = torch.cat(rewards) if rewards else torch.zeros(0)
+        chosen, rejected = every[0::2], every[1::2]  # as the source lays pairs out: chosen 2i, rejected 2i+1
+        pairs = len(chosen)
+        mean = lambda t: round(float(t.float().mean()), 6) if pairs else 0.0  # noqa: E731
+        record: dict[str, Any] = {"step": updates, "kind": "eval", "version": self.trainer.version}
+        record["eval/preference_accuracy"] = mean(chosen > rejected)
+        record["eval/margin"] = mean(chosen - rejected)
+        record["eval/reward_chosen"] = mean(chosen)
+        record["eval/reward_rejected"] = mean(rejected)
+        record["eval/pairs"] = pairs
         return record, []

@@ -43,6 +43,8 @@ class NodeRuntime:
     fused: Mapping[str, str] = field(default_factory=dict)  # forward node -> the train node computing its output
     rewards: RewardRunner = field(default_factory=RewardRunner)  # how reward functions run (reward.*)
     state: dict[str, float] = field(default_factory=dict)  # graph state: its value after the last update
+    # loss name -> how it reads rows: "each" row on its own, or in "pairs" (rows 2i, 2i+1: chosen, rejected)
+    loss_rows: Mapping[str, str] = field(default_factory=dict)
     # what source nodes tokenize the data's responses with: the models' tokenizer and pad id, and the
     # response budget the plan sized the train step by (`flowrl.runtime.offline`)
     tokenizer: Any = None
@@ -487,6 +489,7 @@ def _train(
         generator=rt.fresh_generator(node.name),
         unit=loss_unit(rt.loss_aggregates[node.loss], algo),
         own=tuple(sorted(port_of.get(k, k) for k in own_keys(rt, node.name))),
+        group=2 if rt.loss_rows.get(node.loss) == "pairs" else 1,
     )
     trainer = rt.trainers[node.model]
     # the version the batch's proximal log-probs were computed with: tokens it sampled are on-policy
@@ -545,6 +548,7 @@ def node_runtime(
         functions=node_functions(registry),
         loss_outputs={e.name: e.meta.get("output", "logprobs") for e in registry.entries("losses")},
         loss_aggregates={e.name: e.meta.get("aggregate", "token-mean") for e in registry.entries("losses")},
+        loss_rows={e.name: e.meta.get("rows", "each") for e in registry.entries("losses")},
         task=task,
         generators=generators,
         trainers=trainers,

@@ -41,21 +41,32 @@ def completions_of(task: Any, prompt: Prompt, rows: str, node: str) -> tuple[Com
     """The given continuations of ``prompt`` a source of ``rows`` trains on (one for sft; chosen,
     rejected for pairs), from the prompt or its task; errors name the node and say how to give them."""
     given = prompt.completions
-    if not given:
-        method = getattr(task, "completions", None)
+    if not given:  # a task's own: its demonstration (completions) or its preference pair (pairs)
+        method = getattr(task, "pairs" if rows == "pairs" else "completions", None)
         given = tuple(method(prompt)) if callable(method) else ()
+    name = getattr(task, "name", type(task).__name__)
     if not given:
-        name = getattr(task, "name", type(task).__name__)
+        how = (
+            "--set data.chosen_key=COLUMN data.rejected_key=COLUMN"
+            if rows == "pairs"
+            else "--set data.response_key=COLUMN (or conversations in data.prompt_key)"
+        )
         raise GraphError(
             f"node '{node}' reads responses from the data, and task '{name}' gives none for the prompt "
-            f"{prompt.text[:60]!r}: train on your files with --data FILE and --set data.response_key=COLUMN "
-            "(or conversations in data.prompt_key), or use a task with answers (e.g. copy)."
+            f"{prompt.text[:60]!r}: train on your files with --data FILE and {how}, or use a task with answers "
+            "(e.g. copy)."
         )
     want = ROWS_PER_PROMPT[rows]
     if len(given) != want:
         what = "one response" if want == 1 else "a chosen and a rejected response"
+        how = (
+            "give the data's chosen and rejected columns with --set data.chosen_key=COLUMN data.rejected_key=COLUMN"
+            if want == 2
+            else "give one response column with --set data.response_key=COLUMN"
+        )
         raise GraphError(
-            f"node '{node}' (rows={rows}) needs {what} per prompt; the prompt {prompt.text[:60]!r} has {len(given)}."
+            f"node '{node}' (rows={rows}) needs {what} per prompt; the prompt {prompt.text[:60]!r} has {len(given)}: "
+            f"{how}."
         )
     return given
 

@@ -32,18 +32,20 @@ def plot_rewards(
     steps = [m["step"] for m in metrics]
     panels = [("reward", "mean reward"), ("kl", "KL(actor || ref)"), ("response_length", "response tokens")]
     nll = next((k for k in metrics[0] if k.endswith("/nll")), None) if metrics else None
-    if nll is not None and not any(m.get("reward") is not None for m in metrics):  # supervised: its loss
+    margin = next((k for k in metrics[0] if k.endswith("/margin")), None) if metrics else None
+    if margin is not None and not any(m.get("reward") is not None for m in metrics):  # preference pairs
+        panels.insert(0, (margin, "training preference margin"))
+    elif nll is not None and not any(m.get("reward") is not None for m in metrics):  # supervised: its loss
         panels.insert(0, (nll, "training NLL per token"))
     panels = [(k, label) for k, label in panels if any(m.get(k) is not None for m in metrics)]
     evals = evals or []
-    losses = {"eval/loss", "eval/tokens"}  # held-out loss (offline rows) has a panel of its own: not in [0, 1]
-    curves = sorted(
-        {k for e in evals for k in e if k.startswith("eval/") and k.count("/") == 1} - {"eval/prompts"} - losses
-    )
+    # held-out loss and preference margins (offline rows) have panels of their own: not in [0, 1]
+    own = {"eval/loss": "held-out NLL per token", "eval/margin": "held-out preference margin"}
+    counts = {"eval/prompts", "eval/tokens", "eval/pairs", "eval/reward_chosen", "eval/reward_rejected"}
+    curves = sorted({k for e in evals for k in e if k.startswith("eval/") and k.count("/") == 1} - counts - set(own))
     if curves:
         panels.append(("eval", "evaluation"))
-    if any("eval/loss" in e for e in evals):
-        panels.append(("eval/loss", "held-out NLL per token"))
+    panels += [(key, label) for key, label in own.items() if any(key in e for e in evals)]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
     window = max(1, len(metrics) // 25)
     for ax, (key, label) in zip(axes[0], panels):
@@ -57,7 +59,7 @@ def plot_rewards(
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8, loc="lower right")
             continue
-        if key == "eval/loss":
+        if key in own:
             points = [(e["step"], e[key]) for e in evals if key in e]
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3, lw=1.4, color="#d62")
             ax.set_xlabel("training steps done")

@@ -88,6 +88,31 @@ class TaskBase(Spec, frozen=True, kw_only=True):
         answer, then the end-of-text token, all trained (a built-in task's answer is a full response)."""
         return (Completion(pieces=(prompt.answer,), trained=(True,), eos=True),)
 
+    def pairs(self, prompt: Prompt) -> tuple[Completion, Completion]:
+        """A preference pair for ``prompt`` (an offline source with ``rows="pairs"``): the correct answer
+        chosen, a plausible wrong one (`wrong_answer`) rejected, each then the end-of-text token. The
+        wrong answer is drawn from the prompt's text, so a prompt always has the same pair (and a run's
+        pairs follow from its seed, as its prompts do)."""
+        rng = random.Random(f"flowrl-pairs:{self.name}:{prompt.text}")
+        wrong = self.wrong_answer(prompt, rng)
+        if wrong == prompt.answer:
+            raise TaskError(f"task {self.name!r}: its wrong answer to {prompt.text!r} is the right one ({wrong!r}).")
+        return (
+            Completion(pieces=(prompt.answer,), trained=(True,), eos=True),
+            Completion(pieces=(wrong,), trained=(True,), eos=True),
+        )
+
+    def wrong_answer(self, prompt: Prompt, rng: random.Random) -> str:
+        """A plausible wrong answer: one character of the right one changed to another of its kind
+        (a digit to another digit, a letter to another letter); tasks override it with their own slips."""
+        answer = prompt.answer
+        if not answer:
+            return "a"
+        at = rng.randrange(len(answer))
+        kind = "0123456789" if answer[at].isdigit() else LETTERS if answer[at].isalpha() else answer[at] + "a"
+        other = rng.choice([c for c in kind if c != answer[at]])
+        return answer[:at] + other + answer[at + 1 :]
+
     def _check(self, option: str, ok: bool, requirement: str) -> None:
         if not ok:
             value = getattr(self, option)
@@ -113,6 +138,10 @@ class Add(TaskBase, frozen=True, kw_only=True):
         b = rng.randrange(10)
         return Prompt(text=f"{a}+{b}=", answer=str((a + b) % self.modulo))
 
+    def wrong_answer(self, prompt: Prompt, rng: random.Random) -> str:
+        """Another residue: the sum off by 1 .. modulo-1."""
+        return str((int(prompt.answer) + rng.randrange(1, self.modulo)) % self.modulo)
+
 
 class Copy(TaskBase, frozen=True, kw_only=True):
     """``s + ">"`` -> ``s`` for a string s over the first ``alphabet_size`` letters."""
@@ -137,6 +166,14 @@ class Copy(TaskBase, frozen=True, kw_only=True):
         length = rng.randint(self.min_len, self.max_len)
         s = "".join(rng.choice(letters) for _ in range(length))
         return Prompt(text=f"{s}>", answer=s)
+
+    def wrong_answer(self, prompt: Prompt, rng: random.Random) -> str:
+        """A copying slip: one letter changed to another of the alphabet (a letter added, with one letter)."""
+        s, letters = prompt.answer, LETTERS[: self.alphabet_size]
+        if len(letters) < 2:
+            return s + letters[0]
+        at = rng.randrange(len(s))
+        return s[:at] + rng.choice([c for c in letters if c != s[at]]) + s[at + 1 :]
 
 
 class Repeat(TaskBase, frozen=True, kw_only=True):
@@ -169,6 +206,11 @@ class Repeat(TaskBase, frozen=True, kw_only=True):
         letter = rng.choice(LETTERS[: self.alphabet_size])
         return Prompt(text=f"{letter}*{count}=", answer=letter * count)
 
+    def wrong_answer(self, prompt: Prompt, rng: random.Random) -> str:
+        """A miscount: the letter one time too few or too many."""
+        s = prompt.answer
+        return s[:-1] if len(s) > 1 and rng.random() < 0.5 else s + s[0]
+
 
 class Calc(TaskBase, frozen=True, kw_only=True):
     """``"37*58:"`` -> ``"2146"``: the product of two numbers in [low, high], too many to learn by
@@ -192,6 +234,12 @@ class Calc(TaskBase, frozen=True, kw_only=True):
     def sample(self, rng: random.Random) -> Prompt:
         a, b = rng.randint(self.low, self.high), rng.randint(self.low, self.high)
         return Prompt(text=f"{a}*{b}:", answer=str(a * b))
+
+    def wrong_answer(self, prompt: Prompt, rng: random.Random) -> str:
+        """An arithmetic slip: the product off by 1 .. 9 either way (never below 0)."""
+        right = int(prompt.answer)
+        off = rng.randint(1, 9) * (1 if rng.random() < 0.5 or right < 10 else -1)
+        return str(right + off)
 
     def score(self, prompt: Prompt, response: str) -> float:
         """The final answer's score: 1.0 when exact; otherwise 0.1 for having used the calculator
@@ -240,6 +288,11 @@ class Expr(TaskBase, frozen=True, kw_only=True):
         op, k = rng.choice(self.ops), rng.randint(1, self.high)
         tests = ["assert " + t.format(k=k) for t in _EXPR_TESTS[op]]
         return Prompt(text=f"{op} {k}>", answer=f"x{_EXPR_OPS[op]}{k}", meta={"tests": tests})
+
+    def wrong_answer(self, prompt: Prompt, rng: random.Random) -> str:
+        """The right operation with another constant (1 .. 9)."""
+        k = int(prompt.answer[2:])
+        return f"{prompt.answer[:2]}{rng.choice([j for j in range(1, 10) if j != k])}"
 
     def score(self, prompt: Prompt, response: str) -> float:
         """The fraction of the prompt's asserts the response passes, run in the sandbox."""

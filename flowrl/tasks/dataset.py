@@ -23,6 +23,12 @@ json, csv or parquet files or ``datasets.save_to_disk`` folders:
   conversation (messages with assistant turns) needs none: it is cut at its first assistant turn,
   and every assistant turn from there on is trained (`flowrl.contract.data.Completion`). A response
   longer than the response budget is dropped or truncated by ``data.overlong``, counted.
+- Preference pairs (a source with ``rows="pairs"``, ``graphs/dpo.py``): ``data.chosen_key`` and
+  ``data.rejected_key`` name the columns of each row's chosen and rejected response, each text or a
+  list of messages (TRL's preference format: the assistant's turns after the prompt column's; or,
+  without a prompt column, whole conversations whose shared first turns are the prompt). The prompt
+  gets two completions, chosen then rejected; a row either of whose responses is longer than the
+  response budget is dropped or truncated by ``data.overlong``, counted.
 
 Every problem with the user's files is a ``ConfigError`` that names the file, row, column or
 field at fault. Every file is untrusted (`flowrl.tasks.bounded` holds the limits): a jsonl line is
@@ -198,6 +204,7 @@ def load(cfg: RunConfig) -> DataTask:
             "or a datasets folder)."
         )
     _check_verifier(cfg)
+    _check_response_keys(data)
     folder = actor_folder(cfg.model)
     key = (
         cfg.trust_remote_code,
@@ -253,11 +260,31 @@ def _check_verifier(cfg: RunConfig) -> None:
         raise ConfigError(
             f"data.verifier = {kind!r} is not a verifier; use one of {', '.join(known)}.{did_you_mean(kind, known)}"
         )
-    if kind == "none" and cfg.eval.every > 0 and cfg.data.response_key is None:  # offline rows: held-out loss
+    offline = cfg.data.response_key is not None or cfg.data.chosen_key is not None
+    if kind == "none" and cfg.eval.every > 0 and not offline:  # offline rows: held-out loss or preferences
         raise ConfigError(
             f"eval.every={cfg.eval.every} evaluates responses with the task's verifier, and data.verifier is none: set "
             "data.verifier (math, exact, regex) for the evaluation, or set eval.every=0 (your reward functions still "
             "score the training)."
+        )
+
+
+def _check_response_keys(data: DataConfig) -> None:
+    """Offline rows' columns: a response (data.response_key) or a preference pair (data.chosen_key and
+    data.rejected_key, both), not both kinds."""
+    pair = (data.chosen_key, data.rejected_key)
+    if (pair[0] is None) != (pair[1] is None):
+        given, missing = ("chosen_key", "rejected_key") if pair[0] is not None else ("rejected_key", "chosen_key")
+        raise ConfigError(
+            f"data.{given} is set and data.{missing} is not: a preference pair needs both columns (--set "
+            "data.chosen_key=COLUMN data.rejected_key=COLUMN)."
+        )
+    if data.response_key is not None and pair[0] is not None:
+        raise ConfigError(
+            f"data.response_key ({data.response_key!r}) and data.chosen_key/rejected_key ({pair[0]!r}, {pair[1]!r}) "
+            "are both set: give a response column (supervised fine-tuning, graphs/sft.py) or the chosen and rejected "
+            "columns (preference pairs, graphs/dpo.py), not both (--set data.response_key=null, or "
+            "data.chosen_key=null data.rejected_key=null)."
         )
 
 
@@ -376,8 +403,10 @@ def read_rows(split: str, data: DataConfig) -> list[dict[str, Any]]:
         columns = list(table.column_names)
         if len(table) == 0:
             raise ConfigError(f"data.{split} file '{name}' holds no rows.")
+        if data.chosen_key is not None:
+            _check_pair_columns(split, name, table, data)
         for column in (data.prompt_key,):
-            if column not in columns:
+            if column not in columns and not (data.chosen_key is not None and _conversation_pairs(table, data)):
                 raise ConfigError(
                     f"data.{split} file '{name}' has no column '{column}' (data.prompt_key); its columns: "
                     f"{', '.join(columns)}. Name the prompt column with --set data.prompt_key=COLUMN."
@@ -400,6 +429,25 @@ def read_rows(split: str, data: DataConfig) -> list[dict[str, Any]]:
         except Exception as exc:  # a data file that is cut short or damaged shows when its rows are read
             raise ConfigError(f"data.{split} file '{name}' cannot be read: {_first_line(exc)}") from None
     return rows
+
+
+def _check_pair_columns(split: str, name: str, table: Any, data: DataConfig) -> None:
+    """A preference file has the chosen and the rejected column."""
+    columns = list(table.column_names)
+    for key, field_name in ((data.chosen_key, "chosen_key"), (data.rejected_key, "rejected_key")):
+        if key not in columns:
+            raise ConfigError(
+                f"data.{split} file '{name}' has no column '{key}' (data.{field_name}), which holds each row's "
+                f"{field_name[:-4]} response of a preference pair; its columns: {', '.join(columns)}. Name it with "
+                f"--set data.{field_name}=COLUMN."
+            )
+
+
+def _conversation_pairs(table: Any, data: DataConfig) -> bool:
+    """Whether a preference file without a prompt column holds whole conversations (the implicit prompt:
+    their shared first turns) in its chosen column."""
+    first = table[0][data.chosen_key] if len(table) else None
+    return isinstance(first, list)
 
 
 def _conversations(table: Any, data: DataConfig) -> bool:
@@ -666,12 +714,16 @@ def rows_to_prompts(
     report.rows[split] = len(rows)
     report.dropped_long[split] = report.truncated[split] = 0
     report.long_responses[split] = 0
-    offline = data.response_key is not None
+    pairs = data.chosen_key is not None
+    offline = data.response_key is not None or pairs
     for row in rows:
         where = f"data.{split} file '{row['__file__']}' row {row['__row__']}"
-        value = row[data.prompt_key]
+        value = row.get(data.prompt_key)
         later: list[dict[str, str]] = []  # offline rows: the turns after the prompt (the response's)
-        if offline:
+        sides: list[list[dict[str, str]]] = []  # preference pairs: the chosen turns, the rejected turns
+        if pairs:
+            value, sides = _pair_turns(where, data, row, value)
+        elif offline:
             value, later = _split_conversation(where, data, row, value)
         turns = _turns(where, data, value)
         chars = sum(len(t["content"]) for t in turns)
@@ -682,7 +734,8 @@ def rows_to_prompts(
             )
         kind = "regex" if data.verifier == "regex" else "math"  # a pattern is kept as written
         answer = ground_truth(row.get(data.answer_key), kind) if data.answer_key in row else ""
-        skip = (data.prompt_key, data.answer_key, data.response_key, "__file__", "__row__")
+        skip = (data.prompt_key, data.answer_key, data.response_key, data.chosen_key, data.rejected_key)
+        skip = (*skip, "__file__", "__row__")
         meta = {k: v for k, v in row.items() if k not in skip}
         text = render_turns(where, turns, tokenizer, template)
         count = _count(tokenizer, text, template)
@@ -701,12 +754,11 @@ def rows_to_prompts(
             count = limit
         completions: tuple[Completion, ...] = ()
         if offline:
-            completion = _completion(where, turns, later, tokenizer, template)
-            if len(_tokens(tokenizer, completion)) > report.budget:
+            completions = tuple(_completion(where, turns, side, tokenizer, template) for side in (sides or [later]))
+            if any(len(_tokens(tokenizer, c)) > report.budget for c in completions):
                 report.long_responses[split] += 1
                 if data.overlong == "drop":
                     continue
-            completions = (completion,)
         report.longest[split] = max(report.longest.get(split, 0), count)
         messages = tuple(turns) if template is not None else ()  # re-rendered with an environment's tools
         prompts.append(
@@ -762,6 +814,72 @@ def _split_conversation(
             "have (flowrl.tasks.bounded.MAX_PROMPT_CHARS); leave the row out."
         )
     return value, [{"role": "assistant", "content": response}]
+
+
+def _pair_turns(
+    where: str, data: DataConfig, row: Mapping[str, Any], value: Any
+) -> tuple[Any, list[list[dict[str, str]]]]:
+    """A preference row as (its prompt, [the chosen response's turns, the rejected's]). Each response is
+    text (one assistant turn) or a list of messages: the turns after the prompt, or -- without a prompt
+    column -- the whole conversation, whose turns before the first that differs (the two
+    conversations' shared first turns, ending before an assistant turn) are the prompt."""
+    sides = []
+    for key, name in ((data.chosen_key, "chosen_key"), (data.rejected_key, "rejected_key")):
+        response = row.get(key)
+        column = f"'{key}' (data.{name})"
+        if response is None:
+            raise ConfigError(f"{where} has no {column}: every row of a preference file needs both responses.")
+        if isinstance(response, str):
+            if not response.strip():
+                raise ConfigError(f"{where}: the response in {column} is empty; give every row both responses.")
+            if len(response) > bounded.MAX_PROMPT_CHARS:
+                raise ConfigError(
+                    f"{where}: the response in {column} is {len(response):,} characters, over the "
+                    f"{bounded.MAX_PROMPT_CHARS:,} a row may have (flowrl.tasks.bounded.MAX_PROMPT_CHARS)."
+                )
+            sides.append([{"role": "assistant", "content": response}])
+            continue
+        if not isinstance(response, list) or not response:
+            raise ConfigError(
+                f"{where}: the response in {column} is {type(response).__name__} {response!r:.60}; it must be text or "
+                "a list of {role, content} messages."
+            )
+        turns = []
+        for i, turn in enumerate(response):
+            role = turn.get("role") if isinstance(turn, Mapping) else None
+            content = turn.get("content") if isinstance(turn, Mapping) else None
+            if not isinstance(role, str) or not isinstance(content, str):
+                raise ConfigError(
+                    f"{where}: message {i + 1} of {column} must have text 'role' and 'content' fields, got "
+                    f"{turn!r:.80}."
+                )
+            turns.append({"role": role, "content": content})
+        sides.append(turns)
+    if value is None:  # no prompt column: whole conversations, the prompt their shared first turns
+        if any(isinstance(row.get(k), str) for k in (data.chosen_key, data.rejected_key)):
+            raise ConfigError(
+                f"{where} has no prompt ('{data.prompt_key}', data.prompt_key) and its responses are text: give the "
+                "prompt column, or whole conversations (lists of messages) in both response columns."
+            )
+        shared = 0
+        while shared < min(map(len, sides)) and sides[0][shared] == sides[1][shared]:
+            shared += 1
+        while shared and sides[0][shared - 1]["role"] == "assistant":  # a response starts at an assistant turn
+            shared -= 1
+        value, sides = sides[0][:shared], [side[shared:] for side in sides]
+        if not value:
+            raise ConfigError(
+                f"{where}: the conversations in '{data.chosen_key}' and '{data.rejected_key}' share no first turns to "
+                f"be the prompt; give the prompt in a '{data.prompt_key}' column (data.prompt_key)."
+            )
+    for side, key in zip(sides, (data.chosen_key, data.rejected_key)):
+        said = any(t["content"].strip() for t in side if t["role"] == "assistant")
+        if not side or side[0]["role"] != "assistant" or not said:
+            raise ConfigError(
+                f"{where}: the response in '{key}' must start with a non-empty assistant turn (roles: "
+                f"{', '.join(t['role'] for t in side) or 'none'})."
+            )
+    return value, sides
 
 
 def _completion(

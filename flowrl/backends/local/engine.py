@@ -314,9 +314,13 @@ class LocalModel(Training, Weights, Staged):
         assert out is not None
         return out
 
-    def _micro_batches(self, seqs: Sequences, rows: Tensor, world: int, micro: int) -> list[list[Tensor]]:
-        """`flowrl.runtime.dispatch.micro_batches` under this model's token budget and packing."""
-        return micro_batches(seqs, rows, world, micro, self.spec.max_tokens_per_micro_batch, self.spec.pack)
+    def _micro_batches(
+        self, seqs: Sequences, rows: Tensor, world: int, micro: int, group: int = 1
+    ) -> list[list[Tensor]]:
+        """`flowrl.runtime.dispatch.micro_batches` under this model's token budget and packing (``group``
+        consecutive rows kept together: a loss over pairs)."""
+        spec = self.spec
+        return micro_batches(seqs, rows, world, micro, spec.max_tokens_per_micro_batch, spec.pack, group)
 
 
 class LoraBase(LocalModel):

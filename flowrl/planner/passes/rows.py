@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from flowrl.contract.plan import ExecutionPlan
-from flowrl.graph.ir import Compute, Filter, Generate, Graph, Train
+from flowrl.graph.ir import Compute, Filter, Generate, Graph, Source, Train
 
 if TYPE_CHECKING:
     from flowrl.planner.passes.context import PlanContext
@@ -38,7 +38,8 @@ def node_rows(
 ) -> dict[str, int]:
     """Sequences each node sees per step, propagated along keys from the graph inputs; a
     sampling generate node multiplies by its ``n`` (or by ``samples``, a workload's, where its
-    ``n`` is the ``built`` one: the config's samples_per_prompt the graph was built with); a
+    ``n`` is the ``built`` one: the config's samples_per_prompt the graph was built with); a source
+    by its rows per prompt (two for preference pairs); a
     filter with ``groups`` passes that many groups to the nodes after it; a ``reduced`` node
     writes as many rows as the key it is mapped to."""
     key_rows = {key: prompts for key in graph.inputs}
@@ -51,6 +52,8 @@ def node_rows(
         if isinstance(node, Generate):
             n = samples if samples and (built is None or node.n == built) else node.n
             rows = rows * (1 if node.greedy else n)
+        elif isinstance(node, Source):  # rows read from the data: one per prompt, or two (a preference pair)
+            rows = rows * node.per_prompt
         out[name] = rows
         for key in node.writes:
             key_rows[key] = rows

@@ -1,4 +1,5 @@
-"""An example flowrl plugin: a reward function, a sequence-level loss, an algorithm graph and a CLI command."""
+"""An example flowrl plugin: a reward function, a sequence-level loss, a preference loss (SimPO), algorithm
+graphs and a CLI command."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import random
 from typing import Any
 
 from flowrl.contract import Graph, hookimpl
+from flowrl_example.simpo import build_simpo, simpo_loss
 
 
 def concise_reward(prompts: list[Any], responses: list[str], task: Any, *, per_char: float = 0.05) -> list[float]:
@@ -75,11 +77,20 @@ def register_losses(register):
         output="logprobs",
         aggregate="seq-mean",
     )
+    register(
+        "simpo",
+        simpo_loss,
+        description="SimPO: reference-free, length-normalised preference loss with a target margin",
+        output="logprobs",
+        aggregate="seq-mean",  # a mean over pairs: the engine weighs micro-batches by their rows
+        rows="pairs",  # rows 2i (chosen) and 2i+1 (rejected) in one micro-batch
+    )
 
 
 @hookimpl
 def register_algorithms(register):
     register("grpo_concise", build_grpo_concise, description="GRPO scored by the 'concise' reward")
+    register("simpo", build_simpo, description="SimPO on preference pairs (--data with chosen/rejected columns)")
 
 
 @hookimpl

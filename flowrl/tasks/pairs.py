@@ -1,0 +1,105 @@
+"""Preference pairs made from problems with numeric answers (``flowrl data pairs IN.jsonl --out
+pairs.jsonl``): for each row of a GSM8K-format file (a question and an answer ``"... #### 42"``), the
+worked answer ending in its number is chosen and the same work with a plausible slip -- the final
+number off by a little -- rejected, so a preference run (graphs/dpo.py) has pairs to learn from
+without a model to sample them.
+
+Chosen: ``"{work} The answer is {N}."``; rejected: the work with its last mention of N replaced by a
+wrong number M, then ``"The answer is {M}."`` (the format of benchmarks/real_model.py's system prompt,
+"Finish with: The answer is N."). M is N plus or minus 1..10 (never below 0 for a non-negative N),
+drawn from the seed and the row's question, so the same file and seed always give the same pairs.
+Each output row keeps the input's other columns, with ``prompt``, ``chosen``, ``rejected`` and
+``answer`` (the ground truth, N); a row without a number for an answer is refused by its line.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from flowrl.errors import ConfigError
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def slip(answer: str, rng: random.Random) -> str:
+    """A plausible wrong number for the numeric ``answer``: off by 1..10, not negative when it is not."""
+    value = float(answer) if "." in answer else int(answer)
+    while True:
+        wrong = value + rng.choice([-1, 1]) * rng.randint(1, 10)
+        if wrong != value and (wrong >= 0 or value < 0):
+            return str(round(wrong, 6) if isinstance(wrong, float) else wrong)
+
+
+def pair_of(question: str, answer: str, seed: int = 0) -> tuple[str, str, str]:
+    """(chosen, rejected, the final number) for a GSM8K-format ``answer`` ("work #### N"); a ValueError
+    when N is not a number."""
+    work, _, final = answer.rpartition("####")
+    final = final.strip().replace(",", "")
+    if not _NUMBER.fullmatch(final):
+        raise ValueError(f"the answer's final part {final!r} is not a number (GSM8K's format: 'work #### N')")
+    work = work.strip()
+    wrong = slip(final, random.Random(f"flowrl-pairs:{seed}:{question}"))
+    chosen = f"{work} The answer is {final}." if work else f"The answer is {final}."
+    at = work.rfind(final)
+    slipped = work[:at] + wrong + work[at + len(final) :] if at >= 0 else work
+    rejected = f"{slipped} The answer is {wrong}." if slipped else f"The answer is {wrong}."
+    return chosen, rejected, final
+
+
+def make_pairs(
+    rows: Iterable[dict[str, Any]], *, prompt_key: str = "question", answer_key: str = "answer", seed: int = 0
+) -> list[dict[str, Any]]:
+    """Preference rows (``prompt``, ``chosen``, ``rejected``, ``answer`` and the other columns) of GSM8K-format
+    ``rows``; a row without the columns or a numeric answer is a ValueError naming its number (from 1)."""
+    out = []
+    for number, row in enumerate(rows, start=1):
+        question, answer = row.get(prompt_key), row.get(answer_key)
+        if not isinstance(question, str) or not isinstance(answer, (str, int, float)):
+            raise ValueError(f"row {number} needs text '{prompt_key}' and '{answer_key}' columns, got {row!r:.100}")
+        try:
+            chosen, rejected, final = pair_of(question, str(answer), seed)
+        except ValueError as exc:
+            raise ValueError(f"row {number}: {exc}") from None
+        rest = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
+        out.append({"prompt": question, "chosen": chosen, "rejected": rejected, "answer": final, **rest})
+    return out
+
+
+def write_pairs(src: Path, out: Path, *, prompt_key: str, answer_key: str, seed: int, force: bool = False) -> int:
+    """``make_pairs`` of jsonl file ``src`` written to jsonl file ``out``; the number of pairs. Errors
+    name the file and line."""
+    from flowrl.tasks import bounded
+
+    if out.exists() and not force:
+        raise ConfigError(f"--out '{out}' exists; give --force to replace it.")
+    if not src.is_file():
+        raise ConfigError(f"'{src}' is not a file; give a jsonl file of GSM8K-format rows (question, answer).")
+    rows = []
+    with src.open("rb") as f:
+        try:
+            for number, raw in bounded.lines(f):
+                if not raw.strip():
+                    continue
+                try:
+                    row = bounded.loads(raw.decode("utf-8"), unique_keys=True)
+                except (bounded.JSONRefused, UnicodeDecodeError) as exc:
+                    raise ConfigError(f"'{src}' line {number} is not a JSON row ({exc}).") from None
+                if not isinstance(row, dict):
+                    raise ConfigError(f"'{src}' line {number} is not a JSON object of columns.")
+                rows.append(row)
+        except bounded.JSONRefused as exc:
+            raise ConfigError(f"'{src}': {exc}.") from None
+    if not rows:
+        raise ConfigError(f"'{src}' holds no rows.")
+    try:
+        pairs = make_pairs(rows, prompt_key=prompt_key, answer_key=answer_key, seed=seed)
+    except ValueError as exc:
+        raise ConfigError(f"'{src}' {exc}; rename the columns with --prompt-key and --answer-key.") from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    return len(pairs)
