@@ -220,7 +220,8 @@ class CostModel:
 
         ``sharded`` (a trainable model over dp > 1, FSDP): every micro-batch all-gathers each layer's
         weights (and in a train step gathers them again and reduce-scatters their gradients), paying what its
-        compute cannot hide (`fsdp_exposed`). Split into pipeline stages (pp > 1): `pipeline`'s steps, one per mini-batch.
+        compute cannot hide (`fsdp_exposed`). Split into pipeline stages (pp > 1): `pipeline`'s steps, one per
+        mini-batch.
         """
         p = layout.parallel
         if p.pp > 1:
