@@ -66,14 +66,18 @@ def loss(
     output: str = "logprobs",
     optional: Iterable[str] = (),
     aggregate: str = "token-mean",
+    group: int = 1,
 ) -> Callable[[F], F]:
     """A loss ``fn(outputs, batch, algo, **options)`` -> (scalar tensor, stats), trained on the model's
     ``output`` ("logprobs" or "values"); ``needs`` names the batch ports it reads, ``optional``
     those it uses when the node reads them. ``aggregate`` says what the loss is a mean over, so that
     micro-batches add up to the mini-batch's gradient: ``token-mean`` (its tokens), ``seq-mean``
     (its rows: a sequence-level loss), ``sum`` (a sum, e.g. over a constant), or ``loss_agg`` (as the
-    run's ``algo.loss_agg`` says)."""
+    run's ``algo.loss_agg`` says). ``group``: rows the loss reads together, consecutive (2: a preference
+    pair, chosen then rejected, of a ``rows="pairs"`` source), which the engine keeps whole."""
     meta = {"needs": tuple(needs), "output": output, "optional": tuple(optional), "aggregate": aggregate}
+    if group != 1:
+        meta["group"] = int(group)
     return _decorator("losses", name, meta)
 
 

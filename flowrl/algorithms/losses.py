@@ -34,6 +34,7 @@ __all__ = [
     "sequence_mismatch_weights",
     "ppo_policy_loss",
     "value_loss",
+    "bradley_terry_loss",
 ]
 
 KL_KINDS = ("k1", "k2", "k3")
@@ -379,5 +380,37 @@ def value_loss(
         stats = {
             "vf_clipfrac": masked_mean(clipped_taken, m).item(),
             "value_mean": masked_mean(v, m).item(),
+        }
+    return loss, stats
+
+
+def bradley_terry_loss(
+    chosen: Tensor,
+    rejected: Tensor,
+    margin: Tensor | float = 0.0,
+    center_coef: float = 0.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """Bradley-Terry loss of a reward model on preference pairs (Ouyang et al., 2022), a mean over pairs.
+
+    loss = mean_i( -log sigmoid(r_c_i - r_r_i - m_i) ) + center_coef * mean_i( (r_c_i + r_r_i)^2 )
+
+    ``chosen``, ``rejected``: [P] scores of each pair's chosen and rejected response; ``margin``: how
+    far the chosen must score above the rejected (a number, or one per pair: Llama 2's margin); the
+    centering term (TRL's ``center_rewards_coefficient``, Eisenstein et al., 2023) keeps the scores'
+    mean near 0, which the first term alone leaves free.
+
+    Stats: ``accuracy`` (the fraction of pairs with r_c > r_r), ``margin`` (mean r_c - r_r),
+    ``chosen``, ``rejected`` (mean scores).
+    """
+    diff = chosen - rejected
+    loss = -torch.nn.functional.logsigmoid(diff - margin).mean()
+    if center_coef:
+        loss = loss + center_coef * ((chosen + rejected) ** 2).mean()
+    with torch.no_grad():
+        stats = {
+            "accuracy": float((diff > 0).float().mean()),
+            "margin": float(diff.mean()),
+            "chosen": float(chosen.mean()),
+            "rejected": float(rejected.mean()),
         }
     return loss, stats

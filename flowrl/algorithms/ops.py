@@ -428,6 +428,28 @@ def value_loss(values: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, 
     return algo.vf_coef * loss, stats
 
 
+def bradley_terry_op(
+    scores: Tensor, batch: Batch, algo: AlgoConfig, *, margin: float = 0.0, center_coef: float = 0.0
+) -> tuple[Tensor, dict[str, float]]:
+    """A reward model's Bradley-Terry loss on preference pairs: rows ``2i`` (chosen) and ``2i + 1``
+    (rejected) of a ``rows="pairs"`` source, kept together and in order by the engine (the loss is
+    registered with ``group=2``): -log sigmoid(r_chosen - r_rejected - margin), a mean over pairs, plus
+    ``center_coef`` * mean((r_chosen + r_rejected)^2) (TRL's ``center_rewards_coefficient``). Metrics:
+    ``accuracy``, ``margin``, ``chosen``, ``rejected`` (`flowrl.algorithms.losses.bradley_terry_loss`)."""
+    from flowrl.algorithms import losses
+    from flowrl.contract.data import sequences_in
+    from flowrl.errors import GraphError
+
+    seqs = sequences_in(batch, "loss 'bradley_terry'")
+    index = seqs.prompt_index.to(scores.device)
+    if scores.dim() != 1 or len(scores) % 2 or not bool((index[0::2] == index[1::2]).all()):
+        raise GraphError(
+            "loss 'bradley_terry' reads preference pairs (row 2i chosen, row 2i+1 rejected, of one prompt); the rows "
+            f"it got ({len(scores)}) are not: train it on a source node with rows='pairs'."
+        )
+    return losses.bradley_terry_loss(scores[0::2], scores[1::2], margin=margin, center_coef=center_coef)
+
+
 # ---------------------------------------------------------------- reward functions
 
 
@@ -659,6 +681,11 @@ LOSSES = {
     "gspo": (gspo_loss, {"needs": ("old_logprobs", "advantages"), "output": "logprobs", "aggregate": "seq-mean"}),
     # reads only the responses (found by their type): declared, so a train node reading more is refused
     "sft": (sft_loss, {"needs": (), "output": "logprobs", "optional": ("responses",), "aggregate": "token-mean"}),
+    # a reward model's scores of preference pairs: rows in groups of 2 (chosen, rejected), kept together
+    "bradley_terry": (
+        bradley_terry_op,
+        {"needs": (), "output": "scores", "optional": ("responses",), "aggregate": "seq-mean", "group": 2},
+    ),
 }
 REWARD_FUNCTIONS = {
     "task": task_reward,

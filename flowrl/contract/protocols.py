@@ -101,6 +101,9 @@ class TrainStep:
     # names in the batch the loss reads (the old log-probs of one update per batch, fused by the planner
     # only for an engine declaring `EngineCapabilities.own_outputs`; `flowrl.contract.reading.fusable`)
     own: tuple[str, ...] = ()
+    # rows the loss reads together (a preference pair: chosen, then rejected; a loss registered with
+    # ``group=2``): consecutive rows the engine shuffles, micro-batches and splits only as whole groups
+    group: int = 1
 
 
 @runtime_checkable

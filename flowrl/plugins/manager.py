@@ -57,7 +57,7 @@ CALLS: dict[str, str] = {k.name: k.call for k in KINDS if k.call is not None}
 #: Callables passed as metadata: kind -> key -> (how flowrl calls it, whether it is required).
 META_CALLS: dict[str, dict[str, tuple[str, bool]]] = {k.name: dict(k.meta_calls) for k in KINDS if k.meta_calls}
 
-LOSS_OUTPUTS = ("logprobs", "values")
+LOSS_OUTPUTS = ("logprobs", "values", "scores")  # scores: one per row (a reward model's)
 
 
 class Registry:
@@ -178,6 +178,8 @@ def _problem(kind: str, name: str, obj: Any, meta: dict[str, Any]) -> str | None
         return f"'{name}' is a core flowrl command: rename the plugin's command"
     if kind == "losses" and "output" in meta and meta["output"] not in LOSS_OUTPUTS:
         return f"meta 'output' is {meta['output']!r}; it must be one of {', '.join(map(repr, LOSS_OUTPUTS))}"
+    if kind == "losses" and "group" in meta and (type(meta["group"]) is not int or meta["group"] < 1):
+        return f"meta 'group' is {meta['group']!r}; it must be a positive int (rows the loss reads together)"
     for key in ("needs", "gives", "optional"):
         keys = meta.get(key, ())
         if not isinstance(keys, (tuple, list)) or not all(isinstance(k, str) for k in keys):

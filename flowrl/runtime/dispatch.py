@@ -146,7 +146,13 @@ def rank_rows(rows: Tensor, rank: int, world: int) -> Tensor:
 
 
 def micro_batches(
-    seqs: Sequences, rows: Tensor, world: int, micro: int, max_tokens: int | None, packed: bool = False
+    seqs: Sequences,
+    rows: Tensor,
+    world: int,
+    micro: int,
+    max_tokens: int | None,
+    packed: bool = False,
+    group: int = 1,
 ) -> list[list[Tensor]]:
     """Each rank's micro-batches of the mini-batch ``rows`` of ``seqs`` (every rank computes all of them
     alike, from the host's rows): rows of similar length together, at most ``micro`` rows each.
@@ -156,11 +162,17 @@ def micro_batches(
     rank with the fewest tokens so far (so no rank waits on another), and a micro-batch grows while
     its size stays within the budget: rows x (longest prompt + longest response) padded, or the sum
     of its rows' tokens ``packed`` (one row without padding, `flowrl.backends.local.packing`); a row
-    longer than the budget is a micro-batch of its own."""
+    longer than the budget is a micro-batch of its own.
+
+    ``group`` > 1: ``rows`` come in consecutive groups of that many (a preference pair: chosen, then
+    rejected) which a loss reads together: each group stays whole and in order in one micro-batch
+    (`grouped_micro_batches`)."""
     import torch
 
     from flowrl.runtime.batch import by_length
 
+    if group > 1:
+        return grouped_micro_batches(seqs, rows, world, micro, max_tokens, packed, group)
     if max_tokens is None:
         return [list(by_length(seqs, rank_rows(rows, r, world)).split(max(micro, 1))) for r in range(world)]
     prompts = seqs.prompt_mask[rows].sum(-1).tolist()
@@ -186,6 +198,51 @@ def micro_batches(
                 parts.append([i])
                 wide_p, wide_r, used = prompts[i], responses[i], prompts[i] + responses[i]
         out.append([rows[torch.tensor(part, dtype=torch.long)] for part in parts])
+    return out
+
+
+def grouped_micro_batches(
+    seqs: Sequences, rows: Tensor, world: int, micro: int, max_tokens: int | None, packed: bool, group: int
+) -> list[list[Tensor]]:
+    """`micro_batches` of ``rows`` taken ``group`` consecutive rows at a time: groups are dealt to the
+    ranks (strided, or by tokens under ``max_tokens``), ordered by their longest response, and cut into
+    micro-batches of at most ``micro`` rows (at least one group) and ``max_tokens`` tokens (a group
+    longer than the budget is a micro-batch of its own); each group's rows stay together, in order."""
+    import torch
+
+    if len(rows) % group:
+        raise BackendError(f"{len(rows)} rows cannot be taken in groups of {group} (rows a loss reads together).")
+    units = rows.reshape(-1, group)
+    prompts = seqs.prompt_mask[rows].sum(-1).reshape(-1, group)
+    responses = seqs.response_lengths[rows].reshape(-1, group)
+    # a group's size as a micro-batch counts it: its tokens (packed), or its rows x its widest row
+    wide_p, wide_r = prompts.max(-1).values.tolist(), responses.max(-1).values.tolist()
+    tokens = (prompts + responses).sum(-1).tolist()
+    n = len(units)
+    if max_tokens is None:
+        shares = [list(range(r, n, world)) for r in range(world)]
+    else:
+        shares = [[] for _ in range(world)]
+        load = [0] * world
+        for i in sorted(range(n), key=lambda i: (-tokens[i], i)):
+            r = min(range(world), key=lambda k: (load[k], k))
+            shares[r].append(i)
+            load[r] += tokens[i]
+    per = max(micro // group, 1)  # groups per micro-batch
+    out = []
+    for share in shares:
+        parts: list[list[int]] = []
+        p = r = used = 0
+        for i in sorted(share, key=lambda i: (wide_r[i], wide_p[i], i)):
+            np_, nr = max(p, wide_p[i]), max(r, wide_r[i])
+            size = used + tokens[i] if packed else (len(parts[-1]) + 1 if parts else 1) * group * (np_ + nr)
+            if parts and len(parts[-1]) < per and (max_tokens is None or size <= max_tokens):
+                parts[-1].append(i)
+                p, r, used = np_, nr, used + tokens[i]
+            else:
+                parts.append([i])
+                p, r, used = wide_p[i], wide_r[i], tokens[i]
+        out.append([units[torch.tensor(part, dtype=torch.long)].reshape(-1) for part in parts])
     return out
 
 

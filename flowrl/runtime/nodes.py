@@ -42,6 +42,7 @@ class NodeRuntime:
     skip_nonfinite: bool = False  # train.skip_nonfinite: let non-finite values reach the trainer, which skips
     fused: Mapping[str, str] = field(default_factory=dict)  # forward node -> the train node computing its output
     rewards: RewardRunner = field(default_factory=RewardRunner)  # how reward functions run (reward.*)
+    loss_groups: Mapping[str, int] = field(default_factory=dict)  # loss name -> rows it reads together (pairs: 2)
     state: dict[str, float] = field(default_factory=dict)  # graph state: its value after the last update
     # what source nodes tokenize the data's responses with: the models' tokenizer and pad id, and the
     # response budget the plan sized the train step by (`flowrl.runtime.offline`)
@@ -487,6 +488,7 @@ def _train(
         generator=rt.fresh_generator(node.name),
         unit=loss_unit(rt.loss_aggregates[node.loss], algo),
         own=tuple(sorted(port_of.get(k, k) for k in own_keys(rt, node.name))),
+        group=rt.loss_groups.get(node.loss, 1),
     )
     trainer = rt.trainers[node.model]
     # the version the batch's proximal log-probs were computed with: tokens it sampled are on-policy
@@ -554,4 +556,5 @@ def node_runtime(
         skip_nonfinite=cfg.train.skip_nonfinite,
         fused=dict(plan.fused) if fused else {},
         rewards=RewardRunner(**msgspec.structs.asdict(cfg.reward)),
+        loss_groups={e.name: int(e.meta.get("group", 1)) for e in registry.entries("losses")},
     )

@@ -314,9 +314,12 @@ class LocalModel(Training, Weights, Staged):
         assert out is not None
         return out
 
-    def _micro_batches(self, seqs: Sequences, rows: Tensor, world: int, micro: int) -> list[list[Tensor]]:
-        """`flowrl.runtime.dispatch.micro_batches` under this model's token budget and packing."""
-        return micro_batches(seqs, rows, world, micro, self.spec.max_tokens_per_micro_batch, self.spec.pack)
+    def _micro_batches(
+        self, seqs: Sequences, rows: Tensor, world: int, micro: int, group: int = 1
+    ) -> list[list[Tensor]]:
+        """`flowrl.runtime.dispatch.micro_batches` under this model's token budget and packing (``group``:
+        rows a loss reads together, kept whole)."""
+        return micro_batches(seqs, rows, world, micro, self.spec.max_tokens_per_micro_batch, self.spec.pack, group)
 
 
 class LoraBase(LocalModel):

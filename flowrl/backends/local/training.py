@@ -55,17 +55,30 @@ class Training:
             self.version += 1
             return {}
         micro = step.micro_batch or n_rows
+        group = max(int(getattr(step, "group", 1)), 1)  # rows the loss reads together (a preference pair)
+        if n_rows % group:
+            raise BackendError(
+                f"node '{step.node}': its loss reads rows {group} at a time (a chosen and a rejected response), "
+                f"but the batch holds {n_rows} rows; train it on a source node with rows='pairs'."
+            )
         stats: dict[str, list[float]] = {}
+        if self.pipeline is not None and group > 1:
+            raise BackendError(
+                f"node '{step.node}': its loss reads rows {group} at a time, which model '{self.decl.name}' split "
+                "into pipeline stages cannot keep together; plan it without pipeline stages (pp=1)."
+            )
         if self.pipeline is not None:  # the bubble of this step's schedule steps only (not forward passes')
             self.pipeline.times.reset()
         skipped, splits_before = 0, self.oom_splits  # optimizer steps skipped for a non-finite gradient
         computed = useful = 0  # tokens the micro-batches computed, and how many of them were not padding
         self.module.train()
         for _ in range(step.epochs):
-            order = torch.randperm(n_rows, generator=step.generator)  # the same on every rank
+            order = torch.randperm(n_rows // group, generator=step.generator)  # the same on every rank
             for mb in order.chunk(step.mini_batches):
+                if group > 1:  # groups drawn whole: their rows, in order
+                    mb = (mb[:, None] * group + torch.arange(group)).reshape(-1)
                 # every rank's micro-batches (similar lengths together): all ranks take as many micro-steps
-                shares = self._micro_batches(seqs, mb, self.dims.data, micro)  # a tp row's ranks take the same rows
+                shares = self._micro_batches(seqs, mb, self.dims.data, micro, group)  # a tp row's ranks: the same
                 parts, steps = shares[self.dims.data_index], max(len(p) for p in shares)
                 if self.pipeline is not None:  # in stages: one schedule step (no split: its ranks run in step)
                     acc = self._accumulate_staged(loss, batch, step, mb, parts, steps)  # type: ignore[attr-defined]
@@ -151,7 +164,8 @@ class Training:
         while i < max(steps, len(parts)):  # one rank splits only unsharded: its step count is its own
             if self.sharded:  # accumulate locally; reduce-scatter once, at the last micro-step
                 self.module.set_requires_gradient_sync(i == steps - 1)
-            part, weight_on = (parts[i], 1.0) if i < len(parts) else (mb[:1], 0.0)  # a short rank idles
+            group = max(int(getattr(step, "group", 1)), 1)
+            part, weight_on = (parts[i], 1.0) if i < len(parts) else (mb[:group], 0.0)  # a short rank idles
             view = to_device(trim(select_rows(batch, part, len(seqs)), step.sequences_key), self.device)
             where = f"node '{step.node}' training model '{self.decl.name}'"
             try:
@@ -164,7 +178,7 @@ class Training:
                 value, step_stats = loss(out, view, step.algo)
                 step_stats = {**step_stats, **gap}
             except RuntimeError as err:
-                parts[i : i + 1] = self._split(err, part, where)
+                parts[i : i + 1] = self._split(err, part, where, group)
                 continue
             # the micro-batch's share of the mini-batch, in what the loss is a mean over: the
             # gradients add up to the whole mini-batch's loss's, for any split
@@ -172,7 +186,7 @@ class Training:
             try:
                 (value * (weight_on * scale * share)).backward()
             except RuntimeError as err:
-                halves = self._split(err, part, where)
+                halves = self._split(err, part, where, group)
                 self.optimizer.zero_grad(set_to_none=True)
                 raise _SplitAndRestart(i, halves) from None
             if weight_on:
@@ -184,15 +198,16 @@ class Training:
             i += 1
         return acc
 
-    def _split(self, err: RuntimeError, rows: Tensor, where: str) -> list[Tensor]:
+    def _split(self, err: RuntimeError, rows: Tensor, where: str, group: int = 1) -> list[Tensor]:
         """``rows`` as two halves, to compute again, when ``err`` is an allocation that failed (the
         device's memory, or the host's) -- said once per model on stderr, and counted by the caller;
         ``err`` itself otherwise, or where halves cannot help (one row; a sharded model, whose ranks
         compute their micro-batches in step)."""
         if not out_of_memory(err):
             raise err
-        if len(rows) < 2 or self.distributed:
-            why = "a single row" if len(rows) < 2 else "one rank of a sharded model (its ranks compute in step)"
+        if len(rows) < 2 * group or self.distributed:
+            single = "a single row" if group == 1 else f"one group of {group} rows the loss reads together"
+            why = single if len(rows) < 2 * group else "one rank of a sharded model (its ranks compute in step)"
             raise BackendError(
                 f"{where}: a micro-batch of {len(rows)} row(s) ran out of memory, and it cannot be split "
                 f"further ({why}): {str(err).splitlines()[0]}. Lower train.max_tokens_per_micro_batch or "
@@ -210,7 +225,7 @@ class Training:
                 flush=True,
             )
         self.oom_splits += 1
-        half = (len(rows) + 1) // 2
+        half = (len(rows) // group + 1) // 2 * group  # a group of rows the loss reads together stays whole
         return [rows[:half], rows[half:]]
 
 
