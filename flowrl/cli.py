@@ -420,7 +420,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if result.metrics:
         print(f"  curve:      {result.out_dir / 'reward.png'}")
     for model, path in result.checkpoints.items():
+        role = graph.models[model].role if model in graph.models else "actor"
         hint = f"; continue from it with --model {path}" if path.name == "checkpoint" else ""
+        if role in ("reward", "cost"):  # an HF sequence-classification model: what PPO with a reward model scores with
+            hint = f"; score with it: --model {role}={path}"
         print(f"  checkpoint: {path}  (model '{model}'{hint})")
     if result.last_checkpoint is not None:
         print(f"  resumable:  {result.last_checkpoint}  (extend with `{again} --steps N`)")
@@ -494,6 +497,9 @@ def _summary(metrics: list[dict[str, Any]]) -> str:
     nll = next((name for name in metrics[0] if name.endswith("/nll")), None)
     if nll is not None and all(m.get("reward") is None for m in metrics):  # supervised (no reward): its loss
         key, what = nll, "training NLL"
+    accuracy = next((name for name in metrics[0] if name.endswith("/accuracy")), None)
+    if nll is None and accuracy is not None and all(m.get("reward") is None for m in metrics):  # a reward model
+        key, what = accuracy, "training pair accuracy"
     first = sum(m.get(key) or 0 for m in metrics[:k]) / k
     last = sum(m.get(key) or 0 for m in metrics[-k:]) / k
     secs = sorted(m["step_seconds"] for m in metrics)[len(metrics) // 2]
@@ -537,8 +543,11 @@ class _Progress:
             self.bar.write(_report_lines(record))
             return
         nll = next((k for k in record if k.endswith("/nll")), None)
+        accuracy = next((k for k in record if k.endswith("/accuracy")), None)
         if record.get("reward") is None and nll is not None:  # supervised (no reward): its loss
             post = {"nll": f"{record[nll]:.3f}"}
+        elif record.get("reward") is None and accuracy is not None:  # a reward model: pairs ranked right
+            post = {"acc": f"{record[accuracy]:.3f}"}
         else:
             post = {"reward": f"{record['reward'] or 0:.3f}"}
         if record.get("kl") is not None:

@@ -20,7 +20,9 @@ the task scores it 1.0):
 
 A graph that generates nothing (its responses come from the data: a source node) is evaluated by
 its held-out loss (`LossEvaluator`): ``eval/loss``, the mean negative log-likelihood per trained
-response token of the evaluation set's given responses under the trained model, and ``eval/tokens``.
+response token of the evaluation set's given responses under the trained model, and ``eval/tokens``;
+a reward model trained on preference pairs by its held-out pairs (`PairEvaluator`): ``eval/pair_accuracy``
+(the fraction whose chosen response it scores higher), ``eval/margin`` and ``eval/pairs``.
 """
 
 from __future__ import annotations
@@ -253,4 +255,32 @@ class LossEvaluator:
         record: dict[str, Any] = {"step": updates, "kind": "eval", "version": self.trainer.version}
         record["eval/loss"] = round(total / max(count, 1), 6)
         record["eval/tokens"] = count
+        return record, []
+
+
+class PairEvaluator(LossEvaluator):
+    """Held-out preference pairs of a reward model (a scalar head trained on a ``rows="pairs"`` source):
+    the trained model scores each pair's chosen and rejected response; ``eval/pair_accuracy`` is the
+    fraction of pairs whose chosen response scores higher, ``eval/margin`` the mean r_chosen - r_rejected,
+    ``eval/pairs`` how many pairs."""
+
+    def run(self, updates: int) -> tuple[dict[str, Any], list[Scored]]:
+        from flowrl.runtime.offline import offline_sequences
+
+        rt, diffs = self.rt, []
+        step = max(self.cfg.rollout.prompts_per_step, 1)
+        for start in range(0, len(self.prompts), step):
+            chunk = self.prompts[start : start + step]
+            seqs, _ = offline_sequences(
+                chunk, rt.task, rt.tokenizer, rt.pad_id, rows="pairs", budget=rt.response_budget,
+                node=self.source.name,
+            )  # fmt: skip
+            with torch.no_grad():
+                scores = self.trainer.forward(seqs, "scores", rt.micro_batch.get(self.train_node, 0)).float()
+            diffs.append(scores[0::2] - scores[1::2])
+        diff = torch.cat(diffs) if diffs else torch.zeros(0)
+        record: dict[str, Any] = {"step": updates, "kind": "eval", "version": self.trainer.version}
+        record["eval/pair_accuracy"] = round(float((diff > 0).float().mean()), 6) if len(diff) else 0.0
+        record["eval/margin"] = round(float(diff.mean()), 6) if len(diff) else 0.0
+        record["eval/pairs"] = len(diff)
         return record, []

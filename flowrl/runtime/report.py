@@ -34,9 +34,13 @@ def plot_rewards(
     nll = next((k for k in metrics[0] if k.endswith("/nll")), None) if metrics else None
     if nll is not None and not any(m.get("reward") is not None for m in metrics):  # supervised: its loss
         panels.insert(0, (nll, "training NLL per token"))
+    accuracy = next((k for k in metrics[0] if k.endswith("/accuracy")), None) if metrics else None
+    if accuracy is not None and not any(m.get("reward") is not None for m in metrics):  # a reward model's pairs
+        panels.insert(0, (accuracy, "training pair accuracy"))
     panels = [(k, label) for k, label in panels if any(m.get(k) is not None for m in metrics)]
     evals = evals or []
-    losses = {"eval/loss", "eval/tokens"}  # held-out loss (offline rows) has a panel of its own: not in [0, 1]
+    # held-out loss (offline rows) and a reward model's held-out margin have panels of their own: not in [0, 1]
+    losses = {"eval/loss", "eval/tokens", "eval/margin", "eval/pairs"}
     curves = sorted(
         {k for e in evals for k in e if k.startswith("eval/") and k.count("/") == 1} - {"eval/prompts"} - losses
     )
@@ -44,6 +48,8 @@ def plot_rewards(
         panels.append(("eval", "evaluation"))
     if any("eval/loss" in e for e in evals):
         panels.append(("eval/loss", "held-out NLL per token"))
+    if any("eval/margin" in e for e in evals):
+        panels.append(("eval/margin", "held-out margin (r_chosen - r_rejected)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
     window = max(1, len(metrics) // 25)
     for ax, (key, label) in zip(axes[0], panels):
@@ -57,7 +63,7 @@ def plot_rewards(
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8, loc="lower right")
             continue
-        if key == "eval/loss":
+        if key in ("eval/loss", "eval/margin"):
             points = [(e["step"], e[key]) for e in evals if key in e]
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3, lw=1.4, color="#d62")
             ax.set_xlabel("training steps done")

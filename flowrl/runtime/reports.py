@@ -20,7 +20,7 @@ import msgspec
 
 from flowrl.contract.reading import generating_models
 from flowrl.errors import ConfigError
-from flowrl.runtime.evaluate import Evaluator, LossEvaluator, sample_rows, training_samples
+from flowrl.runtime.evaluate import Evaluator, LossEvaluator, PairEvaluator, sample_rows, training_samples
 
 SAMPLES = "samples.jsonl"
 
@@ -45,7 +45,9 @@ class Reports:
         if cfg.eval.every > 0 and not generating_models(graph) and graph.sources():  # held-out loss
             source = graph.sources()[0]
             train = next(n for n in graph.nodes.values() if n.trains and source.writes[0] in n.reads)
-            self.evaluator = LossEvaluator(cfg, parts.rt, parts.trainers[train.model], source, train.name)
+            scorer = graph.models[train.model].scalar_head and source.rows == "pairs"  # a reward model: its pairs
+            kind = PairEvaluator if scorer else LossEvaluator
+            self.evaluator = kind(cfg, parts.rt, parts.trainers[train.model], source, train.name)
         elif cfg.eval.every > 0:
             policy = next(iter(generating_models(parts.rt.graph)), None)
             if policy is None or policy not in parts.generators:
