@@ -94,18 +94,18 @@ def metrics_rows(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line]
 
 
-def resumed_after_step_1(graph: Any, plan: Any, tmp_path: Path) -> tuple[Any, Any]:
+def resumed_after_step_1(graph: Any, plan: Any, tmp_path: Path, registry: Any = None) -> tuple[Any, Any]:
     """(the whole run, the run resumed from its step-1 checkpoint) of a 4-step ``plan`` that checkpoints every
     2 steps: the whole run's folder copied without its last checkpoint, as if killed after step 1, then resumed
-    (two runs, not three)."""
+    (two runs, not three); ``registry``: the plugins both runs use (default: the process's)."""
     import shutil
 
     from flowrl import api
     from flowrl.contract.plan import load_plan
     from flowrl.runtime.executor import run_dir
 
-    whole = api.run(graph, plan, out_dir=run_dir(str(tmp_path), "whole"))
+    whole = api.run(graph, plan, registry=registry, out_dir=run_dir(str(tmp_path), "whole"))
     part = tmp_path / "part"
     shutil.copytree(whole.out_dir, part)
     shutil.rmtree(part / "checkpoints" / "step-000003")
-    return whole, api.run(graph, load_plan(part / "plan.yaml"), out_dir=part, resume=True)
+    return whole, api.run(graph, load_plan(part / "plan.yaml"), registry=registry, out_dir=part, resume=True)
