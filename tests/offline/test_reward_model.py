@@ -216,7 +216,7 @@ def test_flowrl_loads_the_classifier_back_with_its_head(trained_rm):
     folder = str(trained_rm[0].checkpoints["rm"])
     assert scalar_checkpoint(folder) == "classifier"
     tok = load_tokenizer(folder)
-    model = build_model(folder, model_config(folder, None, tok), 0, True, "rm")
+    model = build_model(folder, model_config(folder, None, tok), 0, True, "rm", head_bias=False)
     assert isinstance(model, ValueModel) and model.head.bias is None
     ids = tok("ab>ab" + tok.eos_token, return_tensors="pt")["input_ids"]
     with torch.no_grad():

@@ -179,9 +179,9 @@ class ValueModel(nn.Module):
 
     ``lm``: any HF model whose ``base_model`` is the decoder (a causal LM, a sequence-classification
     model, or the bare decoder). ``head``: the head's trained weights (``weight`` [1, H], optional
-    ``bias``); without them the head is fresh (drawn from torch's RNG). ``bias``: whether a fresh head
-    has a bias (a critic's does; a reward or cost model's has none, as an HF classifier's ``score``,
-    so that it saves as one: `save_classifier`); a loaded head has one when its weights do."""
+    ``bias``); without them the head is fresh (drawn from torch's RNG). ``bias``: whether the head has a
+    bias (a critic's does, zero where its weights have none; a reward or cost model's has none, as an
+    HF classifier's ``score``, so that it saves as one: `save_classifier`), as it has where its weights do."""
 
     def __init__(self, lm: nn.Module, head: Mapping[str, Tensor] | None = None, bias: bool = True) -> None:
         super().__init__()
@@ -191,7 +191,7 @@ class ValueModel(nn.Module):
         self.head = nn.Linear(hidden, 1)  # with its bias either way: the same draws from torch's RNG
         nn.init.normal_(self.head.weight, std=1.0 / (hidden + 1) ** 0.5)
         nn.init.zeros_(self.head.bias)
-        if not (bias if head is None else "bias" in head):
+        if not (bias or (head is not None and "bias" in head)):
             self.head.bias = None
         if head is not None:
             weight = head["weight"].detach().to(self.head.weight.dtype)
@@ -201,7 +201,7 @@ class ValueModel(nn.Module):
                 )
             with torch.no_grad():
                 self.head.weight.copy_(weight)
-                if self.head.bias is not None:
+                if self.head.bias is not None and "bias" in head:
                     self.head.bias.copy_(head["bias"].detach().reshape(1))
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor) -> Tensor:
@@ -344,7 +344,7 @@ def build_model(
 ) -> nn.Module:
     """A graph model's module from folder ``path`` (None: fresh from ``config``, seeded): the causal
     LM, or for a scalar-head model (critic, reward, cost) a `ValueModel` whose head comes from the
-    folder when it has one (`scalar_checkpoint`) and is fresh otherwise (with a bias: ``head_bias``)."""
+    folder when it has one (`scalar_checkpoint`) and is fresh otherwise; ``head_bias``: with a bias (a critic's)."""
     if not scalar_head:
         return build_causal_lm(path, config, seed, trust_remote_code)
     kind = "lm" if path is None else scalar_checkpoint(path)
@@ -369,7 +369,7 @@ def build_model(
             head = load_file(str(Path(path) / VALUE_HEAD_FILE))
         except Exception as exc:
             raise BackendError(f"'{path}/{VALUE_HEAD_FILE}' is unreadable: {type(exc).__name__}: {exc}") from None
-        return ValueModel(backbone, head)
+        return ValueModel(backbone, head, bias=head_bias)
     model = _pretrained(AutoModelForSequenceClassification, path, "a sequence-classification model", trust_remote_code)
     score = getattr(model, "score", None)
     if not isinstance(score, nn.Linear) or score.out_features != 1:
@@ -382,7 +382,7 @@ def build_model(
                 else "it has no 'score' head (a Llama/Qwen-style classifier has one)."
             )
         )
-    return ValueModel(model, dict(score.state_dict()))
+    return ValueModel(model, dict(score.state_dict()), bias=head_bias)
 
 
 def _pretrained(auto: Any, path: str, what: str, trust_remote_code: bool = False) -> nn.Module:
