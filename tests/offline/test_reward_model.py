@@ -2,63 +2,33 @@
 held-out pair accuracy rising, the checkpoint as an HF sequence-classification model that scores as
 the trained model did, PPO with it as its reward model, and an exact resume.
 
-The pairs are built directly (`Prompt.completions`): the ``copy`` task's prompts, the correct answer
-chosen and a wrong one (the answer's letters rotated by one) rejected."""
+The pairs are built directly (`Prompt.completions`, tests/helpers.py: `CopyPairs`): the ``copy`` task's
+prompts, the correct answer chosen and a wrong one (the answer's letters rotated by one) rejected."""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Any, ClassVar
 
 import pytest
 import torch
-from helpers import resumed_after_step_1, untimed
+from helpers import CopyPairs, pairs_registry, resumed_after_step_1, untimed
 
 from flowrl import api
 from flowrl.algorithms import losses, ops
 from flowrl.contract.data import Completion, Prompt
 from flowrl.errors import GraphError, PlanError
-from flowrl.plugins.hookspecs import hookimpl
-from flowrl.plugins.manager import load_plugins
 from flowrl.runtime.dispatch import micro_batches
 from flowrl.runtime.offline import offline_sequences
-from flowrl.tasks.builtin import Copy
 from flowrl.tasks.tokenizer import build_tokenizer
 
 SMALL = ["progress=false", "rollout.prompts_per_step=16", "task=copy_pairs", "train.dtype=float32"]
 
 
-def wrong(answer: str) -> str:
-    """A wrong answer of the copy task: the letters rotated by one (a letter more when that changes nothing)."""
-    rotated = answer[1:] + answer[:1]
-    return rotated if rotated != answer else answer + ("a" if answer[-1] != "a" else "b")
-
-
-class CopyPairs(Copy, frozen=True, kw_only=True):
-    """The copy task with a preference pair per prompt: the answer chosen, a wrong one rejected."""
-
-    name: ClassVar[str] = "copy_pairs"
-
-    def prompts(self, rng: Any, n: int) -> list[Prompt]:
-        pairs = []
-        for p in super().prompts(rng, n):
-            chosen = Completion(pieces=(p.answer,), trained=(True,), eos=True)
-            rejected = Completion(pieces=(wrong(p.answer),), trained=(True,), eos=True)
-            pairs.append(Prompt(text=p.text, answer=p.answer, completions=(chosen, rejected)))
-        return pairs
-
-
-class PairsPlugin:
-    @hookimpl
-    def register_tasks(self, register: Any) -> None:
-        register("copy_pairs", CopyPairs)
-
-
 @pytest.fixture(scope="module")
 def reg():
-    return load_plugins(entry_points=False, extra=[("pairs", PairsPlugin())])[1]
+    return pairs_registry()
 
 
 def rm_plan(reg, overrides: list[str], steps: int):
