@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,21 @@ def test_the_reward_model_plan_has_a_train_stage_only(reg):
     assert [n.kind for n in plan.nodes] == ["source", "train"]
     assert model_spec(graph, plan, "rm").scalar_head  # costed with its scalar head, no vocabulary logits
     assert plan.models["rm"].optimizer is not None and plan.memory
+
+
+def test_a_cluster_forecast_of_a_reward_model_plans_no_pipeline_stages_that_would_cut_its_pairs(tmp_path, capsys):
+    from flowrl.cli import main
+    from flowrl.contract.plan import load_plan
+
+    out = tmp_path / "plan.yaml"
+    argv = ["plan", "graphs/reward_model.py", "--cluster", "8xA100-80G", "--model", "llama-7b", "--budget", "1"]
+    assert main([*argv, "--out", str(out), "--explain"]) == 0
+    assert not re.search(r"\bpp[2-9]", capsys.readouterr().out)  # neither the winner nor a runner-up
+    plan = load_plan(out)
+    assert [n.kind for n in plan.nodes] == ["source", "train"] and plan.layout.layout("rm").parallel.pp == 1
+    assert main([*argv, "--require", "rm.pp=2"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "splits model 'rm' into pipeline stages, but its loss reads rows in pairs" in err
 
 
 @pytest.mark.slow
