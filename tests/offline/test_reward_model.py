@@ -131,6 +131,19 @@ def test_a_cluster_forecast_of_a_reward_model_plans_no_pipeline_stages_that_woul
     assert "splits model 'rm' into pipeline stages, but its loss reads rows in pairs" in err
 
 
+def test_a_reward_model_step_split_into_micro_batches_computes_the_one_micro_batch_loss(reg, tmp_path):
+    first = {}
+    for split in ([], ["train.micro_batch_size=2"], ["train.max_tokens_per_micro_batch=40", "train.pack=true"]):
+        graph, plan = rm_plan(reg, ["checkpoint=false", "rollout.prompts_per_step=8", *split], 1)
+        first[tuple(split)] = api.run(graph, plan, registry=reg, out_dir=tmp_path / str(len(first))).metrics[0]
+    whole, pairs, packed = first.values()
+    assert whole["train_rm/pad_frac"] != pairs["train_rm/pad_frac"] and packed["train_rm/pad_frac"] == 0.0
+    for part in (pairs, packed):  # each micro-batch weighs by its pairs: the mini-batch's loss
+        assert part["train_rm/loss"] == pytest.approx(whole["train_rm/loss"], rel=1e-5)
+    # one pair per micro-batch: the mean of their stats is the mini-batch's
+    assert pairs["train_rm/margin"] == pytest.approx(whole["train_rm/margin"], rel=1e-4, abs=1e-6)
+
+
 @pytest.mark.slow
 def test_a_reward_model_learns_to_rank_held_out_pairs(reg, tmp_path):
     graph, plan = rm_plan(reg, ["eval.every=25", "eval.prompts=64", "checkpoint=false", "train.lr=1e-3"], 50)
