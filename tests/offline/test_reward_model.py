@@ -155,6 +155,7 @@ def test_a_reward_model_learns_to_rank_held_out_pairs(reg, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["eval/pair_accuracy"] for r in rows if r.get("kind") == "eval"] == accuracy
     assert {"train_rm/accuracy", "train_rm/margin", "train_rm/chosen", "train_rm/rejected"} <= set(result.metrics[-1])
+    assert (tmp_path / "run" / "reward.png").stat().st_size > 0  # pair accuracy and margin panels
 
 
 def hf_scores(folder: Path, texts: list[str]) -> list[float]:
