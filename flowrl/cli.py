@@ -421,7 +421,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if result.metrics:
         print(f"  curve:      {result.out_dir / 'reward.png'}")
     for model, path in result.checkpoints.items():
+        role = graph.models[model].role if model in graph.models else "actor"
         hint = f"; continue from it with --model {path}" if path.name == "checkpoint" else ""
+        if role in ("reward", "cost"):  # an HF sequence-classification model: what PPO with a reward model scores with
+            hint = f"; score with it: --model {role}={path}"
         print(f"  checkpoint: {path}  (model '{model}'{hint})")
     if result.last_checkpoint is not None:
         print(f"  resumable:  {result.last_checkpoint}  (extend with `{again} --steps N`)")

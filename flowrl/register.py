@@ -75,7 +75,7 @@ def loss(
     (its rows: a sequence-level loss), ``sum`` (a sum, e.g. over a constant), or ``loss_agg`` (as the
     run's ``algo.loss_agg`` says). ``rows="pairs"``: the loss reads rows ``2i`` and ``2i+1`` together (a
     preference pair from a ``g.source(..., rows="pairs")`` node: chosen, then rejected), so the engine
-    keeps each pair whole, in order, in one micro-batch (`flowrl.algorithms.ops.pair_rows` reads them)."""
+    keeps each pair whole, in order, in one micro-batch (`flowrl.contract.pair_rows` reads them)."""
     meta = {"needs": tuple(needs), "output": output, "optional": tuple(optional), "aggregate": aggregate}
     if rows != "each":
         meta["rows"] = rows

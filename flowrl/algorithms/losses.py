@@ -37,6 +37,8 @@ __all__ = [
     "PREFERENCE_LOSSES",
     "preference_loss",
     "dpo_loss",
+    "pair_stats",
+    "bradley_terry_loss",
 ]
 
 KL_KINDS = ("k1", "k2", "k3")
@@ -440,11 +442,16 @@ def dpo_loss(
     with torch.no_grad():
         reward_c = beta * (chosen - ref_chosen).detach()
         reward_r = beta * (rejected - ref_rejected).detach()
-        stats = _pair_stats(reward_c, reward_r, chosen.detach(), rejected.detach())
+        stats = pair_stats(reward_c, reward_r)
+        if stats:
+            stats |= {"logp_chosen": float(chosen.float().mean()), "logp_rejected": float(rejected.float().mean())}
     return loss, stats
 
 
-def _pair_stats(reward_c: Tensor, reward_r: Tensor, logp_c: Tensor, logp_r: Tensor) -> dict[str, float]:
+def pair_stats(reward_c: Tensor, reward_r: Tensor) -> dict[str, float]:
+    """The stats of a loss over preference pairs from each pair's rewards of its chosen and rejected
+    response ([P]): their means (``reward_chosen``, ``reward_rejected``), their difference (``margin``)
+    and the fraction of pairs whose chosen reward is the higher (``pref_accuracy``); none for no pair."""
     if not len(reward_c):
         return {}
     mean = lambda t: float(t.float().mean())  # noqa: E731
@@ -453,6 +460,31 @@ def _pair_stats(reward_c: Tensor, reward_r: Tensor, logp_c: Tensor, logp_r: Tens
         "reward_rejected": mean(reward_r),
         "margin": mean(reward_c - reward_r),
         "pref_accuracy": mean(reward_c > reward_r),
-        "logp_chosen": mean(logp_c),
-        "logp_rejected": mean(logp_r),
     }
+
+
+def bradley_terry_loss(
+    chosen: Tensor,
+    rejected: Tensor,
+    margin: Tensor | float = 0.0,
+    center_coef: float = 0.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """Bradley-Terry loss of a reward model on preference pairs (Ouyang et al., 2022), a mean over pairs.
+
+    loss = mean_i( -log sigmoid(r_c_i - r_r_i - m_i) ) + center_coef * mean_i( (r_c_i + r_r_i)^2 )
+
+    ``chosen``, ``rejected``: [P] scores of each pair's chosen and rejected response; ``margin``: how
+    far the chosen must score above the rejected (a number, or one per pair: Llama 2's margin); the
+    centering term (TRL's ``center_rewards_coefficient``, Eisenstein et al., 2023) keeps the scores'
+    mean near 0, which the first term alone leaves free.
+
+    Stats: `pair_stats` of the scores (``reward_chosen``, ``reward_rejected``, ``margin``: mean
+    r_c - r_r, ``pref_accuracy``: the fraction of pairs with r_c > r_r), as DPO's of its implicit rewards.
+    """
+    diff = chosen - rejected
+    loss = -torch.nn.functional.logsigmoid(diff - margin).mean()
+    if center_coef:
+        loss = loss + center_coef * ((chosen + rejected) ** 2).mean()
+    with torch.no_grad():
+        stats = pair_stats(chosen.detach(), rejected.detach())
+    return loss, stats

@@ -464,6 +464,22 @@ def value_loss(values: Tensor, batch: Batch, algo: AlgoConfig) -> tuple[Tensor, 
     return algo.vf_coef * loss, stats
 
 
+def bradley_terry_op(
+    scores: Tensor, batch: Batch, algo: AlgoConfig, *, margin: float = 0.0, center_coef: float = 0.0
+) -> tuple[Tensor, dict[str, float]]:
+    """A reward model's Bradley-Terry loss on preference pairs (rows ``2i`` chosen, ``2i + 1`` rejected,
+    of a ``rows="pairs"`` source; `flowrl.contract.pair_rows`): -log sigmoid(r_chosen - r_rejected -
+    margin), a mean over pairs, plus ``center_coef`` * mean((r_chosen + r_rejected)^2) (TRL's
+    ``center_rewards_coefficient``). Metrics: ``pref_accuracy``, ``margin``, ``reward_chosen``,
+    ``reward_rejected`` (`flowrl.algorithms.losses.bradley_terry_loss`), as DPO's."""
+    from flowrl.algorithms import losses
+    from flowrl.contract.data import pair_rows, sequences_in
+
+    seqs = sequences_in(batch, "loss 'bradley_terry'")
+    chosen, rejected = pair_rows(seqs, "loss 'bradley_terry'")
+    return losses.bradley_terry_loss(scores[chosen], scores[rejected], margin=margin, center_coef=center_coef)
+
+
 # ---------------------------------------------------------------- reward functions
 
 
@@ -699,6 +715,11 @@ LOSSES = {
     "dpo": (
         dpo_loss,
         {"needs": ("ref_logprobs",), "output": "logprobs", "aggregate": "seq-mean", "rows": "pairs"},
+    ),
+    # a reward model's scores of preference pairs: pairs kept together by the engine
+    "bradley_terry": (
+        bradley_terry_op,
+        {"needs": (), "output": "scores", "optional": ("responses",), "aggregate": "seq-mean", "rows": "pairs"},
     ),
 }
 REWARD_FUNCTIONS = {

@@ -75,6 +75,11 @@ class TuneResult:
         return self.ranked[0].plan
 
 
+def _pair_loss(registry: Any, loss: str) -> bool:
+    """Whether loss ``loss`` reads rows in pairs (registered with ``rows="pairs"``: preference pairs)."""
+    return loss in registry.names("losses") and registry.entry("losses", loss).meta.get("rows", "each") == "pairs"
+
+
 def _captured(registry: Any, engine: str) -> bool:
     """Whether generation engine ``engine`` decodes from captured graphs (its declared capabilities)."""
     if registry is None or engine not in registry.names("generation_engines"):
@@ -165,6 +170,12 @@ class Tuner:
         self.micro_batch = micro_batch  # configured (train.micro_batch_size): every layout uses it
         self.batching = batching or MicroBatching()
         self.unsplit = frozenset(unsplit)  # models whose engine does not split them tensor-parallel (LoRA)
+        # models trained by a loss reading rows in pairs (preference pairs), which pipeline stages would cut
+        self.unstaged = frozenset(
+            n.model
+            for n in graph.nodes.values()
+            if isinstance(n, Train) and registry is not None and _pair_loss(registry, n.loss)
+        )
         self.constraints = constraints or Constraints()  # what the user requires (--require)
         self.numerics = numerics or mem.Numerics()
         if self.numerics.activation_bytes >= 4:  # an engine computing in float32 runs at the fp32 peak
@@ -227,6 +238,8 @@ class Tuner:
             )
             if self.capabilities is not None:
                 options = [lay for lay in options if supports_layout(self.capabilities, lay)]
+            if model in self.unstaged:  # its loss reads whole pairs: no pipeline stages (the engine refuses them)
+                options = [lay for lay in options if lay.parallel.pp == 1]
             options = [lay for lay in options if self.constraints.fits_layout(model, lay)]
             if self.micro_batch is not None:  # the configured micro-batch, within each rank's share of the batch
                 options = list(
@@ -711,6 +724,13 @@ class Tuner:
                     f"no plan fits {self.graph.name}: --require {required} splits model '{lora[0]}' tensor-parallel, "
                     "but it trains LoRA adapters, which the torch engine does not split. Drop the tp requirement, or "
                     "train it without LoRA (train.lora.rank=0)."
+                )
+            paired = sorted(m for m in self.unstaged if self.constraints.parallel.get(m, {}).get("pp", 1) > 1)
+            if paired:
+                return (
+                    f"no plan fits {self.graph.name}: --require {required} splits model '{paired[0]}' into pipeline "
+                    "stages, but its loss reads rows in pairs (chosen, rejected), which stages would cut apart. "
+                    "Drop the pp requirement."
                 )
             staged = self._schedule_problem(models)
             if staged is not None:

@@ -57,7 +57,7 @@ CALLS: dict[str, str] = {k.name: k.call for k in KINDS if k.call is not None}
 #: Callables passed as metadata: kind -> key -> (how flowrl calls it, whether it is required).
 META_CALLS: dict[str, dict[str, tuple[str, bool]]] = {k.name: dict(k.meta_calls) for k in KINDS if k.meta_calls}
 
-LOSS_OUTPUTS = ("logprobs", "values")
+LOSS_OUTPUTS = ("logprobs", "values", "scores")  # scores: one per row (a reward model's)
 #: How a loss reads the rows of its batch: each on its own, or in pairs (rows 2i and 2i+1: a preference
 #: pair's chosen and rejected response, which the training engine keeps in one micro-batch)
 LOSS_ROWS = ("each", "pairs")

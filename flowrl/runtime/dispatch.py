@@ -204,36 +204,46 @@ def grouped_micro_batches(
     seqs: Sequences, rows: Tensor, world: int, micro: int, max_tokens: int | None, packed: bool, group: int
 ) -> list[list[Tensor]]:
     """`micro_batches` of whole groups: ``rows`` is a run of groups of ``group`` consecutive rows (a
-    preference pair: chosen, rejected), each kept whole and in order. The groups are shared among the
-    ranks strided, ordered by their longest response, and a micro-batch takes at most ``micro`` rows
-    (but at least one group) and, with ``max_tokens``, grows while its padded (or ``packed``) tokens
-    stay within the budget; a group over the budget is a micro-batch of its own."""
+    preference pair: chosen, rejected), each kept whole and in order. The groups are dealt to the ranks
+    as `micro_batches` deals rows (strided; under ``max_tokens`` longest first, each to the rank with
+    the fewest tokens so far), ordered by their longest response, and cut into micro-batches of at most
+    ``micro`` rows (at least one group) whose padded (or ``packed``) tokens stay within ``max_tokens``;
+    a group over the budget is a micro-batch of its own."""
     import torch
 
     if len(rows) % group:
-        raise BackendError(f"{len(rows)} rows cannot be cut into groups of {group} (a loss over pairs reads both).")
-    units = rows.view(-1, group)
-    prompts = seqs.prompt_mask[rows].sum(-1).view(-1, group)
-    responses = seqs.response_lengths[rows].view(-1, group)
-    per_micro = max(micro // group, 1)
+        raise BackendError(f"{len(rows)} rows cannot be taken in groups of {group} (a loss over pairs reads both).")
+    units = rows.reshape(-1, group)
+    prompts = seqs.prompt_mask[rows].sum(-1).reshape(-1, group)
+    responses = seqs.response_lengths[rows].reshape(-1, group)
+    # a group's size as a micro-batch counts it: its tokens (packed), or its rows x its widest row
+    wide_p, wide_r = prompts.max(-1).values.tolist(), responses.max(-1).values.tolist()
+    tokens = (prompts + responses).sum(-1).tolist()
+    n = len(units)
+    if max_tokens is None:
+        shares = [list(range(r, n, world)) for r in range(world)]
+    else:
+        shares = [[] for _ in range(world)]
+        load = [0] * world
+        for i in sorted(range(n), key=lambda i: (-tokens[i], i)):
+            r = min(range(world), key=lambda k: (load[k], k))
+            shares[r].append(i)
+            load[r] += tokens[i]
+    per = max(micro // group, 1)  # groups per micro-batch
     out = []
-    for rank in range(world):
-        mine = list(range(rank, len(units), world))
-        mine.sort(key=lambda u: (int(responses[u].max()), u))
+    for share in shares:
         parts: list[list[int]] = []
-        wide_p = wide_r = used = 0
-        for u in mine:
-            p, r = max(wide_p, int(prompts[u].max())), max(wide_r, int(responses[u].max()))
-            tokens = int(prompts[u].sum() + responses[u].sum())
-            size = used + tokens if packed else (len(parts[-1]) + 1 if parts else 1) * group * (p + r)
-            fits = max_tokens is None or size <= max_tokens
-            if parts and len(parts[-1]) < per_micro and fits:
-                parts[-1].append(u)
-                wide_p, wide_r, used = p, r, used + tokens
+        p = r = used = 0
+        for i in sorted(share, key=lambda i: (wide_r[i], wide_p[i], i)):
+            np_, nr = max(p, wide_p[i]), max(r, wide_r[i])
+            size = used + tokens[i] if packed else (len(parts[-1]) + 1 if parts else 1) * group * (np_ + nr)
+            if parts and len(parts[-1]) < per and (max_tokens is None or size <= max_tokens):
+                parts[-1].append(i)
+                p, r, used = np_, nr, used + tokens[i]
             else:
-                parts.append([u])
-                wide_p, wide_r, used = int(prompts[u].max()), int(responses[u].max()), tokens
-        out.append([units[torch.tensor(part, dtype=torch.long)].flatten() for part in parts])
+                parts.append([i])
+                p, r, used = wide_p[i], wide_r[i], tokens[i]
+        out.append([units[torch.tensor(part, dtype=torch.long)].reshape(-1) for part in parts])
     return out
 
 

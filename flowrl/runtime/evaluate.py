@@ -28,6 +28,7 @@ response the trained model rewards above the rejected one, ``eval/margin`` (the 
 beta * (log pi - log ref) summed over the response's trained tokens, with the reference model the
 graph scores the pairs with (a forward node of log-probs on another model); without one, beta times
 the mean log-prob per trained token (SimPO's reward). beta: the train node's ``beta`` option (1 without).
+A reward model (a scalar head trained on the pairs: Bradley-Terry) rewards each response with its score.
 """
 
 from __future__ import annotations
@@ -264,13 +265,15 @@ class LossEvaluator:
 
 
 class PreferenceEvaluator(LossEvaluator):
-    """Held-out preference pairs of a train-only graph: how often the trained model's implicit reward
-    ranks the chosen response above the rejected one (see the module's docstring)."""
+    """Held-out preference pairs of a train-only graph: how often the trained model's reward (DPO's
+    implicit one, or a reward model's score) ranks the chosen response above the rejected one (see the
+    module's docstring)."""
 
     def __init__(self, cfg: RunConfig, rt: Any, trainer: Any, source: Any, train_node: str) -> None:
         super().__init__(cfg, rt, trainer, source, train_node)
         graph = rt.graph
         trained = graph.nodes[train_node].model
+        self.scores = graph.models[trained].scalar_head  # a reward model: its score is the reward
         scorers = [
             n.model
             for n in graph.nodes.values()
@@ -278,6 +281,19 @@ class PreferenceEvaluator(LossEvaluator):
         ]
         self.reference = rt.trainers[scorers[0]] if scorers else None
         self.beta = float(rt.options.get(train_node, (None, {}))[1].get("beta", 1.0))
+
+    @torch.no_grad()
+    def rewards(self, seqs: Any, micro: int) -> torch.Tensor:
+        """[B] the trained model's reward of each row: a reward model's score; DPO's implicit reward."""
+        if self.scores:
+            return self.trainer.forward(seqs, "scores", micro).float()
+        mask = seqs.sampled_mask.float()
+        reward = (self.trainer.forward(seqs, "logprobs", micro).float() * mask).sum(-1)
+        if self.reference is not None:
+            reward = reward - (self.reference.forward(seqs, "logprobs", micro).float() * mask).sum(-1)
+        else:
+            reward = reward / mask.sum(-1).clamp_min(1.0)
+        return self.beta * reward
 
     def run(self, updates: int) -> tuple[dict[str, Any], list[Scored]]:
         """The preference record after ``updates`` training steps, in chunks of a step's prompts."""
@@ -292,14 +308,7 @@ class PreferenceEvaluator(LossEvaluator):
             seqs, _ = offline_sequences(
                 chunk, rt.task, rt.tokenizer, rt.pad_id, rows="pairs", budget=rt.response_budget, node=self.source.name
             )
-            mask = seqs.sampled_mask.float()
-            with torch.no_grad():
-                reward = (self.trainer.forward(seqs, "logprobs", micro).float() * mask).sum(-1)
-                if self.reference is not None:
-                    reward = reward - (self.reference.forward(seqs, "logprobs", micro).float() * mask).sum(-1)
-                else:
-                    reward = reward / mask.sum(-1).clamp_min(1.0)
-            rewards.append(self.beta * reward)
+            rewards.append(self.rewards(seqs, micro))
         every = torch.cat(rewards) if rewards else torch.zeros(0)
         chosen, rejected = every[0::2], every[1::2]  # as the source lays pairs out: chosen 2i, rejected 2i+1
         pairs = len(chosen)

@@ -584,10 +584,13 @@ def _record_problem(line: bytes, step: int, last_step: int) -> str:
 
 def publish_models(run: Path, trainers: Mapping[str, Any], step_checkpoint: Path | None) -> dict[str, Path]:
     """Each trainable model's final HF checkpoint in the run folder: the (first) actor's is
-    ``checkpoint``, every other model's ``checkpoint-<model>``. Taken from its folder in the last
-    step checkpoint (hard links where the filesystem allows), or written now when no step ran;
-    an older one is replaced atomically. Returns model -> path."""
+    ``checkpoint`` (in a graph without an actor, the first trained model's: a reward model's),
+    every other model's ``checkpoint-<model>``. Taken from its folder in the last step checkpoint
+    (hard links where the filesystem allows), or written now when no step ran; an older one is
+    replaced atomically. Returns model -> path."""
     first_actor = next((n for n, g in trainers.items() if g.decl.role == "actor"), None)
+    if first_actor is None:  # no policy: the first trained model is the run's product
+        first_actor = next((n for n, g in trainers.items() if g.decl.trainable), None)
     published = {}
     for name, group in trainers.items():
         if group.decl.trainable:

@@ -209,3 +209,26 @@ def test_a_ppo_run_with_a_reward_model_folder_of_its_own(tmp_path, capsys):
     state = json.loads(sorted((out / "rm" / "checkpoints").glob("step-*/state.json"))[-1].read_text())
     assert set(state["base"]) == {str(actor_dir.resolve()), str(rm_dir.resolve())}
     assert main(["run", "graphs/ppo_rm.py", "--resume", str(out / "rm"), "--steps", "3", "--quiet"]) == 0
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_reward_model_whose_pad_token_is_its_end_token_scores_where_hf_pools(tmp_path, pack):
+    from flowrl.contract.data import Completion
+    from flowrl.runtime.offline import offline_sequences
+
+    tok = build_tokenizer()
+    tok.pad_token = tok.eos_token  # as flowrl sets it for a tokenizer without one
+    path = classifier_folder(tmp_path / "rm", tok)
+    decl = ModelDecl(name="rm", role="reward", trainable=False)
+    rm = training_engine(EngineContext(decl=decl, spec=ModelRun(model="rm", checkpoint=str(path), pack=pack),
+                                       device="cpu"))  # fmt: skip
+    answers = ["ab", "dcba", "c"]
+    prompts = [Prompt(text=f"{a}>", answer=a, completions=(Completion(pieces=(a,), trained=(True,), eos=True),))
+               for a in answers]  # fmt: skip
+    seqs, _ = offline_sequences(prompts, None, rm.tokenizer, rm.tokenizer.pad_token_id)
+    assert all(int(seqs.response_ids[i, len(a)]) == tok.eos_token_id for i, a in enumerate(answers))  # each ends so
+    scores = rm.forward(seqs, "scores", 0)
+    for i, a in enumerate(answers):  # HF reads the last token that is not its pad token: the one before the end
+        ids = tok(f"{a}>{a}")["input_ids"] + [tok.eos_token_id]
+        assert scores[i].item() == pytest.approx(hf_score(path, ids), abs=1e-4)
+        assert scores[i].item() == pytest.approx(hf_score(path, ids[:-1]), abs=1e-4)

@@ -42,7 +42,7 @@ def test_builtin_registrations(builtin: Registry) -> None:
         "tool_use",
         "two_agent",
     ]
-    assert builtin.names("losses") == ["dpo", "gspo", "ppo", "sft", "value"]
+    assert builtin.names("losses") == ["bradley_terry", "dpo", "gspo", "ppo", "sft", "value"]
     assert builtin.names("compute_functions") == [
         "followup_prompts",
         "gae",

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from flowrl.backends.local.generation import last_logits_only, sample
-from flowrl.backends.local.packing import pack, response_logprobs, response_values
+from flowrl.backends.local.packing import pack, response_logprobs, response_values, score_index
 from flowrl.backends.local.parallelize import Parallelized, precision
 from flowrl.backends.local.parallelize.lora import MergedCopy, adapters_off, merge_lora
 from flowrl.backends.local.parallelize.tensor import token_logprobs
@@ -250,9 +250,9 @@ class LocalModel(Training, Weights, Staged):
             if self.text_tokenizer is not None:
                 return self._text_scores(seqs, output)
             values = self.module(ids, mask, pos)
-            if output == "scores":  # at each row's last response token, having read it (as HF classifiers pool)
-                last = seqs.prompt_len - 1 + seqs.response_lengths
-                return values.gather(1, last[:, None].to(self.device)).squeeze(1)
+            if output == "scores":  # at each row's last token that is not padding, having read it (as HF pools)
+                last = score_index(ids, mask, self.tokenizer.pad_token_id)
+                return values.gather(1, last[:, None]).squeeze(1)
             return values[:, start:-1]  # V(s_t): the state before response token t
         # the LM head on the response positions only (the last of them predicts nothing)
         keep = last_logits_only(self.module, seqs.response_ids.shape[1] + 1)
@@ -262,7 +262,7 @@ class LocalModel(Training, Weights, Staged):
 
     def _forward_packed(self, seqs: Sequences, output: str) -> Tensor:
         """`_forward` on the rows packed into one row without padding (`flowrl.backends.local.packing`)."""
-        packed = pack(seqs)
+        packed = pack(seqs, self.tokenizer.pad_token_id if self.decl.scalar_head else None)
         ids, pos = packed.input_ids.to(self.device), packed.position_ids.to(self.device)
         if self.decl.scalar_head:
             values = self.module(ids, None, pos)[0]  # [T]
@@ -283,7 +283,7 @@ class LocalModel(Training, Weights, Staged):
         ids, mask = retokenized(seqs, self.text_tokenizer, self.tokenizer)
         ids, mask = ids.to(self.device), mask.to(self.device)
         values = self.module(ids, mask, position_ids(mask))
-        return values.gather(1, last_real(mask)[:, None]).squeeze(1)
+        return values.gather(1, score_index(ids, mask, self.tokenizer.pad_token_id)[:, None]).squeeze(1)
 
     @_locked
     @torch.no_grad()

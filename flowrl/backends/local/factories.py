@@ -68,14 +68,16 @@ def training_engine(ctx: EngineContext) -> LocalModel:
         tokenizer = load_tokenizer(spec.checkpoint, trust_remote_code=trust)
         hf_config = model_config(spec.checkpoint, spec.tiny, tokenizer, trust_remote_code=trust)
         module = build_model(
-            spec.checkpoint, hf_config, spec.seed, ctx.decl.scalar_head, ctx.decl.name, trust_remote_code=trust
-        )
+            spec.checkpoint, hf_config, spec.seed, ctx.decl.scalar_head, ctx.decl.name, trust_remote_code=trust,
+            head_bias=ctx.decl.role == "critic",
+        )  # fmt: skip
     elif _is_lora_base(ctx, source):
         return LoraBase(ctx.decl, source, spec)
     else:
         tokenizer, hf_config = source.tokenizer, source.hf_config
         lm = _lm_copy(source)
-        module = ValueModel(lm) if ctx.decl.scalar_head else lm
+        # a reward or cost model's head has no bias, as an HF classifier's `score` (it saves as one)
+        module = ValueModel(lm, bias=ctx.decl.role == "critic") if ctx.decl.scalar_head else lm
     engine = local_model(
         ctx.decl, module, tokenizer, hf_config, spec, torch.device(ctx.device), ctx.rank, ctx.world, ctx.group,
         offload=ctx.offload, tp=ctx.tp, pp=ctx.pp, schedule=ctx.schedule, virtual_stages=ctx.virtual_stages,

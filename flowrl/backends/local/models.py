@@ -179,16 +179,20 @@ class ValueModel(nn.Module):
 
     ``lm``: any HF model whose ``base_model`` is the decoder (a causal LM, a sequence-classification
     model, or the bare decoder). ``head``: the head's trained weights (``weight`` [1, H], optional
-    ``bias``); without them the head is fresh (drawn from torch's RNG)."""
+    ``bias``); without them the head is fresh (drawn from torch's RNG). ``bias``: whether the head has a
+    bias (a critic's does, zero where its weights have none; a reward or cost model's has none, as an
+    HF classifier's ``score``, so that it saves as one: `save_classifier`), as it has where its weights do."""
 
-    def __init__(self, lm: nn.Module, head: Mapping[str, Tensor] | None = None) -> None:
+    def __init__(self, lm: nn.Module, head: Mapping[str, Tensor] | None = None, bias: bool = True) -> None:
         super().__init__()
         self.backbone = lm.base_model
         self.config = lm.config
         hidden = lm.config.hidden_size
-        self.head = nn.Linear(hidden, 1)
+        self.head = nn.Linear(hidden, 1)  # with its bias either way: the same draws from torch's RNG
         nn.init.normal_(self.head.weight, std=1.0 / (hidden + 1) ** 0.5)
         nn.init.zeros_(self.head.bias)
+        if not (bias or (head is not None and "bias" in head)):
+            self.head.bias = None
         if head is not None:
             weight = head["weight"].detach().to(self.head.weight.dtype)
             if tuple(weight.shape) != (1, hidden):
@@ -197,8 +201,8 @@ class ValueModel(nn.Module):
                 )
             with torch.no_grad():
                 self.head.weight.copy_(weight)
-                bias = head.get("bias")
-                self.head.bias.copy_(bias.detach().reshape(1) if bias is not None else torch.zeros(1))
+                if self.head.bias is not None and "bias" in head:
+                    self.head.bias.copy_(head["bias"].detach().reshape(1))
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor) -> Tensor:
         # no cache (it never generates): without a mask, position ids that restart mark packed rows
@@ -207,14 +211,84 @@ class ValueModel(nn.Module):
         ).last_hidden_state
         return self.head(hidden).squeeze(-1)
 
-    def save(self, path: Path, stamp: Mapping[str, str] | None = None) -> None:
-        """The backbone as an HF directory plus the head in ``value_head.safetensors`` (what
-        `build_scalar_model` loads back); ``stamp``: `save_hf`'s."""
+    def save(self, path: Path, stamp: Mapping[str, str] | None = None, pad_token_id: int | None = None) -> None:
+        """A head without a bias as an HF sequence-classification model (`save_classifier`); one with a
+        bias (a critic's) as the backbone's HF directory plus the head in ``value_head.safetensors``
+        (both what `build_model` loads back); ``stamp``: `save_hf`'s."""
         from safetensors.torch import save_file
 
+        if self.head.bias is None:
+            save_classifier(self, path, stamp, pad_token_id)
+            return
         save_hf(self.backbone, path, stamp)
         head = {k: v.contiguous() for k, v in self.head.state_dict().items()}
         save_file(head, str(path / VALUE_HEAD_FILE), metadata={"format": "pt", **(stamp or {})})
+
+
+#: A scalar head's weight as HF sequence-classification models name it (Llama, Qwen, Mistral, GPT-2: ``score``).
+SCORE_WEIGHT = "score.weight"
+
+
+def classifier_class(config: Any) -> tuple[str, str]:
+    """The HF sequence-classification class of a decoder's config (``LlamaForSequenceClassification``) and
+    the name its decoder has in it (its ``base_model_prefix``: ``model``); refused for a model type
+    transformers has no such class for."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    name = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(getattr(config, "model_type", ""))
+    cls = getattr(transformers, name, None) if name else None
+    if cls is None or not getattr(cls, "base_model_prefix", ""):
+        raise BackendError(
+            f"transformers has no sequence-classification model for model type {getattr(config, 'model_type', None)!r}"
+            "; a reward model of it cannot be saved as one."
+        )
+    return name, cls.base_model_prefix
+
+
+def save_classifier(
+    model: ValueModel, path: Path, stamp: Mapping[str, str] | None = None, pad_token_id: int | None = None
+) -> None:
+    """Write a scalar-head model without a head bias as an HF sequence-classification directory
+    (``LlamaForSequenceClassification``, ``num_labels=1``): config.json with its ``architectures``,
+    one label and the pad token id (HF's classifier scores each row at its last token that is not
+    padding), and model.safetensors with the decoder under its prefix (``model.``) and the head as
+    ``score.weight``. ``AutoModelForSequenceClassification.from_pretrained`` loads it as it is."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    name, prefix = classifier_class(model.config)
+    config = copy.deepcopy(model.config)
+    config.architectures = [name]
+    config.num_labels = 1  # id2label {0: LABEL_0}
+    if pad_token_id is not None:
+        config.pad_token_id = int(pad_token_id)
+    path.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(path)
+    state, seen = {}, set()
+    for key, value in model.backbone.state_dict().items():
+        if value.data_ptr() in seen:  # a weight tied to an earlier one: stored once, as HF does
+            continue
+        seen.add(value.data_ptr())
+        state[f"{prefix}.{key}"] = value.detach().to("cpu").contiguous()
+    state[SCORE_WEIGHT] = model.head.weight.detach().to("cpu").contiguous()
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt", **(stamp or {})})
+
+
+def classifier_weights(tensors: Mapping[str, Tensor], config: Any) -> dict[str, Tensor]:
+    """The `ValueModel` state dict of an HF sequence-classification model's tensors (`save_classifier`'s):
+    ``model.X`` -> ``backbone.X``, ``score.weight`` -> ``head.weight``; other names kept as they are."""
+    _, prefix = classifier_class(config)
+    out = {}
+    for key, value in tensors.items():
+        if key == SCORE_WEIGHT:
+            out["head.weight"] = value
+        elif key.startswith(prefix + "."):
+            out["backbone." + key[len(prefix) + 1 :]] = value
+        else:
+            out[key] = value
+    return out
 
 
 def scalar_checkpoint(path: str) -> str:
@@ -260,11 +334,17 @@ def _weight_names(folder: Path) -> set[str]:
 
 
 def build_model(
-    path: str | None, config: Any, seed: int, scalar_head: bool, name: str = "", trust_remote_code: bool = False
+    path: str | None,
+    config: Any,
+    seed: int,
+    scalar_head: bool,
+    name: str = "",
+    trust_remote_code: bool = False,
+    head_bias: bool = True,
 ) -> nn.Module:
     """A graph model's module from folder ``path`` (None: fresh from ``config``, seeded): the causal
     LM, or for a scalar-head model (critic, reward, cost) a `ValueModel` whose head comes from the
-    folder when it has one (`scalar_checkpoint`) and is fresh otherwise."""
+    folder when it has one (`scalar_checkpoint`) and is fresh otherwise; ``head_bias``: with a bias (a critic's)."""
     if not scalar_head:
         return build_causal_lm(path, config, seed, trust_remote_code)
     kind = "lm" if path is None else scalar_checkpoint(path)
@@ -276,7 +356,7 @@ def build_model(
                 file=sys.stderr,
                 flush=True,
             )
-        return ValueModel(build_causal_lm(path, config, seed, trust_remote_code))
+        return ValueModel(build_causal_lm(path, config, seed, trust_remote_code), bias=head_bias)
     assert path is not None
     check_remote_code(path, trust_remote_code)
     from transformers import AutoModel, AutoModelForSequenceClassification
@@ -289,7 +369,7 @@ def build_model(
             head = load_file(str(Path(path) / VALUE_HEAD_FILE))
         except Exception as exc:
             raise BackendError(f"'{path}/{VALUE_HEAD_FILE}' is unreadable: {type(exc).__name__}: {exc}") from None
-        return ValueModel(backbone, head)
+        return ValueModel(backbone, head, bias=head_bias)
     model = _pretrained(AutoModelForSequenceClassification, path, "a sequence-classification model", trust_remote_code)
     score = getattr(model, "score", None)
     if not isinstance(score, nn.Linear) or score.out_features != 1:
@@ -302,7 +382,7 @@ def build_model(
                 else "it has no 'score' head (a Llama/Qwen-style classifier has one)."
             )
         )
-    return ValueModel(model, dict(score.state_dict()))
+    return ValueModel(model, dict(score.state_dict()), bias=head_bias)
 
 
 def _pretrained(auto: Any, path: str, what: str, trust_remote_code: bool = False) -> nn.Module:

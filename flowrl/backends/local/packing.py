@@ -28,8 +28,9 @@ class Packed:
         return int(self.input_ids.shape[1])
 
 
-def pack(seqs: Sequences) -> Packed:
-    """``seqs`` (prompts left-padded, responses right-padded) packed into one row."""
+def pack(seqs: Sequences, pad_id: int | None = None) -> Packed:
+    """``seqs`` (prompts left-padded, responses right-padded) packed into one row; ``pad_id``: a row's
+    score is read at its last token that is not this id (`score_index`: as HF's classifiers pool)."""
     width = seqs.response_ids.shape[1]
     prompts = seqs.prompt_mask.sum(-1).tolist()
     lengths = seqs.response_lengths.tolist()
@@ -40,7 +41,12 @@ def pack(seqs: Sequences) -> Packed:
         positions.append(torch.arange(p + r))
         first = start + max(p, 1) - 1  # the prompt's last token predicts the first response token
         at.append(first + torch.arange(width).clamp(max=max(r - 1, 0)))
-        last.append(start + max(p + r, 1) - 1)
+        tail = seqs.response_ids[i, :r] if r else seqs.prompt_ids[i, seqs.prompt_len - p :]
+        back = 0  # trailing tokens that are the pad id (an end-of-text token that is also the pad token)
+        if pad_id is not None:
+            while back < len(tail) - 1 and int(tail[len(tail) - 1 - back]) == pad_id:
+                back += 1
+        last.append(start + max(p + r, 1) - 1 - back)
         start += p + r
     valid = torch.arange(width)[None, :] < seqs.response_lengths[:, None]
     return Packed(
@@ -65,3 +71,18 @@ def response_logprobs(logits: Tensor, packed: Packed, response_ids: Tensor, temp
     rows = logits[packed.at.to(logits.device)[valid]]  # [N, V]: one per real response token
     logp = token_logprobs(rows, response_ids.to(logits.device)[valid], temperature)
     return torch.zeros(valid.shape, dtype=logp.dtype, device=logits.device).index_put((valid,), logp)
+
+
+def score_index(ids: Tensor, mask: Tensor, pad_id: int | None) -> Tensor:
+    """[B] where a scalar-head model reads each row's score: its last real (mask 1) token that is not
+    ``pad_id``, as HF's ``...ForSequenceClassification`` pools (its last token that is not the pad
+    token: with an end-of-text token that is also the pad token, the token before it); a row of
+    nothing else, its last real token."""
+    real = mask.bool()
+    scored = real & (ids != pad_id) if pad_id is not None else real
+    return torch.where(scored.any(-1), _last(scored), _last(real))
+
+
+def _last(mask: Tensor) -> Tensor:
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    return (positions * mask.long()).argmax(-1)

@@ -21,11 +21,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from flowrl.backends.local.packing import score_index
 from flowrl.backends.local.parallelize import pipeline as pp
 from flowrl.contract.data import Sequences, StepBatch
 from flowrl.contract.protocols import LossFn, TrainStep
 from flowrl.errors import BackendError
-from flowrl.runtime.batch import position_ids, select_rows, to_device, trim
+from flowrl.runtime.batch import pad_id, position_ids, select_rows, to_device, trim
 from flowrl.runtime.dispatch import padding
 
 
@@ -58,17 +59,18 @@ def split_to(parts: list[Tensor], n: int) -> list[Tensor]:
     return parts
 
 
-def inputs_of(seqs: Sequences) -> dict[str, Tensor]:
+def inputs_of(seqs: Sequences, pad_id: int | None = None) -> dict[str, Tensor]:
     """What every stage receives for rows ``seqs`` (one trimmed width): token ids, attention mask,
-    positions, the response tokens (the last stage's log-probs) and each row's last response position
-    (its score)."""
+    positions, the response tokens (the last stage's log-probs) and where each row's score is read
+    (`score_index`: its last token that is not ``pad_id``)."""
     mask = seqs.attention_mask
+    ids = seqs.input_ids
     return {
-        "ids": seqs.input_ids,
+        "ids": ids,
         "attention_mask": mask,
         "position_ids": position_ids(mask),
         "tokens": seqs.response_ids,
-        "last": (seqs.prompt_len - 1 + seqs.response_lengths).long(),
+        "last": score_index(ids, mask, pad_id).long(),
     }
 
 
@@ -86,6 +88,10 @@ class Staged:
     sharded: bool
     version: int
 
+    def _pad(self) -> int:
+        """The pad id of the rows (a score is read at each row's last token that is not it)."""
+        return pad_id(getattr(self, "tokenizer", None))
+
     def _forward_staged(self, seqs: Sequences, output: str, micro: int) -> Tensor:
         """`LocalModel.forward` over the stages: every rank of the pipeline returns the outputs."""
         import torch.distributed as dist
@@ -102,7 +108,8 @@ class Staged:
         width = seqs.response_ids.shape[1]
         result = torch.zeros((len(seqs), width) if output != "scores" else (len(seqs),), dtype=torch.float32)
         with self._compute():  # type: ignore[attr-defined]
-            out = self.pipeline.run(inputs_of(view), n, output, view.prompt_len - 1, self.sampling.temperature)
+            inputs = inputs_of(view, self._pad())
+            out = self.pipeline.run(inputs, n, output, view.prompt_len - 1, self.sampling.temperature)
         if out is not None:
             real = target >= 0
             got = out.float().cpu()[real]
@@ -156,9 +163,8 @@ class Staged:
         self.optimizer.zero_grad(set_to_none=True)
         s = view[key]
         with self._compute():  # type: ignore[attr-defined]
-            self.pipeline.run(
-                inputs_of(s), n, step.output, s.prompt_len - 1, self.sampling.temperature, micro_loss, target
-            )
+            inputs = inputs_of(s, self._pad())
+            self.pipeline.run(inputs, n, step.output, s.prompt_len - 1, self.sampling.temperature, micro_loss, target)
         box = [(acc.total, acc.share, acc.computed, acc.useful, acc.stats)]
         dist.broadcast_object_list(box, src=self.pipeline.last_rank(), group=self.pipeline.group)
         acc.total, acc.share, acc.computed, acc.useful, acc.stats = box[0]

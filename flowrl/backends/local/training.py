@@ -55,17 +55,22 @@ class Training:
             self.version += 1
             return {}
         micro = step.micro_batch or n_rows
+        group = max(step.group, 1)  # a loss over pairs: each pair in one micro-batch, in order
+        if n_rows % group:
+            raise BackendError(
+                f"node '{step.node}': its loss reads rows {group} at a time (a chosen and a rejected response), "
+                f"but the batch holds {n_rows} rows; train it on a source node with rows='pairs'."
+            )
         stats: dict[str, list[float]] = {}
         if self.pipeline is not None:  # the bubble of this step's schedule steps only (not forward passes')
             self.pipeline.times.reset()
         skipped, splits_before = 0, self.oom_splits  # optimizer steps skipped for a non-finite gradient
         computed = useful = 0  # tokens the micro-batches computed, and how many of them were not padding
         self.module.train()
-        group = max(step.group, 1)  # a loss over pairs: each pair in one micro-batch, in order
         if group > 1 and self.pipeline is not None:
             raise BackendError(
-                f"node '{step.node}': its loss reads rows in pairs, which pipeline-parallel training (pp > 1) does "
-                "not keep together; train it without pipeline stages."
+                f"node '{step.node}': its loss reads rows in pairs, which model '{self.decl.name}' split into pipeline "
+                "stages (pp > 1) cannot keep together; plan it without pipeline stages (pp=1)."
             )
         for _ in range(step.epochs):
             for mb in group_order(n_rows, group, step.mini_batches, step.generator):  # the same on every rank

@@ -11,11 +11,12 @@ import msgspec
 import torch
 from torch import Tensor, nn
 
-from flowrl.backends.local.models import VALUE_HEAD_FILE, ValueModel, build_causal_lm, save_hf
+from flowrl.backends.local.models import VALUE_HEAD_FILE, ValueModel, build_causal_lm, classifier_weights, save_hf
 from flowrl.backends.local.parallelize import tensor
 from flowrl.backends.local.parallelize.lora import ADAPTER_FILE, merge_lora
 from flowrl.backends.local.threads import _computes, _locked
 from flowrl.errors import BackendError, ConfigError
+from flowrl.runtime.batch import pad_id
 from flowrl.runtime.checkpoint import check_stamp
 
 
@@ -136,7 +137,9 @@ class Weights:
         check_stamp(path / "model.safetensors", self._stamp(version))
         try:
             weights = _tensors(path / "model.safetensors")
-            if isinstance(self.module, ValueModel):
+            if isinstance(self.module, ValueModel) and not (path / VALUE_HEAD_FILE).is_file():  # a classifier
+                weights = classifier_weights(weights, self.hf_config)
+            elif isinstance(self.module, ValueModel):
                 weights = {f"backbone.{k}": v for k, v in weights.items()}
                 weights |= {f"head.{k}": v for k, v in _tensors(path / VALUE_HEAD_FILE).items()}
         except Exception as exc:
@@ -272,7 +275,7 @@ class Weights:
             assert weights is not None
             module = _unsharded_copy(self, weights)
         if isinstance(module, ValueModel):
-            module.save(path, stamp)
+            module.save(path, stamp, pad_id(self.tokenizer))
         else:
             save_hf(module, path, stamp)
         self.tokenizer.save_pretrained(path)
@@ -317,6 +320,6 @@ def _untied_keys(module: nn.Module) -> set[str]:
 
 def _unsharded_copy(engine: Any, weights: Mapping[str, Tensor]) -> nn.Module:
     lm = build_causal_lm(None, engine.hf_config, engine.spec.seed)
-    module = ValueModel(lm) if engine.decl.scalar_head else lm
+    module = ValueModel(lm, bias="head.bias" in weights) if engine.decl.scalar_head else lm
     module.load_state_dict(dict(weights))
     return module

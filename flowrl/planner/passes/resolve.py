@@ -14,7 +14,7 @@ from flowrl.contract.plan import ExecutionPlan
 from flowrl.contract.resolved import NodeOptions
 from flowrl.contract.workload import WorkloadSpec
 from flowrl.errors import PlanError
-from flowrl.graph.ir import Compute, Filter, Generate, Reward, Train
+from flowrl.graph.ir import Compute, Filter, Generate, Reward, Source, Train
 from flowrl.planner.modelspec import role_models
 from flowrl.planner.passes.lengths import episode_lengths, task_lengths
 from flowrl.planner.passes.numerics import engine_memory, resolve_numerics
@@ -25,6 +25,7 @@ from flowrl.planner.passes.runs import fused_forwards, model_runs
 from flowrl.specs import AGGREGATES, AUTO
 
 if TYPE_CHECKING:
+    from flowrl.graph import Graph
     from flowrl.planner.passes.context import PlanContext
 
 
@@ -61,12 +62,14 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
             check_keys(node, f"loss '{node.loss}'", inputs_only(entry.meta), seqs)
             check_unused(node, f"loss '{node.loss}'", entry.meta, seqs)
             decl = graph.models[node.model]
-            want = "values" if decl.scalar_head else "logprobs"
-            if entry.meta.get("output", "logprobs") != want:
+            want = ("values", "scores") if decl.scalar_head else ("logprobs",)
+            if entry.meta.get("output", "logprobs") not in want:
                 raise PlanError(
                     f"node '{node.name}': loss '{node.loss}' trains on {entry.meta.get('output')}, but model "
-                    f"'{decl.name}' (role {decl.role}) produces {want}."
+                    f"'{decl.name}' (role {decl.role}) produces {' or '.join(want)}."
                 )
+            if entry.meta.get("rows", "each") == "pairs":
+                check_pairs(graph, node, f"loss '{node.loss}'")
             if entry.meta.get("aggregate", "token-mean") not in AGGREGATES:
                 raise PlanError(
                     f"node '{node.name}': loss '{node.loss}' is registered with aggregate="
@@ -119,3 +122,20 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     runs = model_runs(graph, cfg, budget, numerics)
     fused = fused_forwards(graph, resolved, reg, cfg.train.engine)
     return msgspec.structs.replace(plan, config=cfg, target=target, options=resolved, models=runs, fused=fused)
+
+
+def check_pairs(graph: Graph, node: Train, what: str) -> None:
+    """A loss that reads rows in pairs (registered with ``rows="pairs"``: row ``2i`` chosen, ``2i+1``
+    rejected) trains on the rows of a source node that writes them so (``rows="pairs"``), read unfiltered."""
+    seqs = graph.sequence_keys()
+    producers = graph.producers()
+    for key in node.reads:
+        if key not in seqs:
+            continue
+        writer = graph.nodes[producers[key][0]] if producers.get(key) else None
+        if not (isinstance(writer, Source) and writer.rows == "pairs"):
+            got = f"node '{writer.name}' ({writer.kind})" if writer is not None else "the graph's inputs"
+            raise PlanError(
+                f"node '{node.name}': {what} reads rows in pairs (a chosen and a rejected response), but its key "
+                f"'{key}' comes from {got}; read it from a source node with rows='pairs' (g.source(..., rows='pairs'))."
+            )
