@@ -9,17 +9,26 @@ head) in the run's ``checkpoint`` folder, which transformers' ``AutoModelForSequ
 loads and ``graphs/ppo_rm.py`` scores with: ``--model reward=runs/reward_model/checkpoint``.
 
 Data: a source with ``rows="pairs"`` gives two rows per prompt, the chosen response then the rejected
-one. Options of the loss (``--set nodes.train_rm.margin=1.0 nodes.train_rm.center_coef=0.01``): a
-margin the chosen must win by, and TRL's reward-centering term (``center_rewards_coefficient``).
-Metrics: ``train_rm/accuracy`` (pairs ranked right), ``train_rm/margin`` (mean r_chosen - r_rejected),
-``train_rm/chosen``, ``train_rm/rejected`` (mean scores). Held-out pairs: ``--set eval.every=N`` (with
-``data.val=FILE``, or the task's own held-out prompts) writes ``eval/pair_accuracy`` and
-``eval/margin`` to metrics.jsonl."""
+one: ``--data pairs.jsonl`` with ``prompt``, ``chosen`` and ``rejected`` columns (rename them with
+``--set data.prompt_key=... data.chosen_key=... data.rejected_key=...``), each text or a list of
+``{role, content}`` messages, as ``graphs/dpo.py`` reads them. Without ``--data``: the built-in task's
+prompts, its correct answer chosen and a plausible wrong one rejected.
+
+Options of the loss (``--set nodes.train_rm.margin=1.0 nodes.train_rm.center_coef=0.01``): a margin
+the chosen must win by, and TRL's reward-centering term (``center_rewards_coefficient``).
+
+Metrics, as DPO's with the scores as the rewards: ``train_rm/pref_accuracy`` (pairs ranked right),
+``train_rm/margin`` (mean r_chosen - r_rejected), ``train_rm/reward_chosen``, ``train_rm/reward_rejected``
+(mean scores). Held-out pairs: ``--set eval.every=N`` (with ``data.val=FILE``, or the task's own held-out
+prompts) writes ``eval/preference_accuracy`` and ``eval/margin`` to metrics.jsonl."""
 
 from flowrl.graph import Graph
 from flowrl.specs import RunConfig
 
-DEFAULTS = {"data": {"verifier": "none"}, "algo": {"kl_coef": 0.0}}
+DEFAULTS = {
+    "data": {"chosen_key": "chosen", "rejected_key": "rejected", "verifier": "none"},
+    "algo": {"kl_coef": 0.0},
+}
 
 
 def build(cfg: RunConfig) -> Graph:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 
@@ -94,65 +94,18 @@ def metrics_rows(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line]
 
 
-def resumed_after_step_1(graph: Any, plan: Any, tmp_path: Path, registry: Any = None) -> tuple[Any, Any]:
+def resumed_after_step_1(graph: Any, plan: Any, tmp_path: Path) -> tuple[Any, Any]:
     """(the whole run, the run resumed from its step-1 checkpoint) of a 4-step ``plan`` that checkpoints every
     2 steps: the whole run's folder copied without its last checkpoint, as if killed after step 1, then resumed
-    (two runs, not three); ``registry``: the plugins both runs use (default: the process's)."""
+    (two runs, not three)."""
     import shutil
 
     from flowrl import api
     from flowrl.contract.plan import load_plan
     from flowrl.runtime.executor import run_dir
 
-    whole = api.run(graph, plan, registry=registry, out_dir=run_dir(str(tmp_path), "whole"))
+    whole = api.run(graph, plan, out_dir=run_dir(str(tmp_path), "whole"))
     part = tmp_path / "part"
     shutil.copytree(whole.out_dir, part)
     shutil.rmtree(part / "checkpoints" / "step-000003")
-    return whole, api.run(graph, load_plan(part / "plan.yaml"), registry=registry, out_dir=part, resume=True)
-
-
-# ---------------------------------------------------------------- preference pairs (reward models)
-
-
-def wrong_copy(answer: str) -> str:
-    """A wrong answer of the copy task: the letters rotated by one (a letter more when that changes nothing)."""
-    rotated = answer[1:] + answer[:1]
-    return rotated if rotated != answer else answer + ("a" if answer[-1] != "a" else "b")
-
-
-def _copy_pairs() -> type:
-    from flowrl.contract.data import Completion, Prompt
-    from flowrl.tasks.builtin import Copy
-
-    class CopyPairs(Copy, frozen=True, kw_only=True):
-        """The copy task with a preference pair per prompt (`Prompt.completions`): the answer chosen, a
-        wrong one (`wrong_copy`) rejected."""
-
-        name: ClassVar[str] = "copy_pairs"
-
-        def prompts(self, rng: Any, n: int) -> list[Prompt]:
-            out = []
-            for p in super().prompts(rng, n):
-                chosen = Completion(pieces=(p.answer,), trained=(True,), eos=True)
-                rejected = Completion(pieces=(wrong_copy(p.answer),), trained=(True,), eos=True)
-                out.append(Prompt(text=p.text, answer=p.answer, completions=(chosen, rejected)))
-            return out
-
-    return CopyPairs
-
-
-CopyPairs = _copy_pairs()
-
-
-def pairs_registry(entry_points: bool = False) -> Any:
-    """The built-in plugins and task ``copy_pairs`` (`CopyPairs`); ``entry_points``: and the installed
-    plugins ``FLOWRL_PLUGINS`` allows (the Ray backend's, under the ``ray_session`` fixture)."""
-    from flowrl.plugins.hookspecs import hookimpl
-    from flowrl.plugins.manager import load_plugins
-
-    class PairsPlugin:
-        @hookimpl
-        def register_tasks(self, register: Any) -> None:
-            register("copy_pairs", CopyPairs)
-
-    return load_plugins(entry_points=entry_points, extra=[("pairs", PairsPlugin())])[1]
+    return whole, api.run(graph, load_plan(part / "plan.yaml"), out_dir=part, resume=True)

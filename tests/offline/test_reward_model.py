@@ -2,8 +2,8 @@
 held-out pair accuracy rising, the checkpoint as an HF sequence-classification model that scores as
 the trained model did, PPO with it as its reward model, and an exact resume.
 
-The pairs are built directly (`Prompt.completions`, tests/helpers.py: `CopyPairs`): the ``copy`` task's
-prompts, the correct answer chosen and a wrong one (the answer's letters rotated by one) rejected."""
+The pairs are the built-in ``copy`` task's (`TaskBase.pairs`): its prompts, the correct answer chosen and
+a plausible wrong one (a character changed) rejected."""
 
 from __future__ import annotations
 
@@ -14,29 +14,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CopyPairs, pairs_registry, resumed_after_step_1, untimed
+from helpers import resumed_after_step_1, untimed
 
 from flowrl import api
 from flowrl.algorithms import losses, ops
 from flowrl.contract.data import Completion, Prompt
 from flowrl.errors import GraphError, PlanError
 from flowrl.runtime.dispatch import micro_batches
-from flowrl.runtime.offline import offline_sequences
+from flowrl.runtime.offline import completions_of, offline_sequences
 from flowrl.tasks.tokenizer import build_tokenizer
 
-SMALL = ["progress=false", "rollout.prompts_per_step=16", "task=copy_pairs", "train.dtype=float32"]
+SMALL = ["progress=false", "rollout.prompts_per_step=16", "train.dtype=float32"]
 
 
-@pytest.fixture(scope="module")
-def reg():
-    return pairs_registry()
-
-
-def rm_plan(reg, overrides: list[str], steps: int):
+def rm_plan(overrides: list[str], steps: int):
     return api.plan(
-        "graphs/reward_model.py", registry=reg, overrides=[*SMALL, *overrides], flags={"steps": steps},
-        emit=lambda s: None,
-    )  # fmt: skip
+        "graphs/reward_model.py", overrides=[*SMALL, *overrides], flags={"steps": steps}, emit=lambda s: None
+    )
 
 
 # ---------------------------------------------------------------- the loss
@@ -49,7 +43,7 @@ def test_bradley_terry_loss_matches_a_hand_computation():
     # -log sigmoid(1 - 0.5) = log(1 + e^-0.5); -log sigmoid(-2 - 0.5) = log(1 + e^2.5); centering: (1^2 + 2^2) / 2
     hand = (math.log1p(math.exp(-0.5)) + math.log1p(math.exp(2.5))) / 2 + 0.1 * (1.0 + 4.0) / 2
     assert float(loss.detach()) == pytest.approx(hand, rel=1e-6)
-    assert stats == pytest.approx({"accuracy": 0.5, "margin": -0.5, "chosen": 0.5, "rejected": 1.0})
+    assert stats == pytest.approx({"pref_accuracy": 0.5, "margin": -0.5, "reward_chosen": 0.5, "reward_rejected": 1.0})
     loss.backward()  # d/dr_c of the pair terms: -sigmoid(-(d - m)) / 2, plus the centering's 0.1 * (r_c + r_r)
     sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
     assert chosen.grad.tolist() == pytest.approx([-sig(-0.5) / 2 + 0.1, -sig(2.5) / 2 + 0.1 * 2.0], rel=1e-6)
@@ -62,7 +56,7 @@ def test_the_pair_loss_reads_chosen_then_rejected_rows_of_one_prompt_and_refuses
     seqs, metrics = offline_sequences(prompts, None, tok, tok.pad_token_id, rows="pairs")
     assert metrics["rows"] == 2 and seqs.texts == ("ab", "ba")
     loss, stats = ops.bradley_terry_op(torch.tensor([2.0, -1.0]), {"responses": seqs}, None)
-    assert stats["accuracy"] == 1.0 and stats["margin"] == 3.0
+    assert stats["pref_accuracy"] == 1.0 and stats["margin"] == 3.0
     assert float(loss) == pytest.approx(math.log1p(math.exp(-3.0)))
     two = offline_sequences([prompts[0], prompts[0]], None, tok, tok.pad_token_id, rows="pairs")[0]
     with pytest.raises(GraphError, match="rows='pairs'"):  # rows 1 and 2 are of different prompts
@@ -105,11 +99,11 @@ def test_a_pair_loss_on_generated_rows_is_refused_before_the_run(tmp_path):
 # ---------------------------------------------------------------- whole runs
 
 
-def test_the_reward_model_plan_has_a_train_stage_only(reg):
+def test_the_reward_model_plan_has_a_train_stage_only():
     from flowrl.planner.passes.residency import model_spec
     from flowrl.runtime.schedule import lower
 
-    graph, plan = rm_plan(reg, [], 1)
+    graph, plan = rm_plan([], 1)
     assert [t.kind for t in lower(graph, plan).tasks] == ["source", "train"]
     assert [n.kind for n in plan.nodes] == ["source", "train"]
     assert model_spec(graph, plan, "rm").scalar_head  # costed with its scalar head, no vocabulary logits
@@ -131,11 +125,11 @@ def test_a_cluster_forecast_of_a_reward_model_plans_no_pipeline_stages_that_woul
     assert "splits model 'rm' into pipeline stages, but its loss reads rows in pairs" in err
 
 
-def test_a_reward_model_step_split_into_micro_batches_computes_the_one_micro_batch_loss(reg, tmp_path):
+def test_a_reward_model_step_split_into_micro_batches_computes_the_one_micro_batch_loss(tmp_path):
     first = {}
     for split in ([], ["train.micro_batch_size=2"], ["train.max_tokens_per_micro_batch=40", "train.pack=true"]):
-        graph, plan = rm_plan(reg, ["checkpoint=false", "rollout.prompts_per_step=8", *split], 1)
-        first[tuple(split)] = api.run(graph, plan, registry=reg, out_dir=tmp_path / str(len(first))).metrics[0]
+        graph, plan = rm_plan(["checkpoint=false", "rollout.prompts_per_step=8", *split], 1)
+        first[tuple(split)] = api.run(graph, plan, out_dir=tmp_path / str(len(first))).metrics[0]
     whole, pairs, packed = first.values()
     assert whole["train_rm/pad_frac"] != pairs["train_rm/pad_frac"] and packed["train_rm/pad_frac"] == 0.0
     for part in (pairs, packed):  # each micro-batch weighs by its pairs: the mini-batch's loss
@@ -145,17 +139,17 @@ def test_a_reward_model_step_split_into_micro_batches_computes_the_one_micro_bat
 
 
 @pytest.mark.slow
-def test_a_reward_model_learns_to_rank_held_out_pairs(reg, tmp_path):
-    graph, plan = rm_plan(reg, ["eval.every=25", "eval.prompts=64", "checkpoint=false", "train.lr=1e-3"], 50)
-    result = api.run(graph, plan, registry=reg, out_dir=tmp_path / "run")
-    accuracy = [e["eval/pair_accuracy"] for e in result.evals]
+def test_a_reward_model_learns_to_rank_held_out_pairs(tmp_path):
+    graph, plan = rm_plan(["eval.every=25", "eval.prompts=64", "checkpoint=false", "train.lr=1e-3"], 50)
+    result = api.run(graph, plan, out_dir=tmp_path / "run")
+    accuracy = [e["eval/preference_accuracy"] for e in result.evals]
     assert len(accuracy) == 3 and all(e["eval/pairs"] == 64 for e in result.evals)
     assert accuracy[-1] >= 0.8 and accuracy[-1] > accuracy[0] + 0.3
     assert result.evals[-1]["eval/margin"] > result.evals[0]["eval/margin"]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["eval/pair_accuracy"] for r in rows if r.get("kind") == "eval"] == accuracy
-    assert {"train_rm/accuracy", "train_rm/margin", "train_rm/chosen", "train_rm/rejected"} <= set(result.metrics[-1])
-    assert (tmp_path / "run" / "reward.png").stat().st_size > 0  # pair accuracy and margin panels
+    assert [r["eval/preference_accuracy"] for r in rows if r.get("kind") == "eval"] == accuracy
+    assert {"train_rm/pref_accuracy", "train_rm/margin", "train_rm/reward_chosen"} <= set(result.metrics[-1])
+    assert (tmp_path / "run" / "reward.png").stat().st_size > 0  # accuracy and margin panels
 
 
 def hf_scores(folder: Path, texts: list[str]) -> list[float]:
@@ -174,15 +168,15 @@ def hf_scores(folder: Path, texts: list[str]) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def trained_rm(reg, tmp_path_factory):
+def trained_rm(tmp_path_factory):
     """A reward model trained for a few steps, with its last held-out evaluation."""
     out = tmp_path_factory.mktemp("rm") / "run"
-    graph, plan = rm_plan(reg, ["eval.every=4", "eval.prompts=8", "train.lr=3e-3"], 4)
-    result = api.run(graph, plan, registry=reg, out_dir=out)
+    graph, plan = rm_plan(["eval.every=4", "eval.prompts=8", "train.lr=3e-3"], 4)
+    result = api.run(graph, plan, out_dir=out)
     return result, plan
 
 
-def test_the_checkpoint_is_an_hf_classifier_that_scores_as_the_trained_model(trained_rm, reg):
+def test_the_checkpoint_is_an_hf_classifier_that_scores_as_the_trained_model(trained_rm):
     from safetensors import safe_open
 
     result, plan = trained_rm
@@ -198,16 +192,17 @@ def test_the_checkpoint_is_an_hf_classifier_that_scores_as_the_trained_model(tra
     assert "model.embed_tokens.weight" in names and not any(n.startswith("lm_head") for n in names)
     # the held-out pairs the run evaluated last, scored by transformers: the same margin and accuracy
     from flowrl.runtime.evaluate import eval_prompts
+    from flowrl.tasks.builtin import task_for
 
-    task = CopyPairs()
+    task = task_for(plan.config)
     prompts = eval_prompts(plan.config, task)
-    texts = [p.text + c.text for p in prompts for c in p.completions]
+    texts = [p.text + c.text for p in prompts for c in completions_of(task, p, "pairs", "pairs")]
     eos = build_tokenizer().eos_token
     scores = hf_scores(folder, [t + eos for t in texts])  # each response ends with the end-of-text token
     diffs = [c - r for c, r in zip(scores[0::2], scores[1::2])]
     last = result.evals[-1]
     assert sum(diffs) / len(diffs) == pytest.approx(last["eval/margin"], abs=1e-4)
-    assert sum(d > 0 for d in diffs) / len(diffs) == last["eval/pair_accuracy"]
+    assert sum(d > 0 for d in diffs) / len(diffs) == last["eval/preference_accuracy"]
 
 
 def test_flowrl_loads_the_classifier_back_with_its_head(trained_rm):
@@ -241,9 +236,9 @@ def test_ppo_with_the_trained_reward_model_scores_with_its_folder(trained_rm, tm
     assert [r["reward"] for r in rows] == pytest.approx(scores, abs=1e-4)
 
 
-def test_a_resumed_reward_model_run_equals_the_uninterrupted_run(reg, tmp_path):
-    graph, plan = rm_plan(reg, ["save_every=2", "rollout.prompts_per_step=4"], 4)
-    whole, resumed = resumed_after_step_1(graph, plan, tmp_path, registry=reg)
+def test_a_resumed_reward_model_run_equals_the_uninterrupted_run(tmp_path):
+    graph, plan = rm_plan(["save_every=2", "rollout.prompts_per_step=4"], 4)
+    whole, resumed = resumed_after_step_1(graph, plan, tmp_path)
     assert resumed.resumed_from == 2
     a = untimed([json.loads(x) for x in (whole.out_dir / "metrics.jsonl").read_text().splitlines()])
     b = untimed([json.loads(x) for x in (resumed.out_dir / "metrics.jsonl").read_text().splitlines()])
