@@ -54,7 +54,7 @@ def test_node_functions_are_the_kinds_graph_nodes_call() -> None:
     functions = node_functions(reg)
     assert list(functions) == list(NODE_FUNCTION_KINDS)
     assert functions["compute_functions"]["grpo"] is reg.get("compute_functions", "grpo")
-    assert set(functions["losses"]) == {"dpo", "gspo", "ppo", "sft", "value"}
+    assert set(functions["losses"]) == {"bradley_terry", "dpo", "gspo", "ppo", "sft", "value"}
 
 
 def test_compute_functions_is_the_one_name_and_advantage_estimators_its_older_one() -> None:
