@@ -69,7 +69,7 @@ def loss(
     rows: str = "each",
 ) -> Callable[[F], F]:
     """A loss ``fn(outputs, batch, algo, **options)`` -> (scalar tensor, stats), trained on the model's
-    ``output`` ("logprobs" or "values"); ``needs`` names the batch ports it reads, ``optional``
+    ``output`` ("logprobs", "values", or "scores": one per row); ``needs`` names the batch ports it reads, ``optional``
     those it uses when the node reads them. ``aggregate`` says what the loss is a mean over, so that
     micro-batches add up to the mini-batch's gradient: ``token-mean`` (its tokens), ``seq-mean``
     (its rows: a sequence-level loss), ``sum`` (a sum, e.g. over a constant), or ``loss_agg`` (as the
