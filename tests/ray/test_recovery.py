@@ -121,64 +121,56 @@ def _run(tmp_path: Path, name: str, on_step=None, *extra: str, lines: list[str] 
     return result, out
 
 
-def test_a_killed_worker_restarts_the_run_from_its_checkpoint_and_the_run_equals_an_uninterrupted_one(
+def test_a_killed_worker_and_a_lost_node_each_restart_the_run_from_its_checkpoint_and_it_equals_an_uninterrupted_one(
     two_nodes, tmp_path
 ):
+    """One run loses a worker process (SIGKILL, in step 2), then a whole node (removed in step 4, a replacement
+    node added): each time it restarts from the checkpoint before, and it ends as the uninterrupted run does.
+    (One run for both: a run's cost here is its workers' start, not its steps.)"""
     reference, ref_out = _run(tmp_path, "ref")
     assert reference.restarts == []
     killed: dict = {}
+    lost: dict = {}
     lines: list[str] = []
 
     def on_step(record):
         if record["step"] == 2 and not killed:  # a moment into step 3; the checkpoint is after step 1
             killed.update(_worker(out, 1))
             threading.Timer(0.05, os.kill, (killed["pid"], signal.SIGKILL)).start()
+        elif record["step"] == 4 and not lost:  # the restarted run, a moment into step 5; checkpoint after step 3
+            worker = _worker(out, 1)
+            assert worker["pid"] != killed["pid"]  # the restart started a new rank 1
+            node = _node_of(two_nodes, worker["pid"])
+            lost.update(worker)
+            threading.Timer(0.05, two_nodes.remove_node, (node,)).start()
+            two_nodes.add_node(num_cpus=1)  # its replacement (from this thread: Ray sets signal handlers)
 
     out = tmp_path / "killed"
     graph, plan = _plan(tmp_path)
     out.mkdir()
     result = api.run(graph, plan, out_dir=out, on_step=on_step, emit=lines.append)
-    assert len(result.restarts) == 1
-    (line,) = lines
-    assert f"worker rank 1 (pid {killed['pid']}) was lost in iteration 3" in line
-    assert "restart 1/3 from the checkpoint after step 1" in line
+    assert len(result.restarts) == 2, lines
+    first, second = lines
+    assert f"worker rank 1 (pid {killed['pid']}) was lost in iteration 3" in first
+    assert "restart 1/3 from the checkpoint after step 1" in first
+    assert "restart 2/3 from the checkpoint after step 3" in second and "re-planned" not in second
     steps = _steps(out)
     assert [r["step"] for r in steps] == list(range(STEPS))  # every step once, in order
     ref_steps = _steps(ref_out)
     differ = sorted({k for a, b in zip(steps, ref_steps) for k in a.keys() | b.keys() if a.get(k) != b.get(k)})
     assert steps == ref_steps, differ  # the same numbers as the uninterrupted run
     restarts = [r for r in metrics_rows(out) if r.get("kind") == "restart"]
-    assert len(restarts) == 1 and restarts[0]["step"] == 2
+    assert [r["step"] for r in restarts] == [2, 4]
     assert restarts[0]["restart"]["rank"] == 1 and restarts[0]["restart"]["pid"] == killed["pid"]
-    order = [(r.get("kind"), r["step"]) for r in metrics_rows(out)]  # the restart record where the run continued
-    assert order == [(None, 0), (None, 1), ("restart", 2), *((None, s) for s in range(2, STEPS))]
+    order = [(r.get("kind"), r["step"]) for r in metrics_rows(out)]  # each restart record where the run continued
+    restarted = [("restart", 2), (None, 2), (None, 3), ("restart", 4)]
+    assert order == [(None, 0), (None, 1), *restarted, *((None, s) for s in range(4, STEPS))]
     from safetensors.torch import load_file
 
     mine = load_file(str(out / "checkpoint" / "model.safetensors"))
     ref = load_file(str(ref_out / "checkpoint" / "model.safetensors"))
     assert mine.keys() == ref.keys() and all(bool((mine[k] == ref[k]).all()) for k in ref)
     assert ray.is_initialized()  # the joined cluster stays
-
-
-def test_a_lost_node_is_replaced_and_the_run_finishes(two_nodes, tmp_path):
-    lost: dict = {}
-
-    def on_step(record):
-        if record["step"] == 2 and not lost:
-            worker = _worker(out, 1)
-            node = _node_of(two_nodes, worker["pid"])
-            lost.update(worker)
-            threading.Timer(0.05, two_nodes.remove_node, (node,)).start()
-            two_nodes.add_node(num_cpus=1)  # its replacement (from this thread: Ray sets signal handlers)
-
-    out = tmp_path / "node"
-    graph, plan = _plan(tmp_path)
-    out.mkdir()
-    lines: list[str] = []
-    result = api.run(graph, plan, out_dir=out, on_step=on_step, emit=lines.append)
-    assert len(result.restarts) == 1, lines
-    assert [r["step"] for r in _steps(out)] == list(range(STEPS))
-    assert "restart 1/3" in lines[0] and "re-planned" not in lines[0]
 
 
 def test_a_crashed_node_without_replacement_stops_with_what_is_missing_and_the_resume_command(two_nodes, tmp_path):
