@@ -1,5 +1,8 @@
 """The Ray backend on this machine as two devices: planned weight sync is exact, a 2-rank FSDP2
-train step equals the one-process step, and what the planner chose is what runs.
+train step equals the one-process step, two generation replicas sample as one process would (each its
+own contiguous share of the prompts, so GRPO groups stay whole, with its own seed: the step's seed + its
+replica index), a train-only plan (graphs/sft.py) runs on Ray workers and learns, and what the planner
+chose is what runs.
 
 One Ray session serves the whole module (the executor joins it instead of starting its own).
 """
@@ -8,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from typing import Any
 
 import msgspec
@@ -19,8 +23,9 @@ from flowrl import api
 from flowrl.algorithms.ops import LOSSES
 from flowrl.contract.protocols import TrainStep
 from flowrl.plugins.manager import registry
+from flowrl.runtime import dispatch
 from flowrl.runtime.executor import PlanExecutor
-from flowrl.runtime.groups import TrainingGroup
+from flowrl.runtime.groups import GenerationGroup, TrainingGroup
 from flowrl.specs import loss_unit
 from flowrl.tasks.builtin import Copy
 from flowrl_example import sequence_pg_loss
@@ -275,3 +280,53 @@ def build(cfg):
     cpu2_plan(str(plain), tmp_path / "plain", "steps=1")  # loading it gives the built-in back, for its graph
     result = api.run(g, plan)
     assert result.metrics[0]["train_actor/own_sft"] == 1.0
+
+
+def test_two_replicas_sample_their_own_prompts_with_their_own_seeds_as_one_process_would(tmp_path):
+    overrides = [*SMALL, "backend=ray", "device=cpu", f"out={tmp_path}"]
+    _, cfg = api.load("grpo", overrides=overrides)
+    target = api.local_target(cfg, registry(), devices=2)
+    g2, plan2 = api.plan(
+        "grpo", overrides=overrides, target=target, for_backend=True, options={"placement": "colocate"},
+        emit=lambda s: None,
+    )  # fmt: skip
+    assert plan2.layout.generation_of("actor").replicas == 2
+    ex = api.check(g2, plan2)
+    sched = ex.schedule(g2, plan2)
+    transport, built = ex.launch(g2, plan2, sched, tmp_path)
+    try:
+        tokenizer = built["actor"][0]
+        group = GenerationGroup("actor", sched.generation_ranks("actor"), transport, tokenizer.pad_token_id)
+        assert len(group.replicas) == 2
+        g1, plan1 = api.plan("grpo", overrides=[*SMALL, "device=cpu"], emit=lambda s: None)
+        local = PlanExecutor(registry()).engines(g1, plan1)[1]["actor"]  # one process, the same initial weights
+
+        prompts, n = Copy().prompts(random.Random(0), 6), 4
+        rollout = group.generate(prompts, n=n, greedy=False, generator=torch.Generator().manual_seed(3))
+        seed = dispatch.draw_seed(torch.Generator().manual_seed(3))  # what the group drew for this call
+        seqs = rollout.sequences
+        # every prompt's samples on one replica, in prompt order: groups are whole
+        assert seqs.prompt_index.tolist() == torch.arange(len(prompts)).repeat_interleave(n).tolist()
+
+        cuts = dispatch.shards(len(prompts), 2)
+        for i, cut in enumerate(cuts):
+            rows = slice(cut.start * n, cut.stop * n)
+            own = local.generate(prompts[cut], n=n, greedy=False, generator=torch.Generator().manual_seed(seed + i))
+            assert seqs.texts[rows] == own.sequences.texts, f"replica {i} did not sample as one process with its seed"
+            width = own.logprobs.shape[1]
+            assert torch.allclose(rollout.logprobs[rows, :width], own.logprobs, atol=1e-5)
+            if i > 0:  # the replicas do not share a random stream: replica 0's seed gives other samples here
+                same = local.generate(prompts[cut], n=n, greedy=False, generator=torch.Generator().manual_seed(seed))
+                assert same.sequences.texts != own.sequences.texts
+    finally:
+        transport.close()
+
+
+def test_sft_runs_on_ray_workers_and_its_loss_falls(tmp_path):
+    graph, plan = cpu_plan(
+        "graphs/sft.py", ["progress=false", "checkpoint=false", "steps=6", "rollout.prompts_per_step=8"], 2
+    )
+    assert plan.config.executor == "ray" and [n.kind for n in plan.nodes] == ["source", "train"]
+    result = api.run(graph, plan, out_dir=tmp_path / "run")
+    nll = [m["train_actor/nll"] for m in result.metrics]
+    assert len(nll) == 6 and nll[-1] < nll[0]

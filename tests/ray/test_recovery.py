@@ -121,64 +121,70 @@ def _run(tmp_path: Path, name: str, on_step=None, *extra: str, lines: list[str] 
     return result, out
 
 
-def test_a_killed_worker_restarts_the_run_from_its_checkpoint_and_the_run_equals_an_uninterrupted_one(
+def test_lost_workers_and_a_node_restart_the_run_until_its_restarts_run_out_and_resumed_it_equals_an_unbroken_one(
     two_nodes, tmp_path
 ):
+    """One run (``max_restarts=2``) loses a worker process (SIGKILL, in step 2): it restarts from the checkpoint
+    after step 1; then a whole node (removed in step 4, a replacement node added): it restarts from the
+    checkpoint after step 3; then a worker again (in step 4 once more): its restarts are spent and it stops,
+    saying how to resume. Resumed so, it ends as the uninterrupted run does. (One run for the three: a run's
+    cost here is its workers' start, not its steps.)"""
     reference, ref_out = _run(tmp_path, "ref")
     assert reference.restarts == []
-    killed: dict = {}
+    killed: list[int] = []
+    lost: dict = {}
     lines: list[str] = []
+
+    def kill_rank_1():
+        killed.append(_worker(out, 1)["pid"])
+        threading.Timer(0.05, os.kill, (killed[-1], signal.SIGKILL)).start()
 
     def on_step(record):
         if record["step"] == 2 and not killed:  # a moment into step 3; the checkpoint is after step 1
-            killed.update(_worker(out, 1))
-            threading.Timer(0.05, os.kill, (killed["pid"], signal.SIGKILL)).start()
+            kill_rank_1()
+        elif record["step"] == 4 and not lost:  # the restarted run, a moment into step 5; checkpoint after step 3
+            worker = _worker(out, 1)
+            assert worker["pid"] != killed[0]  # the restart started a new rank 1
+            node = _node_of(two_nodes, worker["pid"])
+            lost.update(worker)
+            threading.Timer(0.05, two_nodes.remove_node, (node,)).start()
+            two_nodes.add_node(num_cpus=1)  # its replacement (from this thread: Ray sets signal handlers)
+        elif record["step"] == 4 and len(killed) == 1:  # step 4 once more, after the second restart
+            kill_rank_1()
 
     out = tmp_path / "killed"
-    graph, plan = _plan(tmp_path)
+    graph, plan = _plan(tmp_path, "max_restarts=2")
     out.mkdir()
-    result = api.run(graph, plan, out_dir=out, on_step=on_step, emit=lines.append)
-    assert len(result.restarts) == 1
-    (line,) = lines
-    assert f"worker rank 1 (pid {killed['pid']}) was lost in iteration 3" in line
-    assert "restart 1/3 from the checkpoint after step 1" in line
+    with pytest.raises(WorkerLostError) as info:
+        api.run(graph, plan, out_dir=out, on_step=on_step, emit=lines.append)
+    first, second = lines
+    assert f"worker rank 1 (pid {killed[0]}) was lost in iteration 3" in first
+    assert "restart 1/2 from the checkpoint after step 1" in first
+    assert "restart 2/2 from the checkpoint after step 3" in second and "re-planned" not in second
+    msg = str(info.value)
+    assert len(killed) == 2
+    assert f"pid {killed[1]}" in msg and "gave up after 2 restart(s) (--max-restarts 2)" in msg
+    assert f"flowrl run --resume {out}" in msg
+    restarts = [r for r in metrics_rows(out) if r.get("kind") == "restart"]
+    assert [r["step"] for r in restarts] == [2, 4]
+    assert restarts[0]["restart"]["rank"] == 1 and restarts[0]["restart"]["pid"] == killed[0]
+    assert restarts[1]["restart"]["rank"] == 1 and restarts[1]["restart"]["pid"] == lost["pid"]
+    order = [(r.get("kind"), r["step"]) for r in metrics_rows(out)]  # each restart record where the run continued
+    restarted = [("restart", 2), (None, 2), (None, 3), ("restart", 4), (None, 4)]
+    assert order == [(None, 0), (None, 1), *restarted]  # what finished; the checkpoint after step 3 resumes
+
+    api.run(graph, plan, out_dir=out, resume=True, emit=lines.append)
     steps = _steps(out)
     assert [r["step"] for r in steps] == list(range(STEPS))  # every step once, in order
     ref_steps = _steps(ref_out)
     differ = sorted({k for a, b in zip(steps, ref_steps) for k in a.keys() | b.keys() if a.get(k) != b.get(k)})
     assert steps == ref_steps, differ  # the same numbers as the uninterrupted run
-    restarts = [r for r in metrics_rows(out) if r.get("kind") == "restart"]
-    assert len(restarts) == 1 and restarts[0]["step"] == 2
-    assert restarts[0]["restart"]["rank"] == 1 and restarts[0]["restart"]["pid"] == killed["pid"]
-    order = [(r.get("kind"), r["step"]) for r in metrics_rows(out)]  # the restart record where the run continued
-    assert order == [(None, 0), (None, 1), ("restart", 2), *((None, s) for s in range(2, STEPS))]
     from safetensors.torch import load_file
 
     mine = load_file(str(out / "checkpoint" / "model.safetensors"))
     ref = load_file(str(ref_out / "checkpoint" / "model.safetensors"))
     assert mine.keys() == ref.keys() and all(bool((mine[k] == ref[k]).all()) for k in ref)
     assert ray.is_initialized()  # the joined cluster stays
-
-
-def test_a_lost_node_is_replaced_and_the_run_finishes(two_nodes, tmp_path):
-    lost: dict = {}
-
-    def on_step(record):
-        if record["step"] == 2 and not lost:
-            worker = _worker(out, 1)
-            node = _node_of(two_nodes, worker["pid"])
-            lost.update(worker)
-            threading.Timer(0.05, two_nodes.remove_node, (node,)).start()
-            two_nodes.add_node(num_cpus=1)  # its replacement (from this thread: Ray sets signal handlers)
-
-    out = tmp_path / "node"
-    graph, plan = _plan(tmp_path)
-    out.mkdir()
-    lines: list[str] = []
-    result = api.run(graph, plan, out_dir=out, on_step=on_step, emit=lines.append)
-    assert len(result.restarts) == 1, lines
-    assert [r["step"] for r in _steps(out)] == list(range(STEPS))
-    assert "restart 1/3" in lines[0] and "re-planned" not in lines[0]
 
 
 def test_a_crashed_node_without_replacement_stops_with_what_is_missing_and_the_resume_command(two_nodes, tmp_path):
@@ -225,24 +231,3 @@ def test_a_lost_node_with_replan_on_loss_goes_on_with_the_devices_left(two_nodes
     from flowrl.contract.plan import load_plan
 
     assert load_plan(out / "plan.yaml").target.cluster.devices == 1  # a later --resume runs the new plan
-
-
-def test_restarts_exhausted_stop_the_run_with_a_clear_message(two_nodes, tmp_path):
-    kills: list[int] = []
-
-    def on_step(record):
-        if record["step"] == 2:  # every attempt loses a worker in step 3
-            pid = _worker(out, 1)["pid"]
-            kills.append(pid)
-            threading.Timer(0.05, os.kill, (pid, signal.SIGKILL)).start()
-
-    out = tmp_path / "exhausted"
-    graph, plan = _plan(tmp_path, "max_restarts=1")
-    out.mkdir()
-    with pytest.raises(WorkerLostError) as info:
-        api.run(graph, plan, out_dir=out, on_step=on_step, emit=lambda s: None)
-    msg = str(info.value)
-    assert len(kills) == 2
-    assert f"pid {kills[1]}" in msg and "gave up after 1 restart(s) (--max-restarts 1)" in msg
-    assert f"flowrl run --resume {out}" in msg
-    assert [r["step"] for r in _steps(out)] == [0, 1, 2]  # what finished; the checkpoint after step 1 resumes
