@@ -1,8 +1,9 @@
 """The Ray backend on this machine as two devices: planned weight sync is exact, a 2-rank FSDP2
 train step equals the one-process step, two generation replicas sample as one process would (each its
 own contiguous share of the prompts, so GRPO groups stay whole, with its own seed: the step's seed + its
-replica index), a train-only plan (graphs/sft.py) runs on Ray workers and learns, and what the planner
-chose is what runs.
+replica index), train-only plans run on Ray workers and learn (graphs/sft.py; graphs/dpo.py and
+graphs/reward_model.py with each pair kept whole in one micro-batch of one rank), and what the planner chose
+is what runs.
 
 One Ray session serves the whole module (the executor joins it instead of starting its own).
 """
@@ -330,3 +331,23 @@ def test_sft_runs_on_ray_workers_and_its_loss_falls(tmp_path):
     result = api.run(graph, plan, out_dir=tmp_path / "run")
     nll = [m["train_actor/nll"] for m in result.metrics]
     assert len(nll) == 6 and nll[-1] < nll[0]
+
+
+def test_dpo_runs_on_ray_workers_and_its_margin_grows(tmp_path):
+    graph, plan = cpu_plan(
+        "graphs/dpo.py", ["progress=false", "checkpoint=false", "steps=6", "rollout.prompts_per_step=8"], 2
+    )
+    assert plan.config.executor == "ray" and [n.kind for n in plan.nodes] == ["source", "forward", "train"]
+    result = api.run(graph, plan, out_dir=tmp_path / "run")
+    margins = [m["train_actor/margin"] for m in result.metrics]
+    assert len(margins) == 6 and margins[-1] > margins[0]
+
+
+def test_a_reward_model_trains_data_parallel_on_ray_workers(tmp_path):
+    overrides = ["progress=false", "checkpoint=false", "steps=6", "rollout.prompts_per_step=8", "train.lr=1e-3"]
+    graph, plan = cpu_plan("graphs/reward_model.py", overrides, 2, require=("rm.dp=2",))
+    assert plan.config.executor == "ray" and [n.kind for n in plan.nodes] == ["source", "train"]
+    result = api.run(graph, plan, out_dir=tmp_path / "run")
+    accuracy = [m["train_rm/pref_accuracy"] for m in result.metrics]
+    loss = [m["train_rm/loss"] for m in result.metrics]
+    assert len(accuracy) == 6 and sum(loss[-2:]) < sum(loss[:2])
