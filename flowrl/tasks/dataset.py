@@ -230,9 +230,20 @@ def load(cfg: RunConfig) -> DataTask:
             for split in ("train", "val")
         }
         if not splits["train"]:
+            offline = data.response_key is not None or data.chosen_key is not None
+            causes = [f"{report.dropped_long['train']} longer than {what}"] if report.dropped_long["train"] else []
+            fixes = ["raise data.max_prompt_tokens"] if report.dropped_long["train"] else []
+            if not offline and report.dropped_long["train"]:  # an offline row's prompt is never cut
+                fixes.append("set data.overlong=truncate")
+            if report.long_responses["train"]:
+                causes.append(
+                    f"{report.long_responses['train']} responses over the response budget ({budget} tokens, "
+                    "rollout.max_new_tokens)"
+                )
+                fixes.append("raise rollout.max_new_tokens or set data.overlong=truncate (responses cut at the budget)")
             raise ConfigError(
-                f"data.train: no prompt is left of {report.rows['train']} rows ({report.dropped_long['train']} longer "
-                f"than {what}); raise data.max_prompt_tokens or set data.overlong=truncate."
+                f"data.train: no prompt is left of {report.rows['train']} rows ({'; '.join(causes) or 'none kept'}): "
+                f"{' or '.join(fixes) or 'check the file'}."
             )
         _LOADED[key] = DataTask(
             splits["train"],
