@@ -79,6 +79,7 @@ class DataReport:
     dropped_long: dict[str, int] = field(default_factory=dict)  # over the prompt limit
     truncated: dict[str, int] = field(default_factory=dict)
     long_responses: dict[str, int] = field(default_factory=dict)  # offline rows over the response budget
+    same_pairs: dict[str, int] = field(default_factory=dict)  # preference rows whose two responses are one
     longest: dict[str, int] = field(default_factory=dict)  # the longest prompt kept, in tokens
     templated: bool = False
     evaluated: bool = True  # eval.every > 0 (data.val is read for evaluation only)
@@ -97,6 +98,8 @@ class DataReport:
             if self.long_responses.get(split):
                 verb = "dropped" if self.response_overlong == "drop" else "cut"
                 text += f", {self.long_responses[split]} responses {verb} at the response budget ({self.budget} tokens)"
+            if self.same_pairs.get(split):
+                text += f", {self.same_pairs[split]} pairs dropped as their chosen and rejected responses are the same"
             text += " (chat template applied)" if self.templated else ""
             if split == "val" and not self.evaluated:
                 text += "; not evaluated: eval.every is 0 (set eval.every=N to evaluate every N steps)"
@@ -241,6 +244,9 @@ def load(cfg: RunConfig) -> DataTask:
                     "rollout.max_new_tokens)"
                 )
                 fixes.append("raise rollout.max_new_tokens or set data.overlong=truncate (responses cut at the budget)")
+            if report.same_pairs["train"]:
+                causes.append(f"{report.same_pairs['train']} pairs whose chosen and rejected responses are the same")
+                fixes.append("give each pair two different responses")
             raise ConfigError(
                 f"data.train: no prompt is left of {report.rows['train']} rows ({'; '.join(causes) or 'none kept'}): "
                 f"{' or '.join(fixes) or 'check the file'}."
@@ -724,7 +730,7 @@ def rows_to_prompts(
     prompts = []
     report.rows[split] = len(rows)
     report.dropped_long[split] = report.truncated[split] = 0
-    report.long_responses[split] = 0
+    report.long_responses[split] = report.same_pairs[split] = 0
     pairs = data.chosen_key is not None
     offline = data.response_key is not None or pairs
     for row in rows:
@@ -766,6 +772,9 @@ def rows_to_prompts(
         completions: tuple[Completion, ...] = ()
         if offline:
             completions = tuple(_completion(where, turns, side, tokenizer, template) for side in (sides or [later]))
+            if pairs and completions[0] == completions[1]:  # a tie: its margin is 0 whatever the model does
+                report.same_pairs[split] += 1
+                continue
             if any(len(_tokens(tokenizer, c)) > report.budget for c in completions):
                 report.long_responses[split] += 1
                 if data.overlong == "drop":

@@ -152,3 +152,25 @@ def test_data_pairs_makes_a_preference_file_from_gsm8k_rows_that_the_loader_read
     src.write_text(json.dumps({"question": "q", "answer": "no number #### many"}) + "\n")
     assert main(["data", "pairs", str(src), "--out", str(out), "--force"]) == 2
     assert "row 1: the answer's final part 'many' is not a number" in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_pair_whose_chosen_and_rejected_responses_are_the_same_is_dropped_and_counted(tmp_path):
+    chat = [{"role": "user", "content": "ab>"}, {"role": "assistant", "content": "ab"}]
+    path = _file(tmp_path, [{"prompt": "ab>", "chosen": "ab", "rejected": "ba"},
+                            {"prompt": "ab>", "chosen": "ab", "rejected": "ab"},
+                            {"chosen": chat, "rejected": chat}])  # fmt: skip
+    prompts, report = _pairs(path, TEMPLATE)
+    assert len(prompts) == 1  # a tie teaches nothing: its margin is 0 whatever the model does
+    assert report.same_pairs["train"] == 2
+    assert "2 pairs dropped as their chosen and rejected responses are the same" in report.lines()[0]
+
+
+def test_a_file_of_tied_pairs_only_is_refused_saying_why(tmp_path):
+    from flowrl.specs import build_config
+    from flowrl.tasks.dataset import load
+
+    path = _file(tmp_path, [{"prompt": "ab>", "chosen": "ab", "rejected": "ab"}] * 2)
+    data = {"train": path, "chosen_key": "chosen", "rejected_key": "rejected", "verifier": "none"}
+    cfg = build_config({"data": data})
+    with pytest.raises(ConfigError, match="2 pairs whose chosen and rejected responses are the same"):
+        load(cfg)
