@@ -174,3 +174,22 @@ def test_a_file_of_tied_pairs_only_is_refused_saying_why(tmp_path):
     cfg = build_config({"data": data})
     with pytest.raises(ConfigError, match="2 pairs whose chosen and rejected responses are the same"):
         load(cfg)
+
+
+@pytest.mark.parametrize(
+    "row,keys,column",
+    [
+        ({"question": "q", "answer": "1 + 1 = 2 #### 2", "chosen": "mine"}, [], "chosen"),
+        ({"question": "q", "solution": "1 + 1 = 2 #### 2", "answer": "the worked text"}, ["--answer-key", "solution"],
+         "answer"),
+    ],
+)  # fmt: skip
+def test_data_pairs_refuses_a_row_whose_column_the_pair_would_overwrite(tmp_path, capsys, row, keys, column):
+    from flowrl.cli import main
+
+    src, out = tmp_path / "train.jsonl", tmp_path / "pairs.jsonl"
+    src.write_text(json.dumps(row) + "\n")
+    assert main(["data", "pairs", str(src), "--out", str(out), *keys]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"row 1 has a column '{column}'" in err and "overwrite" in err
+    assert not out.exists()  # nothing written: no pair with another column's value in it
