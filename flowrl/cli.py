@@ -589,7 +589,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from flowrl.planner.autotune import explain
 
         print(explain(tune, plan.target.model, plan.target.cluster, models=plan.target.models))
-        print(_engine_choice(plan.config.generation.engine, placed.engines))
+        if not tune.offline:  # a train-only graph has no generation engine
+            print(_engine_choice(plan.config.generation.engine, placed.engines))
         for fwd, train in plan.fused.items():
             print(
                 f"fused: '{fwd}' is computed by '{train}' in its own forward (one update per batch: the old "
