@@ -802,6 +802,11 @@ def _split_conversation(
     is cut at its first assistant turn; otherwise the response column's text is one assistant turn."""
     if isinstance(value, list) and any(isinstance(t, Mapping) and t.get("role") == "assistant" for t in value):
         first = next(i for i, t in enumerate(value) if isinstance(t, Mapping) and t.get("role") == "assistant")
+        if first == 0:
+            raise ConfigError(
+                f"{where}: the conversation in '{data.prompt_key}' starts with an assistant turn; the turns before "
+                "the first assistant turn are the prompt: begin it with a user turn."
+            )
         later = []
         for i, turn in enumerate(value[first:], start=first):
             role, content = turn.get("role") if isinstance(turn, Mapping) else None, None
@@ -816,6 +821,12 @@ def _split_conversation(
             raise ConfigError(f"{where}: the assistant turns of the conversation in '{data.prompt_key}' are empty.")
         return value[:first], later
     key = data.response_key
+    if row.get(key) is None and isinstance(value, list):  # a conversation without an answer to train on
+        raise ConfigError(
+            f"{where}: the conversation in '{data.prompt_key}' has no assistant turn to train on (roles: "
+            f"{', '.join(str(t.get('role')) if isinstance(t, Mapping) else type(t).__name__ for t in value) or 'none'}"
+            f") and the row no '{key}' (data.response_key): give it the assistant's answer, or leave the row out."
+        )
     if row.get(key) is None:  # a row without the column (`datasets` fills it with null)
         raise ConfigError(
             f"{where} has no '{key}' (data.response_key): every row needs a response to train on (or a "

@@ -84,8 +84,12 @@ def test_a_response_column_with_a_chat_template_is_one_assistant_turn(tmp_path):
         ({"prompt": "ab>", "response": 7}, "row 2: the response ('response') is int 7; it must be text"),
         ({"prompt": "ab>", "response": "  "}, "row 2: the response ('response') is empty"),
         ({"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": 3}]}, "message 2 of 'prompt'"),
+        ({"prompt": [{"role": "assistant", "content": "ab"}]}, "row 2: the conversation in 'prompt' starts with an "
+         "assistant turn"),
+        ({"prompt": [{"role": "user", "content": "ab>"}]}, "row 2: the conversation in 'prompt' has no assistant turn "
+         "to train on"),
     ],
-)
+)  # fmt: skip
 def test_a_bad_row_is_refused_naming_the_file_row_and_column(tmp_path, row, message):
     path = _rows(tmp_path, [{"prompt": "ab>", "response": "ab"}, row])
     data = DataConfig(train=path, response_key="response", verifier="none")
