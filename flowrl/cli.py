@@ -145,13 +145,14 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
 
         default, named = model_folders(model)  # NAME=DIR,...: a folder per graph model or role
         entries = {**({"": default} if default is not None and named else {}), **named}
-        missing = [f"'{k or v}'" for k, v in entries.items() if not Path(v).expanduser().is_dir()]
+        missing = [f"'{k}' ({v})" if k else f"'{v}'" for k, v in entries.items() if not Path(v).expanduser().is_dir()]
+        paths = any(("/" in v or "\\" in v or v.startswith(("~", "."))) for v in entries.values())
         if named and not missing:  # every value a folder: kept absolute, like a single folder
             model = ",".join(
                 f"{k}={Path(v).expanduser().resolve()}" if k else str(Path(v).expanduser().resolve())
                 for k, v in entries.items()
             )
-        elif named and len(missing) < len(entries):
+        elif named and (len(missing) < len(entries) or paths):  # a path, not a preset: --cluster would not help
             raise ConfigError(
                 f"--model '{model}': the folder of {', '.join(missing)} does not exist; every NAME=DIR entry of a "
                 "run names an HF model directory."
