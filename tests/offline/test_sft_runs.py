@@ -96,3 +96,14 @@ def test_packed_sft_computes_the_same_first_loss_as_padded_sft(tmp_path):
         first[pack] = step
     assert first["true"]["train_actor/pad_frac"] == 0.0 < first["false"]["train_actor/pad_frac"]
     assert first["true"]["train_actor/nll"] == pytest.approx(first["false"]["train_actor/nll"], rel=1e-4)
+
+
+@pytest.mark.parametrize("setting", ["rollout.samples_per_prompt=4", "rollout.temperature=0.7", "rollout.mode=async"])
+@pytest.mark.parametrize("graph", ["graphs/sft.py", "graphs/dpo.py"])
+def test_a_generation_setting_on_a_graph_that_generates_nothing_is_refused_naming_it(graph, setting):
+    from flowrl.errors import FlowRLError
+
+    with pytest.raises(FlowRLError) as err:
+        api.plan(graph, overrides=[*SMALL, setting], flags={"steps": 1}, emit=lambda s: None)
+    message = str(err.value)
+    assert setting.split("=")[0] in message and "generates nothing" in message

@@ -22,7 +22,7 @@ from flowrl.planner.passes.options import agent_function, node_plan_options
 from flowrl.planner.passes.ports import check_keys, check_unused, inputs_only
 from flowrl.planner.passes.rows import node_rows
 from flowrl.planner.passes.runs import fused_forwards, model_runs
-from flowrl.specs import AGGREGATES, AUTO
+from flowrl.specs import AGGREGATES, AUTO, RunConfig
 
 if TYPE_CHECKING:
     from flowrl.graph import Graph
@@ -36,6 +36,7 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     from flowrl.tasks.builtin import task_for
 
     reg, graph, cfg = ctx.registry, ctx.graph, plan.config
+    check_generation_settings(graph, cfg)
     task = task_for(cfg, registry={e.name: e.obj for e in reg.entries("tasks")})
     budget = cfg.rollout.max_new_tokens if cfg.rollout.max_new_tokens is not None else task.max_new_tokens()
     cfg = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, max_new_tokens=budget))
@@ -122,6 +123,35 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     runs = model_runs(graph, cfg, budget, numerics)
     fused = fused_forwards(graph, resolved, reg, cfg.train.engine)
     return msgspec.structs.replace(plan, config=cfg, target=target, options=resolved, models=runs, fused=fused)
+
+
+#: The rollout settings that only change how responses are generated (not the response budget,
+#: max_new_tokens, nor the prompts per step, which a train-only graph reads too).
+GENERATION_SETTINGS = (
+    "samples_per_prompt", "temperature", "top_p", "ignore_eos", "stop", "mode", "staleness", "overprovision",
+    "chunk_tokens", "stream_groups",
+)  # fmt: skip
+
+
+def check_generation_settings(graph: Graph, cfg: RunConfig) -> None:
+    """A graph that generates nothing (its responses read from the data by a source node) refuses a
+    generation setting changed from its default: it would be silently without effect."""
+    if any(isinstance(n, Generate) for n in graph.nodes.values()):
+        return
+    from flowrl.specs import RolloutConfig
+
+    default = RolloutConfig()
+    changed = [k for k in GENERATION_SETTINGS if getattr(cfg.rollout, k) != getattr(default, k)]
+    if changed:
+        sources = [n.name for n in graph.nodes.values() if isinstance(n, Source)]
+        where = f" (source node '{sources[0]}' reads its responses from the data)" if sources else ""
+        raise PlanError(
+            f"graph '{graph.name}' generates nothing{where}, so rollout.{changed[0]} "
+            f"= {getattr(cfg.rollout, changed[0])!r} would have no effect: leave it out"
+            + (f" (and {', '.join('rollout.' + k for k in changed[1:])})" if changed[1:] else "")
+            + ". The rollout settings a train-only graph reads are prompts_per_step (rows per step) and "
+            "max_new_tokens (the response budget)."
+        )
 
 
 def check_pairs(graph: Graph, node: Train, what: str) -> None:
