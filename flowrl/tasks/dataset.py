@@ -233,24 +233,7 @@ def load(cfg: RunConfig) -> DataTask:
             for split in ("train", "val")
         }
         if not splits["train"]:
-            offline = data.response_key is not None or data.chosen_key is not None
-            causes = [f"{report.dropped_long['train']} longer than {what}"] if report.dropped_long["train"] else []
-            fixes = ["raise data.max_prompt_tokens"] if report.dropped_long["train"] else []
-            if not offline and report.dropped_long["train"]:  # an offline row's prompt is never cut
-                fixes.append("set data.overlong=truncate")
-            if report.long_responses["train"]:
-                causes.append(
-                    f"{report.long_responses['train']} responses over the response budget ({budget} tokens, "
-                    "rollout.max_new_tokens)"
-                )
-                fixes.append("raise rollout.max_new_tokens or set data.overlong=truncate (responses cut at the budget)")
-            if report.same_pairs["train"]:
-                causes.append(f"{report.same_pairs['train']} pairs whose chosen and rejected responses are the same")
-                fixes.append("give each pair two different responses")
-            raise ConfigError(
-                f"data.train: no prompt is left of {report.rows['train']} rows ({'; '.join(causes) or 'none kept'}): "
-                f"{' or '.join(fixes) or 'check the file'}."
-            )
+            raise ConfigError(nothing_left("train", data, report))
         _LOADED[key] = DataTask(
             splits["train"],
             splits["val"],
@@ -262,7 +245,32 @@ def load(cfg: RunConfig) -> DataTask:
         )
         _LOADED[key].template = template
     _LOADED[key].report.evaluated = cfg.eval.every > 0
+    if cfg.eval.every > 0 and data.files("val") and not _LOADED[key].val:  # never the training rows instead
+        raise ConfigError(nothing_left("val", data, _LOADED[key].report))
     return _LOADED[key]
+
+
+def nothing_left(split: str, data: DataConfig, report: DataReport) -> str:
+    """Why no prompt of ``split`` was kept, and what to change."""
+    offline = data.response_key is not None or data.chosen_key is not None
+    long = report.dropped_long.get(split, 0)
+    causes = [f"{long} longer than {report.limit}"] if long else []
+    fixes = ["raise data.max_prompt_tokens"] if long else []
+    if not offline and long:  # an offline row's prompt is never cut
+        fixes.append("set data.overlong=truncate")
+    if report.long_responses.get(split):
+        causes.append(
+            f"{report.long_responses[split]} responses over the response budget ({report.budget} tokens, "
+            "rollout.max_new_tokens)"
+        )
+        fixes.append("raise rollout.max_new_tokens or set data.overlong=truncate (responses cut at the budget)")
+    if report.same_pairs.get(split):
+        causes.append(f"{report.same_pairs[split]} pairs whose chosen and rejected responses are the same")
+        fixes.append("give each pair two different responses")
+    return (
+        f"data.{split}: no prompt is left of {report.rows.get(split, 0)} rows ({'; '.join(causes) or 'none kept'}): "
+        f"{' or '.join(fixes) or 'check the file'}."
+    )
 
 
 def _check_verifier(cfg: RunConfig) -> None:

@@ -193,3 +193,16 @@ def test_data_pairs_refuses_a_row_whose_column_the_pair_would_overwrite(tmp_path
     err = " ".join(capsys.readouterr().err.split())
     assert f"row 1 has a column '{column}'" in err and "overwrite" in err
     assert not out.exists()  # nothing written: no pair with another column's value in it
+
+
+def test_a_held_out_file_with_no_pair_left_is_refused_not_replaced_by_training_rows(tmp_path):
+    from flowrl.specs import build_config
+    from flowrl.tasks.dataset import load
+
+    train = _file(tmp_path, [{"prompt": "ab>", "chosen": "ab", "rejected": "ba"}] * 2)
+    val = tmp_path / "val.jsonl"
+    val.write_text(json.dumps({"prompt": "ab>", "chosen": "ab", "rejected": "ab"}) + "\n")
+    data = {"train": train, "val": str(val), "chosen_key": "chosen", "rejected_key": "rejected", "verifier": "none"}
+    with pytest.raises(ConfigError, match="data.val: no prompt is left of 1 rows .1 pairs whose chosen and rejected"):
+        load(build_config({"data": data, "eval": {"every": 5}}))
+    assert load(build_config({"data": data})).val == []  # not evaluated (eval.every=0): nothing to refuse
