@@ -206,3 +206,22 @@ def test_a_held_out_file_with_no_pair_left_is_refused_not_replaced_by_training_r
     with pytest.raises(ConfigError, match="data.val: no prompt is left of 1 rows .1 pairs whose chosen and rejected"):
         load(build_config({"data": data, "eval": {"every": 5}}))
     assert load(build_config({"data": data})).val == []  # not evaluated (eval.every=0): nothing to refuse
+
+
+@pytest.mark.parametrize(
+    "graph,keys,want",
+    [
+        ("graphs/sft.py", ["data.response_key=null", "data.chosen_key=chosen", "data.rejected_key=rejected"], "one"),
+        ("graphs/dpo.py", ["data.response_key=chosen", "data.chosen_key=null", "data.rejected_key=null"], "pairs"),
+    ],
+)
+def test_a_source_whose_rows_the_data_columns_do_not_give_is_refused_at_plan_time(tmp_path, graph, keys, want):
+    from flowrl import api
+    from flowrl.errors import PlanError
+
+    path = _file(tmp_path, [{"prompt": "ab>", "chosen": "ab", "rejected": "ba"}] * 4)
+    with pytest.raises(PlanError) as err:
+        api.plan(graph, overrides=[f"data.train={path}", "task=data", "rollout.prompts_per_step=2", *keys],
+                 flags={"steps": 1}, emit=lambda s: None)  # fmt: skip
+    message = str(err.value)
+    assert "node 'data'" in message and ("data.chosen_key" if want == "pairs" else "data.response_key") in message

@@ -38,6 +38,7 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     reg, graph, cfg = ctx.registry, ctx.graph, plan.config
     check_generation_settings(graph, cfg)
     task = task_for(cfg, registry={e.name: e.obj for e in reg.entries("tasks")})
+    check_source_columns(graph, cfg, task)
     budget = cfg.rollout.max_new_tokens if cfg.rollout.max_new_tokens is not None else task.max_new_tokens()
     cfg = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, max_new_tokens=budget))
     if cfg.algo.loss_norm is None:  # Dr. GRPO's constant (seq-mean-token-sum-norm): the response budget
@@ -151,6 +152,32 @@ def check_generation_settings(graph: Graph, cfg: RunConfig) -> None:
             + (f" (and {', '.join('rollout.' + k for k in changed[1:])})" if changed[1:] else "")
             + ". The rollout settings a train-only graph reads are prompts_per_step (rows per step) and "
             "max_new_tokens (the response budget)."
+        )
+
+
+def check_source_columns(graph: Graph, cfg: RunConfig, task: object) -> None:
+    """A source node over the user's files gets the rows it reads: a preference pair per prompt
+    (data.chosen_key and data.rejected_key) for ``rows="pairs"``, one response for ``rows="sft"``;
+    refused here, before any model is built, not at the first step."""
+    from flowrl.specs import DATA_TASK
+
+    if getattr(task, "name", None) != DATA_TASK:
+        return
+    pairs = cfg.data.chosen_key is not None
+    for node in graph.nodes.values():
+        if not isinstance(node, Source) or (node.rows == "pairs") == pairs:
+            continue
+        if node.rows == "pairs":
+            raise PlanError(
+                f"node '{node.name}' (rows=pairs) reads a chosen and a rejected response per prompt, and the data "
+                "gives one (data.chosen_key is not set): name the columns with --set data.chosen_key=COLUMN "
+                "data.rejected_key=COLUMN (and data.response_key=null)."
+            )
+        raise PlanError(
+            f"node '{node.name}' (rows={node.rows}) reads one response per prompt, and the data gives preference "
+            f"pairs (data.chosen_key={cfg.data.chosen_key!r}): name the response column with --set "
+            "data.response_key=COLUMN data.chosen_key=null data.rejected_key=null, or train on the pairs with "
+            "graphs/dpo.py."
         )
 
 
