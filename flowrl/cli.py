@@ -417,7 +417,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         shown = [k for k in last if k.startswith("eval/") and k.count("/") == 1 and k not in counts and k in first]
         pairs = ", ".join(f"{k[5:]} {first[k]:.3f} -> {last[k]:.3f}" for k in shown)
         print(f"  evaluation: after {first['step']} -> {last['step']} steps: {pairs}")
-        print(f"  samples:    {result.out_dir / 'samples.jsonl'}")
+        samples = result.out_dir / "samples.jsonl"
+        if samples.is_file() and samples.stat().st_size:  # an evaluation that generates nothing writes none
+            print(f"  samples:    {samples}")
     print(f"  metrics:    {result.out_dir / 'metrics.jsonl'}")
     if result.metrics:
         print(f"  curve:      {result.out_dir / 'reward.png'}")
@@ -555,7 +557,8 @@ class _Progress:
             post = {"reward": f"{record['reward'] or 0:.3f}"}
         if record.get("kl") is not None:
             post["kl"] = f"{record['kl']:.3f}"
-        post["tok/s"] = f"{record['tokens_per_s']:.0f}"
+        if record.get("tokens"):  # generated tokens per second: none in a graph that generates nothing
+            post["tok/s"] = f"{record['tokens_per_s']:.0f}"
         self.bar.set_postfix(post, refresh=False)
         self.bar.update(record["step"] + 1 - self.bar.n)  # a restart does steps after its checkpoint again
 

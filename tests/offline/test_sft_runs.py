@@ -107,3 +107,11 @@ def test_a_generation_setting_on_a_graph_that_generates_nothing_is_refused_namin
         api.plan(graph, overrides=[*SMALL, setting], flags={"steps": 1}, emit=lambda s: None)
     message = str(err.value)
     assert setting.split("=")[0] in message and "generates nothing" in message
+
+
+def test_the_summary_of_a_run_that_generates_nothing_lists_no_empty_samples_file(tmp_path, capsys):
+    args = ["run", "graphs/sft.py", "--steps", "1", "--out", str(tmp_path), "--set", "eval.every=1"]
+    assert main([*args, *(x for s in ["rollout.prompts_per_step=8"] for x in ("--set", s))]) == 0
+    out = capsys.readouterr().out
+    assert "evaluation: after 0 -> 1 steps: loss" in out and "metrics:" in out
+    assert "samples:" not in out  # the held-out loss generates no samples to look at
