@@ -115,3 +115,10 @@ def test_the_summary_of_a_run_that_generates_nothing_lists_no_empty_samples_file
     out = capsys.readouterr().out
     assert "evaluation: after 0 -> 1 steps: loss" in out and "metrics:" in out
     assert "samples:" not in out  # the held-out loss generates no samples to look at
+
+
+def test_the_workload_of_a_graph_that_generates_nothing_is_one_sample_per_prompt():
+    for graph in ("graphs/sft.py", "graphs/dpo.py"):
+        _, plan = api.plan(graph, overrides=SMALL, flags={"steps": 1}, emit=lambda s: None)
+        assert plan.target.workload.prompts_per_step == 8
+        assert plan.target.workload.samples_per_prompt == 1  # not rollout.samples_per_prompt: nothing is sampled

@@ -107,14 +107,16 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
         turns = max((n.turns for n in graph.nodes.values() if isinstance(n, Generate) and n.multi_turn), default=1)
         if turns > 1:
             lengths = episode_lengths(graph, lengths, budget, cfg.rollout.ignore_eos)
+        generates = any(isinstance(n, Generate) for n in graph.nodes.values())
+        samples = cfg.rollout.samples_per_prompt if generates else 1  # a source reads each prompt's rows once
         workload = WorkloadSpec(
             turns=turns,
             prompts_per_step=cfg.rollout.prompts_per_step,
-            samples_per_prompt=cfg.rollout.samples_per_prompt,
+            samples_per_prompt=samples,
             prompt_length=prompt_length,
             response_length=lengths,
             ppo_epochs=cfg.train.epochs,
-            mini_batches=min(cfg.train.mini_batches, cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt),
+            mini_batches=min(cfg.train.mini_batches, cfg.rollout.prompts_per_step * samples),
         )
         target = msgspec.structs.replace(target, workload=workload)
     largest = max([target.spec(m).parameters() for m in graph.models] or [target.model.parameters()])
