@@ -374,7 +374,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(
         f"flowrl: {doing} {graph.name} ({plan.graph.source}) on task '{cfg.task}' for {cfg.steps} steps, plan {plan.id}"
     )
-    for warning in lora_on_fresh_weights(plan):
+    from flowrl.planner.passes.resolve import unused_generation_settings
+
+    for warning in [*lora_on_fresh_weights(plan), *unused_generation_settings(graph, cfg)]:
         print(f"flowrl: warning: {warning}", file=sys.stderr)
     if cfg.task == DATA_TASK:  # what was read of the user's files
         from flowrl.tasks.dataset import load as load_data

@@ -100,13 +100,14 @@ def test_packed_sft_computes_the_same_first_loss_as_padded_sft(tmp_path):
 
 @pytest.mark.parametrize("setting", ["rollout.samples_per_prompt=4", "rollout.temperature=0.7", "rollout.mode=async"])
 @pytest.mark.parametrize("graph", ["graphs/sft.py", "graphs/dpo.py"])
-def test_a_generation_setting_on_a_graph_that_generates_nothing_is_refused_naming_it(graph, setting):
-    from flowrl.errors import FlowRLError
+def test_a_generation_setting_on_a_graph_that_generates_nothing_is_named_as_without_effect(graph, setting):
+    from flowrl.planner.passes.resolve import unused_generation_settings
 
-    with pytest.raises(FlowRLError) as err:
-        api.plan(graph, overrides=[*SMALL, setting], flags={"steps": 1}, emit=lambda s: None)
-    message = str(err.value)
-    assert setting.split("=")[0] in message and "generates nothing" in message
+    g, plan = api.plan(graph, overrides=[*SMALL, setting], flags={"steps": 1}, emit=lambda s: None)
+    (warning,) = unused_generation_settings(g, plan.config)
+    assert setting.split("=")[0] in warning and "generates nothing" in warning and "no effect" in warning
+    g, plan = api.plan(graph, overrides=SMALL, flags={"steps": 1}, emit=lambda s: None)
+    assert unused_generation_settings(g, plan.config) == []
 
 
 def test_the_summary_of_a_run_that_generates_nothing_lists_no_empty_samples_file(tmp_path, capsys):

@@ -36,7 +36,6 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     from flowrl.tasks.builtin import task_for
 
     reg, graph, cfg = ctx.registry, ctx.graph, plan.config
-    check_generation_settings(graph, cfg)
     task = task_for(cfg, registry={e.name: e.obj for e in reg.entries("tasks")})
     check_source_columns(graph, cfg, task)
     budget = cfg.rollout.max_new_tokens if cfg.rollout.max_new_tokens is not None else task.max_new_tokens()
@@ -136,25 +135,24 @@ GENERATION_SETTINGS = (
 )  # fmt: skip
 
 
-def check_generation_settings(graph: Graph, cfg: RunConfig) -> None:
-    """A graph that generates nothing (its responses read from the data by a source node) refuses a
-    generation setting changed from its default: it would be silently without effect."""
+def unused_generation_settings(graph: Graph, cfg: RunConfig) -> list[str]:
+    """Warnings for a graph that generates nothing (its responses read from the data by a source node):
+    each generation setting changed from its default, which it ignores."""
     if any(isinstance(n, Generate) for n in graph.nodes.values()):
-        return
+        return []
     from flowrl.specs import RolloutConfig
 
     default = RolloutConfig()
     changed = [k for k in GENERATION_SETTINGS if getattr(cfg.rollout, k) != getattr(default, k)]
-    if changed:
-        sources = [n.name for n in graph.nodes.values() if isinstance(n, Source)]
-        where = f" (source node '{sources[0]}' reads its responses from the data)" if sources else ""
-        raise PlanError(
-            f"graph '{graph.name}' generates nothing{where}, so rollout.{changed[0]} "
-            f"= {getattr(cfg.rollout, changed[0])!r} would have no effect: leave it out"
-            + (f" (and {', '.join('rollout.' + k for k in changed[1:])})" if changed[1:] else "")
-            + ". The rollout settings a train-only graph reads are prompts_per_step (rows per step) and "
-            "max_new_tokens (the response budget)."
-        )
+    if not changed:
+        return []
+    sources = [n.name for n in graph.nodes.values() if isinstance(n, Source)]
+    where = f" (source node '{sources[0]}' reads its responses from the data)" if sources else ""
+    settings = ", ".join(f"rollout.{k}={getattr(cfg.rollout, k)!r}" for k in changed)
+    return [
+        f"graph '{graph.name}' generates nothing{where}, so {settings} has no effect. The rollout settings a "
+        "train-only graph reads are prompts_per_step (rows per step) and max_new_tokens (the response budget)."
+    ]
 
 
 def check_source_columns(graph: Graph, cfg: RunConfig, task: object) -> None:
