@@ -145,13 +145,14 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
 
         default, named = model_folders(model)  # NAME=DIR,...: a folder per graph model or role
         entries = {**({"": default} if default is not None and named else {}), **named}
-        missing = [f"'{k or v}'" for k, v in entries.items() if not Path(v).expanduser().is_dir()]
+        missing = [f"'{k}' ({v})" if k else f"'{v}'" for k, v in entries.items() if not Path(v).expanduser().is_dir()]
+        paths = any(("/" in v or "\\" in v or v.startswith(("~", "."))) for v in entries.values())
         if named and not missing:  # every value a folder: kept absolute, like a single folder
             model = ",".join(
                 f"{k}={Path(v).expanduser().resolve()}" if k else str(Path(v).expanduser().resolve())
                 for k, v in entries.items()
             )
-        elif named and len(missing) < len(entries):
+        elif named and (len(missing) < len(entries) or paths):  # a path, not a preset: --cluster would not help
             raise ConfigError(
                 f"--model '{model}': the folder of {', '.join(missing)} does not exist; every NAME=DIR entry of a "
                 "run names an HF model directory."
@@ -373,7 +374,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(
         f"flowrl: {doing} {graph.name} ({plan.graph.source}) on task '{cfg.task}' for {cfg.steps} steps, plan {plan.id}"
     )
-    for warning in lora_on_fresh_weights(plan):
+    from flowrl.planner.passes.resolve import unused_generation_settings
+
+    for warning in [*lora_on_fresh_weights(plan), *unused_generation_settings(graph, cfg)]:
         print(f"flowrl: warning: {warning}", file=sys.stderr)
     if cfg.task == DATA_TASK:  # what was read of the user's files
         from flowrl.tasks.dataset import load as load_data
@@ -416,7 +419,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         shown = [k for k in last if k.startswith("eval/") and k.count("/") == 1 and k not in counts and k in first]
         pairs = ", ".join(f"{k[5:]} {first[k]:.3f} -> {last[k]:.3f}" for k in shown)
         print(f"  evaluation: after {first['step']} -> {last['step']} steps: {pairs}")
-        print(f"  samples:    {result.out_dir / 'samples.jsonl'}")
+        samples = result.out_dir / "samples.jsonl"
+        if samples.is_file() and samples.stat().st_size:  # an evaluation that generates nothing writes none
+            print(f"  samples:    {samples}")
     print(f"  metrics:    {result.out_dir / 'metrics.jsonl'}")
     if result.metrics:
         print(f"  curve:      {result.out_dir / 'reward.png'}")
@@ -554,7 +559,8 @@ class _Progress:
             post = {"reward": f"{record['reward'] or 0:.3f}"}
         if record.get("kl") is not None:
             post["kl"] = f"{record['kl']:.3f}"
-        post["tok/s"] = f"{record['tokens_per_s']:.0f}"
+        if record.get("tokens"):  # generated tokens per second: none in a graph that generates nothing
+            post["tok/s"] = f"{record['tokens_per_s']:.0f}"
         self.bar.set_postfix(post, refresh=False)
         self.bar.update(record["step"] + 1 - self.bar.n)  # a restart does steps after its checkpoint again
 
@@ -589,7 +595,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from flowrl.planner.autotune import explain
 
         print(explain(tune, plan.target.model, plan.target.cluster, models=plan.target.models))
-        print(_engine_choice(plan.config.generation.engine, placed.engines))
+        if not tune.offline:  # a train-only graph has no generation engine
+            print(_engine_choice(plan.config.generation.engine, placed.engines))
         for fwd, train in plan.fused.items():
             print(
                 f"fused: '{fwd}' is computed by '{train}' in its own forward (one update per batch: the old "

@@ -12,7 +12,9 @@ function imports torch and the tensor math when it runs (tests/test_cli_imports.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from msgspec import Meta
 
 from flowrl.contract.data import Prompt
 from flowrl.specs import AlgoConfig
@@ -428,8 +430,8 @@ def dpo_loss(
     batch: Batch,
     algo: AlgoConfig,
     *,
-    beta: float = 0.1,
-    label_smoothing: float = 0.0,
+    beta: Annotated[float, Meta(gt=0)] = 0.1,
+    label_smoothing: Annotated[float, Meta(ge=0, lt=0.5)] = 0.0,
     loss_type: Literal["sigmoid", "robust", "ipo"] = "sigmoid",
 ) -> tuple[Tensor, dict[str, float]]:
     """DPO on preference pairs (rows 2i chosen, 2i+1 rejected; `flowrl.algorithms.losses.dpo_loss`): the

@@ -168,7 +168,9 @@ class ClusterPlan(Spec):
     def group(self, name: str) -> DeviceGroup:
         return next(g for g in self.groups if g.name == name)
 
-    def summary(self) -> str:
+    def summary(self, generates: bool = True) -> str:
+        """One line: placement, groups and their models' layouts, then the generation layout, rollout policy
+        and weight sync; ``generates=False`` (a train-only graph): without those three, which it has none of."""
         parts = [f"{self.placement}"]
         for g in self.groups:
             members = [m for m in self.models if m.group == g.name]
@@ -178,8 +180,10 @@ class ClusterPlan(Spec):
                 for m in members
             )
             gens = [("", self.generation), *((f"{x.model} ", x) for x in self.generations)]
-            gen = "".join(f" gen {m}tp{x.tp}x{x.replicas}" for m, x in gens if x.group == g.name)
+            gen = "".join(f" gen {m}tp{x.tp}x{x.replicas}" for m, x in gens if x.group == g.name) if generates else ""
             parts.append(f"[{g.name}:{g.devices}] {descr}{gen}".rstrip())
+        if not generates:
+            return " ".join(parts)
         roll = self.rollout.describe()
         sync = self.weight_sync.strategy + (
             f"({self.weight_sync.density:.0%})" if self.weight_sync.strategy == "sparse" else ""

@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +69,7 @@ class TuneResult:
     pipelines: list[str] = field(default_factory=list)  # the winner's pipeline terms (`Tuner.pipelines`)
     objective: Objective = field(default_factory=Objective)  # what the ranking is by
     samples: int = 0  # trained samples per iteration (samples per second = samples / iteration_s)
+    offline: bool = False  # a train-only graph: no generation, rollout policy or weight sync to explain
 
     @property
     def best(self) -> ClusterPlan:
@@ -556,6 +557,7 @@ class Tuner:
             seconds=time.perf_counter() - t0,
             objective=self.objective,
             samples=self.w.sequences,
+            offline=self.roles.offline,
         )
         result.roofline = self.roofline(ranked[0])
         ranked[0] = self._sealed(ranked[0], result.roofline)
@@ -629,7 +631,13 @@ class Tuner:
         """The prediction of the one plan a cluster allows (one device), ranked alone."""
         t0 = time.perf_counter()
         candidate = self.evaluate(plan, **FINAL)
-        result = TuneResult(ranked=[candidate], considered=1, objective=self.objective, samples=self.w.sequences)
+        result = TuneResult(
+            ranked=[candidate],
+            considered=1,
+            objective=self.objective,
+            samples=self.w.sequences,
+            offline=self.roles.offline,
+        )
         result.roofline = self.roofline(candidate)
         result.ranked[0] = self._sealed(candidate, result.roofline)
         result.pipelines = self.pipelines(plan)
@@ -800,6 +808,7 @@ def explain(
     ``models``: per-role model shapes (shown when given)."""
     best = result.ranked[0]
     pred = best.plan.predicted
+    label = _label(result)
     lines = [
         f"searched {result.considered} feasible plans in {result.seconds:.2f}s ({len(result.infeasible)} "
         "skeletons rejected for memory)",
@@ -808,7 +817,7 @@ def explain(
     if models:
         lines.append("models: " + shapes_line(models))
     lines += [
-        f"winner: {pred.iteration_s:.2f} s/iteration  {best.plan.summary()}",
+        f"winner: {pred.iteration_s:.2f} s/iteration  {label(best.plan)}",
         "  per node (mean seconds per iteration):",
     ]
     for k, v in sorted(pred.breakdown.items(), key=lambda kv: -kv[1]):
@@ -824,7 +833,8 @@ def explain(
     lines.append(
         f"  roofline: {roof['flops'] / 1e15:.1f} PFLOP/iteration -> {roof['compute_bound_s']:.2f}s at "
         f"{cluster.devices} x {roof.get('peak_flops', cluster.hardware.peak_flops_bf16) / 1e12:.3g} TFLOP/s; "
-        f"decode bound {roof['decode_bound_s']:.2f}s; the plan reaches {pred.efficiency:.0%} of the bound"
+        + ("" if result.offline else f"decode bound {roof['decode_bound_s']:.2f}s; ")
+        + f"the plan reaches {pred.efficiency:.0%} of the bound"
     )
     lines += objective_lines(result, top)
     lines.append("runners-up:")
@@ -836,9 +846,14 @@ def explain(
         seen.add(c.plan.summary())
         shown += 1
         change = _change(c.result.iteration_s / pred.iteration_s - 1)
-        lines.append(f"  {c.result.iteration_s:8.2f}s ({change})  {c.plan.summary()}")
+        lines.append(f"  {c.result.iteration_s:8.2f}s ({change})  {label(c.plan)}")
         lines.append(f"           loses on: {why_slower(c, best, result.objective)}")
     return "\n".join(lines)
+
+
+def _label(result: TuneResult) -> Callable[[ClusterPlan], str]:
+    """How the explanation names a plan: its summary, without generation, rollout and sync for a train-only graph."""
+    return lambda plan: plan.summary(generates=not result.offline)
 
 
 def _change(x: float) -> str:
@@ -869,6 +884,18 @@ def objective_lines(result: TuneResult, top: int = 5) -> list[str]:
     """What the ranking is by, the top candidates' samples per second and predicted time to the target
     reward side by side, and one line on why the winner wins."""
     obj = result.objective
+    if result.offline:  # nothing generates: no rollout policy to trade samples' freshness against speed
+        label = _label(result)
+        lines = [f"objective: {obj.kind} (seconds per iteration, i.e. samples per second; a train-only graph)"]
+        lines.append(f"  {'s/iteration':>11} {'samples/s':>10}  plan")
+        for c in distinct(result.ranked, top + 1):
+            it = c.result.iteration_s
+            lines.append(f"  {it:11.3f} {result.samples / it if it > 0 else 0.0:10.1f}  {label(c.plan)}")
+        best = result.ranked[0].result.iteration_s
+        lines.append(
+            f"why: it is the fastest per iteration ({result.samples / best if best > 0 else 0.0:.1f} samples/s)."
+        )
+        return lines
     how = {
         "throughput": "seconds per iteration, i.e. samples per second; --objective time-to-target ranks by "
         "predicted time to the target reward",

@@ -79,6 +79,7 @@ class DataReport:
     dropped_long: dict[str, int] = field(default_factory=dict)  # over the prompt limit
     truncated: dict[str, int] = field(default_factory=dict)
     long_responses: dict[str, int] = field(default_factory=dict)  # offline rows over the response budget
+    same_pairs: dict[str, int] = field(default_factory=dict)  # preference rows whose two responses are one
     longest: dict[str, int] = field(default_factory=dict)  # the longest prompt kept, in tokens
     templated: bool = False
     evaluated: bool = True  # eval.every > 0 (data.val is read for evaluation only)
@@ -97,6 +98,8 @@ class DataReport:
             if self.long_responses.get(split):
                 verb = "dropped" if self.response_overlong == "drop" else "cut"
                 text += f", {self.long_responses[split]} responses {verb} at the response budget ({self.budget} tokens)"
+            if self.same_pairs.get(split):
+                text += f", {self.same_pairs[split]} pairs dropped as their chosen and rejected responses are the same"
             text += " (chat template applied)" if self.templated else ""
             if split == "val" and not self.evaluated:
                 text += "; not evaluated: eval.every is 0 (set eval.every=N to evaluate every N steps)"
@@ -230,10 +233,7 @@ def load(cfg: RunConfig) -> DataTask:
             for split in ("train", "val")
         }
         if not splits["train"]:
-            raise ConfigError(
-                f"data.train: no prompt is left of {report.rows['train']} rows ({report.dropped_long['train']} longer "
-                f"than {what}); raise data.max_prompt_tokens or set data.overlong=truncate."
-            )
+            raise ConfigError(nothing_left("train", data, report))
         _LOADED[key] = DataTask(
             splits["train"],
             splits["val"],
@@ -245,7 +245,32 @@ def load(cfg: RunConfig) -> DataTask:
         )
         _LOADED[key].template = template
     _LOADED[key].report.evaluated = cfg.eval.every > 0
+    if cfg.eval.every > 0 and data.files("val") and not _LOADED[key].val:  # never the training rows instead
+        raise ConfigError(nothing_left("val", data, _LOADED[key].report))
     return _LOADED[key]
+
+
+def nothing_left(split: str, data: DataConfig, report: DataReport) -> str:
+    """Why no prompt of ``split`` was kept, and what to change."""
+    offline = data.response_key is not None or data.chosen_key is not None
+    long = report.dropped_long.get(split, 0)
+    causes = [f"{long} longer than {report.limit}"] if long else []
+    fixes = ["raise data.max_prompt_tokens"] if long else []
+    if not offline and long:  # an offline row's prompt is never cut
+        fixes.append("set data.overlong=truncate")
+    if report.long_responses.get(split):
+        causes.append(
+            f"{report.long_responses[split]} responses over the response budget ({report.budget} tokens, "
+            "rollout.max_new_tokens)"
+        )
+        fixes.append("raise rollout.max_new_tokens or set data.overlong=truncate (responses cut at the budget)")
+    if report.same_pairs.get(split):
+        causes.append(f"{report.same_pairs[split]} pairs whose chosen and rejected responses are the same")
+        fixes.append("give each pair two different responses")
+    return (
+        f"data.{split}: no prompt is left of {report.rows.get(split, 0)} rows ({'; '.join(causes) or 'none kept'}): "
+        f"{' or '.join(fixes) or 'check the file'}."
+    )
 
 
 def _check_verifier(cfg: RunConfig) -> None:
@@ -713,7 +738,7 @@ def rows_to_prompts(
     prompts = []
     report.rows[split] = len(rows)
     report.dropped_long[split] = report.truncated[split] = 0
-    report.long_responses[split] = 0
+    report.long_responses[split] = report.same_pairs[split] = 0
     pairs = data.chosen_key is not None
     offline = data.response_key is not None or pairs
     for row in rows:
@@ -755,6 +780,9 @@ def rows_to_prompts(
         completions: tuple[Completion, ...] = ()
         if offline:
             completions = tuple(_completion(where, turns, side, tokenizer, template) for side in (sides or [later]))
+            if pairs and completions[0] == completions[1]:  # a tie: its margin is 0 whatever the model does
+                report.same_pairs[split] += 1
+                continue
             if any(len(_tokens(tokenizer, c)) > report.budget for c in completions):
                 report.long_responses[split] += 1
                 if data.overlong == "drop":
@@ -782,6 +810,11 @@ def _split_conversation(
     is cut at its first assistant turn; otherwise the response column's text is one assistant turn."""
     if isinstance(value, list) and any(isinstance(t, Mapping) and t.get("role") == "assistant" for t in value):
         first = next(i for i, t in enumerate(value) if isinstance(t, Mapping) and t.get("role") == "assistant")
+        if first == 0:
+            raise ConfigError(
+                f"{where}: the conversation in '{data.prompt_key}' starts with an assistant turn; the turns before "
+                "the first assistant turn are the prompt: begin it with a user turn."
+            )
         later = []
         for i, turn in enumerate(value[first:], start=first):
             role, content = turn.get("role") if isinstance(turn, Mapping) else None, None
@@ -796,6 +829,12 @@ def _split_conversation(
             raise ConfigError(f"{where}: the assistant turns of the conversation in '{data.prompt_key}' are empty.")
         return value[:first], later
     key = data.response_key
+    if row.get(key) is None and isinstance(value, list):  # a conversation without an answer to train on
+        raise ConfigError(
+            f"{where}: the conversation in '{data.prompt_key}' has no assistant turn to train on (roles: "
+            f"{', '.join(str(t.get('role')) if isinstance(t, Mapping) else type(t).__name__ for t in value) or 'none'}"
+            f") and the row no '{key}' (data.response_key): give it the assistant's answer, or leave the row out."
+        )
     if row.get(key) is None:  # a row without the column (`datasets` fills it with null)
         raise ConfigError(
             f"{where} has no '{key}' (data.response_key): every row needs a response to train on (or a "

@@ -25,6 +25,9 @@ from flowrl.errors import ConfigError
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
+#: The columns every output row has (the input's other columns are kept beside them).
+OUTPUT_COLUMNS = ("prompt", "chosen", "rejected", "answer")
+
 
 def slip(answer: str, rng: random.Random) -> str:
     """A plausible wrong number for the numeric ``answer``: off by 1..10, not negative when it is not."""
@@ -60,12 +63,21 @@ def make_pairs(
     for number, row in enumerate(rows, start=1):
         question, answer = row.get(prompt_key), row.get(answer_key)
         if not isinstance(question, str) or not isinstance(answer, (str, int, float)):
-            raise ValueError(f"row {number} needs text '{prompt_key}' and '{answer_key}' columns, got {row!r:.100}")
+            raise ValueError(
+                f"row {number} needs text '{prompt_key}' and '{answer_key}' columns, got {row!r:.100}; name other "
+                "columns with --prompt-key and --answer-key"
+            )
         try:
             chosen, rejected, final = pair_of(question, str(answer), seed)
         except ValueError as exc:
             raise ValueError(f"row {number}: {exc}") from None
         rest = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
+        taken = [k for k in OUTPUT_COLUMNS if k in rest]
+        if taken:  # kept, it would replace the pair's own column: a pair with another column's value
+            raise ValueError(
+                f"row {number} has a column '{taken[0]}', which the pair's own '{taken[0]}' would overwrite (the "
+                f"output's columns: {', '.join(OUTPUT_COLUMNS)}); rename or drop that column first"
+            )
         out.append({"prompt": question, "chosen": chosen, "rejected": rejected, "answer": final, **rest})
     return out
 
@@ -99,7 +111,7 @@ def write_pairs(src: Path, out: Path, *, prompt_key: str, answer_key: str, seed:
     try:
         pairs = make_pairs(rows, prompt_key=prompt_key, answer_key=answer_key, seed=seed)
     except ValueError as exc:
-        raise ConfigError(f"'{src}' {exc}; rename the columns with --prompt-key and --answer-key.") from None
+        raise ConfigError(f"'{src}' {exc}.") from None
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(p) + "\n" for p in pairs))
     return len(pairs)

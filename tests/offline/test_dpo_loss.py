@@ -101,3 +101,14 @@ def test_micro_batches_of_a_pair_loss_keep_each_pair_whole_and_in_order():
                                                       for i in range(0, len(rows), 2))  # fmt: skip
     assert torch.equal(torch.cat(group_order(9, 1, 3, torch.Generator().manual_seed(1))),
                        torch.randperm(9, generator=torch.Generator().manual_seed(1)))  # fmt: skip
+
+
+@pytest.mark.parametrize("option", ["beta=-1", "beta=0", "label_smoothing=0.5", "label_smoothing=-0.1"])
+def test_a_dpo_option_out_of_its_range_is_refused_at_plan_time_naming_it(option):
+    from flowrl import api
+    from flowrl.errors import FlowRLError
+
+    with pytest.raises(FlowRLError) as err:
+        api.plan("graphs/dpo.py", overrides=["rollout.prompts_per_step=4", f"nodes.train_actor.{option}"],
+                 flags={"steps": 1}, emit=lambda s: None)  # fmt: skip
+    assert "node 'train_actor'" in str(err.value) and f"option '{option.split('=')[0]}'" in str(err.value)

@@ -89,3 +89,15 @@ def test_dpo_trains_on_a_users_preference_file_with_renamed_columns_and_held_out
     assert result.evals[-1]["eval/margin"] != 0.0
     first = result.metrics[0]
     assert first["data/rows"] == 16 and first["train_actor/loss"] > 0  # 8 prompts, two rows each
+
+
+@pytest.mark.parametrize("graph", ["graphs/dpo.py", "graphs/sft.py", "graphs/reward_model.py"])
+def test_the_explanation_of_a_train_only_plan_says_nothing_of_generation_rollouts_or_weight_sync(graph, capsys):
+    from flowrl.cli import main
+
+    code = main(["plan", graph, "--cluster", "8xA100-80G", "--model", "llama-7b", "--budget", "1", "--explain"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "winner:" in text and "train" in text
+    for word in (" gen ", "rollout", "| sync", "decode", "generation engine", "on-policy", "stale", "target"):
+        assert word not in text, word

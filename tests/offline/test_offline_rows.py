@@ -84,8 +84,12 @@ def test_a_response_column_with_a_chat_template_is_one_assistant_turn(tmp_path):
         ({"prompt": "ab>", "response": 7}, "row 2: the response ('response') is int 7; it must be text"),
         ({"prompt": "ab>", "response": "  "}, "row 2: the response ('response') is empty"),
         ({"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": 3}]}, "message 2 of 'prompt'"),
+        ({"prompt": [{"role": "assistant", "content": "ab"}]}, "row 2: the conversation in 'prompt' starts with an "
+         "assistant turn"),
+        ({"prompt": [{"role": "user", "content": "ab>"}]}, "row 2: the conversation in 'prompt' has no assistant turn "
+         "to train on"),
     ],
-)
+)  # fmt: skip
 def test_a_bad_row_is_refused_naming_the_file_row_and_column(tmp_path, row, message):
     path = _rows(tmp_path, [{"prompt": "ab>", "response": "ab"}, row])
     data = DataConfig(train=path, response_key="response", verifier="none")
@@ -154,3 +158,19 @@ def test_the_sft_loss_is_the_token_mean_nll_of_the_trained_tokens_only():
     loss, _ = sft_loss(logprobs, {"responses": chat_seqs}, AlgoConfig())
     mask = chat_seqs.action_mask[0]
     assert float(loss) == pytest.approx(float((-logprobs[0] * mask).sum() / mask.sum()))
+
+
+def test_a_file_whose_every_response_is_over_the_budget_is_refused_naming_the_response_budget(tmp_path):
+    from flowrl.specs import build_config
+    from flowrl.tasks.dataset import load
+
+    train = _rows(tmp_path, [{"prompt": "ab>", "response": "ab" * 40}] * 3)
+    cfg = build_config(
+        {"data": {"train": train, "response_key": "response", "verifier": "none"}, "rollout": {"max_new_tokens": 16}}
+    )
+    with pytest.raises(ConfigError) as err:
+        load(cfg)
+    message = str(err.value)
+    assert "3 responses over the response budget (16 tokens" in message
+    assert "rollout.max_new_tokens" in message and "data.overlong=truncate" in message
+    assert "0 longer than" not in message  # the prompts are short: they are not why nothing is left

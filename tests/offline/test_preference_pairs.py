@@ -152,3 +152,76 @@ def test_data_pairs_makes_a_preference_file_from_gsm8k_rows_that_the_loader_read
     src.write_text(json.dumps({"question": "q", "answer": "no number #### many"}) + "\n")
     assert main(["data", "pairs", str(src), "--out", str(out), "--force"]) == 2
     assert "row 1: the answer's final part 'many' is not a number" in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_pair_whose_chosen_and_rejected_responses_are_the_same_is_dropped_and_counted(tmp_path):
+    chat = [{"role": "user", "content": "ab>"}, {"role": "assistant", "content": "ab"}]
+    path = _file(tmp_path, [{"prompt": "ab>", "chosen": "ab", "rejected": "ba"},
+                            {"prompt": "ab>", "chosen": "ab", "rejected": "ab"},
+                            {"chosen": chat, "rejected": chat}])  # fmt: skip
+    prompts, report = _pairs(path, TEMPLATE)
+    assert len(prompts) == 1  # a tie teaches nothing: its margin is 0 whatever the model does
+    assert report.same_pairs["train"] == 2
+    assert "2 pairs dropped as their chosen and rejected responses are the same" in report.lines()[0]
+
+
+def test_a_file_of_tied_pairs_only_is_refused_saying_why(tmp_path):
+    from flowrl.specs import build_config
+    from flowrl.tasks.dataset import load
+
+    path = _file(tmp_path, [{"prompt": "ab>", "chosen": "ab", "rejected": "ab"}] * 2)
+    data = {"train": path, "chosen_key": "chosen", "rejected_key": "rejected", "verifier": "none"}
+    cfg = build_config({"data": data})
+    with pytest.raises(ConfigError, match="2 pairs whose chosen and rejected responses are the same"):
+        load(cfg)
+
+
+@pytest.mark.parametrize(
+    "row,keys,column",
+    [
+        ({"question": "q", "answer": "1 + 1 = 2 #### 2", "chosen": "mine"}, [], "chosen"),
+        ({"question": "q", "solution": "1 + 1 = 2 #### 2", "answer": "the worked text"}, ["--answer-key", "solution"],
+         "answer"),
+    ],
+)  # fmt: skip
+def test_data_pairs_refuses_a_row_whose_column_the_pair_would_overwrite(tmp_path, capsys, row, keys, column):
+    from flowrl.cli import main
+
+    src, out = tmp_path / "train.jsonl", tmp_path / "pairs.jsonl"
+    src.write_text(json.dumps(row) + "\n")
+    assert main(["data", "pairs", str(src), "--out", str(out), *keys]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"row 1 has a column '{column}'" in err and "overwrite" in err
+    assert not out.exists()  # nothing written: no pair with another column's value in it
+
+
+def test_a_held_out_file_with_no_pair_left_is_refused_not_replaced_by_training_rows(tmp_path):
+    from flowrl.specs import build_config
+    from flowrl.tasks.dataset import load
+
+    train = _file(tmp_path, [{"prompt": "ab>", "chosen": "ab", "rejected": "ba"}] * 2)
+    val = tmp_path / "val.jsonl"
+    val.write_text(json.dumps({"prompt": "ab>", "chosen": "ab", "rejected": "ab"}) + "\n")
+    data = {"train": train, "val": str(val), "chosen_key": "chosen", "rejected_key": "rejected", "verifier": "none"}
+    with pytest.raises(ConfigError, match="data.val: no prompt is left of 1 rows .1 pairs whose chosen and rejected"):
+        load(build_config({"data": data, "eval": {"every": 5}}))
+    assert load(build_config({"data": data})).val == []  # not evaluated (eval.every=0): nothing to refuse
+
+
+@pytest.mark.parametrize(
+    "graph,keys,want",
+    [
+        ("graphs/sft.py", ["data.response_key=null", "data.chosen_key=chosen", "data.rejected_key=rejected"], "one"),
+        ("graphs/dpo.py", ["data.response_key=chosen", "data.chosen_key=null", "data.rejected_key=null"], "pairs"),
+    ],
+)
+def test_a_source_whose_rows_the_data_columns_do_not_give_is_refused_at_plan_time(tmp_path, graph, keys, want):
+    from flowrl import api
+    from flowrl.errors import PlanError
+
+    path = _file(tmp_path, [{"prompt": "ab>", "chosen": "ab", "rejected": "ba"}] * 4)
+    with pytest.raises(PlanError) as err:
+        api.plan(graph, overrides=[f"data.train={path}", "task=data", "rollout.prompts_per_step=2", *keys],
+                 flags={"steps": 1}, emit=lambda s: None)  # fmt: skip
+    message = str(err.value)
+    assert "node 'data'" in message and ("data.chosen_key" if want == "pairs" else "data.response_key") in message

@@ -96,3 +96,30 @@ def test_packed_sft_computes_the_same_first_loss_as_padded_sft(tmp_path):
         first[pack] = step
     assert first["true"]["train_actor/pad_frac"] == 0.0 < first["false"]["train_actor/pad_frac"]
     assert first["true"]["train_actor/nll"] == pytest.approx(first["false"]["train_actor/nll"], rel=1e-4)
+
+
+@pytest.mark.parametrize("setting", ["rollout.samples_per_prompt=4", "rollout.temperature=0.7", "rollout.mode=async"])
+@pytest.mark.parametrize("graph", ["graphs/sft.py", "graphs/dpo.py"])
+def test_a_generation_setting_on_a_graph_that_generates_nothing_is_named_as_without_effect(graph, setting):
+    from flowrl.planner.passes.resolve import unused_generation_settings
+
+    g, plan = api.plan(graph, overrides=[*SMALL, setting], flags={"steps": 1}, emit=lambda s: None)
+    (warning,) = unused_generation_settings(g, plan.config)
+    assert setting.split("=")[0] in warning and "generates nothing" in warning and "no effect" in warning
+    g, plan = api.plan(graph, overrides=SMALL, flags={"steps": 1}, emit=lambda s: None)
+    assert unused_generation_settings(g, plan.config) == []
+
+
+def test_the_summary_of_a_run_that_generates_nothing_lists_no_empty_samples_file(tmp_path, capsys):
+    args = ["run", "graphs/sft.py", "--steps", "1", "--out", str(tmp_path), "--set", "eval.every=1"]
+    assert main([*args, *(x for s in ["rollout.prompts_per_step=8"] for x in ("--set", s))]) == 0
+    out = capsys.readouterr().out
+    assert "evaluation: after 0 -> 1 steps: loss" in out and "metrics:" in out
+    assert "samples:" not in out  # the held-out loss generates no samples to look at
+
+
+def test_the_workload_of_a_graph_that_generates_nothing_is_one_sample_per_prompt():
+    for graph in ("graphs/sft.py", "graphs/dpo.py"):
+        _, plan = api.plan(graph, overrides=SMALL, flags={"steps": 1}, emit=lambda s: None)
+        assert plan.target.workload.prompts_per_step == 8
+        assert plan.target.workload.samples_per_prompt == 1  # not rollout.samples_per_prompt: nothing is sampled

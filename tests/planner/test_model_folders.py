@@ -121,7 +121,15 @@ def test_run_flags_take_name_equals_folder_and_keep_the_planner_meaning_otherwis
     assert plan.config.model == f"actor={dirs['a'].resolve()},reward={dirs['rm'].resolve()}"
     assert plan.models["rm"].checkpoint == str(dirs["rm"].resolve())
     assert main([*argv, "--force", "--model", f"actor={dirs['a']},reward={tmp_path / 'nope'}"]) == 2
-    err = capsys.readouterr().err
+    err = " ".join(capsys.readouterr().err.split())
     assert "does not exist" in err and "nope" in err
     assert main([*argv, "--force", "--model", "actor=llama-7b,reward=llama-7b"]) == 2
     assert "--cluster" in capsys.readouterr().err
+
+
+def test_a_run_whose_only_role_folder_is_missing_says_the_folder_does_not_exist(tmp_path, capsys):
+    missing = tmp_path / "runs" / "reward_model" / "checkpoint"
+    assert main(["run", "graphs/ppo_rm.py", "--model", f"reward={missing}", "--steps", "1"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"the folder of 'reward' ({missing}) does not exist" in err
+    assert "planner model" not in err  # a path is not a preset: --cluster would not help

@@ -160,7 +160,7 @@ def _check_option_types(node: str, fn: Any, options: dict[str, Any]) -> None:
     if fn is None or not options:
         return
     try:
-        hints = typing.get_type_hints(fn)
+        hints = typing.get_type_hints(fn, include_extras=True)  # with msgspec.Meta bounds (beta > 0)
     except Exception:  # unresolvable annotations: nothing to check against
         return
     for key, value in options.items():

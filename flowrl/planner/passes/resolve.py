@@ -22,7 +22,7 @@ from flowrl.planner.passes.options import agent_function, node_plan_options
 from flowrl.planner.passes.ports import check_keys, check_unused, inputs_only
 from flowrl.planner.passes.rows import node_rows
 from flowrl.planner.passes.runs import fused_forwards, model_runs
-from flowrl.specs import AGGREGATES, AUTO
+from flowrl.specs import AGGREGATES, AUTO, RunConfig
 
 if TYPE_CHECKING:
     from flowrl.graph import Graph
@@ -37,6 +37,7 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
 
     reg, graph, cfg = ctx.registry, ctx.graph, plan.config
     task = task_for(cfg, registry={e.name: e.obj for e in reg.entries("tasks")})
+    check_source_columns(graph, cfg, task)
     budget = cfg.rollout.max_new_tokens if cfg.rollout.max_new_tokens is not None else task.max_new_tokens()
     cfg = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, max_new_tokens=budget))
     if cfg.algo.loss_norm is None:  # Dr. GRPO's constant (seq-mean-token-sum-norm): the response budget
@@ -105,14 +106,16 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
         turns = max((n.turns for n in graph.nodes.values() if isinstance(n, Generate) and n.multi_turn), default=1)
         if turns > 1:
             lengths = episode_lengths(graph, lengths, budget, cfg.rollout.ignore_eos)
+        generates = any(isinstance(n, Generate) for n in graph.nodes.values())
+        samples = cfg.rollout.samples_per_prompt if generates else 1  # a source reads each prompt's rows once
         workload = WorkloadSpec(
             turns=turns,
             prompts_per_step=cfg.rollout.prompts_per_step,
-            samples_per_prompt=cfg.rollout.samples_per_prompt,
+            samples_per_prompt=samples,
             prompt_length=prompt_length,
             response_length=lengths,
             ppo_epochs=cfg.train.epochs,
-            mini_batches=min(cfg.train.mini_batches, cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt),
+            mini_batches=min(cfg.train.mini_batches, cfg.rollout.prompts_per_step * samples),
         )
         target = msgspec.structs.replace(target, workload=workload)
     largest = max([target.spec(m).parameters() for m in graph.models] or [target.model.parameters()])
@@ -122,6 +125,60 @@ def resolve(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     runs = model_runs(graph, cfg, budget, numerics)
     fused = fused_forwards(graph, resolved, reg, cfg.train.engine)
     return msgspec.structs.replace(plan, config=cfg, target=target, options=resolved, models=runs, fused=fused)
+
+
+#: The rollout settings that only change how responses are generated (not the response budget,
+#: max_new_tokens, nor the prompts per step, which a train-only graph reads too).
+GENERATION_SETTINGS = (
+    "samples_per_prompt", "temperature", "top_p", "ignore_eos", "stop", "mode", "staleness", "overprovision",
+    "chunk_tokens", "stream_groups",
+)  # fmt: skip
+
+
+def unused_generation_settings(graph: Graph, cfg: RunConfig) -> list[str]:
+    """Warnings for a graph that generates nothing (its responses read from the data by a source node):
+    each generation setting changed from its default, which it ignores."""
+    if any(isinstance(n, Generate) for n in graph.nodes.values()):
+        return []
+    from flowrl.specs import RolloutConfig
+
+    default = RolloutConfig()
+    changed = [k for k in GENERATION_SETTINGS if getattr(cfg.rollout, k) != getattr(default, k)]
+    if not changed:
+        return []
+    sources = [n.name for n in graph.nodes.values() if isinstance(n, Source)]
+    where = f" (source node '{sources[0]}' reads its responses from the data)" if sources else ""
+    settings = ", ".join(f"rollout.{k}={getattr(cfg.rollout, k)!r}" for k in changed)
+    return [
+        f"graph '{graph.name}' generates nothing{where}, so {settings} has no effect. The rollout settings a "
+        "train-only graph reads are prompts_per_step (rows per step) and max_new_tokens (the response budget)."
+    ]
+
+
+def check_source_columns(graph: Graph, cfg: RunConfig, task: object) -> None:
+    """A source node over the user's files gets the rows it reads: a preference pair per prompt
+    (data.chosen_key and data.rejected_key) for ``rows="pairs"``, one response for ``rows="sft"``;
+    refused here, before any model is built, not at the first step."""
+    from flowrl.specs import DATA_TASK
+
+    if getattr(task, "name", None) != DATA_TASK:
+        return
+    pairs = cfg.data.chosen_key is not None
+    for node in graph.nodes.values():
+        if not isinstance(node, Source) or (node.rows == "pairs") == pairs:
+            continue
+        if node.rows == "pairs":
+            raise PlanError(
+                f"node '{node.name}' (rows=pairs) reads a chosen and a rejected response per prompt, and the data "
+                "gives one (data.chosen_key is not set): name the columns with --set data.chosen_key=COLUMN "
+                "data.rejected_key=COLUMN (and data.response_key=null)."
+            )
+        raise PlanError(
+            f"node '{node.name}' (rows={node.rows}) reads one response per prompt, and the data gives preference "
+            f"pairs (data.chosen_key={cfg.data.chosen_key!r}): name the response column with --set "
+            "data.response_key=COLUMN data.chosen_key=null data.rejected_key=null, or train on the pairs with "
+            "graphs/dpo.py."
+        )
 
 
 def check_pairs(graph: Graph, node: Train, what: str) -> None:
