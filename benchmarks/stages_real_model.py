@@ -216,6 +216,7 @@ def main() -> None:
                 f"rollout.prompts_per_step={args.prompts}",
                 f"rollout.samples_per_prompt={args.samples}",
                 "train.mini_batches=1",
+                "checkpoint=false",  # the last stage: its models are not needed (a user's run keeps them)
             )  # fmt: skip
         )
         rewards = [r["reward"] for r in steps]
@@ -243,6 +244,7 @@ def main() -> None:
                 *common,
                 *paired,
                 f"train.lr={args.dpo_lr}",
+                "checkpoint=false",
                 f"eval.every={args.dpo_steps}",
             )  # fmt: skip
         )
