@@ -135,7 +135,8 @@ def main() -> None:
     common = [f"rollout.max_new_tokens={args.tokens}", f"eval.max_prompts={args.val}"]
     paired = ["data.prompt_key=prompt", f"data.val={val_pairs}", f"rollout.prompts_per_step={args.batch}"]
 
-    sft_model = model
+    # without the SFT stage (--only), a checkpoint of an earlier run in --out, else the instruct model
+    sft_model = args.out / "sft" / "checkpoint" if (args.out / "sft" / "checkpoint").is_dir() else model
     if "sft" in stages:
         started = time.perf_counter()
         steps, evals = split(
