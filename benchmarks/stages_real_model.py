@@ -21,8 +21,14 @@ Progress goes to stderr, a line per stage; the last line of stdout is one JSON o
 ``{"bench": "stages_real_model", "sft": ..., "reward_model": ..., "ppo_rm": ..., "dpo": ..., "seconds": ...}``.
 Each run's log is ``OUT/NAME.log``, its metrics ``OUT/NAME/metrics.jsonl``.
 
-    python benchmarks/stages_real_model.py                      # ~15-20 min on 2 CPU cores
-    python benchmarks/stages_real_model.py --sft-steps 10 --rm-steps 10 --ppo-steps 6 --dpo-steps 10
+Measured on a shared, loaded 2-core box (one torch thread per run): SFT ~10 s a step of 4 rows, the
+reward model ~10 s a step of 4 pairs, PPO ~50 s a step of 2 prompts x 4 samples (rollout, four
+forwards, actor and critic updates), plus ~40 s to start each run.
+
+    python benchmarks/stages_real_model.py            # the defaults: ~20-30 min on 2 idle CPU cores
+    python benchmarks/stages_real_model.py --train 256 --val 32 --batch 4 --sft-steps 15 --rm-steps 20 \
+        --ppo-steps 8 --window 3 --dpo-steps 15       # ~25 min on the shared box
+    python benchmarks/stages_real_model.py --only reward_model --rm-steps 40   # one stage again (--out's SFT)
 """
 
 from __future__ import annotations
@@ -95,16 +101,16 @@ def main() -> None:
     p.add_argument("--val", type=int, default=64, help="validation problems (and pairs)")
     p.add_argument("--batch", type=int, default=8, help="rows (SFT) or pairs (reward model, DPO) per step")
     p.add_argument("--tokens", type=int, default=32, help="response budget (SFT/pairs) and PPO's max new tokens")
-    p.add_argument("--sft-steps", type=int, default=40)
+    p.add_argument("--sft-steps", type=int, default=30)
     p.add_argument("--sft-lr", type=float, default=2e-5)
     p.add_argument("--rm-steps", type=int, default=40)
     p.add_argument("--rm-lr", type=float, default=2e-5)
-    p.add_argument("--ppo-steps", type=int, default=20)
-    p.add_argument("--ppo-lr", type=float, default=1e-6)
-    p.add_argument("--prompts", type=int, default=4, help="PPO: prompts per step")
+    p.add_argument("--ppo-steps", type=int, default=12)
+    p.add_argument("--ppo-lr", type=float, default=5e-6)
+    p.add_argument("--prompts", type=int, default=2, help="PPO: prompts per step")
     p.add_argument("--samples", type=int, default=4, help="PPO: samples per prompt")
-    p.add_argument("--window", type=int, default=5, help="PPO: steps averaged at the start and at the end")
-    p.add_argument("--dpo-steps", type=int, default=40)
+    p.add_argument("--window", type=int, default=3, help="PPO: steps averaged at the start and at the end")
+    p.add_argument("--dpo-steps", type=int, default=30)
     p.add_argument("--dpo-lr", type=float, default=5e-6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads of each run")
