@@ -815,16 +815,7 @@ def _split_conversation(
                 f"{where}: the conversation in '{data.prompt_key}' starts with an assistant turn; the turns before "
                 "the first assistant turn are the prompt: begin it with a user turn."
             )
-        later = []
-        for i, turn in enumerate(value[first:], start=first):
-            role, content = turn.get("role") if isinstance(turn, Mapping) else None, None
-            content = turn.get("content") if isinstance(turn, Mapping) else None
-            if not isinstance(role, str) or not isinstance(content, str):
-                raise ConfigError(
-                    f"{where}: message {i + 1} of '{data.prompt_key}' must have text 'role' and 'content' fields, "
-                    f"got {turn!r:.80}."
-                )
-            later.append({"role": role, "content": content})
+        later = _messages(value[first:], where, f"'{data.prompt_key}'", start=first)
         if not any(t["content"].strip() for t in later if t["role"] == "assistant"):
             raise ConfigError(f"{where}: the assistant turns of the conversation in '{data.prompt_key}' are empty.")
         return value[:first], later
@@ -883,17 +874,7 @@ def _pair_turns(
                 f"{where}: the response in {column} is {type(response).__name__} {response!r:.60}; it must be text or "
                 "a list of {role, content} messages."
             )
-        turns = []
-        for i, turn in enumerate(response):
-            role = turn.get("role") if isinstance(turn, Mapping) else None
-            content = turn.get("content") if isinstance(turn, Mapping) else None
-            if not isinstance(role, str) or not isinstance(content, str):
-                raise ConfigError(
-                    f"{where}: message {i + 1} of {column} must have text 'role' and 'content' fields, got "
-                    f"{turn!r:.80}."
-                )
-            turns.append({"role": role, "content": content})
-        sides.append(turns)
+        sides.append(_messages(response, where, column))
     if value is None:  # no prompt column: whole conversations, the prompt their shared first turns
         if any(isinstance(row.get(k), str) for k in (data.chosen_key, data.rejected_key)):
             raise ConfigError(
@@ -1118,3 +1099,18 @@ def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     first = text[0] if text else type(exc).__name__
     return f"{first} (save the file as UTF-8)" if isinstance(exc, UnicodeDecodeError) else first
+
+
+def _messages(turns: Sequence[Any], where: str, column: str, start: int = 0) -> list[dict[str, str]]:
+    """``turns`` as plain {role, content} messages; a ConfigError naming the row, the column and the message
+    (numbered from ``start`` + 1) that lacks a text role or content."""
+    out = []
+    for i, turn in enumerate(turns, start=start):
+        role = turn.get("role") if isinstance(turn, Mapping) else None
+        content = turn.get("content") if isinstance(turn, Mapping) else None
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise ConfigError(
+                f"{where}: message {i + 1} of {column} must have text 'role' and 'content' fields, got {turn!r:.80}."
+            )
+        out.append({"role": role, "content": content})
+    return out
