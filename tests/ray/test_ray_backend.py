@@ -180,8 +180,10 @@ def _spans(out_dir, name):
 
 @pytest.mark.parametrize("mode", ["one_step_off", "partial+async"])
 def test_rollout_modes_overlap_generation_with_training_on_two_groups(tmp_path, mode):
-    """Generation of step k+1 runs on its group while step k trains on the other: the trace shows
-    the spans overlap, and the samples trained are one version old (within the bound)."""
+    """Generation of step k+1 runs on its group while step k trains on the other: the trace shows the
+    second rollout starting before the first training ended (a sync run waits for it: its new weights),
+    and the samples trained are one version old (within the bound). How much the spans overlap depends on
+    the box's load; that one starts before the other ends does not."""
     g, plan = cpu2_plan(
         "grpo",
         tmp_path,
@@ -197,8 +199,8 @@ def test_rollout_modes_overlap_generation_with_training_on_two_groups(tmp_path, 
     eta = plan.layout.rollout.staleness
     assert [r["rollout/staleness_max"] <= eta for r in result.metrics] == [True] * 4
     assert any(r["rollout/staleness_1"] > 0 for r in result.metrics)
-    gen, train = _spans(result.out_dir, "rollout"), _spans(result.out_dir, "train_actor")
-    assert any(g0 < t1 and t0 < g1 for g0, g1 in gen for t0, t1 in train), (gen, train)
+    gen, train = sorted(_spans(result.out_dir, "rollout")), sorted(_spans(result.out_dir, "train_actor"))
+    assert gen[1][0] < train[0][1], (gen, train)  # the next rollout does not wait for the first training
     if "partial" in mode:
         assert any(r["rollout/recycled_tokens"] > 0 for r in result.metrics)
 
