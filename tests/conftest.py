@@ -52,33 +52,21 @@ def _e2e_module(item: pytest.Item) -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """How `pytest -n 2` shares the work (pyproject: ``--dist loadfile --no-loadscope-reorder``): a
     module's tests stay together on one worker (its module fixtures are built once), and the longest
-    work is handed out first -- the Ray modules (one unit of work, ``pytest_xdist_make_scheduler``
-    below), then the whole-run modules of tests/e2e, then the modules with slow tests, then the quick
-    modules, which fill the end."""
+    work is handed out first -- the Ray modules taken in turn with the whole-run modules of tests/e2e
+    (Ray modules run one at a time, tests/ray/conftest.py: two in a row would leave the second
+    worker waiting on the first's lock), then the modules with slow tests, then the quick modules,
+    which fill the end."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     modules: dict = {}
     for item in items:
         modules.setdefault(item.path, []).append(item)
     ray = [m for m, its in modules.items() if _ray_module(its[0])]
     e2e = [m for m, its in modules.items() if _e2e_module(its[0]) and m in slow]
-    rank = {m: i for i, m in enumerate(ray + e2e)}
+    first: list = []
+    for i in range(max(len(ray), len(e2e))):
+        first += ray[i : i + 1] + e2e[i : i + 1]
+    rank = {m: i for i, m in enumerate(first)}
     items.sort(key=lambda item: (0, rank[item.path]) if item.path in rank else (1 if item.path in slow else 2, 0))
-
-
-@pytest.hookimpl(optionalhook=True, tryfirst=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """``--dist loadfile`` with the Ray modules (tests/ray) as one unit of work: one worker runs them one
-    after another while the other runs the rest. They run one at a time anyway (tests/ray/conftest.py's
-    lock): as modules of their own, both workers could be handed one and the second would wait."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class RayModulesTogether(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return "tests/ray/" if nodeid.startswith("tests/ray/") else super()._split_scope(nodeid)
-
-    return RayModulesTogether(config, log)
 
 
 class PlannerClock:
