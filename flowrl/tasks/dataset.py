@@ -907,7 +907,12 @@ def _completion(
 ) -> Completion:
     """The text after the prompt ``turns`` as the chat template renders the whole conversation, in pieces:
     each assistant turn (with its end-of-turn text) trained, the text between turns not. Without a
-    template: the one response, then the end-of-text token."""
+    template: the one response, then the end-of-text token.
+
+    A row ends where generation would: a final assistant turn ends right after the tokenizer's
+    end-of-text token when the template writes it (SmolLM2/Qwen's ``<|im_end|>``, not the ``\n`` the
+    template writes after it), and the end-of-text token is appended when the template writes none, so
+    a scalar head scores a given response at the token it scores a generated one at."""
     if template is None:
         if len(later) > 1:
             raise ConfigError(
@@ -916,6 +921,7 @@ def _completion(
             )
         return Completion(pieces=(later[0]["content"],), trained=(True,), eos=True)
     conversation = [*turns, *later]
+    eos = getattr(tokenizer, "eos_token", None)
     full = render_turns(where, conversation, tokenizer, template, generation_prompt=False)
     pieces: list[str] = []
     trained: list[bool] = []
@@ -934,9 +940,14 @@ def _completion(
         if start > at:
             pieces.append(full[at:start])
             trained.append(False)
-        pieces.append(full[start : len(end)])
+        turn = full[start : len(end)]
+        ends = bool(eos) and eos in turn  # the template writes the end-of-text token: trained, with the turn
+        stop = turn.rfind(eos) + len(eos) if ends else len(turn)
+        pieces.append(turn[:stop])
         trained.append(True)
-        at = len(end)
+        at = start + stop
+        if i == len(conversation) - 1:  # the row ends with the answer: nothing after its end-of-text token
+            return Completion(pieces=tuple(pieces), trained=tuple(trained), eos=not ends)
     if at < len(full):
         pieces.append(full[at:])
         trained.append(False)

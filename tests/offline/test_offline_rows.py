@@ -63,17 +63,20 @@ def test_a_conversation_trains_its_assistant_turns_and_not_the_user_turn_between
     assert prompt.text == "u:ab|a:" and prompt.templated
     seqs, _ = offline_sequences([prompt], None, build_tokenizer(), 0)
     response = "ba|u:cd|a:dc|"
+    tok = build_tokenizer()
     assert seqs.prompt_ids[0].tolist() == _ids("u:ab|a:")  # no BOS: the template wrote the text
-    assert seqs.response_ids[0].tolist() == _ids(response)
+    # the template writes no end-of-text token: it follows the last turn, as it ends a generated row
+    assert seqs.response_ids[0].tolist() == [*_ids(response), tok.eos_token_id]
     trained = "".join(c for c, m in zip(response, seqs.action_mask[0].tolist()) if m)
     assert trained == "ba|dc|"  # the assistant's turns with their end-of-turn text; "u:cd|a:" is not trained
+    assert seqs.action_mask[0].tolist()[-1] == 1.0  # and the end-of-text token
 
 
 def test_a_response_column_with_a_chat_template_is_one_assistant_turn(tmp_path):
     path = _rows(tmp_path, [{"q": "ab", "r": "ba"}])
     data = DataConfig(train=path, prompt_key="q", response_key="r", verifier="none")
     (prompt,), _ = _prompts(data, TEMPLATE)
-    assert prompt.completions == (Completion(pieces=("ba|",), trained=(True,)),)
+    assert prompt.completions == (Completion(pieces=("ba|",), trained=(True,), eos=True),)
     assert "r" not in prompt.meta  # the response is not metadata
 
 
@@ -174,3 +177,32 @@ def test_a_file_whose_every_response_is_over_the_budget_is_refused_naming_the_re
     assert "3 responses over the response budget (16 tokens" in message
     assert "rollout.max_new_tokens" in message and "data.overlong=truncate" in message
     assert "0 longer than" not in message  # the prompts are short: they are not why nothing is left
+
+
+def test_a_given_response_ends_where_a_generated_one_does_so_a_reward_model_scores_the_same_token(
+    tmp_path, chat_model
+):
+    """ChatML writes ``<|im_end|>\\n`` after each turn; generation stops at ``<|im_end|>`` (the
+    end-of-text token). A pair row must end there too, or a scalar head trained on pairs would read
+    its score at the ``\\n`` and score generated rows at another token."""
+    import transformers
+
+    from flowrl.backends.local.packing import score_index
+
+    tok = transformers.AutoTokenizer.from_pretrained(chat_model)
+    path = _rows(tmp_path, [{"prompt": "2+3?", "chosen": "5", "rejected": "6"}])
+    data = DataConfig(train=path, chosen_key="chosen", rejected_key="rejected", verifier="none")
+    report = DataReport(budget=64, response_overlong=data.overlong)
+    (prompt,) = rows_to_prompts("train", data, read_rows("train", data), tok, tok.chat_template, report, None)
+    seqs, _ = offline_sequences([prompt], None, tok, tok.pad_token_id, rows="pairs")
+    for row, answer in enumerate(("5", "6")):
+        generated = [*tok(answer, add_special_tokens=False)["input_ids"], tok.eos_token_id]  # as an engine ends it
+        response = [i for i, m in zip(seqs.response_ids[row].tolist(), seqs.response_mask[row].tolist()) if m]
+        assert response == generated
+        assert seqs.action_mask[row].sum() == len(generated)  # the answer and its end-of-text token, trained
+    generated_row = torch.tensor([[*seqs.prompt_ids[0].tolist(), *generated]])
+    ids = seqs.input_ids[1:2]
+    assert ids.tolist() == generated_row.tolist()
+    assert score_index(ids, seqs.attention_mask[1:2], tok.pad_token_id) == score_index(
+        generated_row, torch.ones_like(generated_row), tok.pad_token_id
+    )
