@@ -969,15 +969,7 @@ def _turns(where: str, data: DataConfig, value: Any) -> list[dict[str, str]]:
             )
         return [*system, {"role": "user", "content": value}]
     if isinstance(value, list) and value and all(isinstance(t, Mapping) for t in value):
-        turns = []
-        for i, turn in enumerate(value):
-            role, content = turn.get("role"), turn.get("content")
-            if not isinstance(role, str) or not isinstance(content, str):
-                raise ConfigError(
-                    f"{where}: message {i + 1} of '{data.prompt_key}' must have text 'role' and 'content' fields, got "
-                    f"{dict(turn)!r}."
-                )
-            turns.append({"role": role, "content": content})
+        turns = _messages(value, where, f"'{data.prompt_key}'")
         if not any(t["role"] == "user" for t in turns):
             raise ConfigError(
                 f"{where}: the messages in '{data.prompt_key}' have no user turn (roles: "
