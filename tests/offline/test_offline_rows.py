@@ -179,9 +179,7 @@ def test_a_file_whose_every_response_is_over_the_budget_is_refused_naming_the_re
     assert "0 longer than" not in message  # the prompts are short: they are not why nothing is left
 
 
-def test_a_given_response_ends_where_a_generated_one_does_so_a_reward_model_scores_the_same_token(
-    tmp_path, chat_model
-):
+def test_a_given_response_ends_where_a_generated_one_does_so_a_reward_model_scores_the_same_token(tmp_path, chat_model):
     """ChatML writes ``<|im_end|>\\n`` after each turn; generation stops at ``<|im_end|>`` (the
     end-of-text token). A pair row must end there too, or a scalar head trained on pairs would read
     its score at the ``\\n`` and score generated rows at another token."""
