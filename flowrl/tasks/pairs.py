@@ -1,15 +1,22 @@
 """Preference pairs made from problems with numeric answers (``flowrl data pairs IN.jsonl --out
 pairs.jsonl``): for each row of a GSM8K-format file (a question and an answer ``"... #### 42"``), the
-worked answer ending in its number is chosen and the same work with a plausible slip -- the final
-number off by a little -- rejected, so a preference run (graphs/dpo.py) has pairs to learn from
-without a model to sample them.
+worked answer ending in its number is chosen and the same answer with a plausible slip -- a wrong
+final number -- rejected, so a preference run (graphs/dpo.py, graphs/reward_model.py) has pairs to
+learn from without a model to sample them.
 
-Chosen: ``"{work} The answer is {N}."``; rejected: the work with its last mention of N replaced by a
-wrong number M, then ``"The answer is {M}."`` (the format of benchmarks/real_model.py's system prompt,
-"Finish with: The answer is N."). M is N plus or minus 1..10 (never below 0 for a non-negative N),
-drawn from the seed and the row's question, so the same file and seed always give the same pairs.
-Each output row keeps the input's other columns, with ``prompt``, ``chosen``, ``rejected`` and
-``answer`` (the ground truth, N); a row without a number for an answer is refused by its line.
+Chosen: ``"{work} The answer is {N}."``. Rejected, by the row's ``slip`` (``--slips``, each row drawn
+from the seed and its question among the kinds given):
+
+- ``work``: the work with its last mention of N replaced by a wrong number M, then ``"The answer is
+  {M}."`` -- a slip in the arithmetic, carried to the end: telling it apart means checking the sums;
+- ``answer``: the work unchanged, then ``"The answer is {M}."`` -- an answer the work does not support,
+  a slip models make between their reasoning and their final line.
+
+(The format of benchmarks/real_model.py's system prompt, "Finish with: The answer is N.") M is N plus or
+minus 1..10 (never below 0 for a non-negative N), drawn from the seed and the row's question, so the
+same file, kinds and seed always give the same pairs. Each output row keeps the input's other columns,
+with ``prompt``, ``chosen``, ``rejected``, ``answer`` (the ground truth, N) and ``slip`` (the kind); a
+row without a number for an answer is refused by its line.
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ from flowrl.errors import ConfigError
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 #: The columns every output row has (the input's other columns are kept beside them).
-OUTPUT_COLUMNS = ("prompt", "chosen", "rejected", "answer")
+OUTPUT_COLUMNS = ("prompt", "chosen", "rejected", "answer", "slip")
+
+#: The kinds of slip a rejected answer makes (the module's docstring), in the order ``--slips`` lists them.
+SLIPS = ("work", "answer")
 
 
 def slip(answer: str, rng: random.Random) -> str:
@@ -38,27 +48,38 @@ def slip(answer: str, rng: random.Random) -> str:
             return str(round(wrong, 6) if isinstance(wrong, float) else wrong)
 
 
-def pair_of(question: str, answer: str, seed: int = 0) -> tuple[str, str, str]:
-    """(chosen, rejected, the final number) for a GSM8K-format ``answer`` ("work #### N"); a ValueError
-    when N is not a number."""
+def pair_of(question: str, answer: str, seed: int = 0, slips: tuple[str, ...] = SLIPS) -> tuple[str, str, str, str]:
+    """(chosen, rejected, the final number, the kind of slip) for a GSM8K-format ``answer`` ("work #### N"),
+    the kind drawn among ``slips``; a ValueError when N is not a number."""
     work, _, final = answer.rpartition("####")
     final = final.strip().replace(",", "")
     if not _NUMBER.fullmatch(final):
         raise ValueError(f"the answer's final part {final!r} is not a number (GSM8K's format: 'work #### N')")
     work = work.strip()
-    wrong = slip(final, random.Random(f"flowrl-pairs:{seed}:{question}"))
+    rng = random.Random(f"flowrl-pairs:{seed}:{question}")
+    wrong = slip(final, rng)
+    kind = slips[0] if len(slips) == 1 else rng.choice(slips)
     chosen = f"{work} The answer is {final}." if work else f"The answer is {final}."
     at = work.rfind(final)
-    slipped = work[:at] + wrong + work[at + len(final) :] if at >= 0 else work
+    slipped = work[:at] + wrong + work[at + len(final) :] if at >= 0 and kind == "work" else work
     rejected = f"{slipped} The answer is {wrong}." if slipped else f"The answer is {wrong}."
-    return chosen, rejected, final
+    return chosen, rejected, final, kind
 
 
 def make_pairs(
-    rows: Iterable[dict[str, Any]], *, prompt_key: str = "question", answer_key: str = "answer", seed: int = 0
+    rows: Iterable[dict[str, Any]],
+    *,
+    prompt_key: str = "question",
+    answer_key: str = "answer",
+    seed: int = 0,
+    slips: tuple[str, ...] = SLIPS,
 ) -> list[dict[str, Any]]:
-    """Preference rows (``prompt``, ``chosen``, ``rejected``, ``answer`` and the other columns) of GSM8K-format
-    ``rows``; a row without the columns or a numeric answer is a ValueError naming its number (from 1)."""
+    """Preference rows (``prompt``, ``chosen``, ``rejected``, ``answer``, ``slip`` and the other columns) of
+    GSM8K-format ``rows``, each rejected answer with a slip of a kind among ``slips``; a row without the
+    columns or a numeric answer is a ValueError naming its number (from 1)."""
+    unknown = [k for k in slips if k not in SLIPS]
+    if not slips or unknown:
+        raise ValueError(f"slips must be some of {', '.join(SLIPS)}; got {', '.join(slips) or 'none'}")
     out = []
     for number, row in enumerate(rows, start=1):
         question, answer = row.get(prompt_key), row.get(answer_key)
@@ -68,7 +89,7 @@ def make_pairs(
                 "columns with --prompt-key and --answer-key"
             )
         try:
-            chosen, rejected, final = pair_of(question, str(answer), seed)
+            chosen, rejected, final, kind = pair_of(question, str(answer), seed, slips)
         except ValueError as exc:
             raise ValueError(f"row {number}: {exc}") from None
         rest = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
@@ -78,15 +99,27 @@ def make_pairs(
                 f"row {number} has a column '{taken[0]}', which the pair's own '{taken[0]}' would overwrite (the "
                 f"output's columns: {', '.join(OUTPUT_COLUMNS)}); rename or drop that column first"
             )
-        out.append({"prompt": question, "chosen": chosen, "rejected": rejected, "answer": final, **rest})
+        out.append({"prompt": question, "chosen": chosen, "rejected": rejected, "answer": final, "slip": kind, **rest})
     return out
 
 
-def write_pairs(src: Path, out: Path, *, prompt_key: str, answer_key: str, seed: int, force: bool = False) -> int:
+def write_pairs(
+    src: Path,
+    out: Path,
+    *,
+    prompt_key: str,
+    answer_key: str,
+    seed: int,
+    slips: tuple[str, ...] = SLIPS,
+    force: bool = False,
+) -> int:
     """``make_pairs`` of jsonl file ``src`` written to jsonl file ``out``; the number of pairs. Errors
     name the file and line."""
     from flowrl.tasks import bounded
 
+    unknown = [k for k in slips if k not in SLIPS]
+    if not slips or unknown:
+        raise ConfigError(f"--slips must be some of {', '.join(SLIPS)} (comma-separated); got {', '.join(slips)!r}.")
     if out.exists() and not force:
         raise ConfigError(f"--out '{out}' exists; give --force to replace it.")
     if not src.is_file():
@@ -109,7 +142,7 @@ def write_pairs(src: Path, out: Path, *, prompt_key: str, answer_key: str, seed:
     if not rows:
         raise ConfigError(f"'{src}' holds no rows.")
     try:
-        pairs = make_pairs(rows, prompt_key=prompt_key, answer_key=answer_key, seed=seed)
+        pairs = make_pairs(rows, prompt_key=prompt_key, answer_key=answer_key, seed=seed, slips=slips)
     except ValueError as exc:
         raise ConfigError(f"'{src}' {exc}.") from None
     out.parent.mkdir(parents=True, exist_ok=True)

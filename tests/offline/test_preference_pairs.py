@@ -139,16 +139,22 @@ def test_data_pairs_makes_a_preference_file_from_gsm8k_rows_that_the_loader_read
         {"question": "Li buys 3 bags of 4. How many?", "answer": "3 * 4 = 12. #### 12"},
     ]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert main(["data", "pairs", str(src), "--out", str(out)]) == 0
+    assert main(["data", "pairs", str(src), "--out", str(out), "--slips", "work"]) == 0
     pairs = [json.loads(line) for line in out.read_text().splitlines()]
     assert pairs[0]["chosen"] == "12 + 9 = 21. The answer is 21." and pairs[0]["answer"] == "21"
     wrong = pairs[0]["rejected"].rsplit(" ", 1)[-1].rstrip(".")
-    assert wrong != "21" and pairs[0]["rejected"] == f"12 + 9 = {wrong}. The answer is {wrong}."
-    assert pairs[0]["source"] == "add" and pairs[0]["prompt"] == rows[0]["question"]
+    assert wrong != "21" and pairs[0]["rejected"] == f"12 + 9 = {wrong}. The answer is {wrong}."  # carried through
+    assert pairs[0]["slip"] == "work" and pairs[0]["source"] == "add" and pairs[0]["prompt"] == rows[0]["question"]
+    assert main(["data", "pairs", str(src), "--out", str(out), "--slips", "answer", "--force"]) == 0
+    pairs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert pairs[0]["rejected"] == f"12 + 9 = 21. The answer is {wrong}." and pairs[0]["slip"] == "answer"
+    assert main(["data", "pairs", str(src), "--out", str(out), "--force"]) == 0  # both kinds, one drawn per row
     first = out.read_text()
     assert main(["data", "pairs", str(src), "--out", str(out), "--force"]) == 0 and out.read_text() == first  # seeded
     prompts, _ = _pairs(str(out))
     assert [c.text for c in prompts[1].completions][0] == "3 * 4 = 12. The answer is 12."
+    assert main(["data", "pairs", str(src), "--out", str(out), "--slips", "work,sign", "--force"]) == 2
+    assert "--slips must be some of work, answer" in capsys.readouterr().err
     src.write_text(json.dumps({"question": "q", "answer": "no number #### many"}) + "\n")
     assert main(["data", "pairs", str(src), "--out", str(out), "--force"]) == 2
     assert "row 1: the answer's final part 'many' is not a number" in " ".join(capsys.readouterr().err.split())
@@ -225,3 +231,21 @@ def test_a_source_whose_rows_the_data_columns_do_not_give_is_refused_at_plan_tim
                  flags={"steps": 1}, emit=lambda s: None)  # fmt: skip
     message = str(err.value)
     assert "node 'data'" in message and ("data.chosen_key" if want == "pairs" else "data.response_key") in message
+
+
+def test_pairs_mix_both_kinds_of_slip_one_drawn_per_row_from_the_seed():
+    from flowrl.tasks.pairs import make_pairs
+
+    rows = [{"question": f"Tom has {a} apples and gets 9 more.", "answer": f"{a} + 9 = {a + 9}. #### {a + 9}"}
+            for a in range(40)]  # fmt: skip
+    pairs = make_pairs(rows, seed=3)
+    kinds = [p["slip"] for p in pairs]
+    assert set(kinds) == {"work", "answer"} and 10 < kinds.count("work") < 30
+    for row, pair in zip(rows, pairs):
+        work = row["answer"].split(" ####")[0]
+        wrong = pair["rejected"].rsplit(" ", 1)[-1].rstrip(".")
+        assert wrong != pair["answer"]
+        assert pair["rejected"].startswith(work) == (pair["slip"] == "answer")  # the work kept or slipped too
+    assert make_pairs(rows, seed=3) == pairs and make_pairs(rows, seed=4) != pairs
+    with pytest.raises(ValueError, match="slips must be some of work, answer"):
+        make_pairs(rows, slips=())
