@@ -108,9 +108,9 @@ def accuracy_by_slip(rm: Path, val_pairs: Path) -> dict[str, float]:
         prompt = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
         scores = []
         for answer in (pair["chosen"], pair["rejected"]):
-            ids = tok(prompt, add_special_tokens=False)["input_ids"] + tok(answer, add_special_tokens=False)["input_ids"]
+            ids = [tok(text, add_special_tokens=False)["input_ids"] for text in (prompt, answer)]
             with torch.no_grad():
-                scores.append(float(model(torch.tensor([[*ids, tok.eos_token_id]])).logits[0, 0]))
+                scores.append(float(model(torch.tensor([[*ids[0], *ids[1], tok.eos_token_id]])).logits[0, 0]))
         right.setdefault(pair.get("slip", "all"), []).append(scores[0] > scores[1])
     return {kind: round(sum(r) / len(r), 4) for kind, r in sorted(right.items())}
 

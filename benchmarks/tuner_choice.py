@@ -2,10 +2,11 @@
 
 On this machine as ``cpu:2`` (two Ray devices, profiled first as `flowrl profile` does), the tuner
 plans GRPO on the ``repeat`` task (learnable from scratch in about 100 steps) and ranks its
-candidates by ``--objective``. The first ``--top`` distinct candidates (placement, sizes, rollout
-policy or weight sync differ; `flowrl.api.plan_ranked` writes each as the plan the tuner would have
-returned had it won) each run ``--repeats`` times for real with the same model, seed and samples per
-step. Runs go round-robin (every candidate once, then again) so a load that drifts on a shared
+candidates by ``--objective``. The first ``--top`` candidates of distinct shapes (placement,
+parallelism, generation layout, rollout policy or weight sync differ; the best micro-batch and offload
+of each shape; ``--distinct plan`` counts those too; `flowrl.api.plan_ranked` writes each as the plan
+the tuner would have returned had it won) each run ``--repeats`` times for real with the same model,
+seed and samples per step. Runs go round-robin (every candidate once, then again) so a load that drifts on a shared
 machine falls on all alike. A plan ranked under both objectives runs once for both.
 
 Per candidate it reports the predicted seconds per iteration and time to target (the plan's
@@ -48,9 +49,11 @@ def candidate_plans(
     samples: int,
     target_steps: int | None = None,
     extra: tuple[str, ...] = (),
+    shapes: bool = True,
 ) -> tuple[Any, list[Any]]:
     """(graph, plans): GRPO on ``repeat`` planned for ``cluster`` on Ray, one plan per tuner candidate of the
-    first ``top`` distinct ones under ``objective``, best first. ``extra``: more ``--set`` overrides."""
+    first ``top`` distinct ones under ``objective`` (``shapes``: of distinct shapes, the best of each), best
+    first. ``extra``: more ``--set`` overrides."""
     from flowrl import api
     from flowrl.contract.plan import ClusterTarget
 
@@ -67,7 +70,14 @@ def candidate_plans(
     target = ClusterTarget(cluster=cluster, model=api.model_spec(cfg))
     options = {"objective": objective, "target_steps": target_steps}
     return api.plan_ranked(
-        GRAPH, top=top, overrides=overrides, target=target, for_backend=True, options=options, emit=lambda s: None
+        GRAPH,
+        top=top,
+        overrides=overrides,
+        target=target,
+        for_backend=True,
+        options=options,
+        shapes=shapes,
+        emit=lambda s: None,
     )
 
 
@@ -162,6 +172,7 @@ def choose(
     target: float = 0.8,
     target_steps: int | None = None,
     extra: tuple[str, ...] = (),
+    shapes: bool = True,
     emit: Callable[[str], None] = print,
 ) -> list[dict]:
     """Plan under each objective, run the candidates (a plan two objectives rank runs once), and return one
@@ -172,7 +183,7 @@ def choose(
     for objective in objectives:
         graph, found = candidate_plans(
             cluster, out, objective=objective, top=top, steps=steps, prompts=prompts, samples=samples,
-            target_steps=target_steps, extra=extra,
+            target_steps=target_steps, extra=extra, shapes=shapes,
         )  # fmt: skip
         ranked[objective] = found
         emit(f"{objective}: the tuner's top {len(found)} distinct candidates")
@@ -218,6 +229,7 @@ def choose(
                 "window": WINDOW,
                 "target_steps": found[0].objective.target_steps,
                 "repeats": repeats,
+                "distinct": "shape" if shapes else "plan",
                 "candidates": candidates,
                 **verdict(candidates),
             }
@@ -272,6 +284,13 @@ def main() -> None:
         "--target-steps", type=int, default=None, help="the planner's iterations to target (default: --steps)"
     )
     parser.add_argument("--out", default=None, help="where the runs go (default: a temporary folder)")
+    parser.add_argument(
+        "--distinct",
+        default="shape",
+        choices=["shape", "plan"],
+        help="candidates of distinct shapes (placement, parallelism, rollout policy, sync: the best of each; the "
+        "default) or of distinct plans (also micro-batch sizes and optimizer offload)",
+    )
     args = parser.parse_args()
     import ray
 
@@ -282,7 +301,7 @@ def main() -> None:
         results = choose(
             cluster, tmp, objectives=objectives, top=args.top, repeats=args.repeats, steps=args.steps,
             prompts=args.prompts, samples=args.samples, target=args.target, target_steps=args.target_steps,
-            emit=lambda line: print(line, flush=True),
+            shapes=args.distinct == "shape", emit=lambda line: print(line, flush=True),
         )  # fmt: skip
     finally:
         ray.shutdown()

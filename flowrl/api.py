@@ -153,13 +153,15 @@ def plan_ranked(
     options: PlanOptions | dict[str, Any] | None = None,
     results: PassResults | None = None,
     for_backend: bool = False,
+    shapes: bool = False,
     **kwargs: Any,
 ) -> tuple[Graph, list[ExecutionPlan]]:
     """`plan`, but one plan for each of the tuner's first ``top`` distinct candidates (distinct layout,
-    rollout policy or weight sync), best first: each is the plan `plan` would return had that candidate
-    won (its layout, the objective's record of its own prediction; the passes after ``place`` run on it).
-    The first is `plan`'s own. ``results.place.tune`` receives the ranking; a graph without a rollout has
-    one plan, and one device one candidate."""
+    rollout policy or weight sync; ``shapes``: distinct shapes, `ClusterPlan.shape`, the best of each), best
+    first: each is the plan `plan` would return had that candidate won (its layout, the objective's record
+    of its own prediction; the passes after ``place`` run on it). The first is `plan`'s own.
+    ``results.place.tune`` receives the ranking; a graph without a rollout has one plan, and one device one
+    candidate."""
     from flowrl.planner.autotune import distinct
 
     if top < 1:
@@ -172,7 +174,7 @@ def plan_ranked(
         for_backend=for_backend, **kwargs,
     )  # fmt: skip
     tune = results.place.tune if results.place is not None else None
-    candidates = distinct(tune.ranked, top) if tune is not None else [None]  # no rollout: the one plan
+    candidates = distinct(tune.ranked, top, shapes) if tune is not None else [None]  # no rollout: the one plan
     ctx = PlanContext(graph=graph, registry=reg, options=plan_options(options), results=results)
     return graph, [
         run_passes(

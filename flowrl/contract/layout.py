@@ -168,15 +168,17 @@ class ClusterPlan(Spec):
     def group(self, name: str) -> DeviceGroup:
         return next(g for g in self.groups if g.name == name)
 
-    def summary(self, generates: bool = True) -> str:
+    def summary(self, generates: bool = True, knobs: bool = True) -> str:
         """One line: placement, groups and their models' layouts, then the generation layout, rollout policy
-        and weight sync; ``generates=False`` (a train-only graph): without those three, which it has none of."""
+        and weight sync; ``generates=False`` (a train-only graph): without those three, which it has none of;
+        ``knobs=False``: without each model's micro-batch size and optimizer offload (`shape`)."""
         parts = [f"{self.placement}"]
         for g in self.groups:
             members = [m for m in self.models if m.group == g.name]
             descr = ", ".join(
-                f"{m.model}(dp{m.parallel.dp} tp{m.parallel.tp} pp{m.parallel.pp}{m.describe_schedule()} "
-                f"mb{m.micro_batch}{' off' if m.offload_optimizer else ''})"
+                f"{m.model}(dp{m.parallel.dp} tp{m.parallel.tp} pp{m.parallel.pp}{m.describe_schedule()}"
+                + (f" mb{m.micro_batch}{' off' if m.offload_optimizer else ''}" if knobs else "")
+                + ")"
                 for m in members
             )
             gens = [("", self.generation), *((f"{x.model} ", x) for x in self.generations)]
@@ -189,3 +191,8 @@ class ClusterPlan(Spec):
             f"({self.weight_sync.density:.0%})" if self.weight_sync.strategy == "sparse" else ""
         )
         return " ".join(parts) + f" | rollout {roll} | sync {sync}"
+
+    def shape(self) -> str:
+        """The plan's shape: placement, groups, parallelism, generation layout, rollout policy and weight sync,
+        without the knobs that tune a model's layout in place (micro-batch size, optimizer offload)."""
+        return self.summary(knobs=False)

@@ -869,13 +869,15 @@ def duration(seconds: float) -> str:
     return f"{seconds:.1f} s"
 
 
-def distinct(ranked: list[Candidate], top: int) -> list[Candidate]:
-    """The first ``top`` candidates of distinct plans (a plan simulated twice is shown once)."""
+def distinct(ranked: list[Candidate], top: int, shapes: bool = False) -> list[Candidate]:
+    """The first ``top`` candidates of distinct plans (a plan simulated twice is shown once); ``shapes``:
+    of distinct shapes (`ClusterPlan.shape`: the best of each, whatever its micro-batch and offload)."""
     seen: set[str] = set()
     out = []
     for c in ranked:
-        if c.plan.summary() not in seen and len(out) < top:
-            seen.add(c.plan.summary())
+        key = c.plan.shape() if shapes else c.plan.summary()
+        if key not in seen and len(out) < top:
+            seen.add(key)
             out.append(c)
     return out
 

@@ -43,6 +43,19 @@ def test_each_ranked_plan_is_its_candidates_plan_and_the_first_is_the_planners(o
     assert alone.id == plans[0].id
 
 
+def test_ranked_by_shape_each_plan_places_or_parallelises_differently_and_is_its_shapes_best():
+    results = PassResults()
+    _, plans = api.plan_ranked("grpo", top=3, target=TARGET, results=results, shapes=True, emit=lambda s: None)
+    ranked = results.place.tune.ranked
+    shapes = [p.layout.shape() for p in plans]
+    assert len(set(shapes)) == 3 and all("mb" not in s and " off" not in s for s in shapes)
+    for plan in plans:  # the first candidate of its shape in the tuner's order
+        assert plan.layout == next(c.plan for c in ranked if c.plan.shape() == plan.layout.shape())
+    assert plans[0].layout == ranked[0].plan
+    knobs = distinct(ranked, len(ranked))  # by summary, candidates may share a shape (micro-batch, offload)
+    assert len(knobs) >= len(distinct(ranked, len(ranked), shapes=True))
+
+
 def test_a_run_on_this_machines_one_device_has_one_plan():
     _, plans = api.plan_ranked("grpo", top=3, emit=lambda s: None)  # the local executor: one device, colocated
     _, alone = api.plan("grpo", emit=lambda s: None)
