@@ -912,7 +912,10 @@ def _completion(
     A row ends where generation would: a final assistant turn ends right after the tokenizer's
     end-of-text token when the template writes it (SmolLM2/Qwen's ``<|im_end|>``, not the ``\n`` the
     template writes after it), and the end-of-text token is appended when the template writes none, so
-    a scalar head scores a given response at the token it scores a generated one at."""
+    a scalar head scores a given response at the token it scores a generated one at. The end-of-text token
+    is the one the template writes after the answer (an answer may quote its text), and turns after the
+    last assistant turn (a trailing tool or user turn) are left out: nothing after the last answer is
+    trained, and a row ends with an answer."""
     if template is None:
         if len(later) > 1:
             raise ConfigError(
@@ -926,7 +929,8 @@ def _completion(
     pieces: list[str] = []
     trained: list[bool] = []
     at = len(render_turns(where, turns, tokenizer, template))  # the prompt, with the generation prompt
-    for i in range(len(turns), len(conversation)):
+    last = max(i for i, t in enumerate(conversation) if t["role"] == "assistant")
+    for i in range(len(turns), last + 1):
         if conversation[i]["role"] != "assistant":
             continue
         start = len(render_turns(where, conversation[:i], tokenizer, template))
@@ -941,12 +945,16 @@ def _completion(
             pieces.append(full[at:start])
             trained.append(False)
         turn = full[start : len(end)]
-        ends = bool(eos) and eos in turn  # the template writes the end-of-text token: trained, with the turn
+        # the end-of-text token the template writes after the answer (trained, with the turn), not one the
+        # answer's own text quotes: looked for after the answer's text where the turn shows it as given
+        said = conversation[i]["content"].strip()
+        after = turn.find(said) + len(said) if said and said in turn else 0
+        ends = bool(eos) and eos in turn[after:]
         stop = turn.rfind(eos) + len(eos) if ends else len(turn)
         pieces.append(turn[:stop])
         trained.append(True)
         at = start + stop
-        if i == len(conversation) - 1:  # the row ends with the answer: nothing after its end-of-text token
+        if i == last:  # the row ends with the last answer, as generation does: nothing after its end-of-text token
             return Completion(pieces=tuple(pieces), trained=tuple(trained), eos=not ends)
     if at < len(full):
         pieces.append(full[at:])

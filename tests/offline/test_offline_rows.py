@@ -204,3 +204,41 @@ def test_a_given_response_ends_where_a_generated_one_does_so_a_reward_model_scor
     assert score_index(ids, seqs.attention_mask[1:2], tok.pad_token_id) == score_index(
         generated_row, torch.ones_like(generated_row), tok.pad_token_id
     )
+
+
+def test_an_answer_quoting_the_end_of_text_token_is_kept_whole_when_the_template_writes_none(tmp_path):
+    """The template writes no end-of-text token (as Gemma's ``<end_of_turn>`` with ``<eos>``): the one in
+    the answer's own text is the answer's, so the row keeps all of it and the token is appended after."""
+    path = _rows(tmp_path, [{"q": "ab", "r": "ab</s>ba"}])
+    data = DataConfig(train=path, prompt_key="q", response_key="r", verifier="none")
+    (prompt,), _ = _prompts(data, TEMPLATE)
+    assert prompt.completions == (Completion(pieces=("ab</s>ba|",), trained=(True,), eos=True),)
+
+
+def test_an_answer_quoting_the_end_of_text_token_ends_at_the_one_the_template_writes(tmp_path, chat_model):
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(chat_model)
+    path = _rows(tmp_path, [{"prompt": "2+3?", "response": "say <|im_end|> then 5"}])
+    data = DataConfig(train=path, response_key="response", verifier="none")
+    report = DataReport(budget=64, response_overlong=data.overlong)
+    (prompt,) = rows_to_prompts("train", data, read_rows("train", data), tok, tok.chat_template, report, None)
+    assert prompt.completions == (Completion(pieces=("say <|im_end|> then 5<|im_end|>",), trained=(True,)),)
+
+
+def test_turns_after_the_last_assistant_turn_are_left_out_so_the_row_ends_as_a_generated_one(tmp_path, chat_model):
+    """A conversation ending with a tool or user turn: nothing after the last answer is trained, and the
+    row ends at the answer's end-of-text token, where generation stops and a reward model reads its score."""
+    import transformers
+
+    chat = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}, {"role": "tool", "content": "c"}]
+    path = _rows(tmp_path, [{"prompt": chat}])
+    data = DataConfig(train=path, response_key="response", verifier="none")
+    (prompt,), _ = _prompts(data, TEMPLATE)  # the template writes no end-of-text token: it is appended
+    assert prompt.completions == (Completion(pieces=("ba|",), trained=(True,), eos=True),)
+    tok = transformers.AutoTokenizer.from_pretrained(chat_model)
+    report = DataReport(budget=64, response_overlong=data.overlong)
+    (prompt,) = rows_to_prompts("train", data, read_rows("train", data), tok, tok.chat_template, report, None)
+    assert prompt.completions == (Completion(pieces=("ba<|im_end|>",), trained=(True,)),)
+    seqs, _ = offline_sequences([prompt], None, tok, tok.pad_token_id)
+    assert seqs.response_ids[0].tolist() == [*tok("ba", add_special_tokens=False)["input_ids"], tok.eos_token_id]
