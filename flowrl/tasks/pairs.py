@@ -7,8 +7,10 @@ learn from without a model to sample them.
 Chosen: ``"{work} The answer is {N}."``. Rejected, by the row's ``slip`` (``--slips``, each row drawn
 from the seed and its question among the kinds given):
 
-- ``work``: the work with its last mention of N replaced by a wrong number M, then ``"The answer is
-  {M}."`` -- a slip in the arithmetic, carried to the end: telling it apart means checking the sums;
+- ``work``: the work with its last mention of N (the number as a whole, however written, and the GSM8K
+  calculator note ``<<...=N>>`` before it) replaced by a wrong number M, then ``"The answer is {M}."`` -- a
+  slip in the arithmetic, carried to the end: telling it apart means checking the sums (a work that never
+  shows N has nothing to carry it: that row's slip is ``answer``);
 - ``answer``: the work unchanged, then ``"The answer is {M}."`` -- an answer the work does not support,
   a slip models make between their reasoning and their final line.
 
@@ -31,6 +33,10 @@ from typing import Any
 from flowrl.errors import ConfigError
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+#: a number as a whole in text (thousands commas allowed; not a part of a longer number)
+_MENTION = re.compile(r"(?<![\d.,])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d])")
+#: GSM8K's calculator note ending right before a result: ``<<48+24=72>>`` of ``<<48+24=72>>72``
+_NOTE = re.compile(r"=\s*(-?\d[\d,]*(?:\.\d+)?)\s*>>$")
 
 #: The columns every output row has (the input's other columns are kept beside them).
 OUTPUT_COLUMNS = ("prompt", "chosen", "rejected", "answer", "slip")
@@ -58,12 +64,44 @@ def pair_of(question: str, answer: str, seed: int = 0, slips: tuple[str, ...] = 
     work = work.strip()
     rng = random.Random(f"flowrl-pairs:{seed}:{question}")
     wrong = slip(final, rng)
-    kind = slips[0] if len(slips) == 1 else rng.choice(slips)
+    kinds = _kinds(slips)
+    kind = kinds[0] if len(kinds) == 1 else rng.choice(kinds)
     chosen = f"{work} The answer is {final}." if work else f"The answer is {final}."
-    at = work.rfind(final)
-    slipped = work[:at] + wrong + work[at + len(final) :] if at >= 0 and kind == "work" else work
+    slipped = _carried(work, final, wrong) if kind == "work" else work
+    if slipped is None:  # the work never shows N: nothing to carry the slip through, an answer slip
+        kind, slipped = "answer", work
     rejected = f"{slipped} The answer is {wrong}." if slipped else f"The answer is {wrong}."
     return chosen, rejected, final, kind
+
+
+def _kinds(slips: Iterable[str]) -> tuple[str, ...]:
+    """The kinds of slip ``slips`` names, each once, in `SLIPS`' order (so the same kinds draw the same
+    pairs however they are listed); a ValueError naming the unknown or missing ones."""
+    given = tuple(slips)
+    if not given or any(k not in SLIPS for k in given):
+        raise ValueError(f"slips must be some of {', '.join(SLIPS)}; got {', '.join(given) or 'none'}")
+    return tuple(k for k in SLIPS if k in given)
+
+
+def _carried(work: str, final: str, wrong: str) -> str | None:
+    """``work`` with its last mention of the number ``final`` (a whole number, however written: ``1,000``
+    for 1000, ``2.50`` for 2.5) replaced by ``wrong``, and the GSM8K calculator note right before it
+    (``<<48+24=72>>72``) too; None when the work never mentions it."""
+    value = float(final)
+    last = None
+    for m in _MENTION.finditer(work):
+        start, text = m.start(), m.group()
+        if text.startswith("-") and start and (work[start - 1].isalnum() or work[start - 1] == ")"):
+            start, text = start + 1, text[1:]  # a minus between two terms (10-9) is the operator's
+        if float(text.replace(",", "")) == value:
+            last = (start, m.end())
+    if last is None:
+        return None
+    before, after = work[: last[0]], work[last[1] :]
+    note = _NOTE.search(before)
+    if note and float(note.group(1).replace(",", "")) == value:
+        before = before[: note.start(1)] + wrong + before[note.end(1) :]
+    return before + wrong + after
 
 
 def make_pairs(
@@ -77,9 +115,7 @@ def make_pairs(
     """Preference rows (``prompt``, ``chosen``, ``rejected``, ``answer``, ``slip`` and the other columns) of
     GSM8K-format ``rows``, each rejected answer with a slip of a kind among ``slips``; a row without the
     columns or a numeric answer is a ValueError naming its number (from 1)."""
-    unknown = [k for k in slips if k not in SLIPS]
-    if not slips or unknown:
-        raise ValueError(f"slips must be some of {', '.join(SLIPS)}; got {', '.join(slips) or 'none'}")
+    slips = _kinds(slips)
     out = []
     for number, row in enumerate(rows, start=1):
         question, answer = row.get(prompt_key), row.get(answer_key)

@@ -249,3 +249,65 @@ def test_pairs_mix_both_kinds_of_slip_one_drawn_per_row_from_the_seed():
     assert make_pairs(rows, seed=3) == pairs and make_pairs(rows, seed=4) != pairs
     with pytest.raises(ValueError, match="slips must be some of work, answer"):
         make_pairs(rows, slips=())
+
+
+@pytest.mark.parametrize(
+    "work,final,slipped",
+    [
+        ("12 / 6 = 2. She has 12 left.", "2", "12 / 6 = {m}. She has 12 left."),  # not the 2 of 12
+        ("10 - 9 = 1, leaving 1 apple and 11 pears.", "1", "10 - 9 = 1, leaving {m} apple and 11 pears."),
+        ("It costs 1,000 - 0 = 1,000 dollars.", "1000", "It costs 1,000 - 0 = {m} dollars."),  # thousands commas
+        ("Half is 2.50 dollars.", "2.5", "Half is {m} dollars."),
+        ("3 - 8 = -5.", "-5", "3 - 8 = {m}."),
+        ("48+24 = <<48+24=72>>72 clips.", "72", "48+24 = <<48+24={m}>>{m} clips."),  # GSM8K's calculator note too
+    ],
+)
+def test_a_work_slip_replaces_the_last_whole_mention_of_the_answer(work, final, slipped):
+    from flowrl.tasks.pairs import pair_of
+
+    chosen, rejected, answer, kind = pair_of("q", f"{work} #### {final}", 0, ("work",))
+    wrong = rejected.rsplit(" ", 1)[-1].rstrip(".")
+    assert kind == "work" and answer == final.replace(",", "") and chosen == f"{work} The answer is {answer}."
+    assert rejected == f"{slipped.format(m=wrong)} The answer is {wrong}."
+
+
+@pytest.mark.parametrize("answer", ["#### 7", "The total is seven. #### 7"])
+def test_an_answer_whose_work_does_not_show_its_number_is_an_answer_slip(answer):
+    """Nothing in the work to carry the slip through: the row says what it is, an answer slip."""
+    from flowrl.tasks.pairs import pair_of
+
+    chosen, rejected, _, kind = pair_of("q", answer, 0, ("work",))
+    assert kind == "answer" and rejected.endswith(".") and rejected != chosen
+
+
+def test_the_kinds_of_slip_are_a_set_their_order_and_repeats_draw_the_same_pairs():
+    from flowrl.tasks.pairs import make_pairs
+
+    rows = [{"question": f"Tom has {i} apples and gets 2. How many?", "answer": f"{i} + 2 = {i + 2}. #### {i + 2}"}
+            for i in range(60)]  # fmt: skip
+    pairs = make_pairs(rows, seed=3, slips=("work", "answer"))
+    assert make_pairs(rows, seed=3, slips=("answer", "work")) == pairs
+    assert make_pairs(rows, seed=3, slips=("work", "work", "answer")) == pairs
+    assert make_pairs(rows, seed=3) == pairs  # the default: both
+    assert {p["slip"] for p in pairs} == {"work", "answer"}
+    with pytest.raises(ValueError, match="slips must be some of work, answer; got wrok"):
+        make_pairs(rows, slips=("wrok",))
+
+
+@pytest.mark.parametrize("slips,message", [("", "got ''"), (" , ", "got ''"), ("work,wrok", "got 'work, wrok'")])
+def test_data_pairs_refuses_slips_it_does_not_know_naming_them(tmp_path, capsys, slips, message):
+    from flowrl.cli import main
+
+    src = tmp_path / "train.jsonl"
+    src.write_text(json.dumps({"question": "1 + 1?", "answer": "1 + 1 = 2. #### 2"}) + "\n")
+    code = main(["data", "pairs", str(src), "--out", str(tmp_path / "out.jsonl"), "--slips", slips])
+    err = capsys.readouterr().err
+    assert code != 0 and "--slips must be some of work, answer" in err and message in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_data_pairs_refuses_a_row_with_a_slip_column_of_its_own(tmp_path):
+    from flowrl.tasks.pairs import make_pairs
+
+    with pytest.raises(ValueError, match="row 1 has a column 'slip'"):
+        make_pairs([{"question": "1 + 1?", "answer": "1 + 1 = 2. #### 2", "slip": "mine"}])
