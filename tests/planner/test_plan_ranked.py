@@ -65,3 +65,24 @@ def test_a_run_on_this_machines_one_device_has_one_plan():
 def test_asking_for_no_candidates_is_refused():
     with pytest.raises(PlanError, match="top is 0"):
         api.plan_ranked("grpo", top=0, target=TARGET, emit=lambda s: None)
+
+
+def test_plans_differing_only_in_micro_batch_or_offload_share_a_shape_and_the_first_of_a_shape_is_kept():
+    import dataclasses
+
+    import msgspec
+
+    results = PassResults()
+    api.plan_ranked("grpo", top=1, target=TARGET, results=results, emit=lambda s: None)
+    best, other = results.place.tune.ranked[:2]
+    assert best.plan.shape() != other.plan.shape()
+    models = tuple(
+        msgspec.structs.replace(m, micro_batch=m.micro_batch + 1, offload_optimizer=not m.offload_optimizer)
+        for m in best.plan.models
+    )
+    knob = dataclasses.replace(best, plan=msgspec.structs.replace(best.plan, models=models))
+    assert knob.plan.shape() == best.plan.shape() and knob.plan.summary() != best.plan.summary()
+    ranked = [best, knob, other]
+    assert distinct(ranked, 3, shapes=True) == [best, other]  # the best of each shape, in order
+    assert distinct(ranked, 3) == ranked
+    assert distinct(ranked, 1, shapes=True) == [best]
