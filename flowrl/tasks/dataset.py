@@ -954,12 +954,9 @@ def _completion(
         pieces.append(turn[:stop])
         trained.append(True)
         at = start + stop
-        if i == last:  # the row ends with the last answer, as generation does: nothing after its end-of-text token
-            return Completion(pieces=tuple(pieces), trained=tuple(trained), eos=not ends)
-    if at < len(full):
-        pieces.append(full[at:])
-        trained.append(False)
-    return Completion(pieces=tuple(pieces), trained=tuple(trained))
+    # the row ends with the last answer, as generation does: nothing after its end-of-text token (appended
+    # when the template writes none)
+    return Completion(pieces=tuple(pieces), trained=tuple(trained), eos=not ends)
 
 
 def _tokens(tokenizer: Any, completion: Completion) -> list[int]:
