@@ -13,8 +13,10 @@ user runs it (docs/guides/before-rl.md), whose checkpoint feeds the next.
    (step 0) and after.
 2. A reward model (graphs/reward_model.py) from the SFT checkpoint, on the train pairs; held-out
    preference accuracy on the validation pairs, before and after.
-3. PPO with that reward model (graphs/ppo_rm.py ``--model SFT,reward=RM``) on the train questions:
-   the reward is the reward model's score; its mean over the first and the last ``--window`` steps.
+3. PPO with that reward model (graphs/ppo_rm.py ``--model SFT,reward=RM,critic=RM``: the critic starts
+   from the reward model, its trained head included, as InstructGPT's value function does, so the first
+   advantages are not a fresh head's noise) on the train questions: the reward is the reward model's
+   score; its mean over the first and the last ``--window`` steps.
 4. DPO (graphs/dpo.py) on its own from the instruct model, on the same pairs: held-out preference
    accuracy and margin before and after.
 
@@ -238,7 +240,7 @@ def main() -> None:
                 args,
                 "ppo_rm",
                 "ppo_rm",
-                f"{sft_model},reward={rm_model}",
+                f"{sft_model},reward={rm_model},critic={rm_model}",
                 train,
                 args.ppo_steps,
                 *common,
