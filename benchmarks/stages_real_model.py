@@ -64,6 +64,14 @@ def flowrl(
     for option in [*settings, *args.flowrl_set]:
         cmd += ["--set", option]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    earlier = args.out / name
+    if earlier.exists():  # an earlier run of this stage (--only): kept aside, so this run's folder is OUT/NAME
+        i = 1
+        while earlier.with_name(f"{name}.earlier-{i}").exists():
+            i += 1
+        kept = earlier.with_name(f"{name}.earlier-{i}")
+        earlier.rename(kept)
+        print(f"[{name}] an earlier run's folder moved to {kept}", file=sys.stderr, flush=True)
     log = args.out / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as fh:
