@@ -143,6 +143,8 @@ def main() -> None:
     p.add_argument("--ppo-lr", type=float, default=5e-6)
     p.add_argument("--prompts", type=int, default=2, help="PPO: prompts per step")
     p.add_argument("--samples", type=int, default=4, help="PPO: samples per prompt")
+    p.add_argument("--ppo-epochs", type=int, default=2, help="PPO: passes over each step's rollouts")
+    p.add_argument("--ppo-mini-batches", type=int, default=2, help="PPO: optimizer steps per pass")
     p.add_argument("--window", type=int, default=3, help="PPO: steps averaged at the start and at the end")
     p.add_argument("--dpo-steps", type=int, default=30)
     p.add_argument("--dpo-lr", type=float, default=5e-6)
@@ -257,7 +259,8 @@ def main() -> None:
                 f"train.lr={args.ppo_lr}",
                 f"rollout.prompts_per_step={args.prompts}",
                 f"rollout.samples_per_prompt={args.samples}",
-                "train.mini_batches=1",
+                f"train.mini_batches={args.ppo_mini_batches}",
+                f"train.epochs={args.ppo_epochs}",
                 "checkpoint=false",  # the last stage: its models are not needed (a user's run keeps them)
             )  # fmt: skip
         )
@@ -305,7 +308,8 @@ def main() -> None:
     result["settings"] = {
         k: getattr(args, k)
         for k in ("train", "val", "batch", "tokens", "sft_steps", "sft_lr", "rm_steps", "rm_lr", "ppo_steps")
-        + ("ppo_lr", "prompts", "samples", "dpo_steps", "dpo_lr", "threads", "flowrl_set")
+        + ("ppo_lr", "ppo_epochs", "ppo_mini_batches", "prompts", "samples", "window", "dpo_steps", "dpo_lr")
+        + ("threads", "flowrl_set")
     }
     result["seconds"] = seconds
     print(json.dumps(result))
