@@ -204,6 +204,9 @@ class Generator:
             if chunked:  # every chunk boundary re-reads prompt + response so far for the rows still going
                 chunk = pol.chunk(self.w.max_response())
                 seconds += restart_seconds(self.cost, done, before, self.w.prompt_length, gen.tp, chunk)
+                # and each chunk is an engine call of its own (flowrl.runtime.rollout), with the call's setup
+                calls = -(-int(done.max()) // chunk) if done.size else 1
+                seconds += (calls - 1) * self.cost.hw.generate_overhead
             if self.w.turns > 1:  # episodes: each later turn re-reads the context, after the environment answers
                 seconds += episode_seconds(self.cost, done, self.w, gen.tp)
             slowest = max(slowest, seconds)

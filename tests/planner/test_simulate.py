@@ -418,3 +418,20 @@ def test_streamed_scoring_after_generation_is_the_work_of_the_groups_its_last_ch
     assert 0 < tail < 0.5 * seconds, (tail, seconds)
     tail, seconds = _after_generation(run(disaggregated(streaming), workload(None)), "old_logprobs")
     assert tail == pytest.approx(seconds, rel=0.02), (tail, seconds)
+
+
+@pytest.mark.parametrize("policy", [SYNC, RolloutPolicy(streaming=True), PARTIAL], ids=["sync", "streaming", "partial"])
+def test_a_chunked_rollout_pays_the_engine_calls_setup_once_per_chunk(policy):
+    """A chunked decode (streaming, partial, async) is one engine call per chunk, each with the call's setup
+    (`generate_overhead`); an unchunked one is one call."""
+    w = workload(None, median=512)  # every response 512 tokens: 4 chunks of 128
+    plan = disaggregated(policy)
+
+    def seconds(overhead: float) -> float:
+        hw = msgspec.structs.replace(CLUSTER.hardware, generate_overhead=overhead)
+        gen = Generator(plan, CostModel(MODEL, hw), w, 0, np.random.default_rng(0))
+        return gen.iteration(w.sequences, w.samples_per_prompt)[0]
+
+    calls = 1 if not policy.chunked else -(-512 // policy.chunk(w.max_response()))
+    assert calls == (1 if policy is SYNC else 4)
+    assert seconds(0.5) - seconds(0.0) == pytest.approx(0.5 * calls, rel=1e-6)
