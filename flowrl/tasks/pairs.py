@@ -41,7 +41,8 @@ _NOTE = re.compile(r"=\s*(-?\d[\d,]*(?:\.\d+)?)\s*>>$")
 #: The columns every output row has (the input's other columns are kept beside them).
 OUTPUT_COLUMNS = ("prompt", "chosen", "rejected", "answer", "slip")
 
-#: The kinds of slip a rejected answer makes (the module's docstring), in the order ``--slips`` lists them.
+#: The kinds of slip a rejected answer makes (the module's docstring); a row's kind is drawn among the
+#: given ones in this order, however ``--slips`` lists them.
 SLIPS = ("work", "answer")
 
 
@@ -153,9 +154,11 @@ def write_pairs(
     name the file and line."""
     from flowrl.tasks import bounded
 
-    unknown = [k for k in slips if k not in SLIPS]
-    if not slips or unknown:
-        raise ConfigError(f"--slips must be some of {', '.join(SLIPS)} (comma-separated); got {', '.join(slips)!r}.")
+    try:
+        slips = _kinds(slips)
+    except ValueError:
+        given = ", ".join(slips)
+        raise ConfigError(f"--slips must be some of {', '.join(SLIPS)} (comma-separated); got {given!r}.") from None
     if out.exists() and not force:
         raise ConfigError(f"--out '{out}' exists; give --force to replace it.")
     if not src.is_file():
