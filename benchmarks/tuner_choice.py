@@ -1,13 +1,17 @@
 """The tuner's choice checked by execution: is its pick the fastest to a target reward on this machine?
 
-On this machine as ``cpu:2`` (two Ray devices, profiled first as `flowrl profile` does), the tuner
-plans GRPO on the ``repeat`` task (learnable from scratch in about 100 steps) and ranks its
-candidates by ``--objective``. The first ``--top`` candidates of distinct shapes (placement,
-parallelism, generation layout, rollout policy or weight sync differ; the best micro-batch and offload
-of each shape; ``--distinct plan`` counts those too; `flowrl.api.plan_ranked` writes each as the plan
-the tuner would have returned had it won) each run ``--repeats`` times for real with the same model,
-seed and samples per step. Runs go round-robin (every candidate once, then again) so a load that drifts on a shared
-machine falls on all alike. A plan ranked under both objectives runs once for both.
+On this machine as ``cpu:2`` (two Ray devices, profiled first as `flowrl profile` does), the tuner plans GRPO
+on the ``repeat`` task (learnable from scratch in about 100 steps) and ranks its candidates by
+``--objective``. As a user would, it first calibrates: the profiled ranking's candidates run ``--calibrate-
+steps`` steps each, `flowrl calibrate`'s fit moves the cost model's factors to what those short runs measured,
+and the tuner ranks again on the fitted hardware (the JSON line's ``calibration`` has each short run's
+predicted s/iteration as profiled and as calibrated beside the measured one). The judged runs below are runs
+of their own, not the short ones. The first ``--top`` candidates of distinct shapes (placement, parallelism,
+generation layout, rollout policy or weight sync differ; the best micro-batch and offload of each shape;
+``--distinct plan`` counts those too; `flowrl.api.plan_ranked` writes each as the plan the tuner would have
+returned had it won) each run ``--repeats`` times for real with the same model, seed and samples per step.
+Runs go round-robin (every candidate once, then again) so a load that drifts on a shared machine falls on all
+alike. A plan ranked under both objectives runs once for both.
 
 Per candidate it reports the predicted seconds per iteration and time to target (the plan's
 ``objective`` record: seconds per iteration x the iterations its rollout policy needs, from
@@ -21,12 +25,14 @@ line per objective (the last lines).
 
     python benchmarks/tuner_choice.py [--objective both|throughput|time-to-target] [--top 3] [--repeats 2]
                                       [--steps 120] [--target 0.8] [--target-steps N] [--out DIR]
+                                      [--calibrate-steps 15]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -88,9 +94,10 @@ def measure(
     *,
     repeats: int,
     target: float,
+    folder: str = "runs",
     emit: Callable[[str], None] = print,
 ) -> dict[str, list[dict]]:
-    """Run each plan (by key) ``repeats`` times, round-robin, into ``out/runs/KEY-repN``. Returns per key one
+    """Run each plan (by key) ``repeats`` times, round-robin, into ``out/FOLDER/KEY-repN``. Returns per key one
     record per repeat: the run folder, seconds and steps to ``target``, samples/s, final reward."""
     from flowrl import api
     from flowrl.runtime.executor import run_dir
@@ -101,7 +108,7 @@ def measure(
         for key, plan in plans.items():
             done += 1
             emit(f"[{done}/{total}] running {key} repeat {rep + 1}: {plan.layout.summary()}")
-            result = api.run(graph, plan, out_dir=run_dir(str(out / "runs"), f"{key}-rep{rep + 1}"))
+            result = api.run(graph, plan, out_dir=run_dir(str(out / folder), f"{key}-rep{rep + 1}"))
             samples_per_step = plan.workload.sequences
             summary = summarise(result.metrics, samples_per_step, target)
             reached = reaching(result.metrics, target)
@@ -120,6 +127,55 @@ def measure(
                 f"final reward {record['final_reward']}, {record['total_s']} s in all"
             )
     return runs
+
+
+def calibrate(
+    cluster: Any,
+    out: Path,
+    *,
+    steps: int,
+    objectives: tuple[str, ...],
+    emit: Callable[[str], None] = print,
+    **ranking: Any,
+) -> tuple[Any, dict]:
+    """Short runs (``steps`` steps each, into ``out/calibration``) of the tuner's first candidates as the machine's
+    profile ranks them, and the cluster's hardware fitted to what they measured, as `flowrl calibrate` fits it
+    (`flowrl.planner.calibrate.fit`): the calibrated cluster and a record of the fit. ``ranking``: the arguments
+    of `candidate_plans` other than the objective and steps."""
+    import msgspec
+
+    from flowrl.planner.calibrate import fit, read_runs
+    from flowrl.plugins.manager import registry
+
+    graph, plans = None, {}
+    for objective in objectives:
+        graph, found = candidate_plans(cluster, out, objective=objective, steps=steps, **ranking)
+        for plan in found:
+            plans.setdefault(plan.layout.summary(), plan)
+    keyed = {f"plan{i}": plan for i, plan in enumerate(plans.values(), 1)}
+    emit(f"calibration: {len(keyed)} run(s) of {steps} steps, the profiled tuner's first candidates")
+    runs = measure(graph, keyed, out, repeats=1, target=math.inf, folder="calibration", emit=emit)
+    replays = read_runs([records[0]["run"] for records in runs.values()], registry())
+    result = fit(replays, progress=lambda line: emit(f"  {line}"))
+    record: dict[str, Any] = {"steps": steps, "runs": []}
+    for key, records in runs.items():
+        run = records[0]["run"]
+        before, after, measured = result.before[run], result.after[run], result.measured[run]
+        emit(
+            f"  {key}: predicted {before:.3f} s/iteration as profiled, {after:.3f} calibrated, measured "
+            f"{measured:.3f}  {keyed[key].layout.summary()}"
+        )
+        record["runs"].append(
+            {
+                "plan": keyed[key].layout.summary(),
+                "run": run,
+                "measured_s_per_iter": round(measured, 4),
+                "predicted_profiled": round(before, 4),
+                "predicted_calibrated": round(after, 4),
+            }
+        )
+    record["factors"] = {path: [before, after] for path, (before, after, _) in result.factors.items()}
+    return msgspec.structs.replace(cluster, hardware=result.hardware), record
 
 
 def verdict(candidates: list[dict]) -> dict:
@@ -173,18 +229,23 @@ def choose(
     target_steps: int | None = None,
     extra: tuple[str, ...] = (),
     shapes: bool = True,
+    calibrate_steps: int = 0,
     emit: Callable[[str], None] = print,
 ) -> list[dict]:
     """Plan under each objective, run the candidates (a plan two objectives rank runs once), and return one
-    summary per objective: the JSON line's fields."""
+    summary per objective: the JSON line's fields. ``calibrate_steps``: rank on the hardware fitted to short runs
+    of the profiled ranking's candidates (`calibrate`) rather than on the profile alone."""
+    ranking = dict(top=top, prompts=prompts, samples=samples, target_steps=target_steps, extra=extra, shapes=shapes)
+    calibration = None
+    if calibrate_steps:
+        cluster, calibration = calibrate(
+            cluster, out, steps=calibrate_steps, objectives=objectives, emit=emit, **ranking
+        )
     graph, ranked = None, {}
     plans: dict[str, Any] = {}  # run key -> plan, one per distinct layout
     keys: dict[str, str] = {}  # layout summary -> run key
     for objective in objectives:
-        graph, found = candidate_plans(
-            cluster, out, objective=objective, top=top, steps=steps, prompts=prompts, samples=samples,
-            target_steps=target_steps, extra=extra, shapes=shapes,
-        )  # fmt: skip
+        graph, found = candidate_plans(cluster, out, objective=objective, steps=steps, **ranking)
         ranked[objective] = found
         emit(f"{objective}: the tuner's top {len(found)} distinct candidates")
         for rank, plan in enumerate(found, 1):
@@ -230,6 +291,7 @@ def choose(
                 "target_steps": found[0].objective.target_steps,
                 "repeats": repeats,
                 "distinct": "shape" if shapes else "plan",
+                "calibration": calibration,
                 "candidates": candidates,
                 **verdict(candidates),
             }
@@ -291,7 +353,16 @@ def main() -> None:
         help="candidates of distinct shapes (placement, parallelism, rollout policy, sync: the best of each; the "
         "default) or of distinct plans (also micro-batch sizes and optimizer offload)",
     )
+    parser.add_argument(
+        "--calibrate-steps",
+        type=int,
+        default=15,
+        help="first run the profiled tuner's candidates this many steps each and rank on the hardware fitted to "
+        "them, as `flowrl calibrate` fits it (default 15; 0: rank on the profile alone)",
+    )
     args = parser.parse_args()
+    if 0 < args.calibrate_steps < 4:
+        parser.error("--calibrate-steps must be 0 or at least 4: a calibration measures after 2 steps of warm-up")
     import ray
 
     objectives = OBJECTIVES if args.objective == "both" else (args.objective,)
@@ -301,7 +372,8 @@ def main() -> None:
         results = choose(
             cluster, tmp, objectives=objectives, top=args.top, repeats=args.repeats, steps=args.steps,
             prompts=args.prompts, samples=args.samples, target=args.target, target_steps=args.target_steps,
-            shapes=args.distinct == "shape", emit=lambda line: print(line, flush=True),
+            shapes=args.distinct == "shape", calibrate_steps=args.calibrate_steps,
+            emit=lambda line: print(line, flush=True),
         )  # fmt: skip
     finally:
         ray.shutdown()

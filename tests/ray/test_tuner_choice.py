@@ -1,12 +1,14 @@
-"""benchmarks/tuner_choice.py, small: the tuner's top two candidates each run their own plan on this machine
-as two Ray devices, the times to a (low) target reward are measured from the runs' own metrics, the report
-ends in well-formed JSON, and the verdict follows from the measured numbers. Whether the pick won is the
-full benchmark's question (noise decides it here), not this test's."""
+"""benchmarks/tuner_choice.py, small: short calibration runs of the profiled tuner's candidates fit the
+hardware the tuner then ranks on; its top two candidates each run their own plan on this machine as two Ray
+devices, the times to a (low) target reward are measured from the runs' own metrics, the report ends in
+well-formed JSON, and the verdict follows from the measured numbers. Whether the pick won is the full
+benchmark's question (noise decides it here), not this test's."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -40,7 +42,7 @@ def test_two_candidates_run_their_own_plans_and_the_verdict_follows_the_measured
     progress: list[str] = []
     results = bench.choose(
         cluster, tmp_path, objectives=("throughput",), top=2, repeats=1, steps=3, prompts=4, samples=4,
-        target=0.0, emit=progress.append,
+        target=0.0, calibrate_steps=4, emit=progress.append,
     )  # fmt: skip
     lines = bench.report(results)
     assert json.loads(lines[-1]) == results[0]  # the last line is the JSON record
@@ -67,10 +69,29 @@ def test_two_candidates_run_their_own_plans_and_the_verdict_follows_the_measured
     assert line["noise_s"] == 0.0  # one repeat: no spread measured
     assert line["pick_was_fastest"] == (t1 <= t2)
     assert line["measured_fastest_rank"] == (1 if t1 <= t2 else 2)
-    assert [p for p in progress if p.startswith("[")] == [
+    assert [p for p in progress if p.startswith("[")][-2:] == [
         f"[1/2] running plan1 repeat 1: {first['plan']}",
         f"[2/2] running plan2 repeat 1: {second['plan']}",
     ]
+    # first, short runs of the profiled ranking's candidates, and the ranking above made on hardware fitted to them
+    calibration = line["calibration"]
+    short = [Path(r["run"]) for r in calibration["runs"]]
+    assert calibration["steps"] == 4 and len(short) == 2
+    assert all(run.parent == tmp_path / "calibration" for run in short)
+    assert not set(short) & {Path(r) for c in line["candidates"] for r in c["runs"]}  # the judged runs are others
+    for run in short:
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+        assert len([r for r in rows if "step_seconds" in r]) == 4
+    off = [
+        abs(math.log(r[key] / r["measured_s_per_iter"]))
+        for r in calibration["runs"]
+        for key in ("predicted_profiled", "predicted_calibrated")
+    ]
+    assert sum(off[1::2]) < sum(off[::2])  # the fit brought the predictions toward what the short runs measured
+    assert calibration["factors"]
+    for c in (first, second):
+        hardware = load_plan(Path(c["runs"][0]) / "plan.yaml").target.cluster.hardware
+        assert hardware.calibration is not None and set(hardware.calibration.runs) == set(map(str, short))
     assert any("pick was the fastest to target within the noise" in x for x in lines)
 
 
