@@ -14,7 +14,9 @@ the case's ``generation_engine``); a case's ``layout.train.micro_batch`` is its 
 a partial rollout's ``layout.staleness_threshold`` (verl fully-async) its over-provisioning; a case's
 ``layout.generation_batch`` the sequences its engine decodes at once per replica (``--decode-batch``), in
 static batches where ``layout.generation_batching`` is ``static`` (NeMo-Aligner's TensorRT-LLM calls of
-``rollout_micro_batch_size`` prompts). Each case is planned with its workload's mini-batches and epochs.
+``rollout_micro_batch_size`` prompts). Each case is planned with its workload's mini-batches and epochs, and
+a trainer without remove-padding with its ``workload.padded_to`` (every row it trains or scores padded to
+its prompt budget plus its response budget).
 For each case it also prints the MFU the published train phase implies
 for the workload as costed: above ~80% the assumed workload cannot be what that run trained on.
 Cases whose workload is not published (null prompts or samples) are skipped and listed.
@@ -82,6 +84,7 @@ def workload_yaml(case: dict, assumed: list[str]) -> str:
         f"prompts_per_step: {w['prompts_per_step']}\nsamples_per_prompt: {w['samples_per_prompt']}\n"
         f"prompt_length: {prompt}\nresponse_length: {{kind: lognormal, median: {median}, sigma: {sigma}, max: {top}}}\n"
         f"ppo_epochs: {w.get('ppo_epochs') or 1}\nmini_batches: {w.get('mini_batches') or 1}\n"
+        + (f"padded_to: {w['padded_to']}\n" if w.get("padded_to") else "")
     )
 
 
@@ -191,8 +194,9 @@ def run_case(path: Path, budget: float) -> dict:
     train = phases.get("train") or phases.get("update_actor")
     if train:  # the MFU the published train phase would need for the workload assumed (FLOPs: 3 passes)
         spec, hw = plan_target.model, plan_target.cluster.hardware
-        mean = plan_target.workload.prompt_length + mean_length(plan_target.workload.response_length)
-        flops = 3 * plan_target.workload.sequences * mean * spec.flops_per_token(int(mean) // 2)
+        work = plan_target.workload  # rows as the trainer computes them: padded where it pads them
+        mean = work.padded_to or work.prompt_length + mean_length(work.response_length)
+        flops = 3 * work.sequences * mean * spec.flops_per_token(int(mean) // 2)
         devices = layout.group(layout.layout("actor").group).devices
         implied = flops / (train[0] * devices * hw.peak_flops_bf16)
     return {

@@ -148,7 +148,8 @@ class ExecutionPlan(Spec, kw_only=True):
             if spec.get("scalar_head") is False:  # and before scalar heads were shapes of their own
                 spec.pop("scalar_head")
         workload = body["target"].get("workload") or {}
-        for key, value in (("turns", 1), ("env_s_per_turn", 0.0)):  # and before episodes were costed
+        # and before episodes were costed, and before padded rows
+        for key, value in (("turns", 1), ("env_s_per_turn", 0.0), ("padded_to", None)):
             if workload.get(key) == value:
                 workload.pop(key)
         default = msgspec.to_builtins(RunConfig())

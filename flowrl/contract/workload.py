@@ -146,9 +146,18 @@ class WorkloadSpec(CheckedSpec, kw_only=True):
     # so far) and the seconds an environment takes to answer one turn (in the driver, turn by turn)
     turns: Count = 1
     env_s_per_turn: float = 0.0
+    # a trainer without remove-padding (verl before its use_remove_padding, early 2025): every row its train and
+    # forward passes compute is padded to this many tokens, its prompt budget plus its response budget; None:
+    # rows as the runtime cuts them (each micro-batch padded to its longest, or packed)
+    padded_to: Count | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.padded_to is not None and self.padded_to < self.prompt_length + self.max_response():
+            raise SpecFieldError(
+                f"WorkloadSpec field 'padded_to' ({self.padded_to}) must hold a whole row: at least prompt_length + "
+                f"the longest response ({self.prompt_length} + {self.max_response()})"
+            )
         if not 0.0 <= self.env_s_per_turn < 3600:
             raise SpecFieldError(
                 f"WorkloadSpec field 'env_s_per_turn' must be in [0, 3600) seconds, got {self.env_s_per_turn}"

@@ -205,6 +205,7 @@ class Tuner:
         # a batch of response lengths: forward and train passes pay for their micro-batches' padding
         self.lengths = sample_lengths(workload.response_length, workload.sequences, np.random.default_rng(seed))
         self.max_len = workload.prompt_length + workload.max_response()
+        self.row_len = workload.padded_to or self.max_len  # the longest row a train or forward pass computes
         self.forwards = {
             m: sum(1 for n in graph.nodes.values() if isinstance(n, Forward) and n.model == m and n.name not in fused)
             for m in graph.models
@@ -319,7 +320,7 @@ class Tuner:
             )
         states = mem.state_bytes(spec, self.numerics, lay, trainable)
         # the largest micro-batch it holds: the layout's rows at the longest sequence, or what the budget holds
-        held = msgspec.structs.replace(lay, micro_batch=self.batching.memory_rows(lay.micro_batch, self.max_len))
+        held = msgspec.structs.replace(lay, micro_batch=self.batching.memory_rows(lay.micro_batch, self.row_len))
         steps = mem.micro_steps(
             self.w.sequences,
             held,
@@ -331,7 +332,7 @@ class Tuner:
             lay,
             seconds,
             states,
-            mem.model_pass_bytes(spec, self.numerics, held, self.max_len, trainable, steps),
+            mem.model_pass_bytes(spec, self.numerics, held, self.row_len, trainable, steps),
         )
 
     def _fewest_mini_batches(self, model: str) -> int:

@@ -265,10 +265,12 @@ class MicroBatching:
     """How forward and train passes cut their rows into micro-batches (``train.max_tokens_per_micro_batch``,
     ``train.pack``): ``max_tokens`` None cuts micro-batches of the layout's rows, each padded to its longest;
     a token budget fills a micro-batch with rows of similar length until it holds ``max_tokens`` tokens (at
-    most the layout's rows; a longer row alone); ``pack`` computes each micro-batch's real tokens, unpadded."""
+    most the layout's rows; a longer row alone); ``pack`` computes each micro-batch's real tokens, unpadded;
+    ``pad_to`` (`WorkloadSpec.padded_to`: a trainer without remove-padding) computes every row at that length."""
 
     max_tokens: int | None = None
     pack: bool = False
+    pad_to: int | None = None
 
     def cut(
         self, lengths: np.ndarray, prompt: int, micro_batch: int, dp: int, rows: int | None = None
@@ -277,11 +279,16 @@ class MicroBatching:
         ``dp`` ranks (``rows``: the rows the layout was sized for, when a partial step's batch differs)."""
         rows = rows or max(lengths.size, 1)
         real = prompt + (float(np.mean(lengths)) if lengths.size else 0.0)
-        seq = real if self.pack else padded_length(lengths, prompt, max(1, micro_batch * dp * lengths.size // rows))
+        if self.pad_to is not None:
+            seq = float(self.pad_to)
+        elif self.pack:
+            seq = real
+        else:
+            seq = padded_length(lengths, prompt, max(1, micro_batch * dp * lengths.size // rows))
         if self.max_tokens is None:
             return micro_batch, int(round(seq))
         size = max(1, min(micro_batch, int(self.max_tokens // max(seq, 1.0))))
-        if not self.pack:  # padded within the smaller micro-batches the budget allows
+        if not self.pack and self.pad_to is None:  # padded within the smaller micro-batches the budget allows
             seq = padded_length(lengths, prompt, max(1, size * dp * lengths.size // rows))
         return size, int(round(seq))
 

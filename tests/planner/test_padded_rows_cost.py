@@ -1,0 +1,62 @@
+"""A trainer without remove-padding (``WorkloadSpec.padded_to``: verl before its ``use_remove_padding``)
+computes every row at its prompt budget plus its response budget: the planner costs its train and forward
+passes, and holds their activations, at that length, while generation still decodes the real lengths."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flowrl.cli import main
+from flowrl.contract.checked import SpecFieldError
+from flowrl.contract.plan import load_plan
+from flowrl.contract.workload import Fixed, LogNormal, sample_lengths
+from flowrl.planner.simulate import MicroBatching
+from flowrl.planner.workload import WorkloadSpec
+
+SHORT = LogNormal(median=200, sigma=0.8, max=512)
+
+
+def test_padded_rows_are_computed_at_the_padded_length_whatever_their_real_lengths():
+    lengths = sample_lengths(SHORT, 256, np.random.default_rng(0))
+    assert MicroBatching(pad_to=1536).cut(lengths, 100, 2, 1) == (2, 1536)
+    assert MicroBatching(pad_to=1536, pack=True).cut(lengths, 100, 2, 1) == (2, 1536)  # nothing to pack away
+    assert MicroBatching().cut(lengths, 100, 2, 1)[1] < 612  # unpadded: each micro-batch at its longest
+    assert MicroBatching(max_tokens=4096, pad_to=1536).cut(lengths, 100, 8, 1) == (2, 1536)  # the budget's rows
+
+
+def test_a_padded_length_shorter_than_a_row_is_refused_naming_the_field():
+    with pytest.raises(SpecFieldError, match="padded_to"):
+        WorkloadSpec(prompt_length=1024, response_length=Fixed(value=512), padded_to=1000)
+    assert WorkloadSpec(prompt_length=1024, response_length=Fixed(value=512), padded_to=1536).padded_to == 1536
+
+
+def _plan(tmp_path, name: str, padded: int | None):
+    work = tmp_path / f"{name}.yaml"
+    work.write_text(
+        "prompts_per_step: 256\nsamples_per_prompt: 1\nprompt_length: 100\n"
+        "response_length: {kind: lognormal, median: 200, sigma: 0.8, max: 512}\n"
+        + (f"padded_to: {padded}\n" if padded else "")
+    )
+    out = tmp_path / f"{name}-plan.yaml"
+    argv = ["plan", "ppo", "--cluster", "1xH20", "--model", "qwen2.5-0.5b", "--workload", str(work)]
+    argv += ["--require", "placement=colocate", "--set", "train.micro_batch_size=2", "--out", str(out)]
+    assert main(argv) == 0
+    return load_plan(out)
+
+
+def test_a_plan_for_padded_rows_costs_training_and_scoring_at_the_padded_length_and_generation_as_before(tmp_path):
+    real, padded = _plan(tmp_path, "real", None), _plan(tmp_path, "padded", 1536)
+    assert padded.workload.padded_to == 1536  # the plan records the workload it was costed for
+    before, after = real.layout.predicted.breakdown, padded.layout.predicted.breakdown
+    for node in ("train_actor", "train_critic", "values", "ref_logprobs", "old_logprobs"):
+        # rows of ~100 + 250 tokens computed at 1536: several times the work (not exactly: fixed costs stay)
+        assert after[node] > 2.5 * before[node], node
+    assert after["rollout"] == pytest.approx(before["rollout"], rel=0.02)  # decoding the real lengths
+
+    def activations(plan) -> int:
+        [estimate] = plan.memory
+        return estimate.breakdown["peak: node train_actor activations"]
+
+    # a micro-batch of 2 rows held at 1536 tokens, not at the longest real row's 612 (activations ~linear in it)
+    assert activations(padded) > 2 * activations(real)
