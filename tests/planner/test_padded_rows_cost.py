@@ -60,3 +60,23 @@ def test_a_plan_for_padded_rows_costs_training_and_scoring_at_the_padded_length_
 
     # a micro-batch of 2 rows held at 1536 tokens, not at the longest real row's 612 (activations ~linear in it)
     assert activations(padded) > 2 * activations(real)
+
+
+def test_generation_holds_its_kv_cache_at_the_real_lengths_not_the_padded_rows(tmp_path):
+    # static batches of 256 sequences: a KV cache at 1536 tokens a row would hold ~2.5x the real rows' 612
+    def gen_bytes(name: str, padded: int | None) -> int:
+        work = tmp_path / f"{name}.yaml"
+        work.write_text(
+            "prompts_per_step: 256\nsamples_per_prompt: 1\nprompt_length: 100\n"
+            "response_length: {kind: lognormal, median: 200, sigma: 0.8, max: 512}\n"
+            + (f"padded_to: {padded}\n" if padded else "")
+        )
+        out = tmp_path / f"{name}-plan.yaml"
+        argv = ["plan", "grpo", "--cluster", "2xH20", "--model", "qwen2.5-0.5b", "--workload", str(work)]
+        argv += ["--decode-batch", "static:256", "--require", "placement=disaggregated", "--out", str(out)]
+        assert main(argv) == 0
+        [estimate] = [e for e in load_plan(out).memory if e.group == "gen"]
+        return estimate.required_bytes
+
+    # what the tuner costed (generation decodes the real lengths) is what the memory pass checks
+    assert gen_bytes("padded", 1536) == gen_bytes("real", None)

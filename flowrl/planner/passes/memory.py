@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 def memory(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
     """The bytes one device of each group needs: resident states plus the largest transient."""
     t, layout = plan.target, placed_layout(plan)
-    seq_len = sequence_length(plan)
+    seq_len = sequence_length(plan)  # the rows train and forward passes hold (padded where the trainer pads)
+    generated = plan.workload.max_sequence()  # generation decodes the real lengths, padded trainer or not
     estimates = []
     for g in layout.groups:
         states = group_states(ctx.graph, plan, layout, g.name)
@@ -51,7 +52,7 @@ def memory(ctx: PlanContext, plan: ExecutionPlan) -> ExecutionPlan:
                     )
                 what = "its compute copy" if in_place or resident else "generation weights"
                 peaks[f"node {n.node} ({what} + KV cache)"] = mem.generation_bytes(
-                    t.spec(model), t.numerics, gen, n.rows, seq_len, in_place or resident
+                    t.spec(model), t.numerics, gen, n.rows, generated, in_place or resident
                 )
                 trained = next((m for m in layout.models if m.model == model), None)
                 if resident and trained is not None and mem.sharded(t.numerics, trained, True):
