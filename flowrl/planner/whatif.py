@@ -374,6 +374,11 @@ def with_workload(workload: WorkloadSpec, changes: list[Change]) -> WorkloadSpec
             lengths = scaled_lengths(lengths, c.value) if c.relative else Fixed(value=_whole(c, 1))
         else:
             current = getattr(workload, c.field)
+            if current is None and c.relative:  # an unset field (padded_to): nothing to multiply
+                raise ConfigError(
+                    f"--what-if {c.text}: this workload has no {c.field} to scale; give the new value, "
+                    f"{c.part}.{c.field}=N."
+                )
             data[c.field] = _whole(c, current) if _is_int(WorkloadSpec, c.field) else c.of(current)
     data["response_length"] = msgspec.to_builtins(lengths)
     return convert(data, WorkloadSpec, f"--what-if {', '.join(c.text for c in changes)}")

@@ -88,6 +88,7 @@ def test_a_faster_interconnect_is_planned_on_the_changed_hardware(capsys):
         ("cluster.devices=many", ["give a number > 0", "'many'"]),
         ("cluster.devices=12", ["12 devices do not fill whole 8-device nodes"]),
         ("workload.response_tail=2x", ["fixed length has no tail"]),
+        ("workload.padded_to=2x", ["no padded_to to scale", "workload.padded_to=N"]),  # unset: None
     ],
 )
 def test_a_bad_what_if_errors_naming_the_item_without_a_traceback(capsys, item, needles):
