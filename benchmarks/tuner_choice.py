@@ -361,8 +361,11 @@ def main() -> None:
         "them, as `flowrl calibrate` fits it (default 15; 0: rank on the profile alone)",
     )
     args = parser.parse_args()
-    if 0 < args.calibrate_steps < 4:
-        parser.error("--calibrate-steps must be 0 or at least 4: a calibration measures after 2 steps of warm-up")
+    if args.calibrate_steps < 0 or 0 < args.calibrate_steps < 4:
+        parser.error(
+            f"--calibrate-steps must be 0 or at least 4, not {args.calibrate_steps}: a calibration measures after 2 "
+            "steps of warm-up"
+        )
     import ray
 
     objectives = OBJECTIVES if args.objective == "both" else (args.objective,)
