@@ -4,10 +4,11 @@ For each task (the long-tailed ``repeat`` and a heavier-tailed variant of it) an
 mode (sync, one-step-off, async eta = 1 and 2, partial, partial + async, streaming), this plans
 GRPO with the tuner for the mode (``--set rollout.mode=...``: the tuner picks placement, sizes
 and weight sync), runs the plan for real on the Ray backend with the same model, samples per
-step and seed, and reports:
+step and seed (``--seeds N``: N runs per mode, seeds 0..N-1, their means reported), and reports:
 
 - samples/s over the whole run (trained samples / wall-clock of all steps),
-- wall-clock until the reward (mean over a trailing window of 5 steps) first reaches 0.8,
+- wall-clock until the reward (mean over a trailing window of 5 steps) first reaches 0.8 (per seed, and
+  the mean where every seed got there),
 - final reward (mean of the last 10 % of steps),
 - the plan's predicted iteration time beside the measured one (median step time over the
   second half of the run, when responses have the trained policy's lengths the planner
@@ -18,7 +19,7 @@ model, sizes, learning rate, KL and clip settings) with that interpreter and rep
 flowrl mode's samples/s over TRL's. The machine is profiled first (``flowrl profile``'s
 measurement) so the planner predicts for this CPU. The last line is JSON.
 
-    python benchmarks/rollout_modes.py [--steps 120] [--trl /work/trl-venv/bin/python]
+    python benchmarks/rollout_modes.py [--steps 120] [--seeds 1] [--trl /work/trl-venv/bin/python]
 """
 
 from __future__ import annotations
@@ -86,6 +87,20 @@ def run_trl(python: str, task: str, options: dict, args: argparse.Namespace) -> 
     return {k: out[k] for k in ("samples_per_s", "seconds_to_target", "final_reward", "median_step_s", "total_s")}
 
 
+def pooled(summaries: list[dict]) -> dict:
+    """One mode's runs (a seed each) as one row: means of samples/s, final reward and median step time; the time
+    to target per seed, and its mean where every seed got there (None otherwise)."""
+    times = [s["seconds_to_target"] for s in summaries]
+    return {
+        "samples_per_s": round(statistics.mean(s["samples_per_s"] for s in summaries), 1),
+        "seconds_to_target": None if None in times else round(statistics.mean(times), 2),
+        "seconds_to_target_each": times,
+        "final_reward": round(statistics.mean(s["final_reward"] for s in summaries), 4),
+        "final_reward_each": [s["final_reward"] for s in summaries],
+        "measured_s": round(statistics.mean(s["measured_s"] for s in summaries), 4),
+    }
+
+
 def ranking(rows: list[dict], key: str) -> list[str]:
     return [r["mode"] for r in sorted(rows, key=lambda r: r[key])]
 
@@ -99,6 +114,9 @@ def main() -> None:
     parser.add_argument("--modes", nargs="*", default=[m for m, _, _ in MODES], help="modes to run (default: all)")
     parser.add_argument("--trl", default=None, help="a Python with TRL installed: also run benchmarks/trl_grpo.py")
     parser.add_argument("--out", default=None, help="where the runs go (default: a temporary folder)")
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="runs per mode, seeds 0..N-1 (times to target and rewards are their means)"
+    )
     args = parser.parse_args()
     import ray
 
@@ -115,35 +133,36 @@ def main() -> None:
             for name, mode, eta in MODES:
                 if name not in args.modes:
                     continue
-                overrides = settings(
-                    args.steps,
-                    tmp,
-                    f"{task_name}-{name.replace(' ', '-').replace('=', '')}",
-                    "task=repeat",
-                    *[f"task_options.{k}={v}" for k, v in options.items()],
-                    f"rollout.prompts_per_step={args.prompts}",
-                    f"rollout.samples_per_prompt={args.samples}",
-                    f"rollout.mode={mode}",
-                    *([f"rollout.staleness={eta}"] if eta is not None else []),
-                )
-                _, cfg = api.load("graphs/grpo.py", overrides=overrides)
-                target = ClusterTarget(cluster=cluster, model=api.model_spec(cfg))
-                graph, plan = api.plan(
-                    "graphs/grpo.py", overrides=overrides, target=target, for_backend=True, emit=lambda s: None
-                )
-                result = api.run(graph, plan)
-                row = {
-                    "mode": name,
-                    "plan": plan.layout.summary(),
-                    **summarise(result.metrics, samples_per_step, TARGET),
-                    "predicted_s": round(plan.layout.predicted.iteration_s, 4),
-                    "run": str(result.out_dir),
-                }
+                runs = []
+                for seed in range(args.seeds):
+                    overrides = settings(
+                        args.steps,
+                        tmp,
+                        f"{task_name}-{name.replace(' ', '-').replace('=', '')}-seed{seed}",
+                        "task=repeat",
+                        *[f"task_options.{k}={v}" for k, v in options.items()],
+                        f"rollout.prompts_per_step={args.prompts}",
+                        f"rollout.samples_per_prompt={args.samples}",
+                        f"rollout.mode={mode}",
+                        *([f"rollout.staleness={eta}"] if eta is not None else []),
+                        f"seed={seed}",
+                    )
+                    _, cfg = api.load("graphs/grpo.py", overrides=overrides)
+                    target = ClusterTarget(cluster=cluster, model=api.model_spec(cfg))
+                    graph, plan = api.plan(
+                        "graphs/grpo.py", overrides=overrides, target=target, for_backend=True, emit=lambda s: None
+                    )
+                    result = api.run(graph, plan)
+                    runs.append((plan, result, summarise(result.metrics, samples_per_step, TARGET)))
+                row = {"mode": name, "plan": runs[0][0].layout.summary(), **pooled([r[2] for r in runs])}
+                row["predicted_s"] = round(statistics.mean(r[0].layout.predicted.iteration_s for r in runs), 4)
+                row["runs"] = [str(r[1].out_dir) for r in runs]
                 row["error"] = round(row["predicted_s"] / row["measured_s"] - 1, 3)
                 rows.append(row)
                 print(
                     f"{task_name:<13} {name:<14} {row['samples_per_s']:7.1f} samples/s  to {TARGET}: "
-                    f"{row['seconds_to_target']} s  final {row['final_reward']:.3f}  step measured "
+                    f"{row['seconds_to_target']} s {row['seconds_to_target_each']}  final {row['final_reward']:.3f}  "
+                    "step measured "
                     f"{row['measured_s']:.3f} s predicted {row['predicted_s']:.3f} s ({row['error']:+.0%})  "
                     f"[{row['plan']}]",
                     flush=True,
@@ -169,7 +188,9 @@ def main() -> None:
                             "speedup",
                             "samples_per_s",
                             "seconds_to_target",
+                            "seconds_to_target_each",
                             "final_reward",
+                            "final_reward_each",
                             "measured_s",
                             "predicted_s",
                             "error",

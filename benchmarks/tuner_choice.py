@@ -121,9 +121,11 @@ def measure(
                 "total_s": summary["total_s"],
             }
             runs[key].append(record)
+            reach = ""
+            if math.isfinite(target):
+                reach = f"to {target}: {record['s_to_target']} s (step {record['steps_to_target']}), "
             emit(
-                f"    {key} repeat {rep + 1}: to {target}: {record['s_to_target']} s "
-                f"(step {record['steps_to_target']}), {record['samples_per_s']} samples/s, "
+                f"    {key} repeat {rep + 1}: {reach}{record['samples_per_s']} samples/s, "
                 f"final reward {record['final_reward']}, {record['total_s']} s in all"
             )
     return runs
@@ -152,7 +154,7 @@ def calibrate(
         graph, found = candidate_plans(cluster, out, objective=objective, steps=steps, **ranking)
         for plan in found:
             plans.setdefault(plan.layout.summary(), plan)
-    keyed = {f"plan{i}": plan for i, plan in enumerate(plans.values(), 1)}
+    keyed = {f"calibration{i}": plan for i, plan in enumerate(plans.values(), 1)}  # not the judged planN
     emit(f"calibration: {len(keyed)} run(s) of {steps} steps, the profiled tuner's first candidates")
     runs = measure(graph, keyed, out, repeats=1, target=math.inf, folder="calibration", emit=emit)
     replays = read_runs([records[0]["run"] for records in runs.values()], registry())
