@@ -6,7 +6,8 @@ each seed with ``generation.engine=local`` and ``generation.engine=vllm``, one a
 its mean reward over the last 10 % of its steps. Printed: each run, each engine's mean and
 standard deviation of the final reward over seeds, and a last JSON line with the gap between the
 engines' means against their seed-to-seed spread (``agree``: the gap is within ``--tolerance``
-standard errors of a difference of means; see `agreement`). ``--png`` draws both engines' curves
+standard errors of a difference of means; see `agreement`). A run stopped before its steps (a signal, a
+crash) is left out of the comparison and listed under ``incomplete``. ``--png`` draws both engines' curves
 (mean over seeds, min-max band); ``--save`` keeps every run's curve as JSON.
 
     python benchmarks/engines_agree.py --seeds 3 --steps 300 --png engines.png
@@ -112,9 +113,18 @@ def summary(runs: list[dict], engines: list[str], tolerance: float, min_spread: 
     """Per engine: final rewards over seeds, their mean and standard deviation, the first steps'
     reward; the agreement of the first two engines (`agreement`)."""
     out: dict = {"benchmark": "engines_agree", "steps": runs[0]["steps"], "seeds": sorted({r["seed"] for r in runs})}
+    stopped = [r for r in runs if not complete(r)]
+    if stopped:  # a run stopped early (a signal, a crash) ends on an earlier reward: not comparable
+        out["incomplete"] = [
+            {"engine": r["engine"], "seed": r["seed"], "steps_done": len(r["reward"])} for r in stopped
+        ]
+        runs = [r for r in runs if complete(r)]
     finals, noise = {}, {}
     for e in engines:
         mine = [r for r in runs if r["engine"] == e]
+        if not mine:
+            out[e] = None
+            continue
         finals[e] = [final_reward(r["reward"]) for r in mine]
         noise[e] = [within_sd(r["reward"]) for r in mine]
         out[e] = {
@@ -127,9 +137,16 @@ def summary(runs: list[dict], engines: list[str], tolerance: float, min_spread: 
             "logprob_gap": max(r["logprob_gap"] for r in mine),
             "seconds": round(sum(r["seconds"] for r in mine), 1),
         }
-    if len(engines) >= 2:
+    if len(engines) >= 2 and all(out[e] is not None for e in engines[:2]):
         out.update(agreement(finals, noise, tolerance, min_spread))
+    elif len(engines) >= 2:
+        out["agree"] = None  # an engine has no complete run
     return out
+
+
+def complete(run: dict) -> bool:
+    """Whether a run took every step it was asked for."""
+    return len(run["reward"]) >= run["steps"]
 
 
 def smooth(curve: list[float], window: int | None = None) -> list[float]:
@@ -197,11 +214,15 @@ def compare(
                     f"{engine:>6} seed {seed}: reward {statistics.fmean(run['reward'][:10]):.3f} -> "
                     f"{final_reward(run['reward']):.3f} (exact {final_reward(run['exact']):.3f}), "
                     f"{run['seconds']:.0f}s"
+                    + ("" if complete(run) else f"; STOPPED after {len(run['reward'])} of {steps} steps: left out")
                 )
     out = summary(runs, list(engines), tolerance, min_spread)
     for e in engines:
         s = out[e]
-        emit(f"{e:>6}: final reward {s['mean']:.3f} +- {s['std']:.3f} over {len(seeds)} seeds {s['final']}")
+        if s is None:
+            emit(f"{e:>6}: no complete run")
+            continue
+        emit(f"{e:>6}: final reward {s['mean']:.3f} +- {s['std']:.3f} over {len(s['final'])} seeds {s['final']}")
     if png:
         plot(runs, list(engines), png)
         out["png"] = png
@@ -211,7 +232,9 @@ def compare(
 
 def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", default="3", help="a count (seeds 0..N-1) or a comma-separated list")
+    parser.add_argument(
+        "--seeds", default="3", help="a count (seeds 0..N-1) or a comma-separated list (one seed: '1,')"
+    )
     parser.add_argument("--steps", type=int, default=600, help="steps per run (the default job: 600)")
     parser.add_argument("--engines", default="local,vllm")
     parser.add_argument("--set", action="append", default=[], dest="extra", help="a run override, key=value")
@@ -223,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a single run (the subprocess)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    seeds = [int(s) for s in args.seeds.split(",")] if "," in args.seeds else list(range(int(args.seeds)))
+    seeds = [int(s) for s in args.seeds.split(",") if s] if "," in args.seeds else list(range(int(args.seeds)))
     if args.one:  # one run in this process: print its curve as the last line
         print(json.dumps(one_run(args.one, args.seed, args.steps, args.extra, args.out)))
         return None

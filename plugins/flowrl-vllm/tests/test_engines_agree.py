@@ -55,3 +55,21 @@ def test_the_local_and_vllm_engines_learn_alike_within_the_seed_spread(monkeypat
         assert out[engine]["mean"] > out[engine]["first"] + 0.1, (engine, out)  # both learn
         assert out[engine]["logprob_gap"] < 1e-5, (engine, out)  # the same policy samples and trains
     assert out["agree"], out  # |mean gap| <= bound (from the seed spread)
+
+
+def test_a_run_stopped_before_its_steps_is_left_out_of_the_comparison_and_listed():
+    bench = _benchmark()
+
+    def run(engine: str, seed: int, final: float, steps_done: int = 60) -> dict:
+        rewards = [0.0] * (steps_done - 6) + [final] * 6
+        return {"engine": engine, "seed": seed, "steps": 60, "seconds": 1.0, "reward": rewards,
+                "exact": rewards, "logprob_gap": 0.0}  # fmt: skip
+
+    runs = [run("local", 0, 0.8), run("vllm", 0, 0.85), run("local", 1, 0.6, steps_done=12), run("vllm", 1, 0.83)]
+    out = bench.summary(runs, ["local", "vllm"], tolerance=3.0)
+    assert out["incomplete"] == [{"engine": "local", "seed": 1, "steps_done": 12}]
+    assert out["local"]["final"] == [0.8] and out["vllm"]["final"] == [0.85, 0.83]  # the stopped run's 0.6 is out
+    assert out["gap"] == pytest.approx(0.04, abs=1e-4)
+    # an engine with no complete run: no verdict, not a crash
+    alone = bench.summary([run("local", 0, 0.8, steps_done=30), run("vllm", 0, 0.85)], ["local", "vllm"], 3.0)
+    assert alone["local"] is None and alone["agree"] is None
