@@ -188,3 +188,8 @@ class WorkloadSpec(CheckedSpec, kw_only=True):
     def max_sequence(self) -> int:
         """Longest prompt + response."""
         return self.prompt_length + self.max_response()
+
+    def longest_trained_row(self) -> int:
+        """The longest row a train or forward pass computes: prompt + longest response, or the length a trainer
+        without remove-padding pads every row to (``padded_to``)."""
+        return self.padded_to or self.max_sequence()

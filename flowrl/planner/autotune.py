@@ -161,7 +161,8 @@ class Tuner:
         ``train_steps``: train nodes' own (epochs, mini-batches), as the plan resolved them; ``fused``:
         forward nodes their train node computes (``ExecutionPlan.fused``), which cost nothing of their own;
         ``batching``: how forward and train passes cut micro-batches (``train.max_tokens_per_micro_batch``,
-        ``train.pack``): a layout's micro-batch is then a cap on rows, its passes costed at the budget's;
+        ``train.pack``): a layout's micro-batch is then a cap on rows, its passes costed at the budget's (and every
+        row at the workload's ``padded_to``, where its trainer pads rows);
         ``objective``: what candidates are ranked by (default: seconds per iteration)."""
         self.graph, self.model, self.cluster, self.w, self.seed = graph, model, cluster, workload, seed
         self.objective = objective or Objective()
@@ -169,7 +170,7 @@ class Tuner:
         self.train_steps = train_steps
         self.fused = frozenset(fused)
         self.micro_batch = micro_batch  # configured (train.micro_batch_size): every layout uses it
-        self.batching = batching or MicroBatching()
+        self.batching = dataclasses.replace(batching or MicroBatching(), pad_to=workload.padded_to)
         self.unsplit = frozenset(unsplit)  # models whose engine does not split them tensor-parallel (LoRA)
         # models trained by a loss reading rows in pairs (preference pairs), which pipeline stages would cut
         self.unstaged = frozenset(
@@ -205,7 +206,7 @@ class Tuner:
         # a batch of response lengths: forward and train passes pay for their micro-batches' padding
         self.lengths = sample_lengths(workload.response_length, workload.sequences, np.random.default_rng(seed))
         self.max_len = workload.prompt_length + workload.max_response()
-        self.row_len = workload.padded_to or self.max_len  # the longest row a train or forward pass computes
+        self.row_len = workload.longest_trained_row()
         self.forwards = {
             m: sum(1 for n in graph.nodes.values() if isinstance(n, Forward) and n.model == m and n.name not in fused)
             for m in graph.models

@@ -31,7 +31,9 @@ def test_a_padded_length_shorter_than_a_row_is_refused_naming_the_field():
     assert WorkloadSpec(prompt_length=1024, response_length=Fixed(value=512), padded_to=1536).padded_to == 1536
 
 
-def _plan(tmp_path, name: str, padded: int | None):
+def _plan(tmp_path, name: str, padded: int | None, graph: str, *options: str):
+    """`flowrl plan GRAPH --model qwen2.5-0.5b OPTIONS` for 256 prompts of ~100 + ~250 tokens (at most 612), padded
+    to ``padded`` tokens a row where given."""
     work = tmp_path / f"{name}.yaml"
     work.write_text(
         "prompts_per_step: 256\nsamples_per_prompt: 1\nprompt_length: 100\n"
@@ -39,14 +41,15 @@ def _plan(tmp_path, name: str, padded: int | None):
         + (f"padded_to: {padded}\n" if padded else "")
     )
     out = tmp_path / f"{name}-plan.yaml"
-    argv = ["plan", "ppo", "--cluster", "1xH20", "--model", "qwen2.5-0.5b", "--workload", str(work)]
-    argv += ["--require", "placement=colocate", "--set", "train.micro_batch_size=2", "--out", str(out)]
-    assert main(argv) == 0
+    assert main(["plan", graph, "--model", "qwen2.5-0.5b", "--workload", str(work), *options, "--out", str(out)]) == 0
     return load_plan(out)
 
 
+PPO = ("ppo", "--cluster", "1xH20", "--require", "placement=colocate", "--set", "train.micro_batch_size=2")
+
+
 def test_a_plan_for_padded_rows_costs_training_and_scoring_at_the_padded_length_and_generation_as_before(tmp_path):
-    real, padded = _plan(tmp_path, "real", None), _plan(tmp_path, "padded", 1536)
+    real, padded = _plan(tmp_path, "real", None, *PPO), _plan(tmp_path, "padded", 1536, *PPO)
     assert padded.workload.padded_to == 1536  # the plan records the workload it was costed for
     before, after = real.layout.predicted.breakdown, padded.layout.predicted.breakdown
     for node in ("train_actor", "train_critic", "values", "ref_logprobs", "old_logprobs"):
@@ -65,17 +68,9 @@ def test_a_plan_for_padded_rows_costs_training_and_scoring_at_the_padded_length_
 def test_generation_holds_its_kv_cache_at_the_real_lengths_not_the_padded_rows(tmp_path):
     # static batches of 256 sequences: a KV cache at 1536 tokens a row would hold ~2.5x the real rows' 612
     def gen_bytes(name: str, padded: int | None) -> int:
-        work = tmp_path / f"{name}.yaml"
-        work.write_text(
-            "prompts_per_step: 256\nsamples_per_prompt: 1\nprompt_length: 100\n"
-            "response_length: {kind: lognormal, median: 200, sigma: 0.8, max: 512}\n"
-            + (f"padded_to: {padded}\n" if padded else "")
-        )
-        out = tmp_path / f"{name}-plan.yaml"
-        argv = ["plan", "grpo", "--cluster", "2xH20", "--model", "qwen2.5-0.5b", "--workload", str(work)]
-        argv += ["--decode-batch", "static:256", "--require", "placement=disaggregated", "--out", str(out)]
-        assert main(argv) == 0
-        [estimate] = [e for e in load_plan(out).memory if e.group == "gen"]
+        plan = _plan(tmp_path, name, padded, "grpo", "--cluster", "2xH20", "--decode-batch", "static:256",
+                     "--require", "placement=disaggregated")  # fmt: skip
+        [estimate] = [e for e in plan.memory if e.group == "gen"]
         return estimate.required_bytes
 
     # what the tuner costed (generation decodes the real lengths) is what the memory pass checks

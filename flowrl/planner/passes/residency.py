@@ -21,9 +21,8 @@ if TYPE_CHECKING:
 
 
 def sequence_length(plan: ExecutionPlan) -> int:
-    """The longest row a train or forward pass holds: prompt + longest response, or the length a trainer
-    without remove-padding pads every row to (`WorkloadSpec.padded_to`)."""
-    return plan.workload.padded_to or plan.workload.max_sequence()
+    """The longest row a train or forward pass holds (`WorkloadSpec.longest_trained_row`)."""
+    return plan.workload.longest_trained_row()
 
 
 def placed_layout(plan: ExecutionPlan) -> ClusterPlan:

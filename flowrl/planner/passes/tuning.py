@@ -42,11 +42,7 @@ def plan_tuner(ctx: PlanContext, plan: ExecutionPlan, engine: str, target: Clust
         constraints=opts.require,
         models=t.models or None,
         micro_batch=plan.config.train.micro_batch_size,
-        batching=MicroBatching(
-            plan.config.train.max_tokens_per_micro_batch,
-            plan.config.train.pack,
-            pad_to=(t.workload or plan.workload).padded_to,
-        ),
+        batching=MicroBatching(plan.config.train.max_tokens_per_micro_batch, plan.config.train.pack),
         unsplit=[m for m, run in plan.models.items() if run.lora is not None],  # the torch engine splits no adapters
         objective=objective,
     )
