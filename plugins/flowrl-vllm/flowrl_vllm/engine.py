@@ -186,7 +186,9 @@ class VLLMEngine:
                     model=str(folder),
                     dtype=roll.dtype,
                     seed=spec.seed,
-                    enforce_eager=True,
+                    # decode steps replayed as CUDA graphs on a GPU (what the plugin declares, captured_decode:
+                    # weight syncs copy into the captured tensors in place); eager elsewhere (no graphs to capture)
+                    enforce_eager=not ctx.device.startswith("cuda"),
                     tensor_parallel_size=tp,
                     distributed_executor_backend="uni" if tp == 1 else "mp",
                     skip_tokenizer_init=True,  # flowrl tokenizes and decodes: vLLM sees token ids only
