@@ -1,7 +1,7 @@
 """benchmarks/published.py's final line judges each system family on the median step-time error of its cases:
-every family within 20% passes, one family over it fails the verdict and is named, a family whose cases all
-rest on an assumed mean response is named as such, and a case that did not plan counts nowhere but the
-failed list."""
+every family within 20% passes, one family over it (or with a non-finite error, or with no case planned) fails
+the verdict and is named, a family whose cases all rest on an assumed mean response is named as such, and a
+case that did not plan beside planned ones of its family counts only in the failed list."""
 
 from __future__ import annotations
 
@@ -56,7 +56,35 @@ def test_a_family_over_20_percent_fails_the_verdict_even_on_assumed_lengths(publ
     assert out["families_on_assumed_lengths"] == []
 
 
-def test_with_no_case_planned_there_is_no_verdict(published):
-    out = published.summarise([{"case": "c1", "family": "alpha", "failed": "no plan fits"}])
+def test_with_no_case_at_all_there_is_no_verdict(published):
+    out = published.summarise([{"case": "s1", "family": "alpha", "skipped": "workload not published"}])
     assert out["families_within_20pct"] is None
+    assert out["families_over_20pct"] == [] and out["families_unplanned"] == []
+
+
+def test_a_family_whose_median_error_is_nan_is_named_over_20_percent(published):
+    # a NaN error (a non-finite prediction) is neither <= 0.2 nor > 0.2: the verdict must not fail unnamed
+    out = published.summarise([case("a1", "alpha", 0.10), case("n1", "nu", float("nan"))])
+    assert out["families_within_20pct"] is False
+    assert out["families_over_20pct"] == ["nu"]
+
+
+def test_a_family_whose_cases_all_failed_to_plan_keeps_the_verdict_from_passing(published):
+    out = published.summarise([case("a1", "alpha", 0.10), {"case": "z1", "family": "zeta", "failed": "no plan fits"}])
+    assert out["families_within_20pct"] is False
+    assert out["families_unplanned"] == ["zeta"]
     assert out["families_over_20pct"] == []
+
+
+def test_the_verdict_reads_the_unrounded_median(published):
+    out = published.summarise([case("a1", "alpha", 0.20004)])
+    assert out["families"]["alpha"]["median_error"] == 0.2  # as printed
+    assert out["families_within_20pct"] is False
+    assert out["families_over_20pct"] == ["alpha"]
+
+
+def test_a_failed_or_skipped_case_carries_its_family(published, tmp_path, monkeypatch):
+    (tmp_path / "x.yaml").write_text("name: sys-x\nworkload: {prompts_per_step: null}\n")
+    (tmp_path / "y.yaml").write_text("name: other-y\nfamily: fam\nworkload: {prompts_per_step: null}\n")
+    assert published.run_case(tmp_path / "x.yaml", 1.0)["family"] == "sys"
+    assert published.run_case(tmp_path / "y.yaml", 1.0)["family"] == "fam"
