@@ -35,7 +35,7 @@ class FlowRLWorker:
         self.reload_weights(weights_iterator=pairs)
 
     def flowrl_export_weights(self: Any, path: str | None = None) -> dict[str, torch.Tensor] | None:
-        model = self.model_runner.model
+        model = self.model_runner.get_model()  # the raw model (on a GPU, out of its CUDA graph wrapper)
         state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
         if path is None:
             return state
