@@ -3,8 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -17,6 +22,23 @@ SMALL_RUN = [
     "train.mini_batches=1",
     "progress=false",
 ]
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@contextlib.contextmanager
+def benchmark_module(name: str) -> Iterator[ModuleType]:
+    """``benchmarks/NAME.py`` as a module. A benchmark imports its siblings by name, as a script does, so the
+    folder is on sys.path while it is in use; after, it and every sibling it imported are forgotten."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(BENCHMARKS))
+        try:
+            yield importlib.import_module(name)
+        finally:
+            for key, module in list(sys.modules.items()):
+                if Path(getattr(module, "__file__", None) or "/").parent == BENCHMARKS:
+                    del sys.modules[key]
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -4,22 +4,16 @@ with argparse's usage error."""
 
 from __future__ import annotations
 
-import importlib
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from helpers import benchmark_module
 
 
 @pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    module = importlib.import_module("tuner_choice")
-    yield module
-    sys.modules.pop("tuner_choice", None)
-    sys.modules.pop("cpu2", None)
+def bench():
+    with benchmark_module("tuner_choice") as module:
+        yield module
 
 
 @pytest.mark.parametrize("steps", ["-1", "-15", "1", "3"])

@@ -5,22 +5,16 @@ case that did not plan beside planned ones of its family counts only in the fail
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
+from helpers import benchmark_module
 
-ROOT = Path(__file__).resolve().parents[2]
 ASSUMED = ["mean response 341 (max/3)"]
 
 
 @pytest.fixture
-def published(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    module = importlib.import_module("published")
-    yield module
-    sys.modules.pop("published", None)
+def published():
+    with benchmark_module("published") as module:
+        yield module
 
 
 def case(name: str, family: str, error: float, assumed: list[str] | None = None) -> dict:

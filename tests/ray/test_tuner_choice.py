@@ -6,13 +6,12 @@ benchmark's question (noise decides it here), not this test's."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import benchmark_module
 
 from flowrl import api
 from flowrl.contract.plan import load_plan
@@ -20,7 +19,6 @@ from flowrl.plugins.manager import registry
 
 pytest.importorskip("ray")
 
-ROOT = Path(__file__).resolve().parents[2]
 
 # one private Ray for the module (tests/conftest.py); runs end to end on Ray workers
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
@@ -29,11 +27,8 @@ pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
 @pytest.fixture(scope="module")
 def bench():
     """The benchmark module (it imports its sibling ``cpu2`` as a script does)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(ROOT / "benchmarks"))
-        yield importlib.import_module("tuner_choice")
-        sys.modules.pop("tuner_choice", None)
-        sys.modules.pop("cpu2", None)
+    with benchmark_module("tuner_choice") as module:
+        yield module
 
 
 def test_two_candidates_run_their_own_plans_and_the_verdict_follows_the_measured_times(tmp_path, bench):
