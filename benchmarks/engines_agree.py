@@ -8,7 +8,10 @@ standard deviation of the final reward over seeds, and a last JSON line with the
 engines' means against their seed-to-seed spread (``agree``: the gap is within ``--tolerance``
 standard errors of a difference of means; see `agreement`). A run stopped before its steps (a signal, a
 crash) is left out of the comparison and listed under ``incomplete``. ``--png`` draws both engines' curves
-(mean over seeds, min-max band); ``--save`` keeps every run's curve as JSON.
+(mean over seeds, min-max band); ``--save`` keeps every run's curve as JSON, and ``--load a.json,b.json``
+summarises the runs of several such files together (seeds run at different times). The JSON line's
+``difference`` (the second engine's mean minus the first's: vllm minus local by default) and
+``difference_se`` say how far apart the engines' means are, and how surely.
 
     python benchmarks/engines_agree.py --seeds 3 --steps 300 --png engines.png
     python benchmarks/engines_agree.py --seeds 2 --steps 60 --set rollout.prompts_per_step=16
@@ -92,15 +95,25 @@ def agreement(
     step-to-step noise (``noise``: `within_sd` of each run; a few seeds can agree by chance more
     closely than one run is steady) and at least ``min_spread`` (a spread measured over more seeds,
     for a test that runs only two). The engines agree when their means differ by at most
-    ``tolerance`` standard errors of a difference of means: tolerance * spread * sqrt(1/n_a + 1/n_b)."""
+    ``tolerance`` standard errors of a difference of means: tolerance * spread * sqrt(1/n_a + 1/n_b).
+
+    Also given: ``difference``, the second engine's mean minus the first's, and ``difference_se``, its
+    standard error from each engine's own seed variance (Welch; None with fewer than two seeds of
+    either): how far apart the engines are, and how sure that is."""
     (a, fa), (b, fb) = list(finals.items())[:2]
     var = [statistics.variance(f) for f in (fa, fb) if len(f) > 1]
     seed_sd = math.sqrt(statistics.fmean(var)) if var else 0.0
     run_sd = statistics.fmean(x for e in (a, b) for x in noise[e])
     spread = max(seed_sd, run_sd, min_spread)
     bound = tolerance * spread * math.sqrt(1 / len(fa) + 1 / len(fb))
-    gap = abs(statistics.fmean(fa) - statistics.fmean(fb))
+    difference = statistics.fmean(fb) - statistics.fmean(fa)
+    gap = abs(difference)
+    se = None
+    if len(fa) > 1 and len(fb) > 1:
+        se = math.sqrt(statistics.variance(fa) / len(fa) + statistics.variance(fb) / len(fb))
     return {
+        "difference": round(difference, 4),
+        "difference_se": None if se is None else round(se, 4),
         "gap": round(gap, 4),
         "seed_sd": round(seed_sd, 4),
         "run_sd": round(run_sd, 4),
@@ -241,7 +254,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--tolerance", type=float, default=3.0, help="agreement bound, in standard errors")
     parser.add_argument("--png", default=None, help="draw both engines' curves into this file")
     parser.add_argument("--save", default=None, help="write every run's curves to this JSON file")
-    parser.add_argument("--load", default=None, help="summarise (and draw) the runs a --save file holds; run none")
+    parser.add_argument(
+        "--load", default=None, help="summarise (and draw) the runs --save files hold (comma-separated); run none"
+    )
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a single run (the subprocess)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -251,8 +266,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         print(json.dumps(one_run(args.one, args.seed, args.steps, args.extra, args.out)))
         return None
     engines = args.engines.split(",")
-    if args.load:
-        runs = json.loads(Path(args.load).read_text())
+    if args.load:  # one or more --save files (comma-separated): their runs summarised together
+        runs = [run for path in args.load.split(",") if path for run in json.loads(Path(path).read_text())]
         out = summary(runs, engines, args.tolerance)
         if args.png:
             plot(runs, engines, args.png)
