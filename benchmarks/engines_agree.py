@@ -112,7 +112,7 @@ def agreement(
     if len(fa) > 1 and len(fb) > 1:
         se = math.sqrt(statistics.variance(fa) / len(fa) + statistics.variance(fb) / len(fb))
     return {
-        "difference": round(difference, 4),
+        "difference": round(difference, 4) + 0.0,  # + 0.0: no -0.0 for equal means
         "difference_se": None if se is None else round(se, 4),
         "gap": round(gap, 4),
         "seed_sd": round(seed_sd, 4),
@@ -157,6 +157,40 @@ def summary(runs: list[dict], engines: list[str], tolerance: float, min_spread: 
     return out
 
 
+def load_runs(paths: Sequence[str]) -> list[dict]:
+    """The runs of several ``--save`` files, as one set; ValueError (naming the file) for a file that cannot be
+    read or holds no list of runs, for no runs at all, for one engine's seed in two places (counted twice it
+    would shrink the standard error unseen), and for runs of different lengths (final rewards at different
+    steps are not one sample)."""
+    runs: list[dict] = []
+    where: dict[tuple[str, int], str] = {}
+    for path in paths:
+        try:
+            held = json.loads(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--load {path}: cannot read it as a --save file ({exc})") from None
+        if not isinstance(held, list) or not all(
+            isinstance(r, dict) and {"engine", "seed", "steps", "reward"} <= r.keys() for r in held
+        ):
+            raise ValueError(
+                f"--load {path}: not a --save file (a JSON list of runs, each with engine, seed, steps and reward)"
+            )
+        for r in held:
+            key = (str(r["engine"]), int(r["seed"]))
+            if key in where:
+                raise ValueError(f"--load: {key[0]} seed {key[1]} is in {where[key]} and in {path}; load each run once")
+            where[key] = path
+        runs += held
+    if not runs:
+        raise ValueError(f"--load {','.join(paths)}: no runs in the file(s)")
+    steps = sorted({int(r["steps"]) for r in runs})
+    if len(steps) > 1:
+        raise ValueError(
+            f"--load: the runs are of different lengths ({', '.join(map(str, steps))} steps): compare one length"
+        )
+    return runs
+
+
 def complete(run: dict) -> bool:
     """Whether a run took every step it was asked for."""
     return len(run["reward"]) >= run["steps"]
@@ -175,8 +209,11 @@ def plot(runs: list[dict], engines: list[str], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
+    window = 1
     for e, color in zip(engines, ("tab:blue", "tab:orange", "tab:green")):
-        curves = [r["reward"] for r in runs if r["engine"] == e]
+        curves = [r["reward"] for r in runs if r["engine"] == e and complete(r)]  # the runs the summary compares
+        if not curves:
+            continue
         n = min(len(c) for c in curves)
         window = max(1, n // 30)
         smoothed = [smooth(c[:n], window) for c in curves]
@@ -267,10 +304,14 @@ def main(argv: list[str] | None = None) -> dict | None:
         return None
     engines = args.engines.split(",")
     if args.load:  # one or more --save files (comma-separated): their runs summarised together
-        runs = [run for path in args.load.split(",") if path for run in json.loads(Path(path).read_text())]
+        try:
+            runs = load_runs([path for path in args.load.split(",") if path])
+        except ValueError as exc:
+            parser.error(str(exc))
         out = summary(runs, engines, args.tolerance)
         if args.png:
             plot(runs, engines, args.png)
+            out["png"] = args.png
         print(json.dumps(out))
         return out
     out = compare(seeds, args.steps, engines, args.extra, args.tolerance, args.png, args.save)

@@ -50,3 +50,85 @@ def test_load_summarises_the_runs_of_several_saved_files_together(bench, tmp_pat
     assert out["local"]["final"] == [0.7, 0.9] and out["vllm"]["final"] == [0.8, 0.8]
     assert out["difference"] == pytest.approx(0.0, abs=1e-4)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == out  # the printed line is the summary
+
+
+def save(path, runs) -> str:
+    path.write_text(json.dumps(runs))
+    return str(path)
+
+
+def test_a_run_of_the_same_engine_and_seed_in_two_loaded_files_is_refused_not_counted_twice(bench, tmp_path, capsys):
+    first = save(tmp_path / "a.json", [run("local", 0, 0.7), run("vllm", 0, 0.8), run("local", 1, 0.9)])
+    again = save(tmp_path / "b.json", [run("local", 0, 0.7), run("vllm", 1, 0.8)])  # local seed 0 once more
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--load", f"{first},{again}"])  # counted twice, it would shrink difference_se unseen
+    assert stop.value.code != 0
+    err = capsys.readouterr().err
+    assert "local" in err and "seed 0" in err
+
+
+def test_load_of_a_missing_file_names_it_in_an_error_not_a_traceback(bench, tmp_path, capsys):
+    good = save(tmp_path / "a.json", [run("local", 0, 0.7), run("vllm", 0, 0.8)])
+    missing = tmp_path / "missing.json"
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--load", f"{good},{missing}"])
+    assert stop.value.code != 0
+    assert str(missing) in capsys.readouterr().err
+
+
+def test_load_of_a_file_that_is_not_json_names_it_in_an_error(bench, tmp_path, capsys):
+    good = save(tmp_path / "a.json", [run("local", 0, 0.7), run("vllm", 0, 0.8)])
+    broken = tmp_path / "broken.json"
+    broken.write_text("not json")
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--load", f"{good},{broken}"])
+    assert stop.value.code != 0
+    assert str(broken) in capsys.readouterr().err
+
+
+def test_load_of_files_holding_no_runs_says_so(bench, tmp_path, capsys):
+    empty = save(tmp_path / "empty.json", [])
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--load", empty])  # not an IndexError from inside summary
+    assert stop.value.code != 0
+    assert "no runs" in capsys.readouterr().err
+
+
+def test_load_of_runs_of_different_lengths_is_refused(bench, tmp_path, capsys):
+    short = save(tmp_path / "a.json", [run("local", 0, 0.7), run("vllm", 0, 0.8)])
+    long = save(tmp_path / "b.json", [run("local", 1, 0.7, steps=100), run("vllm", 1, 0.8, steps=100)])
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--load", f"{short},{long}"])  # final rewards at step 60 and step 100 are not one sample
+    assert stop.value.code != 0
+    err = capsys.readouterr().err
+    assert "60" in err and "100" in err
+
+
+def test_load_names_the_engines_in_the_order_given_and_the_difference_follows_it(bench, tmp_path):
+    saved = save(tmp_path / "a.json", [run("local", 0, 0.7), run("vllm", 0, 0.8), run("local", 1, 0.9),
+                                       run("vllm", 1, 1.0)])  # fmt: skip
+    assert bench.main(["--load", saved])["difference"] == pytest.approx(0.1, abs=1e-4)
+    assert bench.main(["--load", saved, "--engines", "vllm,local"])["difference"] == pytest.approx(-0.1, abs=1e-4)
+
+
+def test_load_with_png_still_summarises_when_an_engine_has_no_runs(bench, tmp_path, capsys):
+    saved = save(tmp_path / "a.json", [run("local", 0, 0.7), run("local", 1, 0.9)])
+    png = tmp_path / "curves.png"
+    out = bench.main(["--load", saved, "--png", str(png)])  # not a ValueError from plot, the JSON line lost
+    assert out["vllm"] is None and out["agree"] is None
+    assert png.exists()
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == out
+
+
+def test_the_drawing_leaves_out_the_runs_the_summary_leaves_out(bench, tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    drawn = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    stopped = run("vllm", 0, 0.8)
+    stopped["reward"] = stopped["exact"] = stopped["reward"][:30]  # stopped after 30 of 60 steps
+    saved = save(tmp_path / "a.json", [run("local", 0, 0.7), stopped, run("local", 1, 0.9), run("vllm", 1, 0.8)])
+    out = bench.main(["--load", saved, "--png", str(tmp_path / "curves.png")])
+    assert out["incomplete"] == [{"engine": "vllm", "seed": 0, "steps_done": 30}]
+    lines = {line.get_label(): len(line.get_xdata()) for line in drawn[0].axes[0].get_lines()}
+    assert lines == {"local (mean of 2 seeds)": 60, "vllm (mean of 1 seeds)": 60}  # not cut short at step 30
