@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import json
 import sys
 from collections.abc import Iterator
@@ -25,6 +26,29 @@ SMALL_RUN = [
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def installed(name: str) -> bool:
+    """Whether module ``name`` (dotted: ``verifiers.v1``) is installed, found without importing it or its
+    package: collection stays quick where a package takes seconds to import (vLLM, verifiers, OpenEnv), also
+    for the modules whose tests the quick lane deselects."""
+    top, _, rest = name.partition(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None:
+        return False
+    if not rest:
+        return True
+    path = rest.replace(".", "/")
+    return any(
+        (Path(where) / path).is_dir() or (Path(where) / f"{path}.py").is_file()
+        for where in spec.submodule_search_locations or ()
+    )
+
+
+def needs(*names: str) -> pytest.MarkDecorator:
+    """Skip where one of the modules ``names`` is not installed (`installed`: nothing is imported)."""
+    missing = [n for n in names if not installed(n)]
+    return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)}")
 
 
 @contextlib.contextmanager

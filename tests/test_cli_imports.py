@@ -81,6 +81,7 @@ def test_error_exits_load_no_torch(tmp_path, argv, message):
     assert heavy == [], heavy
 
 
+@pytest.mark.slow
 def test_a_plan_for_a_named_cluster_loads_no_torch(tmp_path):
     code, heavy, err = cli(tmp_path, *CLUSTER, "--budget", "1", "--out", "plan.yaml")
     assert code == 0, err

@@ -148,6 +148,7 @@ def edges(where: str) -> dict[tuple[str, str], list[int]]:
 
 
 @pytest.mark.parametrize("where", sorted(FORBIDDEN))
+@pytest.mark.slow
 def test_no_forbidden_imports(where):
     bad = [
         f"{file}:{line} imports {module}"

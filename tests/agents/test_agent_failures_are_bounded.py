@@ -131,6 +131,7 @@ def test_a_command_flooding_its_output_is_stopped_at_the_limit(actor, tmp_path, 
     assert any(f"over {MAX_OUTPUT >> 20} MiB on stdout" in r.message for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_a_hanging_command_is_killed_with_the_processes_it_started(actor, tmp_path):
     pids = tmp_path / "pids"
     body = (

@@ -92,12 +92,14 @@ def refused(actor):
      "content_number", "n_zero", "n_hundred", "max_tokens_zero", "max_tokens_negative", "five_stops", "empty_stop",
      "bad_tool", "empty_prompt", "prompt_ids_out_of_vocab", "prompt_ids_negative", "unencodable"],
 )  # fmt: skip
+@pytest.mark.slow
 def test_a_malformed_request_is_a_400_naming_what_is_wrong(refused, name):
     log, _, _ = refused
     assert log[name][0] == 400, log[name]
     assert error(log, name)["type"] == "invalid_request_error"
 
 
+@pytest.mark.slow
 def test_the_errors_name_the_field_at_fault(refused):
     log, _, _ = refused
     assert error(log, "bad_role")["param"] == "messages[0].role"

@@ -7,11 +7,11 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from helpers import needs
 
 from flowrl.errors import AgentError
 
-pytest.importorskip("verifiers.v1")
-pytest.importorskip("openenv.core")
+pytestmark = needs("verifiers.v1", "openenv.core")
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "environments"
 REVERSE = str(EXAMPLES / "vf_reverse.py")

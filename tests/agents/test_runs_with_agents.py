@@ -38,6 +38,7 @@ def graph_file(tmp_path: Path, agent: str, name: str = "agent_graph") -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_a_run_whose_agent_always_raises_completes_and_reports_agent_errors(tmp_path):
     urls = tmp_path / "urls.txt"
     (tmp_path / "broken_agent.py").write_text(

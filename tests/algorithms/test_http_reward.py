@@ -118,6 +118,7 @@ def build(cfg):
 """
 
 
+@pytest.mark.slow
 def test_a_graph_scores_through_a_reward_server_from_the_pools_workers(server, tmp_path):
     from flowrl import api
 

@@ -52,6 +52,7 @@ def test_a_judge_needs_a_template_with_the_response_and_two_keys():
         g.judge("judge", model="actor", template="{response}", reads="responses")
 
 
+@pytest.mark.slow
 def test_the_judge_graph_runs_and_its_scores_are_the_reward(chat_model, tmp_path):
     data = tmp_path / "q.jsonl"
     data.write_text('{"prompt": "What is 2 + 3?", "answer": "5"}\n{"prompt": "What is 4 + 1?", "answer": "5"}\n')

@@ -299,6 +299,7 @@ def test_the_default_is_tis_at_a_cap_of_two():
 
 
 @pytest.mark.parametrize("mode", ["tis", "icepop+seq-mask"])
+@pytest.mark.slow
 def test_a_local_run_reports_the_mismatch_metrics_and_masks_nothing(tmp_path, mode):
     """The local engine samples with the trainer's weights in float32: every ratio is ~1, nothing is
     truncated or masked, and each step's metrics.jsonl line says so."""

@@ -149,6 +149,7 @@ def _registry(weights: dict[str, float], writes: str = "rewards", ports: dict[st
 
 
 @pytest.mark.parametrize(("writes", "ports"), [("rewards", None), ("combined", {"rewards": "combined"})])
+@pytest.mark.slow
 def test_a_graph_combines_two_rewards_with_weights(tmp_path, writes, ports):
     SEEN.clear()
     reg = _registry({"r_correct": 1.0, "r_len": 0.1}, writes, ports)

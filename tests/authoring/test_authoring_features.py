@@ -891,6 +891,7 @@ def test_turns_need_an_environment():
         ("tool_use", ["episodes", "ref_logprobs"]),
     ],
 )
+@pytest.mark.slow
 def test_plan_explain_on_a_cluster(capsys, name, words):
     rc, out, err = cli(capsys, "plan", f"graphs/{name}.py", *CLUSTER, "--cluster", "16xA100-80G")
     assert rc == 0, err
@@ -943,6 +944,7 @@ def predicted(capsys, source: str) -> tuple[dict[str, float], dict[str, int]]:
     return doc["layout"]["predicted"]["breakdown"], {n["node"]: n["rows"] for n in doc["nodes"]}
 
 
+@pytest.mark.slow
 def test_the_forecast_of_a_generate_node_follows_its_planned_rows(capsys, tmp_path):
     variant = tmp_path / "n8.py"
     variant.write_text(TWO_AGENT.replace('writes="hints", n=2)', 'writes="hints", n=8)'))

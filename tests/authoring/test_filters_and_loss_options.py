@@ -70,6 +70,7 @@ def test_a_filter_declares_how_it_keeps() -> None:
         g.filter("other", fn="threshold", reads="rewards responses", by_row="yes")
 
 
+@pytest.mark.slow
 def test_a_loss_takes_node_options(tmp_path: Path) -> None:
     # the sft loss scales its value by its option 'scale': set from the command line, it reaches the loss
     base = _run(tmp_path / "a", "graphs/rejection_sft.py", "steps=1", "nodes.select.min_reward=0.0")

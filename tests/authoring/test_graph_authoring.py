@@ -169,6 +169,7 @@ def test_environment_generation_needs_a_registered_environment_and_turns_need_on
 @pytest.mark.parametrize(
     "graph", [*(pytest.param(g, marks=pytest.mark.slow) for g in ("dapo", "safe_rlhf", "two_agent")), "tool_use"]
 )
+@pytest.mark.slow
 def test_shipped_graphs_plan_for_a_cluster_with_explain(graph):
     from flowrl.cli import main
 

@@ -193,6 +193,7 @@ def test_a_reward_model_fed_ids_beyond_its_vocabulary_names_the_cause(tmp_path, 
         rm.forward(seqs, "scores", 0)
 
 
+@pytest.mark.slow
 def test_a_ppo_run_with_a_reward_model_folder_of_its_own(tmp_path, capsys):
     actor_dir = lm_folder(tmp_path / "actor")
     rm_dir = classifier_folder(tmp_path / "rm", bpe_tokenizer())

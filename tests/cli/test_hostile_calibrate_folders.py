@@ -42,6 +42,7 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_calibrate_refuses_a_damaged_run_folder_naming_the_file(case, finished, tmp_path, capsys):
     change, needle = CASES[case]
     run = Path(shutil.copytree(finished, tmp_path / "grpo", symlinks=True))

@@ -75,6 +75,7 @@ def test_a_missing_config_is_still_said_to_be_missing(tmp_path, capsys):
         ("? [a, b]\n: 1\n", "unhashable key"),
     ],
 )
+@pytest.mark.slow
 def test_a_hostile_yaml_config_is_refused_naming_it(tmp_path, capsys, text, expected):
     path = tmp_path / "run.yaml"
     path.write_text(text)
@@ -94,6 +95,7 @@ def test_a_hostile_yaml_config_is_refused_naming_it(tmp_path, capsys, text, expe
         ("rollout.max_new_tokens=1000000000000", "'rollout.max_new_tokens' must be in"),
     ],
 )
+@pytest.mark.slow
 def test_a_hostile_set_value_is_refused_naming_the_key(capsys, value, expected):
     assert expected in refuses(capsys, "--set", value)
 

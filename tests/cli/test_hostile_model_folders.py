@@ -237,6 +237,7 @@ def test_a_model_folder_that_is_a_link_loop_is_refused(tmp_path, capsys):
     assert code == 2 and "Traceback" not in err and str(loop) in err, err
 
 
+@pytest.mark.slow
 def test_a_generation_config_transformers_calls_invalid_is_kept_and_checkpointed(broken, tmp_path, capsys):
     folder = broken(_json("generation_config.json", temperature=0.7, top_k=5))  # sampling flags, do_sample unset
     code, _, err = run_cli(

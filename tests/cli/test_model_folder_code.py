@@ -86,6 +86,7 @@ def test_a_per_model_folder_with_code_is_refused_naming_its_entry(chat_model, tm
     assert code == 2 and "--model actor=folder" in err and "config.json" in err and "--trust-remote-code" in err, err
 
 
+@pytest.mark.slow
 def test_the_refusal_never_asks_on_stdin_in_a_real_process(chat_model, tmp_path):
     folder = _folder(chat_model, tmp_path)
     done = _cli(tmp_path, "run", "grpo", "--model", str(folder), "--steps", "1", "--out", str(tmp_path), *SETS)

@@ -61,5 +61,6 @@ def test_a_block_marked_as_a_file_is_that_file():
 
 
 @pytest.mark.parametrize("block", params([b for b in RUNNABLE if not b.uses_ray]))
+@pytest.mark.slow
 def test_the_block_runs(block: Block, folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_block(block, folder, capsys)

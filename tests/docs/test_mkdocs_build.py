@@ -37,6 +37,7 @@ def _text(page: Path) -> str:
     return html.unescape(re.sub(r"<[^>]+>", " ", page.read_text()))
 
 
+@pytest.mark.slow
 def test_every_nav_page_is_built(site):
     import yaml
 

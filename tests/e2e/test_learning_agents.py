@@ -5,12 +5,9 @@ and an OpenEnv environment's rewards, returned by their agents through the run's
 from __future__ import annotations
 
 import pytest
-from helpers import ONE_LAYER, curve
+from helpers import ONE_LAYER, curve, needs
 
-pytestmark = pytest.mark.slow
-
-pytest.importorskip("verifiers.v1")
-pytest.importorskip("openenv.core")
+pytestmark = [pytest.mark.slow, needs("verifiers.v1", "openenv.core")]
 
 SMALL = (ONE_LAYER, "checkpoint=false", "rollout.prompts_per_step=4", "train.lr=4e-3")
 

@@ -55,6 +55,7 @@ def test_a_plain_openai_agent_with_a_second_try_teaches_the_copy_task(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["one_step_off", "async", "partial", "streaming"])
+@pytest.mark.slow
 def test_agent_episodes_run_under_every_rollout_mode(tmp_path, mode):
     overrides = (f"rollout.mode={mode}", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2")
     plan, result = run(tmp_path, 2, ONE_LAYER, *overrides)
@@ -64,6 +65,7 @@ def test_agent_episodes_run_under_every_rollout_mode(tmp_path, mode):
         assert m["episodes/turns"] >= 1 and m["episodes/requests"] >= 4
 
 
+@pytest.mark.slow
 def test_a_seeded_agent_run_repeats_exactly(tmp_path):
     """Requests are decoded once every running episode has sent its own, in the episodes' order: when
     requests arrive does not change what is sampled."""

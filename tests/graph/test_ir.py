@@ -204,6 +204,7 @@ def random_dags(draw: st.DrawFn) -> Graph:
 
 @settings(max_examples=60, deadline=None)
 @given(random_dags())
+@pytest.mark.slow
 def test_derived_structure_is_consistent(g: Graph) -> None:
     g.verify()
     dag = g.dag()

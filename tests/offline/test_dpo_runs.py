@@ -26,6 +26,7 @@ def test_the_dpo_plan_scores_the_pairs_with_the_reference_once_and_generates_not
     assert {n.node: n.rows for n in plan.nodes} == {"data": 16, "ref_logprobs": 16, "train_actor": 16}  # 8 pairs
 
 
+@pytest.mark.slow
 def test_a_cluster_forecast_of_dpo_places_the_reference_beside_the_actor_and_no_generation(tmp_path, capsys):
     from flowrl.cli import main
     from flowrl.contract.plan import load_plan
@@ -58,6 +59,7 @@ def test_dpo_on_the_built_in_task_raises_held_out_preference_accuracy(tmp_path):
     assert (tmp_path / "run" / "reward.png").is_file()
 
 
+@pytest.mark.slow
 def test_a_resumed_dpo_run_equals_the_uninterrupted_run(tmp_path):
     graph, plan = api.plan("graphs/dpo.py", overrides=[*SMALL, "save_every=2"], flags={"steps": 4}, emit=lambda s: None)
     whole, resumed = resumed_after_step_1(graph, plan, tmp_path)
@@ -71,6 +73,7 @@ def test_a_resumed_dpo_run_equals_the_uninterrupted_run(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 def test_dpo_trains_on_a_users_preference_file_with_renamed_columns_and_held_out_pairs(tmp_path):
     rows = [{"q": f"{s}>", "good": s, "bad": s[::-1] + "a"} for s in ("ab", "ba", "cab", "d", "dd", "abc", "c", "bd")]
     train, val = tmp_path / "train.jsonl", tmp_path / "val.jsonl"

@@ -49,6 +49,7 @@ def test_the_plugins_simpo_loss_is_registered_as_a_pair_loss(registry):
     assert stats["margin"] == pytest.approx(4.0) and stats["pref_accuracy"] == 1.0
 
 
+@pytest.mark.slow
 def test_the_plugins_simpo_graph_trains_the_tiny_model_toward_the_chosen_responses(registry, tmp_path):
     graph, plan = api.plan(
         "simpo", registry=registry, emit=lambda s: None, flags={"steps": 12},

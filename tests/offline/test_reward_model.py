@@ -125,6 +125,7 @@ def test_a_cluster_forecast_of_a_reward_model_plans_no_pipeline_stages_that_woul
     assert "splits model 'rm' into pipeline stages, but its loss reads rows in pairs" in err
 
 
+@pytest.mark.slow
 def test_a_reward_model_step_split_into_micro_batches_computes_the_one_micro_batch_loss(tmp_path):
     first = {}
     for split in ([], ["train.micro_batch_size=2"], ["train.max_tokens_per_micro_batch=40", "train.pack=true"]):
@@ -176,6 +177,7 @@ def trained_rm(tmp_path_factory):
     return result, plan
 
 
+@pytest.mark.slow
 def test_the_checkpoint_is_an_hf_classifier_that_scores_as_the_trained_model(trained_rm):
     from safetensors import safe_open
 
@@ -236,6 +238,7 @@ def test_ppo_with_the_trained_reward_model_scores_with_its_folder(trained_rm, tm
     assert [r["reward"] for r in rows] == pytest.approx(scores, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_a_resumed_reward_model_run_equals_the_uninterrupted_run(tmp_path):
     graph, plan = rm_plan(["save_every=2", "rollout.prompts_per_step=4"], 4)
     whole, resumed = resumed_after_step_1(graph, plan, tmp_path)

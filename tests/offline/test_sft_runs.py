@@ -42,6 +42,7 @@ def test_a_cluster_forecast_of_sft_plans_the_train_stage_only(tmp_path, capsys):
     assert all(e.required_bytes <= e.capacity_bytes for e in plan.memory)
 
 
+@pytest.mark.slow
 def test_sft_on_the_built_in_task_lowers_the_held_out_loss(tmp_path):
     graph, plan = api.plan(
         "graphs/sft.py", overrides=[*SMALL, "eval.every=10", "checkpoint=false"], flags={"steps": 30},
@@ -55,6 +56,7 @@ def test_sft_on_the_built_in_task_lowers_the_held_out_loss(tmp_path):
     assert all("tokens" in r and r["tokens"] == 0 for r in rows if "kind" not in r)  # nothing generated
 
 
+@pytest.mark.slow
 def test_a_resumed_sft_run_equals_the_uninterrupted_run(tmp_path):
     graph, plan = api.plan("graphs/sft.py", overrides=[*SMALL, "save_every=2"], flags={"steps": 4}, emit=lambda s: None)
     whole, resumed = resumed_after_step_1(graph, plan, tmp_path)
@@ -85,6 +87,7 @@ def test_sft_trains_on_a_users_file_with_renamed_columns_and_a_held_out_file(tmp
     assert result.metrics[0]["data/rows"] == 8 and result.metrics[0]["train_actor/nll"] > 0
 
 
+@pytest.mark.slow
 def test_packed_sft_computes_the_same_first_loss_as_padded_sft(tmp_path):
     first = {}
     for pack in ("false", "true"):

@@ -398,6 +398,7 @@ def test_explain_and_timeline_without_cluster_describe_this_machines_one_layout(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and json.loads(png.with_suffix(".json").read_text())["spans"]
 
 
+@pytest.mark.slow
 def test_timeline_spans_from_the_api_results_match_the_cli_json(tmp_path, capsys):
     """The JSON the CLI writes is timeline_json of the tuner's winning simulation."""
     results = PassResults()

@@ -22,6 +22,7 @@ def test_required_placement_rollout_and_parallel_layout_hold_in_the_plan(tmp_pat
     assert layout.layout("actor").parallel.tp == 2 and layout.generation.tp == 2
 
 
+@pytest.mark.slow
 def test_explain_shows_the_constrained_plan_beside_the_unconstrained_winner(capsys):
     assert main(["plan", "grpo", *CLUSTER, "--require", "placement=colocate", "--explain"]) == 0
     text = capsys.readouterr().out
@@ -53,6 +54,7 @@ def test_require_needs_a_cluster(capsys):
     assert "add --cluster" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_required_pipeline_schedule_holds_in_the_plan_and_explain_prices_it(tmp_path, capsys):
     out = tmp_path / "plan.yaml"
     require = [

@@ -65,6 +65,7 @@ def test_a_plan_for_padded_rows_costs_training_and_scoring_at_the_padded_length_
     assert activations(padded) > 2 * activations(real)
 
 
+@pytest.mark.slow
 def test_generation_holds_its_kv_cache_at_the_real_lengths_not_the_padded_rows(tmp_path):
     # static batches of 256 sequences: a KV cache at 1536 tokens a row would hold ~2.5x the real rows' 612
     def gen_bytes(name: str, padded: int | None) -> int:

@@ -18,6 +18,7 @@ TARGET = ClusterTarget(cluster=parse_cluster("4xH100-80G"), model=MODEL_PRESETS[
 
 
 @pytest.mark.parametrize("objective", ["throughput", "time-to-target"])
+@pytest.mark.slow
 def test_each_ranked_plan_is_its_candidates_plan_and_the_first_is_the_planners(objective):
     options = {"objective": objective, "target_steps": 50}
     results = PassResults()

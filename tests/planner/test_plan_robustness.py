@@ -56,6 +56,7 @@ hardware:
         "seed-negative",
     ],
 )
+@pytest.mark.slow
 def test_bad_planner_inputs_are_errors_not_tracebacks(tmp_path, capsys, files, args, message):
     for name, text in files.items():
         (tmp_path / name).write_text(text)

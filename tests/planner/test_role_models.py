@@ -46,6 +46,7 @@ def test_bad_per_role_entries_name_the_entry(text, message):
         load_model_specs(text)
 
 
+@pytest.mark.slow
 def test_the_plan_gives_each_role_its_own_shape_memory_and_time(tmp_path, capsys):
     same = tmp_path / "same.yaml"
     mixed = tmp_path / "mixed.yaml"
@@ -75,12 +76,14 @@ def test_the_plan_gives_each_role_its_own_shape_memory_and_time(tmp_path, capsys
     assert held(b) < 0.5 * held(a)
 
 
+@pytest.mark.slow
 def test_explain_lists_every_models_shape(capsys):
     assert main([*PLAN, "--model", "actor=llama-34b,reward=llama-7b", "--explain"]) == 0
     out = capsys.readouterr().out
     assert "models: actor=llama-34b (33.7B)" in out and "rm=llama-7b (6.7B)" in out and "critic=llama-7b" in out
 
 
+@pytest.mark.slow
 def test_a_per_role_model_file(tmp_path):
     spec = MODEL_PRESETS["llama-7b"]
     models = tmp_path / "models.yaml"

@@ -57,6 +57,7 @@ def tune(kind: str, efficiency: SampleEfficiency = PRIOR, steps: int = 100):
 # ------------------------------------------------------------------ the objective
 
 
+@pytest.mark.slow
 def test_stale_samples_that_cost_iterations_flip_the_choice_to_an_on_policy_plan():
     fast = tune("throughput", STALE_COSTS)
     soon = tune("time-to-target", STALE_COSTS)
@@ -72,6 +73,7 @@ def test_stale_samples_that_cost_iterations_flip_the_choice_to_an_on_policy_plan
     assert times[0] < ttt.time_to_target(fast.best, fast.ranked[0].result.iteration_s)
 
 
+@pytest.mark.slow
 def test_the_published_prior_alone_keeps_a_clear_per_step_win():
     fast, soon = tune("throughput"), tune("time-to-target")
     assert soon.best.rollout == fast.best.rollout and features(fast.best.rollout) != (0.0, 0.0, 0.0)
@@ -245,6 +247,7 @@ def workload(tmp_path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_explain_prints_samples_per_second_beside_time_to_target_and_why(home, workload, capsys):
     plan = ["plan", "grpo", "--cluster", "8xH100-80G", "--model", "qwen2.5-0.5b", "--workload", str(workload)]
     plan += ["--budget", "2", "--explain"]
@@ -278,6 +281,7 @@ def test_a_bad_objective_on_the_command_line_is_a_user_error(home, capsys):
     assert rc == 2 and "--target-steps is 0" in err
 
 
+@pytest.mark.slow
 def test_calibrate_fits_sample_efficiency_from_two_real_runs(home, tmp_path, capsys):
     runs = {}
     for name, mode in (("sync", "sync"), ("off", "one_step_off")):

@@ -143,6 +143,7 @@ def write(path: Path, text: str) -> str:
 # ------------------------------------------------------------------ per-role models: what works
 
 
+@pytest.mark.slow
 def test_a_per_role_plan_records_each_shape_round_trips_and_has_a_stable_id(tmp_path, capsys, frozen):
     argv = [PPO_RM, *H100, "--model", "actor=llama-13b,reward=qwen2.5-0.5b"]
     argv += require("placement=colocate", "rollout.mode=sync")
@@ -193,6 +194,7 @@ def test_more_gpus_are_not_predicted_slower_when_the_whole_space_is_searched(tmp
     assert seconds(two) < 0.7 * seconds(one)
 
 
+@pytest.mark.slow
 def test_a_per_role_yaml_file_resolves_relative_paths_from_its_own_folder(tmp_path, capsys, monkeypatch):
     folder = tmp_path / "models"
     (folder / "rm").mkdir(parents=True)
@@ -410,6 +412,7 @@ def test_a_cluster_no_layout_divides_is_not_blamed_on_memory(capsys):
     assert "activations or the KV cache" not in err
 
 
+@pytest.mark.slow
 def test_per_role_models_may_name_each_policy_by_its_model_name(tmp_path, capsys, slow):
     p = plan_to(capsys, tmp_path / "plan.yaml", TWO_AGENT, *H100, "--model", "proposer=llama-7b,solver=qwen2.5-0.5b")
     assert shapes(p) == {"proposer": "llama-7b", "solver": "qwen2.5-0.5b"}
@@ -445,6 +448,7 @@ def test_a_key_required_twice_is_refused(capsys):
     assert "actor.tp" in fails(capsys, "grpo", *H100, "--model", "llama-7b", *require("actor.tp=2", "actor.tp=4"))
 
 
+@pytest.mark.slow
 def test_the_unconstrained_winner_is_never_slower_than_the_constrained_plan(capsys, slow):
     argv = [PPO_RM, "--cluster", "3x8xH100-80G", "--budget", "1", "--model", "actor=llama-34b,reward=llama-7b"]
     argv += require("placement=disaggregated", "rollout.mode=one_step_off", "generation.tp=8", "sync=sparse")

@@ -177,9 +177,14 @@ def solved(space: str) -> tuple[Tuner, TuneResult, Optimum]:
     return t, unbounded(t), brute_force(t, raw=space in SPACES)
 
 
-# the brute force over raw layouts of these spaces takes a minute, ten seconds and seconds on 2 cores;
-# the quick lane (-m "not slow") solves the other memory-bound space and the PPO ones
-BIG = {"grpo-qwen0.5b-2xA100-80G", "ppo_rm-tiny-4xA100-80G", "grpo-tiny-4x2GiB-memory-bound"}
+# the brute force over raw layouts of these spaces takes a minute, ten seconds and seconds on 2 cores (and the
+# 340-plan PPO space's about ten); the quick lane (-m "not slow") solves the other memory-bound spaces
+BIG = {
+    "grpo-qwen0.5b-2xA100-80G",
+    "ppo_rm-tiny-4xA100-80G",
+    "grpo-tiny-4x2GiB-memory-bound",
+    "ppo_rm-tiny-2x2GiB-340-fitting-plans",
+}
 
 
 def spaces(names: list[str]) -> list:
@@ -187,6 +192,7 @@ def spaces(names: list[str]) -> list:
 
 
 @pytest.mark.parametrize("space", spaces(list(SPACES)))
+@pytest.mark.slow
 def test_search_returns_the_simulators_optimum(space):
     t, result, best = solved(space)
     found = result.ranked[0].result.iteration_s
@@ -215,7 +221,7 @@ def test_the_greedy_path_finds_the_optimum_when_memory_does_not_bind(space):
     assert greedy.ranked[0].result.iteration_s == pytest.approx(best.raw, rel=0.01), greedy.best.summary()
 
 
-@pytest.mark.parametrize("space", list(MEMORY_BOUND_PPO_RM))
+@pytest.mark.parametrize("space", spaces(list(MEMORY_BOUND_PPO_RM)))
 def test_memory_bound_ppo_rm_spaces_are_solved_exactly(space):
     _, result, best = solved(space)
     found = result.ranked[0].result.iteration_s
@@ -314,6 +320,7 @@ TAIL = WorkloadSpec(
 )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_same_seed_same_plans_and_predictions():
     args = ("ppo_rm", MODEL_PRESETS["llama-7b"], "16xA100-80G", TAIL)
     a, b = (make_tuner(*args, seed=5).search(budget_s=2) for _ in range(2))
@@ -380,6 +387,7 @@ def test_search_stops_when_the_budget_is_spent(monkeypatch):
     assert result.considered <= 8, result.considered
 
 
+@pytest.mark.slow
 def test_the_greedy_path_stops_when_the_budget_is_spent(monkeypatch):
     """The non-exhaustive path honours the budget: one quick candidate, then the final ranking."""
     monkeypatch.setattr(autotune, "time", FakeClock(step=10.0))
@@ -665,6 +673,7 @@ INFEASIBLE_OK = {("llama-34b", 16), ("llama-70b", 16), ("llama-70b", 32)}  # may
         for d in (16, 32, 64, 128)
     ],
 )
+@pytest.mark.slow
 def test_ppo_with_a_reward_model_plans_for_llama_on_a100_80g(model, devices):
     cluster = parse_cluster(f"{devices}xA100-80G")
     target = ClusterTarget(cluster=cluster, model=MODEL_PRESETS[model], workload=WorkloadSpec())
@@ -680,6 +689,7 @@ def test_ppo_with_a_reward_model_plans_for_llama_on_a100_80g(model, devices):
     assert sum(g.devices for g in plan.layout.groups) == devices
 
 
+@pytest.mark.slow
 def test_an_engine_computing_in_float32_is_priced_at_the_fp32_peak():
     """The time model takes the precision the engine computes in: an A100's fp32 peak is 16x below its bf16."""
     model, cluster = MODEL_PRESETS["qwen2.5-0.5b"], "1x8xA100-80G"

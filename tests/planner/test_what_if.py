@@ -31,6 +31,7 @@ def seconds(cell: str) -> float:
     return float(cell.replace(",", ""))
 
 
+@pytest.mark.slow
 def test_twice_the_devices_lowers_or_keeps_the_predicted_time(capsys):
     code = main([*NAMED, "--what-if", "cluster.devices=16"])
     out, err = capsys.readouterr()
@@ -46,11 +47,13 @@ def test_twice_the_devices_lowers_or_keeps_the_predicted_time(capsys):
     assert out.strip().splitlines()[-1].startswith("changed: ")
 
 
+@pytest.mark.slow
 def test_a_factor_doubles_the_devices_as_a_count_does(capsys):
     assert main([*NAMED, "--what-if", "cluster.devices=2x"]) == 0
     assert table(capsys.readouterr().out)["cluster"][1] == "2x8xH100-80G"
 
 
+@pytest.mark.slow
 def test_an_async_what_if_changes_the_rollout_mode(capsys):
     code = main([*NAMED, "--set", "rollout.mode=sync", "--what-if", "rollout.mode=async"])
     out, err = capsys.readouterr()
@@ -60,6 +63,7 @@ def test_an_async_what_if_changes_the_rollout_mode(capsys):
     assert "rollout sync -> async" in out.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_a_staleness_bound_alone_plans_async_within_it_and_says_so(capsys):
     code = main([*NAMED, "--what-if", "rollout.staleness=2"])
     out, err = capsys.readouterr()
@@ -68,6 +72,7 @@ def test_a_staleness_bound_alone_plans_async_within_it_and_says_so(capsys):
     assert "note: rollout.staleness alone" in out
 
 
+@pytest.mark.slow
 def test_a_faster_interconnect_is_planned_on_the_changed_hardware(capsys):
     code = main([*NAMED, "--what-if", "cluster.devices=16", "--what-if", "hardware.inter_node_bandwidth=4x"])
     out, err = capsys.readouterr()
@@ -182,6 +187,7 @@ def test_config_items_become_set_overrides_and_target_items_do_not():
     ]
 
 
+@pytest.mark.slow
 def test_an_async_what_if_shows_the_time_to_target_beside_the_samples_per_second(capsys):
     """Async trains on stale samples: more steps to the target, each cheaper; both show, from the plans'
     recorded objective (steps x seconds per iteration)."""

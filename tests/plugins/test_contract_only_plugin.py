@@ -96,6 +96,7 @@ def test_the_plugins_engine_meets_the_protocol_and_samples_with_the_generator_it
     assert torch.equal(first.sequences.response_ids, sample(0).sequences.response_ids)
 
 
+@pytest.mark.slow
 def test_an_engine_without_a_temperature_keyword_is_named_when_evaluation_needs_one(tmp_path, capsys):
     """Evaluation at its own temperature passes ``temperature=``; an engine written before that keyword
     is refused by name with what to do, not a TypeError from inside the run."""

@@ -41,6 +41,7 @@ def test_one_seed_of_an_engine_gives_no_standard_error(bench):
     assert out["difference_se"] is None
 
 
+@pytest.mark.slow
 def test_load_summarises_the_runs_of_several_saved_files_together(bench, tmp_path, capsys):
     first, second = tmp_path / "a.json", tmp_path / "b.json"
     first.write_text(json.dumps([run("local", 0, 0.7), run("vllm", 0, 0.8)]))

@@ -8,6 +8,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from flowrl import api
 from flowrl.plugins.manager import load_plugins
 from flowrl.runtime.serial import run_serial
@@ -88,6 +90,7 @@ def test_a_graph_file_planned_before_a_graph_of_the_builtins_still_runs_its_own(
     assert api.run(*mine, registry=reg).metrics[0]["train_actor/which"] == 3.0
 
 
+@pytest.mark.slow
 def test_an_algorithm_by_name_after_a_file_shadowing_its_functions_gets_the_builtins(tmp_path):
     reg = load_plugins(entry_points=False)[1]
     own = _plan(_file(tmp_path, "own", OWN_GRPO), reg, tmp_path, "r1")

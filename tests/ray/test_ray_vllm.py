@@ -5,14 +5,14 @@ bucketed weight sync, learning the copy task. Skipped where vLLM is not installe
 from __future__ import annotations
 
 import pytest
+from helpers import needs
 
-pytest.importorskip("vllm")
 ray = pytest.importorskip("ray")
 
 from flowrl import api  # noqa: E402
 from flowrl.plugins.manager import registry  # noqa: E402
 
-pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow, needs("vllm")]
 
 HEADS = ["tiny_model.num_heads=2", "tiny_model.num_kv_heads=1"]  # head size 32: vLLM's CPU kernels
 # a one-layer model at twice the default learning rate: 30 steps climb as far as 40 of the default model

@@ -97,6 +97,7 @@ def test_a_thread_keeps_its_count_past_torchs_lazy_setting():
     assert counts == [2]
 
 
+@pytest.mark.slow
 def test_a_run_computes_on_the_compute_thread_and_leaves_the_callers_count(tmp_path, monkeypatch):
     from flowrl.backends.local import engine
 
@@ -134,6 +135,7 @@ def _threads_seen(tmp_path: Path, *sets: str) -> list[tuple[str, int, int]]:
     return seen
 
 
+@pytest.mark.slow
 def test_the_callers_thread_computes_serially_during_a_run(tmp_path):
     ((name, caller, compute),) = _threads_seen(tmp_path)
     assert name == threading.current_thread().name and caller == 1
@@ -145,6 +147,7 @@ def test_the_callers_thread_computes_serially_with_threads_configured(tmp_path):
     assert caller == 1
 
 
+@pytest.mark.slow
 def test_a_nested_run_leaves_the_outer_runs_compute_threads_alone(tmp_path):
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # the outer run's engines compute on two threads (tests default to one)
@@ -165,6 +168,7 @@ def test_a_nested_run_leaves_the_outer_runs_compute_threads_alone(tmp_path):
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 def test_a_run_after_a_failed_run_in_the_same_process_equals_a_fresh_one(tmp_path):
     """A run that fails mid-way (its caller raising while the next step's work is in flight) leaves the
     compute thread usable: the next run in the process gives the metrics the first run gave."""
@@ -203,6 +207,7 @@ class Stop(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_a_fused_run_stopped_by_ctrl_c_resumes_to_the_uninterrupted_run(tmp_path):
     """Ctrl-C (SIGINT to this process, handled by the run on the main thread while the engines compute
     on the compute thread) stops after the current step with a checkpoint; --resume then gives the

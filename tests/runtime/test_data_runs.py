@@ -205,6 +205,7 @@ def test_rollout_stop_strings_end_every_response_and_reach_the_plan(tmp_path):
     assert ended and all(min(r.find(c) for c in "b|" if c in r) == len(r) - 1 for r in ended)  # cut after it
 
 
+@pytest.mark.slow
 def test_a_resume_after_the_training_data_changed_is_refused(tmp_path, monkeypatch, capsys):
     rows = [{"prompt": f"{c}>", "answer": c} for c in "abcdab"]
     write_jsonl(tmp_path / "r.jsonl", rows)

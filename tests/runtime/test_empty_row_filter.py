@@ -9,6 +9,7 @@ import json
 import textwrap
 from pathlib import Path
 
+import pytest
 from helpers import SMALL_RUN
 
 from flowrl import api
@@ -70,6 +71,7 @@ def run_graph(tmp_path: Path, name: str, source: str, steps: int, *extra: str) -
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_forward_nodes_after_a_row_filter_that_kept_nothing_skip_like_the_train_node(tmp_path: Path) -> None:
     rows = run_graph(tmp_path, "row_grpo", NOTHING_KEPT, 1)
     assert rows[0]["train_actor/empty"] == 1

@@ -44,6 +44,7 @@ def test_majority_vote_counts_answers_the_exact_verifier_calls_equal():
     assert summarize(task, [row], 5, "source")["eval/maj@5"] == 1.0
 
 
+@pytest.mark.slow
 def test_greedy_only_evaluation_with_eval_samples_0(tmp_path):
     # K = 0: greedy accuracy alone, without K times the generation (refused only without greedy)
     from flowrl.errors import ConfigError

@@ -96,6 +96,7 @@ def test_a_plan_without_fusion_keeps_its_id_and_an_edited_fusion_is_refused(tmp_
         load_plan(path)
 
 
+@pytest.mark.slow
 def test_the_fused_step_equals_the_separate_forward_step(tmp_path):
     """Two steps of the same run with and without the fusion: the same samples, rewards and (up to
     float noise between a batch's forward and its micro-batches) the same updated weights."""
@@ -165,6 +166,7 @@ def fused_run(tmp_path_factory):
     return g, p, api.run(g, p.with_run_settings({"out": str(out)}))
 
 
+@pytest.mark.slow
 def test_a_fused_run_has_no_old_logprob_pass_but_trains_on_the_ratio_one(fused_run):
     _, _, result = fused_run
     for record in result.metrics:
@@ -179,6 +181,7 @@ def test_a_fused_run_still_reports_the_sampler_vs_trainer_logprob_gap(fused_run)
     assert all(isinstance(r.get("logprob_gap"), float) for r in result.metrics)
 
 
+@pytest.mark.slow
 def test_fused_equals_separate_forward_with_lora_packing_and_one_step_off(tmp_path):
     """One update per batch on LoRA adapters, packed micro-batches under a token budget, generation one
     step ahead: the fused step trains as the separate forward did (same samples, same weights)."""
@@ -199,6 +202,7 @@ def test_fused_equals_separate_forward_with_lora_packing_and_one_step_off(tmp_pa
 
 
 @pytest.mark.parametrize("mode", ["streaming", "partial+async"])
+@pytest.mark.slow
 def test_fused_equals_separate_forward_when_scoring_streams_or_rollouts_continue(tmp_path, mode):
     """Streaming starts scoring forward nodes on parts of the responses (the fused forward is one of
     them, with no task); partial rollouts continue responses across steps."""

@@ -69,6 +69,7 @@ STATE_CASES = {
 
 
 @pytest.mark.parametrize("case", list(STATE_CASES))
+@pytest.mark.slow
 def test_an_edited_state_json_is_refused_naming_the_file_and_field(case, run, capsys):
     change, field = STATE_CASES[case]
     edit_json(run / "checkpoints" / STEP / "state.json", change)
@@ -155,6 +156,7 @@ def test_an_edited_engine_json_is_refused_naming_it(text, run, capsys):
     assert code == 2 and "engine.json" in err, err
 
 
+@pytest.mark.slow
 def test_an_optimizer_state_of_another_model_is_refused_naming_it(run, capsys):
     edit_json(run / "checkpoints" / STEP / "models" / "actor" / "optimizer.json", lambda d: d["$dict"].clear())
     code, err = resume(capsys, run)
@@ -208,6 +210,7 @@ def test_a_bad_metrics_line_before_the_checkpoint_is_refused_naming_the_line_and
     assert path.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_a_half_written_line_after_the_checkpoint_is_dropped_and_the_run_goes_on(run, capsys):
     with (run / "metrics.jsonl").open("a") as fh:
         fh.write('{"step": 1, "rew')
@@ -252,6 +255,7 @@ def test_a_tracker_package_whose_import_fails_is_named_with_its_logger(raise_, t
     assert "--logger wandb" in text and "'wandb' package" in text and "\n" not in text
 
 
+@pytest.mark.slow
 def test_a_tracker_package_whose_import_fails_exits_2_from_the_cli(tmp_path):
     fake = tmp_path / "site" / "mlflow"
     fake.mkdir(parents=True)
@@ -296,6 +300,7 @@ def test_a_tracker_that_fails_mid_run_is_dropped_with_one_warning_and_the_others
     assert err.count("warning") == 1 and "failed at step 1" in err and "disk of the tracker is full" in err
 
 
+@pytest.mark.slow
 def test_a_tracker_failing_mid_run_loses_no_metrics_or_checkpoints(tmp_path, capsys, monkeypatch):
     real = trackers_mod.TensorBoard.log
 

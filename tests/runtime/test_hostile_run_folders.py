@@ -64,6 +64,7 @@ def _replace(path: Path, kind: str) -> None:
         (".cache", "file"),
     ],
 )
+@pytest.mark.slow
 def test_a_run_folder_entry_of_another_kind_is_refused_before_the_run_and_kept(name, kind, run, capsys):
     _replace(run / name, kind)
     metrics = (run / "metrics.jsonl").read_bytes()
@@ -132,6 +133,7 @@ RUN_PLAN_CASES = {
 
 
 @pytest.mark.parametrize("case", list(RUN_PLAN_CASES))
+@pytest.mark.slow
 def test_an_edited_plan_yaml_in_the_run_folder_is_refused_and_the_run_kept(case, run, capsys):
     change, expected = RUN_PLAN_CASES[case]
     change(run)
@@ -276,6 +278,7 @@ PLAN_FILE_CASES = {
 
 
 @pytest.mark.parametrize("case", list(PLAN_FILE_CASES))
+@pytest.mark.slow
 def test_a_hostile_plan_file_is_refused_naming_what_is_wrong(case, planned, tmp_path, capsys):
     text, expected = PLAN_FILE_CASES[case]
     path = tmp_path / "plan.yaml"

@@ -89,6 +89,7 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_a_lost_worker_restarts_from_the_last_checkpoint_and_the_run_equals_an_uninterrupted_one(reference, tmp_path):
     result, out, lines = _run(tmp_path, "lost", [3])
     who = f"worker rank 0 (pid {os.getpid()})"
@@ -103,6 +104,7 @@ def test_a_lost_worker_restarts_from_the_last_checkpoint_and_the_run_equals_an_u
     assert (out / "metrics.before-resume-1.jsonl").is_file()  # the dropped rows are kept beside it
 
 
+@pytest.mark.slow
 def test_a_worker_lost_before_the_first_checkpoint_restarts_at_step_0(reference, tmp_path):
     result, out, lines = _run(tmp_path, "early", [1])
     assert "from step 0 (no checkpoint yet)" in lines[0]
@@ -121,6 +123,7 @@ def test_the_summary_says_a_worker_lost_during_setup_so():
     assert restart_line({"step": 6, "restart": info}).endswith("lost in iteration 7; re-planned, continued at step 6")
 
 
+@pytest.mark.slow
 def test_two_losses_keep_both_restartmetrics_rows(reference, tmp_path):
     result, out, lines = _run(tmp_path, "twice", [3, 5])
     assert len(result.restarts) == 2 and "restart 2/3 from the checkpoint after step 3" in lines[1]
@@ -185,6 +188,7 @@ def test_replanning_a_plan_for_cpu_nodes_keeps_their_shape_so_the_nodes_left_can
     assert assign(new, new.target.cluster.devices, left, private=False) == left  # one rank on each node left
 
 
+@pytest.mark.slow
 def test_the_recovery_flags_are_run_settings_recorded_in_the_plan(tmp_path, capsys):
     from flowrl.contract.plan import load_plan
 

@@ -71,6 +71,7 @@ def test_a_resumed_run_equals_the_uninterrupted_run_bit_for_bit(tmp_path, algo, 
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_is_safetensors_and_json_and_the_newest_k_are_kept(tmp_path):
     graph, plan = api.plan(
         "ppo", overrides=[*SMALL, "save_every=1", "keep_checkpoints=2"], flags={"steps": 4}, emit=lambda s: None

@@ -36,6 +36,7 @@ def _steps(path: Path) -> list[int]:
 
 
 @pytest.mark.parametrize("name", ["metrics.jsonl", "samples.jsonl"])
+@pytest.mark.slow
 def test_a_run_without_checkpoints_that_starts_over_keeps_the_earlier_file(name, run, capsys):
     before = (run / name).read_text()
     assert before
@@ -50,6 +51,7 @@ def test_a_run_without_checkpoints_that_starts_over_keeps_the_earlier_file(name,
         assert _steps(run / name) == [0]
 
 
+@pytest.mark.slow
 def test_a_kept_file_is_never_overwritten_by_a_later_one(run, capsys):
     mine = run / "metrics.before-resume-1.jsonl"
     mine.write_text("my own notes\n")

@@ -129,6 +129,7 @@ def test_pooled_calls_score_what_one_call_in_the_driver_scores():
     assert metrics == {"calls": 1.0, "errors": 0, "timeouts": 0}  # the calls' metrics averaged
 
 
+@pytest.mark.slow
 def test_a_hung_call_times_out_scores_zero_and_its_worker_is_replaced():
     runner = RewardRunner(workers=2, rows_per_call=1, timeout_s=1.0, on_error="zero")
     try:
@@ -163,6 +164,7 @@ def test_a_wrong_number_of_scores_from_a_call_is_an_error_of_that_call():
     assert scores == [0.0, 0.0] and metrics["errors"] == 2
 
 
+@pytest.mark.slow
 def test_async_rewards_are_awaited_within_the_concurrency_limit_and_time_out():
     async_length.live = async_length.most = 0
     texts = [f"{'y' * i}" for i in range(1, 9)]
@@ -248,6 +250,7 @@ def test_non_numeric_score_from_a_worker_gets_on_error():
     assert scores == [0.0, 1.0] and metrics["errors"] == 1
 
 
+@pytest.mark.slow
 def test_the_pool_still_scores_after_a_call_raised_in_the_driver():
     code = textwrap.dedent(
         f"""
@@ -300,6 +303,7 @@ def test_numpy_and_tensor_scalar_metrics_survive_the_pool():
     assert metrics.get("np32") == pytest.approx(0.25) and metrics.get("t0") == pytest.approx(0.5)
 
 
+@pytest.mark.slow
 def test_ctrl_c_reaching_a_worker_does_not_fail_its_reward_call():
     runner = RewardRunner(workers=1, on_error="zero")
     try:
@@ -319,6 +323,7 @@ def test_ctrl_c_reaching_a_worker_does_not_fail_its_reward_call():
         runner.close()
 
 
+@pytest.mark.slow
 def test_a_second_reward_function_does_not_kill_a_batch_in_flight():
     runner = RewardRunner(workers=1, on_error="zero")
     out = {}
@@ -365,6 +370,7 @@ def build(cfg):
 """
 
 
+@pytest.mark.slow
 def test_a_graph_files_own_reward_runs_in_the_pools_workers_and_scores_as_in_the_driver(tmp_path):
     from flowrl import api
 

@@ -251,6 +251,7 @@ SLOW = pytest.mark.slow
     "mode",
     ["one_step_off", *(pytest.param(m, marks=SLOW) for m in ("async", "partial", "partial+async", "streaming"))],
 )
+@pytest.mark.slow
 def test_every_mode_runs_locally_within_its_bound(tmp_path, mode):
     plan, executor, result = run(tmp_path, mode, steps=4)
     eta = plan.layout.rollout.staleness

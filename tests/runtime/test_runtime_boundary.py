@@ -137,6 +137,7 @@ def run_fake(source: str, reg: Registry, tmp_path: Path, *extra: str, steps: int
 
 
 @pytest.mark.parametrize("mini_batches", [2, 1])
+@pytest.mark.slow
 def test_a_plugin_engine_declaring_no_own_outputs_runs_one_or_two_updates_per_batch(tmp_path, mini_batches):
     """An engine written to the TrainingEngine protocol fills no `TrainStep.own`: the planner fuses no
     old-log-prob pass into it (`EngineCapabilities.own_outputs`), even at one update per batch."""
@@ -541,6 +542,7 @@ def test_too_many_mini_batches_in_a_node_option_points_at_the_option():
 
 
 @pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.slow
 def test_every_shipped_graph_reports_headline_and_node_metrics(tmp_path, name):
     reg = fake_registry()
     result = run_fake(name, reg, tmp_path)

@@ -54,6 +54,7 @@ def _same_run(graph: str, tmp_path: Path, *sets: str) -> list[dict]:
     return serial.metrics
 
 
+@pytest.mark.slow
 def test_grpo_serially_equals_the_runtime(tmp_path):
     metrics = _same_run(
         "grpo", tmp_path, "steps=3", "rollout.samples_per_prompt=4", "train.mini_batches=2", "algo.kl_coef=0.05"
@@ -62,6 +63,7 @@ def test_grpo_serially_equals_the_runtime(tmp_path):
     assert any(m["train_actor/grad_norm"] > 0 for m in metrics)  # the weights moved
 
 
+@pytest.mark.slow
 def test_ppo_with_a_critic_serially_equals_the_runtime(tmp_path):
     metrics = _same_run("ppo", tmp_path, "steps=2", "rollout.samples_per_prompt=2", "train.epochs=2")
     assert {"values/empty", "gae/empty"}.isdisjoint(metrics[0])

@@ -78,6 +78,7 @@ def test_files_swapped_between_two_checkpoints_are_refused_naming_the_file(what,
 
 
 @pytest.mark.parametrize("what", list(SWAPS))
+@pytest.mark.slow
 def test_a_file_copied_in_from_the_older_checkpoint_falls_back_to_it(what, run, capsys):
     rel, named = SWAPS[what]
     dst = _ckpt(run, NEW) / rel

@@ -100,6 +100,7 @@ def test_tool_calls_are_parsed_from_the_hermes_blocks_and_bad_ones_counted():
     assert tools.parse_tool_calls("no call at all") == ((), 0)
 
 
+@pytest.mark.slow
 def test_tool_results_render_as_the_template_writes_them(tool_model):
     import transformers
 
@@ -153,6 +154,7 @@ def test_episode_text_carries_its_turns_to_reward_functions_and_pool_workers():
 
 
 @pytest.mark.parametrize("mode", ["sync", "partial+async", "streaming"])
+@pytest.mark.slow
 def test_a_tool_calling_episode_runs_in_every_rollout_mode(tool_model, tmp_path, mode):
     plan, result = run(tool_model, tmp_path, f"rollout.mode={mode}")
     policy = plan.layout.rollout
@@ -169,6 +171,7 @@ def test_a_tool_calling_episode_runs_in_every_rollout_mode(tool_model, tmp_path,
     assert all(r["episodes/turns"] > 1 for r in m)
 
 
+@pytest.mark.slow
 def test_the_budgets_of_turns_and_environment_text_are_kept_apart(tool_model, tmp_path):
     # a turn budget too small for the whole call: the call is cut, nothing parses, the episode ends
     _, result = run(tool_model, tmp_path, turn=8, out="short")

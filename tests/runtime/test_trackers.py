@@ -180,6 +180,7 @@ EVAL_KEY = {"tensorboard": "eval/mean@4", "wandb": "eval/mean@4", "mlflow": "eva
 
 
 @pytest.mark.parametrize("name", list(READERS))
+@pytest.mark.slow
 def test_logged_then_resumed_reads_back_every_step_once(name, tmp_path):
     """Steps 0-2, the run closed, reopened with resume=True, steps 3-4: the library's own reader finds
     one run with steps 0..4 once each and every numeric metric's value."""

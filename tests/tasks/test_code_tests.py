@@ -123,6 +123,7 @@ def test_stdin_stdout_tests_compare_what_the_program_prints():
     assert judge("def broken(:", tests, LIMITS).passed == (False,) * 3
 
 
+@pytest.mark.slow
 def test_a_slow_test_fails_alone_and_the_ones_before_it_keep_their_verdict():
     tests = parse_tests(["assert f(1) == 1", "assert f(2) == 2", "assert f(0) == 0"], where="p")
     verdict = judge("def f(x):\n    while x == 0:\n        pass\n    return x", tests, Limits(wall_s=2, cpu_s=1))
@@ -223,6 +224,7 @@ def _finishes(fn, seconds: float = 60.0):
         ("f = lambda x: '9' * 100", "assert int(f(1)) > 0 and int(f(1), 16) > 0", True),
     ],
 )
+@pytest.mark.slow
 def test_what_the_sandbox_returns_cannot_make_the_judge_hang_or_build_something_huge(code, test, passes):
     tests = parse_tests([test], where="p")
     assert _finishes(lambda: judge(code, tests, LIMITS)).passed == (passes,)
@@ -468,6 +470,7 @@ def test_a_value_the_code_defines_is_read_and_judged_here():
         parse_assert("assert __builtins__", where="p")
 
 
+@pytest.mark.slow
 def test_a_constant_test_passes_only_where_the_code_loads():
     tests = parse_tests(["assert True", "assert 1 + 1 == 3"], where="p")
     assert judge("x = 1", tests, LIMITS).passed == (True, False)

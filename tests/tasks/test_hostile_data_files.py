@@ -453,6 +453,7 @@ def test_the_bounded_render_writes_what_transformers_writes(chat_model):
 
 
 @pytest.mark.parametrize("template", [LOOP, "{{ 'x' * 10**10 }}{{ messages }}"], ids=["loop", "huge"])
+@pytest.mark.slow
 def test_tool_renders_have_the_same_limits(chat_model, quick_renders, template):
     from transformers import AutoTokenizer
 
@@ -531,6 +532,7 @@ def test_the_tokenizer_is_read_from_the_folder_only(chat_model, monkeypatch):
     assert seen == {"trust_remote_code": False, "local_files_only": True}
 
 
+@pytest.mark.slow
 def test_a_folder_with_its_own_code_never_asks_on_the_terminal(tmp_path, chat_model):
     folder = _with_auto_map(chat_model, tmp_path, "tokenizer_config.json")
     train = write_jsonl(tmp_path / "r.jsonl", ROWS)

@@ -9,7 +9,7 @@ import sys
 from statistics import mean
 
 import pytest
-from helpers import ONE_LAYER, SMALL_RUN
+from helpers import ONE_LAYER, SMALL_RUN, needs
 
 from flowrl import api
 from flowrl.contract.data import Prompt
@@ -18,7 +18,7 @@ from flowrl.specs import build_config
 from flowrl.tasks.builtin import task_for
 from flowrl.tasks.reasoning_gym_task import ReasoningGymTask
 
-pytest.importorskip("reasoning_gym")
+pytestmark = needs("reasoning_gym")
 
 SUMS = {"dataset": "chain_sum", "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
 GRAPH = "graphs/reasoning_gym.py"

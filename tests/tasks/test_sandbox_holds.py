@@ -117,6 +117,7 @@ def as_user() -> dict:
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.slow
 def test_as_root_every_escape_is_contained_and_every_forgery_scores_zero(as_root, case):
     _check(as_root[case], case)
 
@@ -225,6 +226,7 @@ def test_the_seccomp_filter_refuses_what_it_lists_and_foreign_abis_and_allows_th
     assert {56, 435, 319, 29, 165, 101} <= refused or arch != 0xC000003E  # clone, clone3, memfd, shmget, mount
 
 
+@pytest.mark.slow
 def test_code_that_clears_its_death_signal_does_not_outlive_the_run():
     """bubblewrap's --die-with-parent is a setting the code can clear (prctl PR_SET_PDEATHSIG 0); killing
     bubblewrap alone then left the sandboxed process sleeping, reparented to init, after the run."""
@@ -268,6 +270,7 @@ def _own_cgroups() -> list[str]:
     return [c for c in sandbox.leftover_cgroups() if f"{sandbox.CGROUP_PREFIX}{os.getpid()}-" in c]
 
 
+@pytest.mark.slow
 def test_as_root_a_flood_of_empty_files_is_ended_by_the_runs_memory_cgroup_and_the_trainer_lives():
     """Empty files in the tmpfs /tmp hold kernel memory that neither RLIMIT_AS nor the tmpfs size counts.
     With CPU and time to spare (without the cgroup it makes its million files, ~1 GB, and returns), the
@@ -286,6 +289,7 @@ def test_as_root_a_flood_of_empty_files_is_ended_by_the_runs_memory_cgroup_and_t
     assert _own_cgroups() == []
 
 
+@pytest.mark.slow
 def test_runs_leave_no_cgroup_behind():
     """Each run's cgroup is removed after it, however the run ended (ok, error, timeout, killed)."""
     if sandbox.sandbox().cgroup is None:

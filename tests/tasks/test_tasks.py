@@ -46,6 +46,7 @@ def test_prompts_are_deterministic(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
 def test_budget_covers_answers_and_exact_scores_one(name: str) -> None:
     task = make_task(name)
     for prompt in task.prompts(random.Random(5), 8 if name == "expr" else 500):  # expr: three sandbox runs each
@@ -114,6 +115,7 @@ def test_char_score_hand_values() -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
 def test_random_policy_baseline_is_low(name: str) -> None:
     task = make_task(name)
     rng = random.Random(7)

@@ -17,7 +17,7 @@ import torch
 
 from flowrl.plugins.manager import set_registry
 
-pytest.importorskip("vllm")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm")
 
 ROOT = Path(__file__).resolve().parents[3]
 

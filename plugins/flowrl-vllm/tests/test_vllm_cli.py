@@ -17,6 +17,7 @@ refuses before it starts vLLM run the CLI in the test's process."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import subprocess
@@ -26,9 +27,10 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("vllm")
-
-pytestmark = pytest.mark.slow  # whole runs in subprocesses, each starting a vLLM engine
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
+]  # whole runs in subprocesses, each starting a vLLM engine
 
 ROOT = Path(__file__).resolve().parents[3]
 GRPO = str(ROOT / "graphs" / "grpo.py")

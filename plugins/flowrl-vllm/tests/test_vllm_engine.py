@@ -6,6 +6,7 @@ is not installed (see plugins/flowrl-vllm/README.md)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,9 +15,10 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("vllm")
-
-pytestmark = pytest.mark.slow  # vLLM engines start in seconds; `flowrl profile` calibrates for a minute
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
+]  # vLLM engines start in seconds; `flowrl profile` calibrates for a minute
 
 from flowrl_vllm.engine import VLLMEngine  # noqa: E402
 
