@@ -11,7 +11,7 @@ from helpers import needs
 
 from flowrl.errors import AgentError
 
-pytestmark = needs("verifiers.v1", "openenv.core")
+pytestmark = [pytest.mark.slow, needs("verifiers.v1", "openenv.core")]  # imports verifiers and OpenEnv: seconds
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "environments"
 REVERSE = str(EXAMPLES / "vf_reverse.py")

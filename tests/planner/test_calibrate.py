@@ -40,6 +40,8 @@ from flowrl.planner.workload import Fixed
 from flowrl.plugins.manager import registry
 from flowrl.runtime.trace import steady_window
 
+pytestmark = pytest.mark.slow  # a module fixture trains and calibrates real runs: seconds
+
 # fixed-length responses: the measured and the replayed runs see the same lengths
 RUNS = {
     "a": ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=8", "rollout.max_new_tokens=8"],

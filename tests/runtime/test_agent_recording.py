@@ -23,6 +23,8 @@ from flowrl.runtime.agents import AgentRollouts
 from flowrl.runtime.executor import PlanExecutor
 from flowrl.runtime.rollout import StepRollout
 
+pytestmark = pytest.mark.slow  # agent episodes over real runs: seconds each
+
 openai = pytest.importorskip("openai")
 
 MUL = {

@@ -37,6 +37,8 @@ from flowrl.graph import Graph
 from flowrl.runtime import checkpoint
 from flowrl.runtime.executor import run_dir
 
+pytestmark = pytest.mark.slow  # runs resumed from damaged or moved folders: seconds each
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--quiet", "--seed", "0", "--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=2"]
 TIMING = ("step_seconds", "tokens_per_s", "spans")
