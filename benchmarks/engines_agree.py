@@ -101,7 +101,8 @@ def agreement(
     standard error from each engine's own seed variance (Welch; None with fewer than two seeds of
     either): how far apart the engines are, and how sure that is."""
     (a, fa), (b, fb) = list(finals.items())[:2]
-    var = [statistics.variance(f) for f in (fa, fb) if len(f) > 1]
+    var_a, var_b = (statistics.variance(f) if len(f) > 1 else None for f in (fa, fb))
+    var = [v for v in (var_a, var_b) if v is not None]
     seed_sd = math.sqrt(statistics.fmean(var)) if var else 0.0
     run_sd = statistics.fmean(x for e in (a, b) for x in noise[e])
     spread = max(seed_sd, run_sd, min_spread)
@@ -109,8 +110,8 @@ def agreement(
     difference = statistics.fmean(fb) - statistics.fmean(fa)
     gap = abs(difference)
     se = None
-    if len(fa) > 1 and len(fb) > 1:
-        se = math.sqrt(statistics.variance(fa) / len(fa) + statistics.variance(fb) / len(fb))
+    if var_a is not None and var_b is not None:
+        se = math.sqrt(var_a / len(fa) + var_b / len(fb))
     return {
         "difference": round(difference, 4) + 0.0,  # + 0.0: no -0.0 for equal means
         "difference_se": None if se is None else round(se, 4),

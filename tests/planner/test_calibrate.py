@@ -72,7 +72,6 @@ def home(tmp_path, monkeypatch) -> Path:
     return tmp_path / "home"
 
 
-@pytest.mark.slow
 def test_a_run_reads_back_as_its_steady_state(runs):
     m = read_run(runs["a"])
     assert {"rollout", "old_logprobs", "ref_logprobs", "train_actor"} <= set(m.tasks)
@@ -106,7 +105,6 @@ def test_two_runs_predict_a_third_better_than_the_nominal_machine(runs):
     assert abs(after / measured - 1) < abs(before / measured - 1)
 
 
-@pytest.mark.slow
 def test_calibrate_then_plan_uses_the_fit_and_says_so(runs, home, capsys):
     assert cli.main(["plan", "grpo", "--explain", *sum((["--set", s] for s in RUNS["a"]), [])]) == 0
     assert "UNCALIBRATED" in capsys.readouterr().out
@@ -128,7 +126,6 @@ def _err(capsys) -> str:
     return " ".join(capsys.readouterr().err.split())
 
 
-@pytest.mark.slow
 def test_calibrate_refuses_what_it_cannot_read(runs, home, tmp_path, capsys):
     assert cli.main(["calibrate", str(tmp_path / "nowhere")]) == 2
     assert "no such folder" in _err(capsys)
@@ -147,7 +144,6 @@ def test_calibrate_refuses_what_it_cannot_read(runs, home, tmp_path, capsys):
     assert "trace.json cannot be read" in _err(capsys)
 
 
-@pytest.mark.slow
 def test_a_graph_file_is_built_only_when_named(home, tmp_path, capsys):
     source = Path(__file__).parents[2] / "graphs" / "grpo.py"
     mine = tmp_path / "my_grpo.py"
@@ -338,7 +334,6 @@ def _with_hardware(plan, **fields):
 # ------------------------------------------------------------------ the user's path, end to end
 
 
-@pytest.mark.slow
 def test_calibrate_plan_run_and_resume_an_older_run(user_runs, home, tmp_path, capsys):
     import matplotlib.image
 
@@ -385,7 +380,6 @@ def test_calibrate_plan_run_and_resume_an_older_run(user_runs, home, tmp_path, c
     assert resumed.config.steps == 8 and resumed.target.cluster.hardware.calibration is None
 
 
-@pytest.mark.slow
 def test_cluster_local_picks_up_the_local_calibration(user_runs, fitted, home, capsys):
     """`flowrl calibrate` says "plans for 'local' now use it"; `--cluster local` is refused instead
     ("no hardware profile ... Run `flowrl profile` first") when no `flowrl profile` has run, although the
@@ -444,7 +438,6 @@ def _bad_metrics(folder: Path, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["not-an-object", "not-utf8", "nan-length"])
-@pytest.mark.slow
 def test_a_corrupted_metrics_file_is_a_user_error(user_runs, home, tmp_path, capsys, kind):
     """A metrics.jsonl line that is JSON but not an object, bytes that are not UTF-8, or a NaN response
     length: tracebacks (AttributeError, UnicodeDecodeError, 'cannot convert float NaN to integer')."""
@@ -528,7 +521,6 @@ def test_a_wrong_graph_file_is_named_in_the_error(user_runs, home, tmp_path, cap
 # ------------------------------------------------------------------ refitting, provenance, lookup
 
 
-@pytest.mark.slow
 def test_a_factor_an_earlier_fit_drove_to_almost_zero_is_fitted_again(user_runs, home, tmp_path):
     """A factor counts as measured when tripling it moves a residual; one an earlier fit left at 1e-13
     (the first fit here left decode_step_overhead at 7.7e-14) moves nothing when tripled, so a run planned
@@ -574,7 +566,6 @@ def test_a_cluster_file_keeps_its_own_hardware_beside_a_calibration(home, tmp_pa
     assert used.hardware.host_bandwidth == 1e9
 
 
-@pytest.mark.slow
 def test_two_policies_with_their_own_generators_and_syncs_are_fitted(home, tmp_path, capsys):
     """two_agent (generate nodes `propose` and `solve`, syncs `sync:train_proposer` / `sync:train_solver`):
     a trace made of the simulator's own spans under other factors is read with every task and fitted."""

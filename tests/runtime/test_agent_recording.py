@@ -170,7 +170,6 @@ def check_recorded(seqs, spy, log, tok):
     assert tok is not None
 
 
-@pytest.mark.slow
 def test_sync_agent_episodes_train_on_exactly_the_sampled_tokens(actor, tool_model):
     log: list = []
     agents, spy = rollouts(actor, tool_model, log), Spy(actor)

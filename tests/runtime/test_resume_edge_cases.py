@@ -219,7 +219,6 @@ def test_extending_a_finished_sync_run_equals_the_longer_run(tmp_path, capsys, r
     assert (folder / "reward.png").stat().st_size > 0
 
 
-@pytest.mark.slow
 def test_resuming_a_finished_run_runs_nothing_and_keeps_its_metrics(tmp_path, capsys, runs):
     folder = copy(runs["four"], tmp_path / "four")
     before = (folder / "metrics.jsonl").read_bytes()
@@ -341,7 +340,6 @@ def test_a_failure_after_a_checkpoint_keeps_the_folder_and_says_how_to_resume(tm
 # ------------------------------------------------------------------ bugs
 
 
-@pytest.mark.slow
 def test_ctrl_c_stops_a_run_without_checkpoints_too(tmp_path, capsys, monkeypatch):
     signal_at(monkeypatch, 1)
     rc, _, err = cli(capsys, "run", "grpo", "--steps", "6", "--set", "checkpoint=false", "--out", str(tmp_path), *SMALL)
@@ -367,7 +365,6 @@ def test_resume_with_fewer_steps_than_done_keeps_the_plan(tmp_path, capsys, runs
     assert steps_of(folder) == 4
 
 
-@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_does_not_advise_the_failing_command(tmp_path, capsys, runs):
     folder = copy(runs["four"], tmp_path / "four")
     model = folder / "checkpoints" / "step-000003" / "models" / "actor" / "model.safetensors"
