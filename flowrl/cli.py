@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
@@ -651,10 +652,8 @@ def _planned(
         raise ConfigError(
             "--workload plans for a cluster; add --cluster (e.g. --cluster 16xA100-80G --model llama-7b)."
         )
-    if not 0 < args.budget < float("inf"):
-        raise ConfigError(f"--budget is {args.budget}; give the search time in seconds (> 0), e.g. --budget 8.")
     options = {
-        "budget_s": args.budget,
+        "budget_s": _search_budget(args.budget),
         "seed": args.seed or 0,
         "cost_model": args.cost_model,
         **_pins(args),
@@ -685,6 +684,22 @@ def _planned(
         **kwargs,
     )
     return graph, plan, results, options
+
+
+def _search_budget(value: str | float) -> float:
+    """``--budget``: seconds (> 0), or ``all`` (no time limit: every candidate is simulated)."""
+    if isinstance(value, str) and value.strip().lower() == "all":
+        return math.inf
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise ConfigError(
+            f"--budget is {value}; give the search time in seconds (> 0), e.g. --budget 8, or --budget all to "
+            "simulate every candidate."
+        )
+    return seconds
 
 
 def _with_decode_batch(target: Any, value: str) -> Any:
@@ -1081,7 +1096,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan again with this change and print both plans side by side (repeatable): cluster.devices=16, "
         "hardware.inter_node_bandwidth=2x, workload.response_tail=2x, rollout.mode=async, or any --set key",
     )
-    p.add_argument("--budget", type=float, default=8.0, help="search time budget in seconds (default 8)")
+    p.add_argument(
+        "--budget",
+        default="8",
+        help="search time budget in seconds (default 8), or 'all': simulate every candidate, however long it "
+        "takes (the same plan on any machine)",
+    )
     p.add_argument("--cost-model", default="analytic", help="a registered cost model")
     p.add_argument("--force", action="store_true", help="replace --out / --timeline files that already exist")
     _pin_args(p)

@@ -111,6 +111,11 @@ def roles_of(graph: Graph) -> Roles:
     )
 
 
+def _generation_devices(sk: Skeleton) -> int:
+    """The size of the device group a skeleton generates on."""
+    return next(g.devices for g in sk.groups if g.name == sk.generation.group)
+
+
 def _pinned(
     sks: list[Skeleton], placement: str | None, weight_sync: str | None, rollout: RolloutPolicy | None = None
 ) -> list[Skeleton]:
@@ -499,6 +504,14 @@ class Tuner:
                 raise PlanError(
                     f"no plan for this graph on this cluster has generation tp {c.generation_tp} (required){why}; "
                     f"there are: {', '.join(map(str, have))}."
+                )
+        if c.generation_devices is not None:
+            have = sorted({_generation_devices(sk) for sk in sks})
+            sks = [sk for sk in sks if _generation_devices(sk) == c.generation_devices]
+            if not sks:
+                raise PlanError(
+                    f"no plan for this graph on this cluster generates on a group of {c.generation_devices} device(s) "
+                    f"(required: generation.devices); the groups generation may run on: {', '.join(map(str, have))}."
                 )
         conflict = rollout_conflict(self.graph, rollout) if rollout is not None else None
         if conflict:

@@ -8,6 +8,8 @@ Keys:
 - ``sync=reshard|full|bucketed|sparse`` (the weight-sync strategy)
 - ``rollout.mode=MODE`` (as ``--set rollout.mode``: sync, one_step_off, async, partial, ...)
 - ``generation.tp=N`` (tensor parallelism of each generation replica)
+- ``generation.devices=N`` (the size of the device group generation runs on: all of them colocated, the actor
+  group when split, the generation group when disaggregated)
 - ``MODEL.dp=N``, ``MODEL.tp=N``, ``MODEL.pp=N`` (one graph model's parallel layout)
 - ``MODEL.schedule=gpipe|1f1b|interleaved``, ``MODEL.virtual_stages=N`` (its pipeline schedule, pp > 1)
 """
@@ -31,13 +33,22 @@ class Constraints(Spec):
     weight_sync: str | None = None
     rollout_mode: str | None = None
     generation_tp: int | None = None
+    generation_devices: int | None = None
     parallel: dict[str, dict[str, int]] = {}  # model -> {"dp"|"tp"|"pp": size}
     # model -> {"schedule": gpipe|1f1b|interleaved, "virtual_stages": N} (pipeline stages, pp > 1)
     pipeline: dict[str, dict[str, str | int]] = {}
 
     def __bool__(self) -> bool:
         return any(
-            (self.placement, self.weight_sync, self.rollout_mode, self.generation_tp, self.parallel, self.pipeline)
+            (
+                self.placement,
+                self.weight_sync,
+                self.rollout_mode,
+                self.generation_tp,
+                self.generation_devices,
+                self.parallel,
+                self.pipeline,
+            )
         )
 
     def describe(self) -> str:
@@ -47,6 +58,7 @@ class Constraints(Spec):
         ]
         parts.append(f"rollout.mode={self.rollout_mode}" if self.rollout_mode else "")
         parts.append(f"generation.tp={self.generation_tp}" if self.generation_tp else "")
+        parts.append(f"generation.devices={self.generation_devices}" if self.generation_devices else "")
         parts += [f"{m}.{k}={v}" for m, dims in self.parallel.items() for k, v in dims.items()]
         parts += [f"{m}.{k}={v}" for m, dims in self.pipeline.items() for k, v in dims.items()]
         return " ".join(p for p in parts if p)
@@ -95,6 +107,8 @@ def parse_requirements(items: Iterable[str], models: Iterable[str]) -> Constrain
             out["rollout_mode"] = value
         elif key == "generation.tp":
             out["generation_tp"] = _count(key, value)
+        elif key == "generation.devices":
+            out["generation_devices"] = _count(key, value)
         elif "." in key and key.rsplit(".", 1)[1] in PARALLEL:
             model, dim = key.rsplit(".", 1)
             if model not in models:
@@ -116,6 +130,7 @@ def parse_requirements(items: Iterable[str], models: Iterable[str]) -> Constrain
         else:
             raise ConfigError(
                 f"--require {item}: unknown key '{key}'. Keys: placement, sync, rollout.mode, generation.tp, "
+                "generation.devices, "
                 f"MODEL.dp / MODEL.tp / MODEL.pp / MODEL.schedule / MODEL.virtual_stages (models: {', '.join(models)})."
             )
     return Constraints(**out)

@@ -653,6 +653,8 @@ CASES: list[Case] = [
         plan_cluster("8xA100-80G", "--budget", "-1"),
         "--budget",
     ),
+    C("flag-budget-word", plan_cluster("8xA100-80G", "--budget", "everything"), "--budget all"),
+    C("flag-budget-infinite", plan_cluster("8xA100-80G", "--budget", "inf"), "--budget is inf"),
     C("flag-model-preset-without-cluster", lambda t: ["plan", "grpo", "--model", "llama-7b"], "llama-7b"),
     C("flag-unknown-command", lambda t: ["nosuchcommand"], "nosuchcommand", usage=True),
     C("plan-out-unknown-suffix", lambda t: ["plan", "grpo", "--out", t.path("plan.txt")], "{tmp}/plan.txt"),

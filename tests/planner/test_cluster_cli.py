@@ -427,3 +427,15 @@ def test_timeline_spans_from_the_api_results_match_the_cli_json(tmp_path, capsys
     spans = json.loads(png.with_suffix(".json").read_text())["spans"]
     assert spans == timeline_json(results.place.tune.ranked[0].result)
     assert "timeline written to" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_budget_all_simulates_every_candidate_and_picks_what_an_ample_budget_picks(tmp_path, capsys):
+    """`--budget all`: no time limit, every candidate simulated (the same plan on a slow machine as on a fast
+    one); the explain line counts them, and an ample time budget picks the same plan."""
+    base = ["plan", "grpo", "--cluster", "4xA100-80G", "--model", "qwen2.5-0.5b", "--force"]
+    assert main([*base, "--budget", "all", "--explain", "--out", str(tmp_path / "all.yaml")]) == 0
+    searched = re.search(r"searched (\d+) feasible plans", capsys.readouterr().out)
+    assert searched and int(searched.group(1)) > 8
+    assert main([*base, "--budget", "100000", "--out", str(tmp_path / "ample.yaml")]) == 0
+    assert load_plan(tmp_path / "all.yaml").layout == load_plan(tmp_path / "ample.yaml").layout

@@ -22,6 +22,28 @@ def test_required_placement_rollout_and_parallel_layout_hold_in_the_plan(tmp_pat
     assert layout.layout("actor").parallel.tp == 2 and layout.generation.tp == 2
 
 
+@pytest.mark.parametrize(
+    ("graph", "placement", "devices"), [("grpo", "disaggregated", 8), ("ppo", "split", 8), ("grpo", "colocate", 16)]
+)
+def test_a_required_generation_group_size_holds_in_the_plan(tmp_path, graph, placement, devices):
+    """``generation.devices``: the group generation runs on has that many devices (the generation group when
+    disaggregated, the actor's group when split, every device colocated)."""
+    out = tmp_path / "plan.yaml"
+    require = ["--require", f"placement={placement}", "--require", f"generation.devices={devices}"]
+    assert main(["plan", graph, *CLUSTER, *require, "--out", str(out)]) == 0
+    layout = load_plan(out).layout
+    group = next(g for g in layout.groups if g.name == layout.generation.group)
+    assert layout.placement == placement and group.devices == devices
+    assert layout.generation.replicas * layout.generation.tp == devices
+
+
+def test_a_generation_group_size_no_plan_has_names_the_sizes_there_are(capsys):
+    require = ["--require", "placement=colocate", "--require", "generation.devices=8"]
+    assert main(["plan", "grpo", *CLUSTER, *require]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "generates on a group of 8 device(s)" in err and "may run on: 16" in err
+
+
 @pytest.mark.slow
 def test_explain_shows_the_constrained_plan_beside_the_unconstrained_winner(capsys):
     assert main(["plan", "grpo", *CLUSTER, "--require", "placement=colocate", "--explain"]) == 0
@@ -42,6 +64,8 @@ def test_explain_shows_the_constrained_plan_beside_the_unconstrained_winner(caps
         ("actor.schedule=zigzag", "one of gpipe, 1f1b, interleaved"),
         ("critic.schedule=gpipe", "the graph has no model 'critic'"),
         ("actor.virtual_stages=0", "give a whole number >= 1"),
+        ("generation.devices=3", "generates on a group of 3 device(s)"),
+        ("generation.devices=none", "give a whole number >= 1"),
     ],
 )
 def test_bad_requirements_are_named(capsys, require, message):

@@ -387,6 +387,27 @@ def test_search_stops_when_the_budget_is_spent(monkeypatch):
     assert result.considered <= 8, result.considered
 
 
+@pytest.mark.parametrize(
+    ("graph", "model", "cluster", "workload"),
+    [
+        ("grpo", TINY, "1xA100-80G", load(4)),
+        pytest.param("ppo_rm", MODEL_PRESETS["llama-7b"], "16xA100-80G", WorkloadSpec(), marks=pytest.mark.slow),
+    ],
+    ids=["exhaustive-space", "greedy-space"],
+)
+def test_an_unlimited_budget_simulates_every_candidate_however_slow_the_machine(
+    monkeypatch, graph, model, cluster, workload
+):
+    """``budget_s=inf`` (`flowrl plan --budget all`): every candidate is simulated on a machine where each
+    takes ten seconds, and the pick is the one a machine that never runs out of budget makes."""
+    monkeypatch.setattr(autotune, "time", FakeClock(step=10.0))
+    slow = make_tuner(graph, model, cluster, workload).search(budget_s=math.inf)
+    monkeypatch.setattr(autotune, "time", FakeClock(step=1e-9))
+    fast = make_tuner(graph, model, cluster, workload).search(budget_s=1e6)
+    assert slow.considered == fast.considered > 8
+    assert slow.best.summary() == fast.best.summary()
+
+
 @pytest.mark.slow
 def test_the_greedy_path_stops_when_the_budget_is_spent(monkeypatch):
     """The non-exhaustive path honours the budget: one quick candidate, then the final ranking."""
