@@ -170,11 +170,10 @@ def load_runs(paths: Sequence[str]) -> list[dict]:
             held = json.loads(Path(path).read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"--load {path}: cannot read it as a --save file ({exc})") from None
-        if not isinstance(held, list) or not all(
-            isinstance(r, dict) and {"engine", "seed", "steps", "reward"} <= r.keys() for r in held
-        ):
+        if not isinstance(held, list) or not all(_is_run(r) for r in held):
             raise ValueError(
-                f"--load {path}: not a --save file (a JSON list of runs, each with engine, seed, steps and reward)"
+                f"--load {path}: not a --save file (a JSON list of runs, each with an engine name, a whole-number "
+                "seed and steps, and a list of finite rewards)"
             )
         for r in held:
             key = (str(r["engine"]), int(r["seed"]))
@@ -190,6 +189,18 @@ def load_runs(paths: Sequence[str]) -> list[dict]:
             f"--load: the runs are of different lengths ({', '.join(map(str, steps))} steps): compare one length"
         )
     return runs
+
+
+def _is_run(r: object) -> bool:
+    """Whether ``r`` is one run as ``--save`` writes it: engine, whole-number seed and steps, finite rewards."""
+    if not isinstance(r, dict) or not {"engine", "seed", "steps", "reward"} <= r.keys():
+        return False
+    whole = all(isinstance(r[k], int) and not isinstance(r[k], bool) for k in ("seed", "steps"))
+    rewards = r["reward"]
+    finite = isinstance(rewards, list) and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in rewards
+    )
+    return isinstance(r["engine"], str) and whole and finite
 
 
 def complete(run: dict) -> bool:

@@ -133,3 +133,27 @@ def test_the_drawing_leaves_out_the_runs_the_summary_leaves_out(bench, tmp_path,
     assert out["incomplete"] == [{"engine": "vllm", "seed": 0, "steps_done": 30}]
     lines = {line.get_label(): len(line.get_xdata()) for line in drawn[0].axes[0].get_lines()}
     assert lines == {"local (mean of 2 seeds)": 60, "vllm (mean of 1 seeds)": 60}  # not cut short at step 30
+
+
+@pytest.mark.parametrize(
+    "field",
+    [{"seed": "zero"}, {"seed": 1.5}, {"steps": None}, {"engine": 3}, {"reward": "high"}],
+    ids=["seed-word", "seed-fraction", "steps-null", "engine-number", "reward-not-a-list"],
+)
+def test_load_of_a_hand_edited_run_with_a_bad_field_names_the_file_not_a_traceback(bench, tmp_path, capsys, field):
+    edited = save(tmp_path / "edited.json", [{**run("local", 0, 0.7), **field}, run("vllm", 0, 0.8)])
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--load", edited])
+    assert stop.value.code != 0
+    err = capsys.readouterr().err
+    assert edited in err and "not a --save file" in err
+
+
+def test_load_of_a_run_with_a_nan_reward_is_refused_not_averaged(bench, tmp_path, capsys):
+    bad = run("local", 0, 0.7)
+    bad["reward"][-1] = float("nan")  # json.dumps writes NaN; averaged, it would make every mean NaN
+    path = save(tmp_path / "nan.json", [bad, run("vllm", 0, 0.8)])
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--load", path])
+    assert stop.value.code != 0
+    assert "finite rewards" in capsys.readouterr().err
