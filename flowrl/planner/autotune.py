@@ -493,6 +493,9 @@ class Tuner:
             if all(p.heads % sk.generation.tp == 0 == p.intermediate % sk.generation.tp for p in policies)
         ]
         c = self.constraints
+        if self.roles.offline and (c.generation_tp is not None or c.generation_devices is not None):
+            key = "generation.tp" if c.generation_tp is not None else "generation.devices"
+            raise PlanError(f"--require {key}: this graph generates nothing (no node samples), so it has no {key}.")
         sks = _pinned(sks, placement or c.placement, weight_sync or c.weight_sync, rollout)
         if c.generation_tp is not None:
             have = sorted({sk.generation.tp for sk in sks})

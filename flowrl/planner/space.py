@@ -121,8 +121,8 @@ def skeletons(
     ) -> None:
         g = next(x for x in groups if x.name == gen_group)
         for tp in tp_options(heads, kv_heads, per_node, g.devices, intermediate):
-            if not tp_inside_nodes(g.first, g.devices, tp, per_node):  # a group across a node boundary
-                continue
+            if g.devices % tp or not tp_inside_nodes(g.first, g.devices, tp, per_node):
+                continue  # replicas that leave devices idle, or a group across a node boundary
             gen = GenerationLayout(group=gen_group, tp=tp, replicas=g.devices // tp)
             if roles.offline:  # nothing generates: no rollout policy or weight sync to choose
                 out.append(Skeleton(placement, groups, tuple(sorted(assignment.items())), gen, RolloutPolicy(),

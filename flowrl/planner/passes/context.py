@@ -45,10 +45,16 @@ def plan_options(given: PlanOptions | Mapping[str, Any] | None) -> PlanOptions:
     if isinstance(given.get("objective"), str):
         check_objective(given["objective"])
     try:
-        return msgspec.convert(dict(given), PlanOptions)
+        options = msgspec.convert(dict(given), PlanOptions)
     except msgspec.ValidationError as exc:
         known = ", ".join(PlanOptions.__struct_fields__)
         raise ConfigError(f"planner options: {exc} (options: {known}).") from None
+    if not options.budget_s > 0:  # NaN too; infinity: every candidate simulated
+        raise ConfigError(
+            f"planner options: budget_s is {options.budget_s}; give the search time in seconds (> 0), or "
+            "float('inf') to simulate every candidate."
+        )
+    return options
 
 
 @dataclass(frozen=True)
