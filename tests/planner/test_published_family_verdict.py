@@ -82,3 +82,24 @@ def test_a_failed_or_skipped_case_carries_its_family(published, tmp_path, monkey
     (tmp_path / "y.yaml").write_text("name: other-y\nfamily: fam\nworkload: {prompts_per_step: null}\n")
     assert published.run_case(tmp_path / "x.yaml", 1.0)["family"] == "sys"
     assert published.run_case(tmp_path / "y.yaml", 1.0)["family"] == "fam"
+
+
+def test_the_verdict_over_families_with_published_lengths_leaves_out_those_resting_on_an_assumed_mean(published):
+    out = published.summarise(
+        [
+            case("a1", "alpha", 0.10),
+            case("a2", "alpha", 0.50, ASSUMED),  # alpha has a published-length case: judged on all of its cases
+            case("b1", "beta", 0.60, ASSUMED),  # beta rests on an assumed mean only: left out of this verdict
+            case("g1", "gamma", 0.05),
+        ]
+    )
+    assert out["families_within_20pct"] is False and out["families_over_20pct"] == ["alpha", "beta"]
+    assert out["families_with_published_lengths"] == ["alpha", "gamma"]
+    assert out["families_with_published_lengths_within_20pct"] is False  # alpha's median 0.30
+    calm = published.summarise([case("b1", "beta", 0.60, ASSUMED), case("g1", "gamma", 0.05)])
+    assert calm["families_with_published_lengths"] == ["gamma"]
+    assert calm["families_with_published_lengths_within_20pct"] is True and calm["families_within_20pct"] is False
+    none = published.summarise([case("b1", "beta", 0.10, ASSUMED)])
+    assert (
+        none["families_with_published_lengths"] == [] and none["families_with_published_lengths_within_20pct"] is None
+    )
