@@ -101,7 +101,10 @@ def test_two_runs_predict_a_third_better_than_the_nominal_machine(runs):
     measured = held.measured.iteration_s
     before = held.measured.plan.layout.predicted.iteration_s
     after = held.predict(result.hardware).iteration_s
-    assert abs(after / measured - 1) < 0.3
+    # alone on this box: nominal 69% off, fitted 10% off; under `pytest -n 2` the other worker's load moves one
+    # run's measured step by a third against another's (fitted 37% off once, nominal ~63%): a loose bound, and
+    # the behaviour itself, closer than the nominal machine
+    assert abs(after / measured - 1) < 0.5
     assert abs(after / measured - 1) < abs(before / measured - 1)
 
 
