@@ -76,7 +76,8 @@ def _pin_args(p: argparse.ArgumentParser) -> None:
         action="append",
         metavar="KEY=VALUE",
         help="with --cluster: only plans that satisfy it (repeatable): placement=colocate, sync=full, "
-        "rollout.mode=sync, generation.tp=2, actor.tp=2 (MODEL.dp/tp/pp)",
+        "rollout.mode=sync, generation.tp=2, generation.devices=8 (the group that generates), actor.tp=2 "
+        "(MODEL.dp/tp/pp)",
     )
     p.add_argument(
         "--objective",
