@@ -176,14 +176,14 @@ def load_runs(paths: Sequence[str]) -> list[dict]:
                 "seed and steps, and a list of finite rewards)"
             )
         for r in held:
-            key = (str(r["engine"]), int(r["seed"]))
+            key = (r["engine"], r["seed"])  # a name and a whole number (_is_run)
             if key in where:
                 raise ValueError(f"--load: {key[0]} seed {key[1]} is in {where[key]} and in {path}; load each run once")
             where[key] = path
         runs += held
     if not runs:
         raise ValueError(f"--load {','.join(paths)}: no runs in the file(s)")
-    steps = sorted({int(r["steps"]) for r in runs})
+    steps = sorted({r["steps"] for r in runs})
     if len(steps) > 1:
         raise ValueError(
             f"--load: the runs are of different lengths ({', '.join(map(str, steps))} steps): compare one length"

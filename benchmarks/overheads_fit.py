@@ -51,7 +51,7 @@ def replay(path: Path, budget: float, tmp: Path, reg, families: list[str]) -> Re
     assumed: list[str] = []
     folder = tmp / path.stem
     folder.mkdir()
-    if _plan(required_argv(case, plan_argv(case, folder, budget, assumed)))[0] != 0:
+    if _plan(required_argv(case, [*plan_argv(case, folder, assumed), "--budget", str(budget)]))[0] != 0:
         return None
     plan = load_plan(folder / "plan.yaml")
     hw = with_values(plan.target.cluster.hardware, {f: 0.0 for f in FITTED})

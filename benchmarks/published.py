@@ -135,13 +135,13 @@ def _plan(argv: list[str]) -> tuple[int, str]:
     return code, " ".join(err.getvalue().split())[:300]
 
 
-def plan_argv(case: dict, tmp: Path, budget: str, assumed: list[str]) -> list[str]:
-    """`flowrl plan` arguments for ``case`` (its cluster, model and workload; no requirements), writing
-    the workload file into ``tmp`` and the plan to ``tmp/plan.yaml``."""
+def plan_argv(case: dict, tmp: Path, assumed: list[str]) -> list[str]:
+    """`flowrl plan` arguments for ``case`` (its cluster, model and workload; no requirements and no search
+    budget), writing the workload file into ``tmp`` and the plan to ``tmp/plan.yaml``."""
     workload = tmp / "w.yaml"
     workload.write_text(workload_yaml(case, assumed))
     argv = ["plan", graph_of(case), "--cluster", case["cluster"], "--model", case["model"]]
-    argv += ["--workload", str(workload), "--budget", budget, "--out", str(tmp / "plan.yaml"), "--force"]
+    argv += ["--workload", str(workload), "--out", str(tmp / "plan.yaml"), "--force"]
     argv += ["--set", f"generation.engine={case.get('generation_engine') or 'vllm'}"]  # a serving engine
     w = case["workload"]
     # the run's train steps as the workload has them: the memory pass sizes a step's micro-batches in flight from
@@ -186,15 +186,16 @@ def run_case(path: Path, budget: float) -> dict:
     assumed: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan.yaml"
+        argv = plan_argv(case, Path(tmp), assumed)
         # the published layout: every candidate that meets its requirements simulated (the same on any machine)
-        code, failure = _plan(required_argv(case, plan_argv(case, Path(tmp), "all", assumed)))
+        code, failure = _plan(required_argv(case, [*argv, "--budget", "all"]))
         if code != 0:
             return {"case": case["name"], "family": family_of(case), "failed": failure}
         planned = load_plan(out)
         layout, plan_target = planned.layout, planned.target
         predicted = layout.predicted
         free = None  # the planner's own pick for the same cluster, model and workload
-        if requirements(case) and _plan(plan_argv(case, Path(tmp), str(budget), []))[0] == 0:
+        if requirements(case) and _plan([*argv, "--budget", str(budget)])[0] == 0:
             free = load_plan(out).layout
     published = case["published"]
     phases = {}
